@@ -1,0 +1,87 @@
+//! Fixed window: a counter per key that resets at every multiple of the period.
+//!
+//! **Trade-off.** The cheapest to understand and to store (one counter and the window's
+//! end), and the `X-RateLimit-Reset` time is the same for everyone. Its weakness is the
+//! boundary: a caller can spend the whole limit at the end of one window and again at
+//! the start of the next, so up to **twice the limit** passes within one period. The
+//! sliding window algorithms exist to close that gap.
+//!
+//! Windows are aligned to multiples of the period on the clock that supplies `now`
+//! (the Unix epoch in Redis).
+
+use super::{Slot, SlotState};
+use crate::{Decision, Denial, Quota};
+
+/// Fixed window state for one key. `Default` is a fresh key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct State {
+    /// The end of the window `count` belongs to, in microseconds.
+    pub end: u64,
+    /// Units admitted in that window.
+    pub count: u64,
+}
+
+impl SlotState for State {
+    fn to_slot(self) -> Slot {
+        [self.end, self.count]
+    }
+    fn from_slot(slot: Slot) -> Self {
+        State {
+            end: slot[0],
+            count: slot[1],
+        }
+    }
+}
+
+/// Decides one request of `cost` units at `now` (microseconds).
+#[must_use]
+pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
+    let (limit, period) = (quota.limit(), quota.period_micros());
+    let end = now - now % period + period;
+    let count = if state.end == end { state.count } else { 0 };
+    let reset = |count: u64| if count > 0 { end - now } else { 0 };
+    let cost = u64::from(cost);
+    if cost > limit {
+        let d = Decision::refused(
+            Denial::CostExceedsCapacity,
+            limit,
+            limit.saturating_sub(count),
+            reset(count),
+        );
+        return (d, state);
+    }
+    if count + cost <= limit {
+        let count = count + cost;
+        let d = Decision::allow(limit, limit - count, reset(count), 0);
+        (d, State { end, count })
+    } else {
+        let d = Decision::limited(limit, limit.saturating_sub(count), end - now, end - now);
+        (d, state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::testing::run;
+
+    #[test]
+    fn the_window_boundary_admits_twice_the_limit_within_one_period() {
+        // The documented weakness: 10 per second, 10 at 0.999 s and 10 more at 1.000 s —
+        // twenty requests inside one millisecond.
+        let q = Quota::per_second(10).unwrap();
+        let ds = run(check, &q, &[(999_000, 10), (999_999, 1), (1_000_000, 10)]);
+        assert!(ds[0].is_allowed());
+        assert!(!ds[1].is_allowed());
+        assert_eq!(ds[1].retry_after_micros(), 1);
+        assert!(ds[2].is_allowed());
+    }
+
+    #[test]
+    fn reset_is_the_end_of_the_window() {
+        let q = Quota::per_minute(100).unwrap();
+        let ds = run(check, &q, &[(15_000_000, 1)]);
+        assert_eq!(ds[0].reset_after_micros(), 45_000_000);
+        assert_eq!(ds[0].remaining(), 99);
+    }
+}

@@ -1,0 +1,99 @@
+//! GCRA, the generic cell rate algorithm: one timestamp per key.
+//!
+//! **Trade-off.** Decides like a token bucket of capacity `burst` (a burst, then a
+//! steady rate) but stores a single integer per key, the *theoretical arrival time*
+//! (TAT): when the bucket would be full again. The spacing between units is
+//! `period / limit` rounded **up** to a whole microsecond, so when the limit does not
+//! divide the period evenly GCRA admits very slightly less than the quota (never more);
+//! the token bucket is the exact choice then.
+//!
+//! **Arithmetic.** With emission interval `T` and capacity `B`, a request of cost `c`
+//! at `now` moves the TAT to `max(tat, now) + c·T` and passes when that is no more than
+//! `B·T` ahead of `now`.
+
+use super::{Slot, SlotState};
+use crate::{Decision, Denial, Quota};
+
+/// GCRA state for one key: the theoretical arrival time in microseconds. `Default` is a
+/// fresh key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct State {
+    /// The theoretical arrival time.
+    pub tat: u64,
+}
+
+impl SlotState for State {
+    fn to_slot(self) -> Slot {
+        [self.tat, 0]
+    }
+    fn from_slot(slot: Slot) -> Self {
+        State { tat: slot[0] }
+    }
+}
+
+/// Decides one request of `cost` units at `now` (microseconds).
+#[must_use]
+pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
+    let t = quota.emission_micros();
+    let window = quota.burst() * t;
+    let start = state.tat.max(now);
+    let remaining = |ahead: u64| window.saturating_sub(ahead) / t;
+    let cost = u64::from(cost);
+    let ahead = start - now;
+    if cost > quota.burst() {
+        let d = Decision::refused(
+            Denial::CostExceedsCapacity,
+            quota.burst(),
+            remaining(ahead),
+            ahead,
+        );
+        return (d, state);
+    }
+    let tat = start + cost * t;
+    let ahead_after = tat - now;
+    if ahead_after <= window {
+        let d = Decision::allow(quota.burst(), remaining(ahead_after), ahead_after, 0);
+        (d, State { tat })
+    } else {
+        let d = Decision::limited(
+            quota.burst(),
+            remaining(ahead),
+            ahead,
+            ahead_after - window,
+        );
+        (d, state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::testing::run;
+
+    #[test]
+    fn a_burst_of_capacity_passes_then_one_per_emission_interval() {
+        let q = Quota::per_second(4).unwrap().with_burst(2).unwrap();
+        let ds = run(check, &q, &[(0, 1), (0, 1), (0, 1), (249_999, 1), (250_000, 1)]);
+        let allowed: Vec<bool> = ds.iter().map(Decision::is_allowed).collect();
+        assert_eq!(allowed, [true, true, false, false, true]);
+        assert_eq!(ds[2].retry_after_micros(), 250_000);
+        assert_eq!(ds[3].retry_after_micros(), 1);
+    }
+
+    #[test]
+    fn uneven_rates_round_the_interval_up_and_never_admit_faster() {
+        let q = Quota::per_second(3).unwrap().with_burst(1).unwrap();
+        let ds = run(check, &q, &[(0, 1), (333_333, 1), (333_334, 1)]);
+        assert!(!ds[1].is_allowed());
+        assert!(ds[2].is_allowed());
+    }
+
+    #[test]
+    fn cost_above_capacity_is_refused_without_a_retry_time() {
+        let q = Quota::per_second(10).unwrap();
+        let ds = run(check, &q, &[(0, 11)]);
+        assert_eq!(ds[0].denial(), Some(Denial::CostExceedsCapacity));
+        assert_eq!(ds[0].retry_after(), None);
+        assert_eq!(ds[0].remaining(), 10);
+    }
+}

@@ -1,0 +1,165 @@
+//! Sliding window counter: the current window's count plus a weighted share of the
+//! previous window's.
+//!
+//! **Trade-off.** Two counters per key, like a fixed window, but without its boundary
+//! burst: the previous window's count is weighted by how much of it the sliding period
+//! still covers (`prev × (period − elapsed) / period + current`). The estimate assumes
+//! the previous window's traffic was spread evenly, so it can decide differently from
+//! the exact log — see `BENCHMARKS.md` for the measured share of requests decided
+//! differently on a bursty trace.
+//!
+//! **Arithmetic.** The admission test `prev × (P − e) / P + cur + cost ≤ limit` is
+//! multiplied through by `P`, so it compares integers and never divides.
+
+use super::{Slot, SlotState};
+use crate::{Decision, Denial, Quota};
+
+/// Sliding window counter state for one key. `Default` is a fresh key.
+///
+/// The state stores when it stops mattering (`expires_at`) rather than the window's
+/// start; the start follows from it and the period: `expires_at − 2P` while `curr` is
+/// non-zero, `expires_at − P` when only `prev` is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct State {
+    /// When both counts have slid out of the period, in microseconds.
+    pub expires_at: u64,
+    /// Units admitted in the window before the current one.
+    pub prev: u32,
+    /// Units admitted in the current window.
+    pub curr: u32,
+}
+
+impl SlotState for State {
+    fn to_slot(self) -> Slot {
+        [self.expires_at, (u64::from(self.prev) << 32) | u64::from(self.curr)]
+    }
+    fn from_slot(slot: Slot) -> Self {
+        State {
+            expires_at: slot[0],
+            prev: (slot[1] >> 32) as u32,
+            curr: slot[1] as u32,
+        }
+    }
+}
+
+impl State {
+    /// The (prev, curr) counts as seen from the window starting at `start`.
+    fn counts_at(self, start: u64, period: u64) -> (u64, u64) {
+        let (prev, curr) = (u64::from(self.prev), u64::from(self.curr));
+        let own_start = if curr > 0 {
+            self.expires_at.saturating_sub(2 * period)
+        } else if prev > 0 {
+            self.expires_at.saturating_sub(period)
+        } else {
+            return (0, 0);
+        };
+        if own_start == start {
+            (prev, curr)
+        } else if own_start + period == start {
+            (curr, 0)
+        } else {
+            (0, 0)
+        }
+    }
+
+    fn at(start: u64, period: u64, prev: u64, curr: u64) -> Self {
+        let expires_at = match (prev, curr) {
+            (_, c) if c > 0 => start + 2 * period,
+            (p, _) if p > 0 => start + period,
+            _ => 0,
+        };
+        // Counts never exceed the limit, which is a u32.
+        State {
+            expires_at,
+            prev: u32::try_from(prev).unwrap_or(u32::MAX),
+            curr: u32::try_from(curr).unwrap_or(u32::MAX),
+        }
+    }
+}
+
+/// Decides one request of `cost` units at `now` (microseconds).
+#[must_use]
+pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
+    let (limit, period) = (quota.limit(), quota.period_micros());
+    let start = now - now % period;
+    let elapsed = now - start;
+    let (prev, curr) = state.counts_at(start, period);
+    // Everything below is scaled by the period: `used` is the weighted count × P.
+    let used = |curr: u64| prev * (period - elapsed) + curr * period;
+    let remaining = |curr: u64| (limit * period).saturating_sub(used(curr)) / period;
+    let reset = |curr: u64| match (prev, curr) {
+        (_, c) if c > 0 => start + 2 * period - now,
+        (p, _) if p > 0 => start + period - now,
+        _ => 0,
+    };
+    let cost = u64::from(cost);
+    if cost > limit {
+        let d = Decision::refused(Denial::CostExceedsCapacity, limit, remaining(curr), reset(curr));
+        return (d, state);
+    }
+    if used(curr + cost) <= limit * period {
+        let curr = curr + cost;
+        let d = Decision::allow(limit, remaining(curr), reset(curr), 0);
+        return (d, State::at(start, period, prev, curr));
+    }
+    let retry = retry_at(start, period, limit, prev, curr, cost) - now;
+    let d = Decision::limited(limit, remaining(curr), reset(curr), retry);
+    (d, state)
+}
+
+/// The first instant at which `cost` more units fit, given counts that do not fit now.
+fn retry_at(start: u64, period: u64, limit: u64, prev: u64, curr: u64, cost: u64) -> u64 {
+    // Later in this window, as the previous window's weight shrinks:
+    // prev × (P − e) ≤ (limit − curr − cost) × P  ⇔  e ≥ P − ⌊(limit − curr − cost) × P / prev⌋.
+    if prev > 0 && curr + cost <= limit {
+        let e = period - (limit - curr - cost) * period / prev;
+        if e < period {
+            return start + e;
+        }
+    }
+    // In the next window, where this window's count becomes the weighted one:
+    // curr × (P − e) ≤ (limit − cost) × P. At e = P this is the window after, where
+    // nothing is left to weigh, so the answer is never further away than that.
+    let e = if curr == 0 {
+        0
+    } else {
+        period - ((limit - cost) * period / curr).min(period)
+    };
+    start + period + e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::testing::run;
+
+    #[test]
+    fn the_previous_window_is_weighted_by_how_much_of_it_is_still_in_the_period() {
+        // 10 per second. 10 at the end of window 0; a quarter into window 1 the previous
+        // window still weighs 7.5, so 2 more pass and the third is refused.
+        let q = Quota::per_second(10).unwrap();
+        let ds = run(check, &q, &[(999_000, 10), (1_250_000, 2), (1_250_000, 1)]);
+        assert!(ds[1].is_allowed());
+        assert_eq!(ds[1].remaining(), 0);
+        assert!(!ds[2].is_allowed());
+        // 10 × (1 − e) + 3 ≤ 10 first holds at e = 0.3 s.
+        assert_eq!(ds[2].retry_after_micros(), 50_000);
+    }
+
+    #[test]
+    fn no_boundary_burst_like_the_fixed_window() {
+        let q = Quota::per_second(10).unwrap();
+        let ds = run(check, &q, &[(999_000, 10), (1_000_000, 1)]);
+        assert!(!ds[1].is_allowed());
+        assert_eq!(ds[1].retry_after_micros(), 100_000);
+    }
+
+    #[test]
+    fn a_full_current_window_waits_into_the_next() {
+        let q = Quota::per_second(4).unwrap();
+        let ds = run(check, &q, &[(0, 4), (500_000, 1)]);
+        // In window 1, 4 × (1 − e) + 1 ≤ 4 from e = 0.25 s.
+        assert_eq!(ds[1].retry_after_micros(), 750_000);
+        assert_eq!(ds[1].reset_after_micros(), 1_500_000);
+    }
+}

@@ -1,0 +1,118 @@
+//! Sliding window log: the time of every admitted unit in the last period.
+//!
+//! **Trade-off.** Exact: in *any* window of one period at most `limit` units pass,
+//! whatever the alignment, and the retry time is the moment the oldest blocking entry
+//! slides out. The price is memory that grows with the limit: one entry per admitted
+//! request still inside the period (requests at the same microsecond share an entry).
+//! Suits low limits on expensive operations; for high limits prefer the sliding window
+//! counter or a bucket.
+
+use std::collections::VecDeque;
+
+use crate::{Decision, Denial, Quota};
+
+/// Sliding window log state for one key: admitted requests still inside the period, as
+/// `(time in microseconds, units)`, oldest first. `Default` is a fresh key.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Log {
+    entries: VecDeque<(u64, u64)>,
+    total: u64,
+    expires_at: u64,
+}
+
+impl Log {
+    /// When every entry has slid out of the period, in microseconds.
+    #[must_use]
+    pub fn expires_at(&self) -> u64 {
+        self.expires_at
+    }
+
+    /// Admitted requests still remembered, as `(time, units)`, oldest first.
+    pub fn entries(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.entries.iter().copied()
+    }
+
+    /// Drops the entries that have slid out of the period ending at `now`.
+    fn trim(&mut self, now: u64, period: u64) {
+        while let Some(&(at, units)) = self.entries.front() {
+            if at + period > now {
+                break;
+            }
+            self.entries.pop_front();
+            self.total -= units;
+        }
+    }
+}
+
+/// Decides one request of `cost` units at `now` (microseconds), updating `log` in place
+/// (a log can be long, so it is not copied the way the fixed-size states are).
+pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
+    let (limit, period) = (quota.limit(), quota.period_micros());
+    log.trim(now, period);
+    let reset = |log: &Log| log.entries.back().map_or(0, |&(at, _)| (at + period).saturating_sub(now));
+    let cost = u64::from(cost);
+    if cost > limit {
+        return Decision::refused(Denial::CostExceedsCapacity, limit, limit - log.total, reset(log));
+    }
+    if log.total + cost <= limit {
+        if cost > 0 {
+            match log.entries.back_mut() {
+                Some((at, units)) if *at == now => *units += cost,
+                _ => log.entries.push_back((now, cost)),
+            }
+            log.total += cost;
+            log.expires_at = log.expires_at.max(now + period);
+        }
+        return Decision::allow(limit, limit - log.total, reset(log), 0);
+    }
+    // Wait until enough of the oldest entries have slid out.
+    let mut left = log.total;
+    let mut retry = 0;
+    for &(at, units) in &log.entries {
+        left -= units;
+        if left + cost <= limit {
+            retry = at + period - now;
+            break;
+        }
+    }
+    Decision::limited(limit, limit - log.total, reset(log), retry)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(q: &Quota, trace: &[(u64, u32)]) -> Vec<Decision> {
+        let mut log = Log::default();
+        trace.iter().map(|&(now, cost)| check(&mut log, now, q, cost)).collect()
+    }
+
+    #[test]
+    fn no_window_of_one_period_admits_more_than_the_limit_even_across_a_boundary() {
+        let q = Quota::per_second(10).unwrap();
+        let ds = run(&q, &[(999_000, 10), (1_000_000, 1), (1_998_999, 1), (1_999_000, 1)]);
+        assert!(!ds[1].is_allowed());
+        assert_eq!(ds[1].retry_after_micros(), 999_000);
+        assert!(!ds[2].is_allowed());
+        assert_eq!(ds[2].retry_after_micros(), 1);
+        assert!(ds[3].is_allowed());
+    }
+
+    #[test]
+    fn the_retry_time_is_when_enough_old_entries_slide_out() {
+        let q = Quota::per_second(5).unwrap();
+        let ds = run(&q, &[(0, 2), (100, 2), (200, 1), (300, 3)]);
+        // 3 more units need the entries at 0 and 100 gone: at 1_000_100.
+        assert_eq!(ds[3].retry_after_micros(), 1_000_100 - 300);
+    }
+
+    #[test]
+    fn requests_in_one_microsecond_share_an_entry() {
+        let q = Quota::per_second(5).unwrap();
+        let mut log = Log::default();
+        for _ in 0..5 {
+            assert!(check(&mut log, 7, &q, 1).is_allowed());
+        }
+        assert_eq!(log.entries().collect::<Vec<_>>(), [(7, 5)]);
+    }
+}

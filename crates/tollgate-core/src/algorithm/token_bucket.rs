@@ -1,0 +1,140 @@
+//! Token bucket: a bucket of `burst` tokens, refilled at `limit` per `period`.
+//!
+//! **Trade-off.** Allows a burst of up to the full capacity at once, then a steady
+//! `limit` per `period`; in any window of one period at most `burst + limit` units pass.
+//! Two integers of state per key. The refill is exact: there is no rounding of the rate,
+//! however unevenly the limit divides the period.
+//!
+//! **Arithmetic.** Tokens are counted in *ticks*: one token is `period` ticks and one
+//! microsecond refills `limit` ticks, so refilling `limit` tokens per `period`
+//! microseconds needs no division. The state is the instant the bucket will be full
+//! again (`full_at`, microseconds) and `frac`, the part of a microsecond's refill
+//! (`0 <= frac < limit` ticks) already counted in it; the deficit at `now` is
+//! `(full_at - now) × limit - frac`.
+
+use super::{Slot, SlotState};
+use crate::{Decision, Denial, Quota};
+
+/// Token bucket state for one key. `Default` is a full bucket.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct State {
+    /// When the bucket is full again, in microseconds.
+    pub full_at: u64,
+    /// Ticks of the last microsecond before `full_at` already refilled.
+    pub frac: u64,
+}
+
+impl State {
+    /// Ticks missing from a full bucket at `now`, at most the capacity.
+    fn deficit(self, now: u64, quota: &Quota) -> u64 {
+        if now >= self.full_at {
+            return 0;
+        }
+        let cap = quota.burst() * quota.period_micros();
+        let fill_us = cap.div_ceil(quota.limit());
+        let ahead = (self.full_at - now).min(fill_us);
+        (ahead * quota.limit()).saturating_sub(self.frac).min(cap)
+    }
+
+    fn with_deficit(now: u64, deficit: u64, quota: &Quota) -> Self {
+        let us = deficit.div_ceil(quota.limit());
+        State {
+            full_at: now + us,
+            frac: us * quota.limit() - deficit,
+        }
+    }
+}
+
+impl SlotState for State {
+    fn to_slot(self) -> Slot {
+        [self.full_at, self.frac]
+    }
+    fn from_slot(slot: Slot) -> Self {
+        State {
+            full_at: slot[0],
+            frac: slot[1],
+        }
+    }
+}
+
+/// Decides one request of `cost` units at `now` (microseconds).
+#[must_use]
+pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
+    let (limit, period) = (quota.limit(), quota.period_micros());
+    let cap = quota.burst() * period;
+    let deficit = state.deficit(now, quota);
+    let remaining = |deficit: u64| (cap - deficit) / period;
+    let reset = |deficit: u64| deficit.div_ceil(limit);
+    let cost = u64::from(cost);
+    if cost > quota.burst() {
+        let d = Decision::refused(
+            Denial::CostExceedsCapacity,
+            quota.burst(),
+            remaining(deficit),
+            reset(deficit),
+        );
+        return (d, state);
+    }
+    let after = deficit + cost * period;
+    if after <= cap {
+        let d = Decision::allow(quota.burst(), remaining(after), reset(after), 0);
+        (d, State::with_deficit(now, after, quota))
+    } else {
+        let retry = (after - cap).div_ceil(limit);
+        let d = Decision::limited(quota.burst(), remaining(deficit), reset(deficit), retry);
+        (d, state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::testing::run;
+
+    #[test]
+    fn a_full_bucket_lets_a_burst_through_then_the_refill_rate() {
+        let q = Quota::per_second(2).unwrap().with_burst(5).unwrap();
+        // Five at t=0 pass, the sixth is told to come back in exactly 0.5 s.
+        let ds = run(check, &q, &[(0, 1); 6]);
+        assert!(ds[..5].iter().all(Decision::is_allowed));
+        assert_eq!(ds[4].remaining(), 0);
+        assert_eq!(ds[5].retry_after_micros(), 500_000);
+        // One token per 0.5 s afterwards: 499_999 µs is one tick too early.
+        let ds = run(
+            check,
+            &q,
+            &[(0, 5), (499_999, 1), (500_000, 1), (500_001, 1), (1_000_000, 1)],
+        );
+        let allowed: Vec<bool> = ds.iter().map(Decision::is_allowed).collect();
+        assert_eq!(allowed, [true, false, true, false, true]);
+    }
+
+    #[test]
+    fn refill_is_exact_when_the_limit_does_not_divide_the_period() {
+        // 3 per second: a token every 333_333.3… µs, so three tokens are back at exactly
+        // 1 s. (GCRA, which rounds its interval up to 333_334 µs, needs 1_000_002 µs.)
+        let q = Quota::per_second(3).unwrap();
+        let ds = run(check, &q, &[(0, 3), (999_999, 3), (1_000_000, 3)]);
+        let allowed: Vec<bool> = ds.iter().map(Decision::is_allowed).collect();
+        assert_eq!(allowed, [true, false, true]);
+        assert_eq!(ds[1].retry_after_micros(), 1);
+        assert_eq!(ds[1].remaining(), 2);
+    }
+
+    #[test]
+    fn a_long_idle_gap_refills_to_capacity_and_no_further() {
+        let q = Quota::per_minute(10).unwrap();
+        let ds = run(check, &q, &[(0, 10), (u64::MAX / 4, 10), (u64::MAX / 4, 1)]);
+        assert!(ds[1].is_allowed());
+        assert_eq!(ds[2].denial(), Some(Denial::Limited));
+        assert_eq!(ds[2].retry_after_micros(), 6_000_000);
+    }
+
+    #[test]
+    fn reset_after_is_the_time_to_refill_completely() {
+        let q = Quota::per_second(10).unwrap();
+        let ds = run(check, &q, &[(0, 4)]);
+        assert_eq!(ds[0].reset_after_micros(), 400_000);
+        assert_eq!(ds[0].remaining(), 6);
+    }
+}

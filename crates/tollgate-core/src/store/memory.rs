@@ -1,0 +1,415 @@
+//! The in-process store: sharded, bounded, and quick to forget idle keys.
+
+use std::fmt;
+use std::future::{Ready, ready};
+use std::sync::Arc;
+
+use hashbrown::HashTable;
+use parking_lot::Mutex;
+
+use crate::algorithm::sliding_log::{self, Log};
+use crate::algorithm::Slot;
+use crate::clock::{Clock, MonotonicClock};
+use crate::error::ConfigError;
+use crate::{Decision, Denial, Policy, Store, StoreError};
+
+/// What the memory store does with a new key when it already holds `max_keys` keys and
+/// none of them is idle enough to drop.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WhenFull {
+    /// Deny the new key's request with [`Denial::StoreFull`]: callers already tracked
+    /// keep their limits, new callers wait until old ones go idle. The default.
+    #[default]
+    Deny,
+    /// Decide the request as if the key were fresh, without remembering it: nobody is
+    /// turned away, but such callers are not limited until room frees up.
+    AllowUntracked,
+}
+
+/// The default bound on tracked keys.
+const DEFAULT_MAX_KEYS: usize = 1 << 20;
+/// Below this many keys a shard never sweeps.
+const MIN_SWEEP: usize = 256;
+
+/// Limiter state in this process's memory.
+///
+/// Keys are arbitrary bytes. The store is split into shards, each behind its own lock, so
+/// threads deciding for different keys rarely meet. It is bounded: at most `max_keys`
+/// keys are tracked, and a key whose state has become equivalent to a fresh one (its
+/// bucket refilled, its windows passed) is dropped when its shard next sweeps, so a flood
+/// of unique keys — a botnet rotating addresses — cannot grow memory without bound.
+///
+/// Keys are stored as a 64-bit hash, seeded per store (callers cannot aim collisions at
+/// each other); two distinct keys share state only if their hashes collide, which for a
+/// million live keys happens with probability about 3 × 10⁻⁸. A fixed-size state costs 24
+/// bytes in its table; `BENCHMARKS.md` has the measured bytes per key.
+///
+/// Clones share the same state.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota};
+///
+/// let clock = ManualClock::new();
+/// let store = MemoryStore::builder().max_keys(10_000).clock(clock.clone()).build()?;
+/// let policy = Policy::new("login", Algorithm::SlidingWindowLog, Quota::per_minute(3)?)?;
+///
+/// for _ in 0..3 {
+///     assert!(store.check_sync(b"203.0.113.9", &policy, 1).is_allowed());
+/// }
+/// let denied = store.check_sync(b"203.0.113.9", &policy, 1);
+/// assert_eq!(denied.retry_after(), Some(Duration::from_secs(60)));
+///
+/// clock.advance(Duration::from_secs(60));
+/// assert!(store.check_sync(b"203.0.113.9", &policy, 1).is_allowed());
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+pub struct MemoryStore<C = MonotonicClock> {
+    shared: Arc<Shared<C>>,
+}
+
+struct Shared<C> {
+    clock: C,
+    hasher: ahash::RandomState,
+    shards: Box<[Shard]>,
+    shard_mask: u64,
+    max_per_shard: usize,
+    when_full: WhenFull,
+}
+
+/// One lock and its tables, on a cache line of its own so that two cores working on
+/// neighbouring shards do not contend.
+#[repr(align(128))]
+struct Shard(Mutex<Table>);
+
+struct Table {
+    /// Fixed-size states: `(key hash, slot)`, 24 bytes an entry.
+    slots: HashTable<(u64, Slot)>,
+    /// Sliding window logs.
+    logs: HashTable<(u64, Log)>,
+    /// Sweep for idle keys when this many are held.
+    sweep_at: usize,
+    /// No held key becomes idle before this instant: sweeping sooner frees nothing.
+    earliest_expiry: u64,
+}
+
+impl MemoryStore<MonotonicClock> {
+    /// A store with the default bounds (about a million keys) on the monotonic clock.
+    #[must_use]
+    pub fn new() -> Self {
+        MemoryStore::from_builder(MemoryStoreBuilder::default())
+    }
+
+    /// A builder for a store with other bounds or another clock.
+    #[must_use]
+    pub fn builder() -> MemoryStoreBuilder<MonotonicClock> {
+        MemoryStoreBuilder::default()
+    }
+}
+
+impl Default for MemoryStore<MonotonicClock> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<C> Clone for MemoryStore<C> {
+    fn clone(&self) -> Self {
+        MemoryStore {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<C> fmt::Debug for MemoryStore<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.shared.shards.len())
+            .field("max_keys", &(self.shared.max_per_shard * self.shared.shards.len()))
+            .field("when_full", &self.shared.when_full)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Clock> MemoryStore<C> {
+    fn from_builder(builder: MemoryStoreBuilder<C>) -> Self {
+        let shards = builder.shards.unwrap_or_else(|| default_shards(builder.max_keys));
+        let max_per_shard = builder.max_keys.div_ceil(shards);
+        let shards: Box<[Shard]> = (0..shards)
+            .map(|_| {
+                Shard(Mutex::new(Table {
+                    slots: HashTable::new(),
+                    logs: HashTable::new(),
+                    sweep_at: MIN_SWEEP.min(max_per_shard),
+                    earliest_expiry: 0,
+                }))
+            })
+            .collect();
+        MemoryStore {
+            shared: Arc::new(Shared {
+                clock: builder.clock,
+                hasher: ahash::RandomState::new(),
+                shard_mask: shards.len() as u64 - 1,
+                shards,
+                max_per_shard,
+                when_full: builder.when_full,
+            }),
+        }
+    }
+
+    /// Decides one request of `cost` units for `key` under `policy`, without awaiting.
+    ///
+    /// This never fails: a store that is full answers per its [`WhenFull`] setting.
+    pub fn check_sync(&self, key: &[u8], policy: &Policy, cost: u32) -> Decision {
+        let shared = &*self.shared;
+        let now = shared.clock.now_micros();
+        let hash = shared.hasher.hash_one((policy.id(), key));
+        let shard = &shared.shards[((hash >> 32) & shared.shard_mask) as usize];
+        let mut table = shard.0.lock();
+        table.check(hash, now, policy, cost, shared.max_per_shard, shared.when_full)
+    }
+
+    /// The number of keys held, idle ones not yet swept included.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.shared.shards.iter().map(|s| s.0.lock().len()).sum()
+    }
+
+    /// Whether no key is held.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every key whose state is now equivalent to a fresh one, and returns how
+    /// many keys remain. The store also does this by itself as it fills; call it to
+    /// release memory after a flood without waiting for new keys.
+    pub fn sweep(&self) -> usize {
+        let now = self.shared.clock.now_micros();
+        self.shared
+            .shards
+            .iter()
+            .map(|s| {
+                let mut table = s.0.lock();
+                table.sweep(now, self.shared.max_per_shard);
+                table.len()
+            })
+            .sum()
+    }
+
+    /// The store's clock.
+    #[must_use]
+    pub fn clock(&self) -> &C {
+        &self.shared.clock
+    }
+}
+
+impl<C: Clock> Store for MemoryStore<C> {
+    type Future = Ready<Result<Decision, StoreError>>;
+
+    fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
+        ready(Ok(self.check_sync(key, policy, cost)))
+    }
+}
+
+impl Table {
+    fn len(&self) -> usize {
+        self.slots.len() + self.logs.len()
+    }
+
+    fn check(
+        &mut self,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+        cost: u32,
+        max: usize,
+        when_full: WhenFull,
+    ) -> Decision {
+        let quota = policy.quota();
+        let Some(run) = policy.algorithm().slot_fn() else {
+            return self.check_log(hash, now, policy, cost, max, when_full);
+        };
+        let existing = self.slots.find_mut(hash, |e| e.0 == hash);
+        let slot = existing.as_ref().map_or([0, 0], |e| e.1);
+        let (decision, next) = run(slot, now, quota, cost);
+        if let Some(entry) = existing {
+            entry.1 = next;
+        } else if next[0] > now {
+            if !self.has_room(now, max) {
+                return full(decision, when_full);
+            }
+            self.earliest_expiry = self.earliest_expiry.min(next[0]);
+            self.slots.insert_unique(hash, (hash, next), |e| e.0);
+        }
+        decision
+    }
+
+    fn check_log(
+        &mut self,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+        cost: u32,
+        max: usize,
+        when_full: WhenFull,
+    ) -> Decision {
+        let quota = policy.quota();
+        if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
+            return sliding_log::check(log, now, quota, cost);
+        }
+        let mut log = Log::default();
+        let decision = sliding_log::check(&mut log, now, quota, cost);
+        let expires_at = log.expires_at();
+        if expires_at <= now {
+            return decision;
+        }
+        if !self.has_room(now, max) {
+            return full(decision, when_full);
+        }
+        self.earliest_expiry = self.earliest_expiry.min(expires_at);
+        self.logs.insert_unique(hash, (hash, log), |e| e.0);
+        decision
+    }
+
+    /// Whether one more key fits, sweeping idle keys first when that could help.
+    fn has_room(&mut self, now: u64, max: usize) -> bool {
+        if self.len() >= self.sweep_at && now >= self.earliest_expiry {
+            self.sweep(now, max);
+        }
+        self.len() < max
+    }
+
+    /// Drops idle keys and sets when to sweep next: at twice what is left, so sweeping
+    /// costs O(1) per key inserted, and never past the bound.
+    fn sweep(&mut self, now: u64, max: usize) {
+        let mut earliest = u64::MAX;
+        self.slots.retain(|e| {
+            let keep = e.1[0] > now;
+            if keep {
+                earliest = earliest.min(e.1[0]);
+            }
+            keep
+        });
+        self.logs.retain(|e| {
+            let keep = e.1.expires_at() > now;
+            if keep {
+                earliest = earliest.min(e.1.expires_at());
+            }
+            keep
+        });
+        self.earliest_expiry = earliest;
+        self.sweep_at = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
+        if self.len() < self.slots.capacity() / 4 {
+            self.slots.shrink_to_fit(|e| e.0);
+            self.logs.shrink_to_fit(|e| e.0);
+        }
+    }
+}
+
+fn full(decision: Decision, when_full: WhenFull) -> Decision {
+    match when_full {
+        WhenFull::AllowUntracked => decision,
+        WhenFull::Deny => Decision::refused(Denial::StoreFull, decision.limit(), 0, 0),
+    }
+}
+
+fn default_shards(max_keys: usize) -> usize {
+    (max_keys / 4096).next_power_of_two().clamp(1, 64)
+}
+
+/// Builds a [`MemoryStore`] with other bounds or another clock.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{ManualClock, MemoryStore, WhenFull};
+///
+/// let store = MemoryStore::builder()
+///     .max_keys(100_000)
+///     .when_full(WhenFull::AllowUntracked)
+///     .clock(ManualClock::new())
+///     .build()?;
+/// assert!(store.is_empty());
+///
+/// let err = MemoryStore::builder().max_keys(0).build().unwrap_err();
+/// assert!(err.to_string().contains("max_keys"));
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct MemoryStoreBuilder<C = MonotonicClock> {
+    max_keys: usize,
+    shards: Option<usize>,
+    when_full: WhenFull,
+    clock: C,
+}
+
+impl Default for MemoryStoreBuilder<MonotonicClock> {
+    fn default() -> Self {
+        MemoryStoreBuilder {
+            max_keys: DEFAULT_MAX_KEYS,
+            shards: None,
+            when_full: WhenFull::Deny,
+            clock: MonotonicClock::new(),
+        }
+    }
+}
+
+impl<C: Clock> MemoryStoreBuilder<C> {
+    /// The most keys held at once (default 1,048,576). Each of the store's shards holds
+    /// an equal share, so a shard can fill a little before the store as a whole does.
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys;
+        self
+    }
+
+    /// The number of shards, a power of two from 1 to 1024 (default: one per 4,096 keys
+    /// of `max_keys`, at most 64).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = Some(shards);
+        self
+    }
+
+    /// What to do with a new key when the store is full (default [`WhenFull::Deny`]).
+    pub fn when_full(mut self, when_full: WhenFull) -> Self {
+        self.when_full = when_full;
+        self
+    }
+
+    /// Reads time from `clock` instead of the monotonic clock.
+    pub fn clock<D: Clock>(self, clock: D) -> MemoryStoreBuilder<D> {
+        MemoryStoreBuilder {
+            max_keys: self.max_keys,
+            shards: self.shards,
+            when_full: self.when_full,
+            clock,
+        }
+    }
+
+    /// Builds the store.
+    ///
+    /// # Errors
+    ///
+    /// When `max_keys` is zero, or `shards` is not a power of two from 1 to 1024 or is
+    /// more than `max_keys`.
+    pub fn build(self) -> Result<MemoryStore<C>, ConfigError> {
+        if self.max_keys == 0 {
+            return Err(ConfigError::new(
+                "memory store max_keys must be at least 1: a store that can hold no key limits nobody",
+            ));
+        }
+        if let Some(shards) = self.shards {
+            if !shards.is_power_of_two() || shards > 1024 || shards > self.max_keys {
+                return Err(ConfigError::new(format!(
+                    "memory store shards must be a power of two from 1 to 1024 and at most max_keys ({}); got {shards}",
+                    self.max_keys
+                )));
+            }
+        }
+        Ok(MemoryStore::from_builder(self))
+    }
+}

@@ -1,0 +1,45 @@
+//! Where limiter state lives.
+//!
+//! A [`Store`] decides a request for a key under a [`Policy`]. [`MemoryStore`] keeps
+//! state in this process, for one node; the Redis store (feature `redis`) keeps it in
+//! Redis, for a fleet of nodes sharing one limit.
+
+mod memory;
+
+use std::future::Future;
+
+pub use memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
+
+use crate::{Decision, Policy, StoreError};
+
+/// Decides requests against limiter state kept somewhere.
+///
+/// `check` takes what it needs from its arguments before it returns, so the future owns
+/// everything and can be held by a response future across an await.
+///
+/// # Examples
+///
+/// ```
+/// use tollgate_core::{Algorithm, MemoryStore, Policy, Quota, Store};
+///
+/// async fn admit<S: Store>(store: &S, user: &str, policy: &Policy) -> bool {
+///     match store.check(user.as_bytes(), policy, 1).await {
+///         Ok(decision) => decision.is_allowed(),
+///         Err(_) => true, // this caller fails open
+///     }
+/// }
+///
+/// let store = MemoryStore::new();
+/// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(1)?)?;
+/// let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+/// let mut first = std::pin::pin!(admit(&store, "carol", &policy));
+/// assert_eq!(first.as_mut().poll(&mut cx), std::task::Poll::Ready(true));
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+pub trait Store: Send + Sync + 'static {
+    /// The future of one decision.
+    type Future: Future<Output = Result<Decision, StoreError>> + Send + 'static;
+
+    /// Decides one request of `cost` units for `key` under `policy`.
+    fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future;
+}

@@ -1,0 +1,1 @@
+//! Memory store end-to-end tests.
