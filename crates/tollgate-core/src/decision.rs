@@ -58,7 +58,12 @@ pub struct Decision {
 
 impl Decision {
     /// An admitted request, to be served after `delay_us` (zero unless shaping).
-    pub(crate) const fn allow(limit: u64, remaining: u64, reset_after_us: u64, delay_us: u64) -> Self {
+    pub(crate) const fn allow(
+        limit: u64,
+        remaining: u64,
+        reset_after_us: u64,
+        delay_us: u64,
+    ) -> Self {
         Decision {
             denial: None,
             limit,
@@ -70,7 +75,12 @@ impl Decision {
     }
 
     /// A request over the limit that passes if sent again after `retry_after_us`.
-    pub(crate) const fn limited(limit: u64, remaining: u64, reset_after_us: u64, retry_after_us: u64) -> Self {
+    pub(crate) const fn limited(
+        limit: u64,
+        remaining: u64,
+        reset_after_us: u64,
+        retry_after_us: u64,
+    ) -> Self {
         Decision {
             denial: Some(Denial::Limited),
             limit,
@@ -82,7 +92,12 @@ impl Decision {
     }
 
     /// A denial with no retry time (`CostExceedsCapacity`, `StoreFull`).
-    pub(crate) const fn refused(denial: Denial, limit: u64, remaining: u64, reset_after_us: u64) -> Self {
+    pub(crate) const fn refused(
+        denial: Denial,
+        limit: u64,
+        remaining: u64,
+        reset_after_us: u64,
+    ) -> Self {
         Decision {
             denial: Some(denial),
             limit,

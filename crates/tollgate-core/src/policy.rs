@@ -47,7 +47,11 @@ impl Policy {
     /// When the name is empty, too long or has other characters (it becomes part of
     /// store keys), or when the quota sets a burst for a window algorithm, which counts
     /// `limit` per window and has no use for one.
-    pub fn new(name: impl Into<String>, algorithm: Algorithm, quota: Quota) -> Result<Self, ConfigError> {
+    pub fn new(
+        name: impl Into<String>,
+        algorithm: Algorithm,
+        quota: Quota,
+    ) -> Result<Self, ConfigError> {
         let name: String = name.into();
         if name.is_empty() || name.len() > MAX_POLICY_NAME {
             return Err(ConfigError::new(format!(

@@ -106,7 +106,9 @@ impl Quota {
             )));
         }
         let Ok(period_us) = u64::try_from(nanos / 1_000) else {
-            return Err(ConfigError::new(format!("quota period {period:?} is too long")));
+            return Err(ConfigError::new(format!(
+                "quota period {period:?} is too long"
+            )));
         };
         let limit = u64::from(limit);
         if period_us < limit {
@@ -207,7 +209,10 @@ mod tests {
     #[test]
     fn rates_finer_than_a_microsecond_are_rejected() {
         let err = Quota::with_period(1001, Duration::from_millis(1)).unwrap_err();
-        assert!(err.to_string().contains("finer than one unit per microsecond"));
+        assert!(
+            err.to_string()
+                .contains("finer than one unit per microsecond")
+        );
         assert!(Quota::with_period(1000, Duration::from_millis(1)).is_ok());
     }
 
@@ -218,7 +223,10 @@ mod tests {
         let err = Quota::with_period(1_000_000, day).unwrap_err();
         assert!(err.to_string().contains("2^52"), "{err}");
         assert!(Quota::with_period(50_000, day).is_ok());
-        let err = Quota::per_hour(1).unwrap().with_burst(u32::MAX).unwrap_err();
+        let err = Quota::per_hour(1)
+            .unwrap()
+            .with_burst(u32::MAX)
+            .unwrap_err();
         assert!(err.to_string().contains("burst"), "{err}");
     }
 

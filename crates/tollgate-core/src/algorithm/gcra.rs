@@ -55,12 +55,7 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
         let d = Decision::allow(quota.burst(), remaining(ahead_after), ahead_after, 0);
         (d, State { tat })
     } else {
-        let d = Decision::limited(
-            quota.burst(),
-            remaining(ahead),
-            ahead,
-            ahead_after - window,
-        );
+        let d = Decision::limited(quota.burst(), remaining(ahead), ahead, ahead_after - window);
         (d, state)
     }
 }
@@ -73,7 +68,11 @@ mod tests {
     #[test]
     fn a_burst_of_capacity_passes_then_one_per_emission_interval() {
         let q = Quota::per_second(4).unwrap().with_burst(2).unwrap();
-        let ds = run(check, &q, &[(0, 1), (0, 1), (0, 1), (249_999, 1), (250_000, 1)]);
+        let ds = run(
+            check,
+            &q,
+            &[(0, 1), (0, 1), (0, 1), (249_999, 1), (250_000, 1)],
+        );
         let allowed: Vec<bool> = ds.iter().map(Decision::is_allowed).collect();
         assert_eq!(allowed, [true, true, false, false, true]);
         assert_eq!(ds[2].retry_after_micros(), 250_000);

@@ -42,7 +42,12 @@ pub fn shape(state: ShaperState, now: u64, quota: &Quota, cost: u32) -> (Decisio
         return (decision, next);
     }
     let delay = state.tat.saturating_sub(now);
-    let d = Decision::allow(decision.limit(), decision.remaining(), decision.reset_after_micros(), delay);
+    let d = Decision::allow(
+        decision.limit(),
+        decision.remaining(),
+        decision.reset_after_micros(),
+        delay,
+    );
     (d, next)
 }
 

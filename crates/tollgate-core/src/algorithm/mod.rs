@@ -102,7 +102,9 @@ impl Algorithm {
             Algorithm::LeakyBucket => |s, n, q, c| packed(leaky_bucket::meter, s, n, q, c),
             Algorithm::LeakyBucketShaper => |s, n, q, c| packed(leaky_bucket::shape, s, n, q, c),
             Algorithm::FixedWindow => |s, n, q, c| packed(fixed_window::check, s, n, q, c),
-            Algorithm::SlidingWindowCounter => |s, n, q, c| packed(sliding_counter::check, s, n, q, c),
+            Algorithm::SlidingWindowCounter => {
+                |s, n, q, c| packed(sliding_counter::check, s, n, q, c)
+            }
             Algorithm::Gcra => |s, n, q, c| packed(gcra::check, s, n, q, c),
             Algorithm::SlidingWindowLog => return None,
         })

@@ -31,7 +31,10 @@ pub struct State {
 
 impl SlotState for State {
     fn to_slot(self) -> Slot {
-        [self.expires_at, (u64::from(self.prev) << 32) | u64::from(self.curr)]
+        [
+            self.expires_at,
+            (u64::from(self.prev) << 32) | u64::from(self.curr),
+        ]
     }
     fn from_slot(slot: Slot) -> Self {
         State {
@@ -94,7 +97,12 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
     };
     let cost = u64::from(cost);
     if cost > limit {
-        let d = Decision::refused(Denial::CostExceedsCapacity, limit, remaining(curr), reset(curr));
+        let d = Decision::refused(
+            Denial::CostExceedsCapacity,
+            limit,
+            remaining(curr),
+            reset(curr),
+        );
         return (d, state);
     }
     if used(curr + cost) <= limit * period {
@@ -120,11 +128,9 @@ fn retry_at(start: u64, period: u64, limit: u64, prev: u64, curr: u64, cost: u64
     // In the next window, where this window's count becomes the weighted one:
     // curr × (P − e) ≤ (limit − cost) × P. At e = P this is the window after, where
     // nothing is left to weigh, so the answer is never further away than that.
-    let e = if curr == 0 {
-        0
-    } else {
-        period - ((limit - cost) * period / curr).min(period)
-    };
+    let e = ((limit - cost) * period)
+        .checked_div(curr)
+        .map_or(0, |room| period - room.min(period));
     start + period + e
 }
 

@@ -49,10 +49,19 @@ impl Log {
 pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
     let (limit, period) = (quota.limit(), quota.period_micros());
     log.trim(now, period);
-    let reset = |log: &Log| log.entries.back().map_or(0, |&(at, _)| (at + period).saturating_sub(now));
+    let reset = |log: &Log| {
+        log.entries
+            .back()
+            .map_or(0, |&(at, _)| (at + period).saturating_sub(now))
+    };
     let cost = u64::from(cost);
     if cost > limit {
-        return Decision::refused(Denial::CostExceedsCapacity, limit, limit - log.total, reset(log));
+        return Decision::refused(
+            Denial::CostExceedsCapacity,
+            limit,
+            limit - log.total,
+            reset(log),
+        );
     }
     if log.total + cost <= limit {
         if cost > 0 {
@@ -84,13 +93,24 @@ mod tests {
 
     fn run(q: &Quota, trace: &[(u64, u32)]) -> Vec<Decision> {
         let mut log = Log::default();
-        trace.iter().map(|&(now, cost)| check(&mut log, now, q, cost)).collect()
+        trace
+            .iter()
+            .map(|&(now, cost)| check(&mut log, now, q, cost))
+            .collect()
     }
 
     #[test]
     fn no_window_of_one_period_admits_more_than_the_limit_even_across_a_boundary() {
         let q = Quota::per_second(10).unwrap();
-        let ds = run(&q, &[(999_000, 10), (1_000_000, 1), (1_998_999, 1), (1_999_000, 1)]);
+        let ds = run(
+            &q,
+            &[
+                (999_000, 10),
+                (1_000_000, 1),
+                (1_998_999, 1),
+                (1_999_000, 1),
+            ],
+        );
         assert!(!ds[1].is_allowed());
         assert_eq!(ds[1].retry_after_micros(), 999_000);
         assert!(!ds[2].is_allowed());

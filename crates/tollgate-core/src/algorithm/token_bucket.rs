@@ -103,7 +103,13 @@ mod tests {
         let ds = run(
             check,
             &q,
-            &[(0, 5), (499_999, 1), (500_000, 1), (500_001, 1), (1_000_000, 1)],
+            &[
+                (0, 5),
+                (499_999, 1),
+                (500_000, 1),
+                (500_001, 1),
+                (1_000_000, 1),
+            ],
         );
         let allowed: Vec<bool> = ds.iter().map(Decision::is_allowed).collect();
         assert_eq!(allowed, [true, false, true, false, true]);

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use hashbrown::HashTable;
 use parking_lot::Mutex;
 
-use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::Slot;
+use crate::algorithm::sliding_log::{self, Log};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
 use crate::{Decision, Denial, Policy, Store, StoreError};
@@ -104,7 +104,6 @@ impl MemoryStore<MonotonicClock> {
     }
 
     /// A builder for a store with other bounds or another clock.
-    #[must_use]
     pub fn builder() -> MemoryStoreBuilder<MonotonicClock> {
         MemoryStoreBuilder::default()
     }
@@ -128,7 +127,10 @@ impl<C> fmt::Debug for MemoryStore<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryStore")
             .field("shards", &self.shared.shards.len())
-            .field("max_keys", &(self.shared.max_per_shard * self.shared.shards.len()))
+            .field(
+                "max_keys",
+                &(self.shared.max_per_shard * self.shared.shards.len()),
+            )
             .field("when_full", &self.shared.when_full)
             .finish_non_exhaustive()
     }
@@ -136,7 +138,9 @@ impl<C> fmt::Debug for MemoryStore<C> {
 
 impl<C: Clock> MemoryStore<C> {
     fn from_builder(builder: MemoryStoreBuilder<C>) -> Self {
-        let shards = builder.shards.unwrap_or_else(|| default_shards(builder.max_keys));
+        let shards = builder
+            .shards
+            .unwrap_or_else(|| default_shards(builder.max_keys));
         let max_per_shard = builder.max_keys.div_ceil(shards);
         let shards: Box<[Shard]> = (0..shards)
             .map(|_| {
@@ -169,7 +173,14 @@ impl<C: Clock> MemoryStore<C> {
         let hash = shared.hasher.hash_one((policy.id(), key));
         let shard = &shared.shards[((hash >> 32) & shared.shard_mask) as usize];
         let mut table = shard.0.lock();
-        table.check(hash, now, policy, cost, shared.max_per_shard, shared.when_full)
+        table.check(
+            hash,
+            now,
+            policy,
+            cost,
+            shared.max_per_shard,
+            shared.when_full,
+        )
     }
 
     /// The number of keys held, idle ones not yet swept included.
@@ -411,5 +422,127 @@ impl<C: Clock> MemoryStoreBuilder<C> {
             }
         }
         Ok(MemoryStore::from_builder(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{Algorithm, ManualClock, Quota};
+
+    fn store(max_keys: usize, when_full: WhenFull) -> (MemoryStore<ManualClock>, ManualClock) {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .max_keys(max_keys)
+            .shards(1)
+            .when_full(when_full)
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        (store, clock)
+    }
+
+    #[test]
+    fn a_full_store_denies_new_keys_and_keeps_limiting_known_ones() {
+        let (store, _clock) = store(300, WhenFull::Deny);
+        let policy =
+            Policy::new("p", Algorithm::TokenBucket, Quota::per_minute(2).unwrap()).unwrap();
+        for i in 0..300u32 {
+            assert!(store.check_sync(&i.to_le_bytes(), &policy, 1).is_allowed());
+        }
+        assert_eq!(store.len(), 300);
+        let stranger = store.check_sync(b"stranger", &policy, 1);
+        assert_eq!(stranger.denial(), Some(Denial::StoreFull));
+        // Known keys keep their state: key 0 has one token left, then none.
+        assert!(
+            store
+                .check_sync(&0u32.to_le_bytes(), &policy, 1)
+                .is_allowed()
+        );
+        assert!(
+            !store
+                .check_sync(&0u32.to_le_bytes(), &policy, 1)
+                .is_allowed()
+        );
+    }
+
+    #[test]
+    fn a_full_store_can_let_new_keys_through_untracked() {
+        let (store, _clock) = store(256, WhenFull::AllowUntracked);
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_minute(1).unwrap()).unwrap();
+        for i in 0..256u32 {
+            store.check_sync(&i.to_le_bytes(), &policy, 1);
+        }
+        for _ in 0..3 {
+            assert!(store.check_sync(b"stranger", &policy, 1).is_allowed());
+        }
+        assert_eq!(store.len(), 256);
+    }
+
+    #[test]
+    fn idle_keys_are_dropped_so_a_flood_of_unique_keys_stays_bounded() {
+        // Every key spends one token; a second later its bucket is full again and the
+        // key is equivalent to a fresh one, so the store may forget it.
+        let (store, clock) = store(1_000, WhenFull::Deny);
+        let policy =
+            Policy::new("p", Algorithm::TokenBucket, Quota::per_second(10).unwrap()).unwrap();
+        for i in 0..100_000u32 {
+            let d = store.check_sync(&i.to_le_bytes(), &policy, 1);
+            assert!(d.is_allowed(), "request {i} was denied: {d:?}");
+            clock.advance(Duration::from_micros(1_000));
+            assert!(store.len() <= 1_000);
+        }
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(store.sweep(), 0);
+    }
+
+    #[test]
+    fn a_request_that_changes_nothing_stores_nothing() {
+        let (store, _clock) = store(100, WhenFull::Deny);
+        let policy = Policy::new(
+            "p",
+            Algorithm::SlidingWindowLog,
+            Quota::per_second(1).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            store.check_sync(b"k", &policy, 2).denial(),
+            Some(Denial::CostExceedsCapacity)
+        );
+        assert!(store.check_sync(b"k", &policy, 0).is_allowed());
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn policies_do_not_share_state_for_the_same_key() {
+        let (store, _clock) = store(100, WhenFull::Deny);
+        let a = Policy::new("a", Algorithm::FixedWindow, Quota::per_minute(1).unwrap()).unwrap();
+        let b = Policy::new("b", Algorithm::FixedWindow, Quota::per_minute(1).unwrap()).unwrap();
+        assert!(store.check_sync(b"k", &a, 1).is_allowed());
+        assert!(store.check_sync(b"k", &b, 1).is_allowed());
+        assert!(!store.check_sync(b"k", &a, 1).is_allowed());
+    }
+
+    #[test]
+    fn clones_share_one_limit() {
+        let (store, _clock) = store(100, WhenFull::Deny);
+        let other = store.clone();
+        let p = Policy::new(
+            "p",
+            Algorithm::SlidingWindowCounter,
+            Quota::per_minute(1).unwrap(),
+        )
+        .unwrap();
+        assert!(store.check_sync(b"k", &p, 1).is_allowed());
+        assert!(!other.check_sync(b"k", &p, 1).is_allowed());
+    }
+
+    #[test]
+    fn bad_bounds_fail_when_the_store_is_built() {
+        let err = MemoryStore::builder().shards(3).build().unwrap_err();
+        assert!(err.to_string().contains("power of two"), "{err}");
+        assert!(MemoryStore::builder().max_keys(0).build().is_err());
     }
 }
