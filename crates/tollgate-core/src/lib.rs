@@ -49,9 +49,11 @@ mod quota;
 mod store;
 
 pub use algorithm::Algorithm;
-pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
 pub use decision::{Decision, Denial};
 pub use error::{ConfigError, StoreError};
 pub use policy::{MAX_POLICY_NAME, Policy};
 pub use quota::Quota;
+#[cfg(feature = "redis")]
+pub use store::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};
 pub use store::{MemoryStore, MemoryStoreBuilder, Store, WhenFull};

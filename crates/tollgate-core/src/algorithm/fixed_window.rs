@@ -53,6 +53,8 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
     if count + cost <= limit {
         let count = count + cost;
         let d = Decision::allow(limit, limit - count, reset(count), 0);
+        // An empty window is a fresh key: keep nothing for it.
+        let end = if count > 0 { end } else { 0 };
         (d, State { end, count })
     } else {
         let d = Decision::limited(limit, limit.saturating_sub(count), end - now, end - now);

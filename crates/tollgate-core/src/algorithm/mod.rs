@@ -83,36 +83,20 @@ impl Algorithm {
             Algorithm::FixedWindow | Algorithm::SlidingWindowLog | Algorithm::SlidingWindowCounter
         )
     }
-
-    /// The algorithm on its packed [`Slot`], or `None` for the sliding window log,
-    /// whose state is a [`sliding_log::Log`].
-    pub(crate) fn slot_fn(self) -> Option<SlotFn> {
-        fn packed<S: SlotState>(
-            f: fn(S, u64, &Quota, u32) -> (Decision, S),
-            slot: Slot,
-            now: u64,
-            quota: &Quota,
-            cost: u32,
-        ) -> (Decision, Slot) {
-            let (d, s) = f(S::from_slot(slot), now, quota, cost);
-            (d, s.to_slot())
-        }
-        Some(match self {
-            Algorithm::TokenBucket => |s, n, q, c| packed(token_bucket::check, s, n, q, c),
-            Algorithm::LeakyBucket => |s, n, q, c| packed(leaky_bucket::meter, s, n, q, c),
-            Algorithm::LeakyBucketShaper => |s, n, q, c| packed(leaky_bucket::shape, s, n, q, c),
-            Algorithm::FixedWindow => |s, n, q, c| packed(fixed_window::check, s, n, q, c),
-            Algorithm::SlidingWindowCounter => {
-                |s, n, q, c| packed(sliding_counter::check, s, n, q, c)
-            }
-            Algorithm::Gcra => |s, n, q, c| packed(gcra::check, s, n, q, c),
-            Algorithm::SlidingWindowLog => return None,
-        })
-    }
 }
 
-/// A fixed-size-state algorithm working on packed state.
-pub(crate) type SlotFn = fn(Slot, u64, &Quota, u32) -> (Decision, Slot);
+/// Runs a fixed-size-state algorithm on its packed [`Slot`].
+#[inline(always)]
+pub(crate) fn packed<S: SlotState>(
+    f: impl FnOnce(S, u64, &Quota, u32) -> (Decision, S),
+    slot: Slot,
+    now: u64,
+    quota: &Quota,
+    cost: u32,
+) -> (Decision, Slot) {
+    let (d, s) = f(S::from_slot(slot), now, quota, cost);
+    (d, s.to_slot())
+}
 
 /// A fixed-size state packed into two integers. The first is always the instant after
 /// which the state is equivalent to a fresh key, so a store can drop idle keys without

@@ -59,7 +59,7 @@ pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
         return Decision::refused(
             Denial::CostExceedsCapacity,
             limit,
-            limit - log.total,
+            limit.saturating_sub(log.total),
             reset(log),
         );
     }
@@ -84,7 +84,7 @@ pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
             break;
         }
     }
-    Decision::limited(limit, limit - log.total, reset(log), retry)
+    Decision::limited(limit, limit.saturating_sub(log.total), reset(log), retry)
 }
 
 #[cfg(test)]

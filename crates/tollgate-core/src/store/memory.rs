@@ -7,8 +7,10 @@ use std::sync::Arc;
 use hashbrown::HashTable;
 use parking_lot::Mutex;
 
-use crate::algorithm::Slot;
 use crate::algorithm::sliding_log::{self, Log};
+use crate::algorithm::{
+    Algorithm, Slot, fixed_window, gcra, leaky_bucket, packed, sliding_counter, token_bucket,
+};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
 use crate::{Decision, Denial, Policy, Store, StoreError};
@@ -94,6 +96,9 @@ struct Table {
     sweep_at: usize,
     /// No held key becomes idle before this instant: sweeping sooner frees nothing.
     earliest_expiry: u64,
+    /// New keys to turn away before sweeping a shard again that a sweep left nearly full,
+    /// so that a flood at the bound costs O(1) per request, not a sweep each.
+    sweep_credit: usize,
 }
 
 impl MemoryStore<MonotonicClock> {
@@ -149,6 +154,7 @@ impl<C: Clock> MemoryStore<C> {
                     logs: HashTable::new(),
                     sweep_at: MIN_SWEEP.min(max_per_shard),
                     earliest_expiry: 0,
+                    sweep_credit: 0,
                 }))
             })
             .collect();
@@ -240,13 +246,43 @@ impl Table {
         max: usize,
         when_full: WhenFull,
     ) -> Decision {
-        let quota = policy.quota();
-        let Some(run) = policy.algorithm().slot_fn() else {
-            return self.check_log(hash, now, policy, cost, max, when_full);
-        };
+        let (q, c) = (policy.quota(), cost);
+        // A direct call per algorithm (not a function pointer), so each is inlined.
+        match policy.algorithm() {
+            Algorithm::TokenBucket => self.check_slot(hash, now, max, when_full, |s| {
+                packed(token_bucket::check, s, now, q, c)
+            }),
+            Algorithm::LeakyBucket => self.check_slot(hash, now, max, when_full, |s| {
+                packed(leaky_bucket::meter, s, now, q, c)
+            }),
+            Algorithm::LeakyBucketShaper => self.check_slot(hash, now, max, when_full, |s| {
+                packed(leaky_bucket::shape, s, now, q, c)
+            }),
+            Algorithm::FixedWindow => self.check_slot(hash, now, max, when_full, |s| {
+                packed(fixed_window::check, s, now, q, c)
+            }),
+            Algorithm::SlidingWindowCounter => self.check_slot(hash, now, max, when_full, |s| {
+                packed(sliding_counter::check, s, now, q, c)
+            }),
+            Algorithm::Gcra => self.check_slot(hash, now, max, when_full, |s| {
+                packed(gcra::check, s, now, q, c)
+            }),
+            _ => self.check_log(hash, now, policy, cost, max, when_full),
+        }
+    }
+
+    #[inline(always)]
+    fn check_slot(
+        &mut self,
+        hash: u64,
+        now: u64,
+        max: usize,
+        when_full: WhenFull,
+        run: impl FnOnce(Slot) -> (Decision, Slot),
+    ) -> Decision {
         let existing = self.slots.find_mut(hash, |e| e.0 == hash);
         let slot = existing.as_ref().map_or([0, 0], |e| e.1);
-        let (decision, next) = run(slot, now, quota, cost);
+        let (decision, next) = run(slot);
         if let Some(entry) = existing {
             entry.1 = next;
         } else if next[0] > now {
@@ -288,8 +324,12 @@ impl Table {
 
     /// Whether one more key fits, sweeping idle keys first when that could help.
     fn has_room(&mut self, now: u64, max: usize) -> bool {
-        if self.len() >= self.sweep_at && now >= self.earliest_expiry {
-            self.sweep(now, max);
+        if self.len() >= self.sweep_at {
+            if self.sweep_credit > 0 {
+                self.sweep_credit -= 1;
+            } else if now >= self.earliest_expiry {
+                self.sweep(now, max);
+            }
         }
         self.len() < max
     }
@@ -314,6 +354,13 @@ impl Table {
         });
         self.earliest_expiry = earliest;
         self.sweep_at = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
+        // Nearly full after sweeping: the next sweep waits for an eighth of the bound in
+        // new keys, so its O(n) cost is spread over as many requests.
+        self.sweep_credit = if self.len() * 8 >= max * 7 {
+            max / 8
+        } else {
+            0
+        };
         if self.len() < self.slots.capacity() / 4 {
             self.slots.shrink_to_fit(|e| e.0);
             self.logs.shrink_to_fit(|e| e.0);

@@ -5,9 +5,13 @@
 //! Redis, for a fleet of nodes sharing one limit.
 
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 
 use std::future::Future;
 
+#[cfg(feature = "redis")]
+pub use self::redis::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};
 pub use memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 
 use crate::{Decision, Policy, StoreError};
