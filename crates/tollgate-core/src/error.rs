@@ -13,7 +13,9 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    pub(crate) fn new(message: impl Into<Cow<'static, str>>) -> Self {
+    /// A configuration error with a message that says what to change (for crates that
+    /// build on tollgate-core and validate their own settings).
+    pub fn new(message: impl Into<Cow<'static, str>>) -> Self {
         ConfigError {
             message: message.into(),
         }
