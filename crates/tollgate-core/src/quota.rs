@@ -51,6 +51,8 @@ pub struct Quota {
     /// Microseconds per unit for the algorithms that space requests (GCRA, the shaper):
     /// `ceil(period / limit)`, rounded up so that they never admit faster than the quota.
     emission_us: u64,
+    /// Microseconds for an empty token bucket to refill: `ceil(burst × period / limit)`.
+    fill_us: u64,
 }
 
 impl Quota {
@@ -122,6 +124,7 @@ impl Quota {
             period_us,
             burst: limit,
             emission_us: period_us.div_ceil(limit),
+            fill_us: period_us,
         };
         quota.check_exact("limit")?;
         Ok(quota)
@@ -138,8 +141,11 @@ impl Quota {
                 "quota burst must be at least 1: a bucket that holds nothing admits nothing",
             ));
         }
+        let burst = u64::from(burst);
         let quota = Quota {
-            burst: u64::from(burst),
+            burst,
+            // The product is checked below; saturating keeps a rejected quota harmless.
+            fill_us: burst.saturating_mul(self.period_us).div_ceil(self.limit),
             ..self
         };
         quota.check_exact("burst")?;
@@ -184,6 +190,13 @@ impl Quota {
     #[must_use]
     pub const fn period_micros(&self) -> u64 {
         self.period_us
+    }
+
+    /// How long an empty token bucket takes to refill, in microseconds: `burst × period /
+    /// limit`, rounded up.
+    #[must_use]
+    pub const fn fill_micros(&self) -> u64 {
+        self.fill_us
     }
 
     /// The spacing between units for GCRA and the shaper, in microseconds: the period

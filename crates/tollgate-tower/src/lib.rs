@@ -1,18 +1,19 @@
-//! tower middleware for tollgate.
+//! tower middleware for tollgate: rate limiting for axum routers, tonic servers and any
+//! tower stack.
 //!
-//! This crate will hold `RateLimitLayer`, the key extractors, per-tier and per-route
-//! policies, and the HTTP 429 and gRPC `RESOURCE_EXHAUSTED` responses. Until then it
-//! re-exports [`tollgate_core`], the algorithms and stores those build on.
-//!
-//! # Examples
-//!
-//! ```
-//! use tollgate_tower::core::{Algorithm, MemoryStore, Policy, Quota};
-//!
-//! let store = MemoryStore::new();
-//! let policy = Policy::new("api", Algorithm::TokenBucket, Quota::per_second(5)?)?;
-//! assert!(store.check_sync(b"key", &policy, 1).is_allowed());
-//! # Ok::<(), tollgate_tower::core::ConfigError>(())
-//! ```
+//! Start at [`RateLimitLayer`]. The algorithms, quotas and stores come from
+//! [`tollgate_core`], re-exported as [`core`].
 
+mod key;
+mod limits;
+pub mod rate_limit;
+mod response;
+
+pub use key::{ClientIp, Global, Header, IpNet, Key, KeyExtractor, PeerIp, UserId, peer_addr};
+pub use limits::{HeaderStyle, MissingKey, OnStoreError, Tiers};
+pub use rate_limit::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
+pub use response::{
+    RATELIMIT, RATELIMIT_POLICY, Rejection, RejectionHandler, Verdict, X_RATELIMIT_LIMIT,
+    X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, default_rejection,
+};
 pub use tollgate_core as core;

@@ -31,17 +31,18 @@ impl State {
             return 0;
         }
         let cap = quota.burst() * quota.period_micros();
-        let fill_us = cap.div_ceil(quota.limit());
-        let ahead = (self.full_at - now).min(fill_us);
+        let ahead = (self.full_at - now).min(quota.fill_micros());
         (ahead * quota.limit()).saturating_sub(self.frac).min(cap)
     }
 
-    fn with_deficit(now: u64, deficit: u64, quota: &Quota) -> Self {
+    /// The state with `deficit` ticks missing at `now`, and how long until it is full.
+    fn with_deficit(now: u64, deficit: u64, quota: &Quota) -> (Self, u64) {
         let us = deficit.div_ceil(quota.limit());
-        State {
+        let state = State {
             full_at: now + us,
             frac: us * quota.limit() - deficit,
-        }
+        };
+        (state, us)
     }
 }
 
@@ -77,8 +78,9 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
     }
     let after = deficit + cost * period;
     if after <= cap {
-        let d = Decision::allow(quota.burst(), remaining(after), reset(after), 0);
-        (d, State::with_deficit(now, after, quota))
+        let (state, reset) = State::with_deficit(now, after, quota);
+        let d = Decision::allow(quota.burst(), remaining(after), reset, 0);
+        (d, state)
     } else {
         let retry = (after - cap).div_ceil(limit);
         let d = Decision::limited(quota.burst(), remaining(deficit), reset(deficit), retry);

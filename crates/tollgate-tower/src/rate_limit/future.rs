@@ -1,0 +1,235 @@
+//! The response future: check the limits, perhaps wait, then call the service.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use pin_project_lite::pin_project;
+use smallvec::SmallVec;
+use tollgate_core::Store;
+use tower_service::Service;
+
+use super::Shared;
+use crate::Key;
+use crate::limits::{OnStoreError, Plan};
+use crate::response::{Rejection, Verdict, add_headers, json, most_restrictive};
+
+pin_project! {
+    /// The future of a [`RateLimit`](super::RateLimit) service's response.
+    pub struct ResponseFuture<S, B, St>
+    where
+        S: Service<Request<B>>,
+        St: Store,
+    {
+        #[pin]
+        state: State<St::Future, S::Future>,
+        shared: Arc<Shared<St>>,
+        // The ready service and its request, until the limits let it through.
+        call: Option<(S, Request<B>)>,
+        key: Option<Key>,
+        plan: Plan,
+        cost: u32,
+        verdicts: SmallVec<[Verdict; 2]>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<C, F> {
+        Checking { #[pin] check: C },
+        Delaying { #[pin] sleep: tokio::time::Sleep },
+        Calling { #[pin] future: F },
+        Respond { response: Option<Response<Bytes>> },
+    }
+}
+
+impl<S, B, St> ResponseFuture<S, B, St>
+where
+    S: Service<Request<B>>,
+    St: Store,
+{
+    /// Checks `plan` for `key`, then calls `service` with `request`.
+    pub(super) fn checking(
+        shared: Arc<Shared<St>>,
+        key: Key,
+        plan: Plan,
+        cost: u32,
+        service: S,
+        request: Request<B>,
+    ) -> Self {
+        let policy = &shared.limits.policies[plan[0]];
+        let check = shared.store.check(key.as_bytes(), policy, cost);
+        ResponseFuture {
+            state: State::Checking { check },
+            call: Some((service, request)),
+            key: Some(key),
+            plan,
+            cost,
+            verdicts: SmallVec::new(),
+            shared,
+        }
+    }
+
+    /// Calls `service` with `request` without limiting it.
+    pub(super) fn passthrough(
+        shared: Arc<Shared<St>>,
+        mut service: S,
+        request: Request<B>,
+    ) -> Self {
+        ResponseFuture {
+            state: State::Calling {
+                future: service.call(request),
+            },
+            call: None,
+            key: None,
+            plan: Plan::new(),
+            cost: 0,
+            verdicts: SmallVec::new(),
+            shared,
+        }
+    }
+
+    /// Answers `response` without calling the service.
+    pub(super) fn respond(shared: Arc<Shared<St>>, response: Response<Bytes>) -> Self {
+        ResponseFuture {
+            state: State::Respond {
+                response: Some(response),
+            },
+            call: None,
+            key: None,
+            plan: Plan::new(),
+            cost: 0,
+            verdicts: SmallVec::new(),
+            shared,
+        }
+    }
+}
+
+impl<S, B, St, ResBody> Future for ResponseFuture<S, B, St>
+where
+    S: Service<Request<B>, Response = Response<ResBody>>,
+    St: Store,
+    ResBody: From<Bytes>,
+{
+    type Output = Result<Response<ResBody>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Checking { check } => {
+                    let shared = &**this.shared;
+                    let index = this.plan[this.verdicts.len()];
+                    let policy = &shared.limits.policies[index];
+                    match ready!(check.poll(cx)) {
+                        Ok(decision) => {
+                            this.verdicts.push(Verdict {
+                                policy: policy.clone(),
+                                decision,
+                            });
+                            if !decision.is_allowed() {
+                                let response = reject(shared, this.verdicts);
+                                this.state.set(State::Respond {
+                                    response: Some(response),
+                                });
+                                continue;
+                            }
+                            if let (Some(&next), Some(key)) =
+                                (this.plan.get(this.verdicts.len()), this.key.as_ref())
+                            {
+                                let check = shared.store.check(
+                                    key.as_bytes(),
+                                    &shared.limits.policies[next],
+                                    *this.cost,
+                                );
+                                this.state.set(State::Checking { check });
+                                continue;
+                            }
+                            let delay = this
+                                .verdicts
+                                .iter()
+                                .map(|v| v.decision.delay_micros())
+                                .max()
+                                .unwrap_or(0);
+                            if delay > 0 {
+                                let sleep = tokio::time::sleep(Duration::from_micros(delay));
+                                this.state.set(State::Delaying { sleep });
+                                continue;
+                            }
+                        }
+                        Err(error) => match shared.on_error {
+                            OnStoreError::Allow => {
+                                tracing::warn!(%error, policy = policy.name(), "rate limit store failed; letting the request through");
+                                this.verdicts.clear();
+                            }
+                            _ => {
+                                tracing::warn!(%error, policy = policy.name(), "rate limit store failed; answering 503");
+                                let response = json(
+                                    StatusCode::SERVICE_UNAVAILABLE,
+                                    "Rate limiting is unavailable. Please retry later.",
+                                );
+                                this.state.set(State::Respond {
+                                    response: Some(response),
+                                });
+                                continue;
+                            }
+                        },
+                    }
+                    call_inner(this.call, this.state.as_mut());
+                }
+                StateProj::Delaying { sleep } => {
+                    ready!(sleep.poll(cx));
+                    call_inner(this.call, this.state.as_mut());
+                }
+                StateProj::Calling { future } => {
+                    let mut response = ready!(future.poll(cx))?;
+                    if let Some(most) = most_restrictive(this.verdicts) {
+                        let shared = &**this.shared;
+                        let now = shared.clock.now_micros();
+                        add_headers(
+                            response.headers_mut(),
+                            shared.headers,
+                            this.verdicts,
+                            most,
+                            now,
+                        );
+                    }
+                    return Poll::Ready(Ok(response));
+                }
+                StateProj::Respond { response } => {
+                    let response = response
+                        .take()
+                        .expect("ResponseFuture polled after it completed");
+                    return Poll::Ready(Ok(response.map(ResBody::from)));
+                }
+            }
+        }
+    }
+}
+
+fn call_inner<S, B, C>(call: &mut Option<(S, Request<B>)>, mut state: Pin<&mut State<C, S::Future>>)
+where
+    S: Service<Request<B>>,
+{
+    // Present until the first call: every path that gets here set it and took nothing.
+    if let Some((mut service, request)) = call.take() {
+        state.set(State::Calling {
+            future: service.call(request),
+        });
+    }
+}
+
+/// The response to a denied request: the handler's body, our headers.
+fn reject<St>(shared: &Shared<St>, verdicts: &[Verdict]) -> Response<Bytes> {
+    let Some(most) = most_restrictive(verdicts) else {
+        return json(StatusCode::TOO_MANY_REQUESTS, "API rate limit exceeded.");
+    };
+    let mut response = (shared.on_rejected)(&Rejection::new(most));
+    let now = shared.clock.now_micros();
+    add_headers(response.headers_mut(), shared.headers, verdicts, most, now);
+    response
+}

@@ -1,0 +1,111 @@
+//! The rate-limiting service.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use tollgate_core::Store;
+use tower_service::Service;
+
+use super::{ResponseFuture, Shared};
+use crate::key::{Key, KeyExtractor, PeerIp};
+use crate::limits::MissingKey;
+use crate::response::json;
+
+/// Rate limits the requests to `S`. Built by [`RateLimitLayer`](super::RateLimitLayer);
+/// clones share their limits.
+pub struct RateLimit<S, St, K> {
+    inner: S,
+    shared: Arc<Shared<St>>,
+    key: Arc<K>,
+}
+
+impl<S, St, K> RateLimit<S, St, K> {
+    pub(super) fn new(inner: S, shared: Arc<Shared<St>>, key: Arc<K>) -> Self {
+        RateLimit { inner, shared, key }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, St, K> Clone for RateLimit<S, St, K> {
+    fn clone(&self) -> Self {
+        RateLimit {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+            key: Arc::clone(&self.key),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St, K> fmt::Debug for RateLimit<S, St, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .field("limits", &self.shared.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St, K, B, ResBody> Service<Request<B>> for RateLimit<S, St, K>
+where
+    S: Service<Request<B>, Response = Response<ResBody>> + Clone,
+    St: Store,
+    K: KeyExtractor<B>,
+    ResBody: From<bytes::Bytes>,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, B, St>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // The ready service goes with this request; its clone waits for the next
+        // poll_ready (tower-service's "be careful when cloning inner services").
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = Arc::clone(&self.shared);
+        let key = match self.key.extract(&request) {
+            Some(key) => key,
+            None => match shared.missing {
+                MissingKey::FallbackToIp => {
+                    // Without a peer address every such caller shares one key: still limited.
+                    KeyExtractor::<B>::extract(&PeerIp::new(), &request)
+                        .unwrap_or_else(|| Key::new("ip", "unknown"))
+                }
+                MissingKey::Allow => return ResponseFuture::passthrough(shared, inner, request),
+                MissingKey::Reject(status) => {
+                    let response = json(
+                        status,
+                        "No rate-limit key could be determined for this request.",
+                    );
+                    return ResponseFuture::respond(shared, response);
+                }
+            },
+        };
+        let plan = shared
+            .limits
+            .plan(&key, request.method(), request.uri().path());
+        let cost = shared.cost.as_ref().map_or(1, |cost| {
+            cost(request.method(), request.uri(), request.headers())
+        });
+        ResponseFuture::checking(shared, key, plan, cost, inner, request)
+    }
+}
