@@ -54,6 +54,9 @@ pub use decision::{Decision, Denial};
 pub use error::{ConfigError, StoreError};
 pub use policy::{MAX_POLICY_NAME, Policy};
 pub use quota::Quota;
+pub use store::{
+    BreakerState, MemoryStore, MemoryStoreBuilder, Resilient, ResilientBuilder, ResilientFuture,
+    Store, WhenFull,
+};
 #[cfg(feature = "redis")]
 pub use store::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};
-pub use store::{MemoryStore, MemoryStoreBuilder, Store, WhenFull};

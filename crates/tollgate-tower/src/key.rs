@@ -160,6 +160,12 @@ pub fn peer_addr<B>(request: &Request<B>) -> Option<IpAddr> {
     if let Some(info) = ext.get::<axum::extract::ConnectInfo<SocketAddr>>() {
         return Some(info.0.ip());
     }
+    #[cfg(feature = "tonic")]
+    if let Some(info) = ext.get::<tonic::transport::server::TcpConnectInfo>() {
+        if let Some(addr) = info.remote_addr() {
+            return Some(addr.ip());
+        }
+    }
     ext.get::<SocketAddr>().map(SocketAddr::ip)
 }
 

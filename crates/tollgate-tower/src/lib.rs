@@ -4,6 +4,8 @@
 //! Start at [`RateLimitLayer`]. The algorithms, quotas and stores come from
 //! [`tollgate_core`], re-exported as [`core`].
 
+#[cfg(feature = "tonic")]
+pub mod grpc;
 mod key;
 mod limits;
 pub mod rate_limit;
@@ -13,7 +15,7 @@ pub use key::{ClientIp, Global, Header, IpNet, Key, KeyExtractor, PeerIp, UserId
 pub use limits::{HeaderStyle, MissingKey, OnStoreError, Tiers};
 pub use rate_limit::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
 pub use response::{
-    RATELIMIT, RATELIMIT_POLICY, Rejection, RejectionHandler, Verdict, X_RATELIMIT_LIMIT,
-    X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, default_rejection,
+    RATELIMIT, RATELIMIT_POLICY, Rejection, RejectionBody, RejectionHandler, Verdict,
+    X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, default_rejection,
 };
 pub use tollgate_core as core;

@@ -21,6 +21,65 @@ pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-pol
 /// `RateLimit` (IETF draft): each applied policy's remaining units and reset time.
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
+/// A response body the layer can write its own answers (429, 503, gRPC statuses) in.
+///
+/// Implemented for the bodies of axum (feature `axum`), tonic (feature `tonic`),
+/// `http_body_util`'s `Full<Bytes>` and boxed bodies, and plain `Bytes`, `Vec<u8>` and
+/// `String`.
+pub trait RejectionBody: Sized {
+    /// A body holding `bytes`.
+    fn from_bytes(bytes: Bytes) -> Self;
+}
+
+impl RejectionBody for Bytes {
+    fn from_bytes(bytes: Bytes) -> Self {
+        bytes
+    }
+}
+
+impl RejectionBody for Vec<u8> {
+    fn from_bytes(bytes: Bytes) -> Self {
+        bytes.into()
+    }
+}
+
+impl RejectionBody for String {
+    fn from_bytes(bytes: Bytes) -> Self {
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+impl RejectionBody for http_body_util::Full<Bytes> {
+    fn from_bytes(bytes: Bytes) -> Self {
+        http_body_util::Full::new(bytes)
+    }
+}
+
+impl<E> RejectionBody for http_body_util::combinators::BoxBody<Bytes, E> {
+    fn from_bytes(bytes: Bytes) -> Self {
+        use http_body_util::BodyExt;
+        http_body_util::Full::new(bytes)
+            .map_err(|never| match never {})
+            .boxed()
+    }
+}
+
+impl<E: 'static> RejectionBody for http_body_util::combinators::UnsyncBoxBody<Bytes, E> {
+    fn from_bytes(bytes: Bytes) -> Self {
+        use http_body_util::BodyExt;
+        http_body_util::Full::new(bytes)
+            .map_err(|never| match never {})
+            .boxed_unsync()
+    }
+}
+
+#[cfg(feature = "axum")]
+impl RejectionBody for axum::body::Body {
+    fn from_bytes(bytes: Bytes) -> Self {
+        axum::body::Body::from(bytes)
+    }
+}
+
 /// A decision, and the policy that made it.
 #[derive(Clone, Debug)]
 pub struct Verdict {
@@ -87,6 +146,17 @@ pub fn default_rejection(rejection: &Rejection<'_>) -> Response<Bytes> {
             .to_owned(),
     };
     json(StatusCode::TOO_MANY_REQUESTS, &message)
+}
+
+/// The layer's own refusal (a missing key, a failed store): JSON over HTTP, the matching
+/// status code over gRPC.
+pub(crate) fn refusal(status: StatusCode, message: &str, grpc: bool) -> Response<Bytes> {
+    #[cfg(feature = "tonic")]
+    if grpc {
+        return crate::grpc::response(crate::grpc::status_for_http(status, message));
+    }
+    let _ = grpc;
+    json(status, message)
 }
 
 /// A JSON error response `{"error": <reason>, "message": <message>}`.

@@ -7,12 +7,14 @@
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
+mod resilient;
 
 use std::future::Future;
 
 #[cfg(feature = "redis")]
 pub use self::redis::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};
 pub use memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
+pub use resilient::{BreakerState, Resilient, ResilientBuilder, ResilientFuture};
 
 use crate::{Decision, Policy, StoreError};
 

@@ -1,22 +1,26 @@
 //! The Redis store: every algorithm as one atomic Lua script, shared by a fleet.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 use sha2::{Digest, Sha256};
 
 use crate::algorithm::Algorithm;
-use crate::clock::Clock;
+use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
-use crate::{Decision, Policy, Store, StoreError};
+use crate::{Decision, Denial, Policy, Store, StoreError};
 
 /// The default per-call timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+/// The default capacity of the local deny cache.
+const DEFAULT_DENY_CACHE: usize = 65_536;
 /// The longest user key stored as it is; longer (or unusual) keys are hashed.
 pub const MAX_LITERAL_KEY: usize = 96;
 
@@ -30,29 +34,28 @@ macro_rules! script {
     };
 }
 
-/// One composed script per algorithm: the prelude, the files it needs, its entry call.
-static SCRIPTS: LazyLock<[Script; 7]> = LazyLock::new(|| {
-    [
-        Script::new(script!("token_bucket.lua"; "return run(token_bucket)")),
-        Script::new(
-            script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_meter)"),
-        ),
-        Script::new(
-            script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_shaper)"),
-        ),
-        Script::new(script!("fixed_window.lua"; "return run(fixed_window)")),
-        Script::new(script!("sliding_window_log.lua"; "return run_log()")),
-        Script::new(script!("sliding_window_counter.lua"; "return run(sliding_window_counter)")),
-        Script::new(script!("gcra.lua"; "return run(gcra)")),
-    ]
-});
+/// One composed script per algorithm, in [`Algorithm::ALL`] order: the prelude, the
+/// files it needs, its entry call.
+const SOURCES: [&str; 7] = [
+    script!("token_bucket.lua"; "return run(token_bucket)"),
+    script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_meter)"),
+    script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_shaper)"),
+    script!("fixed_window.lua"; "return run(fixed_window)"),
+    script!("sliding_window_log.lua"; "return run_log()"),
+    script!("sliding_window_counter.lua"; "return run(sliding_window_counter)"),
+    script!("gcra.lua"; "return run(gcra)"),
+];
 
-fn script(algorithm: Algorithm) -> &'static Script {
+/// The scripts with their SHA-1s, computed once.
+static SCRIPTS: LazyLock<[Script; 7]> = LazyLock::new(|| SOURCES.map(Script::new));
+
+/// An algorithm's script and its source.
+fn script(algorithm: Algorithm) -> (&'static Script, &'static str) {
     let i = Algorithm::ALL
         .iter()
         .position(|a| *a == algorithm)
         .unwrap_or(0);
-    &SCRIPTS[i]
+    (&SCRIPTS[i], SOURCES[i])
 }
 
 /// A short, stable suffix per algorithm, so that changing a policy's algorithm never
@@ -121,10 +124,99 @@ struct Inner {
     timeout: Duration,
     clock: Option<Arc<dyn Clock>>,
     grace_ms: u64,
+    deny_cache: Option<DenyCache>,
+}
+
+/// Unit-cost denials Redis gave, answered locally until they expire.
+///
+/// Once Redis denies a one-unit request for a key until `T`, the key has less than one
+/// unit until `T`: time only refills it, and no request of any cost can be admitted by
+/// any node before then, so the key's state cannot change. Each node may therefore answer
+/// the key's one-unit requests itself until `T`, and its answer is the one Redis would
+/// give, field by field: remaining 0, the retry and reset times counted down. It never
+/// admits anything. A flood from one key then costs Redis about one call per node per
+/// retry period instead of one per request. (Counting down uses this node's clock: with
+/// the server's `TIME`, local and server time differ by the call's latency, so a local
+/// denial can outlast Redis's by that much.)
+struct DenyCache {
+    clock: Arc<dyn Clock>,
+    hasher: ahash::RandomState,
+    shards: Box<[Mutex<HashMap<u64, Denied>>]>,
+    per_shard: usize,
+}
+
+#[derive(Clone, Copy)]
+struct Denied {
+    until_us: u64,
+    reset_at_us: u64,
+    limit: u64,
+}
+
+impl DenyCache {
+    const SHARDS: usize = 16;
+
+    fn new(capacity: usize, clock: Arc<dyn Clock>) -> Self {
+        DenyCache {
+            clock,
+            hasher: ahash::RandomState::new(),
+            shards: (0..Self::SHARDS).map(|_| Mutex::default()).collect(),
+            per_shard: capacity.div_ceil(Self::SHARDS),
+        }
+    }
+
+    fn slot(&self, key: &[u8], policy: &Policy) -> (u64, &Mutex<HashMap<u64, Denied>>) {
+        let hash = self.hasher.hash_one((policy.id(), key));
+        (hash, &self.shards[(hash as usize) % Self::SHARDS])
+    }
+
+    /// The local answer for a request, if a denial still covers it.
+    fn lookup(&self, key: &[u8], policy: &Policy, cost: u32) -> Option<Decision> {
+        if cost != 1 {
+            return None;
+        }
+        let (hash, shard) = self.slot(key, policy);
+        let now = self.clock.now_micros();
+        let mut map = shard.lock();
+        let denied = *map.get(&hash)?;
+        if now >= denied.until_us {
+            map.remove(&hash);
+            return None;
+        }
+        Some(Decision::limited(
+            denied.limit,
+            0,
+            denied.reset_at_us.saturating_sub(now),
+            denied.until_us - now,
+        ))
+    }
+
+    fn remember(&self, key: &[u8], policy: &Policy, cost: u32, decision: &Decision) {
+        if cost != 1 || decision.denial() != Some(Denial::Limited) {
+            return;
+        }
+        let (hash, shard) = self.slot(key, policy);
+        let now = self.clock.now_micros();
+        let mut map = shard.lock();
+        if map.len() >= self.per_shard && !map.contains_key(&hash) {
+            map.retain(|_, d| d.until_us > now);
+            if map.len() >= self.per_shard {
+                return;
+            }
+        }
+        map.insert(
+            hash,
+            Denied {
+                until_us: now + decision.retry_after_micros(),
+                reset_at_us: now + decision.reset_after_micros(),
+                limit: decision.limit(),
+            },
+        );
+    }
 }
 
 enum Backend {
     Manager(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
     #[cfg(feature = "deadpool")]
     Pool(deadpool_redis::Pool),
 }
@@ -133,6 +225,7 @@ impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let backend = match self.inner.backend {
             Backend::Manager(_) => "multiplexed",
+            Backend::Cluster(_) => "cluster",
             #[cfg(feature = "deadpool")]
             Backend::Pool(_) => "deadpool",
         };
@@ -160,6 +253,7 @@ impl RedisStore {
             timeout: DEFAULT_TIMEOUT,
             clock: None,
             grace: Duration::ZERO,
+            deny_cache: DEFAULT_DENY_CACHE,
         }
     }
 
@@ -168,7 +262,7 @@ impl RedisStore {
     /// described at the top of `lua/prelude.lua`.
     #[must_use]
     pub fn script_sha(algorithm: Algorithm) -> &'static str {
-        script(algorithm).get_hash()
+        script(algorithm).0.get_hash()
     }
 
     /// The Redis keys holding `key`'s state under `policy`: one for every algorithm but
@@ -191,44 +285,60 @@ impl RedisStore {
 
     async fn eval(
         &self,
-        script: &'static Script,
+        script: (&'static Script, &'static str),
         keys: Vec<String>,
         args: [String; 7],
     ) -> Result<Vec<i64>, StoreError> {
-        let mut invocation = script.prepare_invoke();
-        for key in &keys {
-            invocation.key(key);
-        }
-        for arg in &args {
-            invocation.arg(arg);
-        }
-        async fn invoke(
-            invocation: &redis::ScriptInvocation<'_>,
-            con: &mut impl ConnectionLike,
-        ) -> Result<Vec<i64>, RedisError> {
-            invocation.invoke_async(con).await
-        }
         match &self.inner.backend {
             Backend::Manager(manager) => {
                 let mut con = manager.clone();
-                match invoke(&invocation, &mut con).await {
+                match invoke(script, &keys, &args, &mut con).await {
                     // A connection that broke (a restart, a failover) is reopened by the
                     // manager: one retry, within the same timeout.
                     Err(e) if e.is_connection_dropped() || e.is_io_error() => {
-                        invoke(&invocation, &mut con).await.map_err(redis_error)
+                        invoke(script, &keys, &args, &mut con)
+                            .await
+                            .map_err(redis_error)
                     }
                     other => other.map_err(redis_error),
                 }
             }
+            Backend::Cluster(cluster) => invoke(script, &keys, &args, &mut cluster.clone())
+                .await
+                .map_err(redis_error),
             #[cfg(feature = "deadpool")]
             Backend::Pool(pool) => {
                 let mut con = pool
                     .get()
                     .await
                     .map_err(|e| StoreError::with_source("no Redis connection from the pool", e))?;
-                invoke(&invocation, &mut con).await.map_err(redis_error)
+                invoke(script, &keys, &args, &mut con)
+                    .await
+                    .map_err(redis_error)
             }
         }
+    }
+}
+
+/// `EVALSHA`, and on `NOSCRIPT` (after `SCRIPT FLUSH`, a restart, a failover, or a
+/// cluster node that never saw the script) `EVAL` of the source, which also caches it on
+/// that node: the call goes to the node that owns the keys either way.
+async fn invoke(
+    (script, source): (&'static Script, &'static str),
+    keys: &[String],
+    args: &[String; 7],
+    con: &mut impl ConnectionLike,
+) -> Result<Vec<i64>, RedisError> {
+    let call = |command: &str, first: &str| {
+        let mut cmd = redis::cmd(command);
+        cmd.arg(first).arg(keys.len()).arg(keys).arg(&args[..]);
+        cmd
+    };
+    match call("EVALSHA", script.get_hash()).query_async(con).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            call("EVAL", source).query_async(con).await
+        }
+        other => other,
     }
 }
 
@@ -243,7 +353,16 @@ impl Store for RedisStore {
     type Future = RedisFuture;
 
     fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
+        if let Some(decision) = self
+            .inner
+            .deny_cache
+            .as_ref()
+            .and_then(|cache| cache.lookup(key, policy, cost))
+        {
+            return Box::pin(std::future::ready(Ok(decision)));
+        }
         let this = self.clone();
+        let (user_key, policy_for_cache) = (key.to_vec(), policy.clone());
         let keys = self.keys_for(key, policy);
         let quota = policy.quota();
         let now = self
@@ -268,7 +387,11 @@ impl Store for RedisStore {
                 .map_err(|_| {
                     StoreError::new(format!("Redis call timed out after {timeout:?}"))
                 })??;
-            parse(&reply)
+            let decision = parse(&reply)?;
+            if let Some(cache) = &this.inner.deny_cache {
+                cache.remember(&user_key, &policy_for_cache, cost, &decision);
+            }
+            Ok(decision)
         })
     }
 }
@@ -321,6 +444,7 @@ pub struct RedisStoreBuilder {
     timeout: Duration,
     clock: Option<Arc<dyn Clock>>,
     grace: Duration,
+    deny_cache: usize,
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -363,6 +487,16 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Remembers up to `entries` unit-cost denials and answers them locally until they
+    /// expire (default 65,536; 0 turns the cache off). Its answers are the ones Redis
+    /// would give and it never admits anything, so it is on by default; a flood from one
+    /// key then costs Redis about one call per node per retry period instead of one per
+    /// request.
+    pub fn deny_cache(mut self, entries: usize) -> Self {
+        self.deny_cache = entries;
+        self
+    }
+
     /// Extra time-to-live added to every key beyond the instant its state becomes fresh.
     pub fn grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
@@ -391,8 +525,15 @@ impl RedisStoreBuilder {
                 backend,
                 prefix: self.prefix,
                 timeout: self.timeout,
-                clock: self.clock,
                 grace_ms: u64::try_from(self.grace.as_millis()).unwrap_or(u64::MAX),
+                deny_cache: (self.deny_cache > 0).then(|| {
+                    let clock = self
+                        .clock
+                        .clone()
+                        .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
+                    DenyCache::new(self.deny_cache, clock)
+                }),
+                clock: self.clock,
             }),
         }
     }
@@ -426,6 +567,40 @@ impl RedisStoreBuilder {
         })?
         .map_err(|e| StoreError::with_source(format!("could not connect to Redis: {e}"), e))?;
         Ok(self.build(Backend::Manager(manager)))
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` URLs):
+    /// the client learns the slot map, sends each script to the master that owns its
+    /// keys (one hash tag per key, so never `CROSSSLOT`), and follows `MOVED` and `ASK`
+    /// during resharding and failover.
+    ///
+    /// # Errors
+    ///
+    /// When the prefix or timeout is invalid, or no node can be reached within the
+    /// timeout.
+    pub async fn connect_cluster(self, nodes: &[&str]) -> Result<RedisStore, StoreError> {
+        self.validate()
+            .map_err(|e| StoreError::with_source(e.to_string(), e))?;
+        let client = redis::cluster::ClusterClient::builder(nodes.iter().copied())
+            .connection_timeout(self.timeout)
+            .response_timeout(self.timeout)
+            .retries(2)
+            .min_retry_wait(10)
+            .max_retry_wait(100)
+            .build()
+            .map_err(|e| StoreError::with_source(format!("bad Redis Cluster nodes: {e}"), e))?;
+        let connection = tokio::time::timeout(self.timeout, client.get_async_connection())
+            .await
+            .map_err(|_| {
+                StoreError::new(format!(
+                    "could not connect to the Redis Cluster within {:?}",
+                    self.timeout
+                ))
+            })?
+            .map_err(|e| {
+                StoreError::with_source(format!("could not connect to the Redis Cluster: {e}"), e)
+            })?;
+        Ok(self.build(Backend::Cluster(connection)))
     }
 
     /// Uses an existing redis-rs `ConnectionManager`.
@@ -472,7 +647,7 @@ mod tests {
     fn every_algorithm_has_its_own_script() {
         let shas: std::collections::HashSet<_> = Algorithm::ALL
             .iter()
-            .map(|a| script(*a).get_hash())
+            .map(|a| script(*a).0.get_hash())
             .collect();
         assert_eq!(shas.len(), Algorithm::ALL.len());
     }

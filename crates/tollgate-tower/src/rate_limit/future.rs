@@ -16,7 +16,7 @@ use tower_service::Service;
 use super::Shared;
 use crate::Key;
 use crate::limits::{OnStoreError, Plan};
-use crate::response::{Rejection, Verdict, add_headers, json, most_restrictive};
+use crate::response::{Rejection, RejectionBody, Verdict, add_headers, most_restrictive, refusal};
 
 pin_project! {
     /// The future of a [`RateLimit`](super::RateLimit) service's response.
@@ -33,6 +33,7 @@ pin_project! {
         key: Option<Key>,
         plan: Plan,
         cost: u32,
+        grpc: bool,
         verdicts: SmallVec<[Verdict; 2]>,
     }
 }
@@ -58,6 +59,7 @@ where
         key: Key,
         plan: Plan,
         cost: u32,
+        grpc: bool,
         service: S,
         request: Request<B>,
     ) -> Self {
@@ -69,6 +71,7 @@ where
             key: Some(key),
             plan,
             cost,
+            grpc,
             verdicts: SmallVec::new(),
             shared,
         }
@@ -88,6 +91,7 @@ where
             key: None,
             plan: Plan::new(),
             cost: 0,
+            grpc: false,
             verdicts: SmallVec::new(),
             shared,
         }
@@ -103,6 +107,7 @@ where
             key: None,
             plan: Plan::new(),
             cost: 0,
+            grpc: false,
             verdicts: SmallVec::new(),
             shared,
         }
@@ -113,7 +118,7 @@ impl<S, B, St, ResBody> Future for ResponseFuture<S, B, St>
 where
     S: Service<Request<B>, Response = Response<ResBody>>,
     St: Store,
-    ResBody: From<Bytes>,
+    ResBody: RejectionBody,
 {
     type Output = Result<Response<ResBody>, S::Error>;
 
@@ -132,7 +137,7 @@ where
                                 decision,
                             });
                             if !decision.is_allowed() {
-                                let response = reject(shared, this.verdicts);
+                                let response = reject(shared, this.verdicts, *this.grpc);
                                 this.state.set(State::Respond {
                                     response: Some(response),
                                 });
@@ -168,9 +173,10 @@ where
                             }
                             _ => {
                                 tracing::warn!(%error, policy = policy.name(), "rate limit store failed; answering 503");
-                                let response = json(
+                                let response = refusal(
                                     StatusCode::SERVICE_UNAVAILABLE,
                                     "Rate limiting is unavailable. Please retry later.",
+                                    *this.grpc,
                                 );
                                 this.state.set(State::Respond {
                                     response: Some(response),
@@ -204,7 +210,7 @@ where
                     let response = response
                         .take()
                         .expect("ResponseFuture polled after it completed");
-                    return Poll::Ready(Ok(response.map(ResBody::from)));
+                    return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
                 }
             }
         }
@@ -223,12 +229,27 @@ where
     }
 }
 
-/// The response to a denied request: the handler's body, our headers.
-fn reject<St>(shared: &Shared<St>, verdicts: &[Verdict]) -> Response<Bytes> {
+/// The response to a denied request: the handler's body (over gRPC, the status), our
+/// headers.
+fn reject<St>(shared: &Shared<St>, verdicts: &[Verdict], grpc: bool) -> Response<Bytes> {
     let Some(most) = most_restrictive(verdicts) else {
-        return json(StatusCode::TOO_MANY_REQUESTS, "API rate limit exceeded.");
+        return refusal(
+            StatusCode::TOO_MANY_REQUESTS,
+            "API rate limit exceeded.",
+            grpc,
+        );
     };
-    let mut response = (shared.on_rejected)(&Rejection::new(most));
+    #[cfg(feature = "tonic")]
+    let mut response = if grpc {
+        crate::grpc::response(crate::grpc::rejection_status(most))
+    } else {
+        (shared.on_rejected)(&Rejection::new(most))
+    };
+    #[cfg(not(feature = "tonic"))]
+    let mut response = {
+        let _ = grpc;
+        (shared.on_rejected)(&Rejection::new(most))
+    };
     let now = shared.clock.now_micros();
     add_headers(response.headers_mut(), shared.headers, verdicts, most, now);
     response

@@ -63,6 +63,14 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
     }
 }
 
+impl<St, K> RateLimitLayer<St, K> {
+    /// The shared state and key extractor, for other front ends over the same limits.
+    #[cfg_attr(not(feature = "tonic"), allow(dead_code))]
+    pub(crate) fn parts(&self) -> (Arc<Shared<St>>, Arc<K>) {
+        (Arc::clone(&self.shared), Arc::clone(&self.key))
+    }
+}
+
 impl<S, St, K> Layer<S> for RateLimitLayer<St, K> {
     type Service = RateLimit<S, St, K>;
 

@@ -11,7 +11,7 @@ use tower_service::Service;
 use super::{ResponseFuture, Shared};
 use crate::key::{Key, KeyExtractor, PeerIp};
 use crate::limits::MissingKey;
-use crate::response::json;
+use crate::response::{RejectionBody, refusal};
 
 /// Rate limits the requests to `S`. Built by [`RateLimitLayer`](super::RateLimitLayer);
 /// clones share their limits.
@@ -66,7 +66,7 @@ where
     S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     St: Store,
     K: KeyExtractor<B>,
-    ResBody: From<bytes::Bytes>,
+    ResBody: RejectionBody,
 {
     type Response = Response<ResBody>;
     type Error = S::Error;
@@ -82,6 +82,10 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = Arc::clone(&self.shared);
+        #[cfg(feature = "tonic")]
+        let grpc = crate::grpc::is_grpc(request.headers());
+        #[cfg(not(feature = "tonic"))]
+        let grpc = false;
         let key = match self.key.extract(&request) {
             Some(key) => key,
             None => match shared.missing {
@@ -92,9 +96,10 @@ where
                 }
                 MissingKey::Allow => return ResponseFuture::passthrough(shared, inner, request),
                 MissingKey::Reject(status) => {
-                    let response = json(
+                    let response = refusal(
                         status,
                         "No rate-limit key could be determined for this request.",
+                        grpc,
                     );
                     return ResponseFuture::respond(shared, response);
                 }
@@ -106,6 +111,6 @@ where
         let cost = shared.cost.as_ref().map_or(1, |cost| {
             cost(request.method(), request.uri(), request.headers())
         });
-        ResponseFuture::checking(shared, key, plan, cost, inner, request)
+        ResponseFuture::checking(shared, key, plan, cost, grpc, inner, request)
     }
 }
