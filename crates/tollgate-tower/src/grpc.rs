@@ -173,7 +173,17 @@ where
     fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
         let shared = &*self.shared;
         let (metadata, extensions, ()) = request.into_parts();
+        // The call as the layer sees it, for the key extractor and the cost function: a
+        // POST, to the method's path when a `GrpcMethod` extension names it.
+        let path = extensions
+            .get::<tonic::GrpcMethod<'static>>()
+            .map(|m| format!("/{}/{}", m.service(), m.method()))
+            .unwrap_or_default();
         let mut http = http::Request::new(());
+        *http.method_mut() = http::Method::POST;
+        if let Ok(uri) = http::Uri::try_from(path.as_str()) {
+            *http.uri_mut() = uri;
+        }
         *http.headers_mut() = metadata.into_headers();
         *http.extensions_mut() = extensions;
         let key = match self.key.extract(&http) {
@@ -193,12 +203,7 @@ where
             },
         };
         if let Some(key) = key {
-            let path = http
-                .extensions()
-                .get::<tonic::GrpcMethod<'static>>()
-                .map(|m| format!("/{}/{}", m.service(), m.method()))
-                .unwrap_or_default();
-            let plan = shared.limits.plan(&key, &http::Method::POST, &path);
+            let plan = shared.limits.plan(&key, http.method(), &path);
             let cost = shared
                 .cost
                 .as_ref()

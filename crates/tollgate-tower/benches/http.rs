@@ -1,0 +1,571 @@
+//! tollgate against plain axum and tower_governor over real HTTP, side by side in one run.
+//!
+//! ```sh
+//! cargo bench -p tollgate-tower --bench http
+//! HTTP_BENCH_ROUNDS=3 HTTP_BENCH_MILLIS=1000 cargo bench -p tollgate-tower --bench http
+//! # only some variants (for a profiler), by the names in the table below
+//! HTTP_BENCH_ONLY=tollgate,governor cargo bench -p tollgate-tower --bench http
+//! ```
+//!
+//! Seven variants of the same axum hello-world server, each on its own `127.0.0.1:0`
+//! listener in this process: the five the performance goals are about, and two that pair
+//! the allowed paths like for like, with and without rate-limit headers.
+//!
+//! | variant            | layer                                                             |
+//! |--------------------|-------------------------------------------------------------------|
+//! | `axum`             | none                                                              |
+//! | `tollgate`         | `RateLimitLayer`, `MemoryStore`, GCRA, a quota nothing reaches; defaults (`X-RateLimit-*` on every response) |
+//! | `governor`         | `GovernorLayer`, the same quota; defaults (no headers on allowed responses) |
+//! | `tollgate-429`     | `RateLimitLayer`, 1 per hour: every measured request denied       |
+//! | `governor-429`     | `GovernorLayer`, 1 per hour: every measured request denied        |
+//! | `tollgate-bare`    | as `tollgate`, with `HeaderStyle::None`: like `governor`          |
+//! | `governor-headers` | as `governor`, with `use_headers()` (limit, remaining): like `tollgate` |
+//!
+//! Both limiters key callers by the peer IP (tollgate's `PeerIp`, tower_governor's
+//! `PeerIpKeyExtractor`, both from axum's `ConnectInfo`). All load comes from 127.0.0.1,
+//! so every request hits **one hot key**: the worst case for a keyed limiter's locking.
+//! On denials tollgate answers `Retry-After`, `X-RateLimit-*` and a JSON body,
+//! tower_governor `Retry-After`, `X-RateLimit-After` and a text body.
+//!
+//! **Setup.** The machine this was written on has 2 vCPUs, shared by the server and the
+//! load generator. The servers run on a multi-thread tokio runtime with 2 workers; the
+//! load generator is one thread (a current-thread runtime) driving 32 keep-alive HTTP/1.1
+//! connections, each with one request in flight (closed loop), with a small hand-written
+//! client (`httparse` for the response head, no allocation per request) so that it takes
+//! as little of the CPU as it can. Throughput is therefore what one core-and-a-bit of
+//! server achieves, and latency includes the client's own queueing; what matters is the
+//! ratio between variants measured the same way. Everything stays on loopback.
+//!
+//! **Method.** Rounds: each round runs every variant once, in an order rotated by one
+//! each round, so a slow phase of the machine (another build, a noisy neighbour) hits
+//! every variant alike; runs are short and rounds many, so that the variants compared
+//! within a round ran seconds apart. A run opens fresh connections, warms up for 0.3 s
+//! (which also spends the 1-per-hour variants' one allowed request), then measures for a
+//! bounded time (`HTTP_BENCH_MILLIS`, default 1500) and at most 1,000,000 requests per
+//! connection. Reported per variant: the median over rounds (`HTTP_BENCH_ROUNDS`,
+//! default 10) of requests/s, p50 and p99; and the ratios the performance goals are
+//! about, each the median of the per-round ratios (a paired comparison within a round),
+//! with the spread of those ratios (their lowest and highest). The status of
+//! every measured response is checked: the allowed variants must answer only 200, the
+//! rejecting ones only 429. The defaults take about two minutes (7 variants × 1.8 s × 10).
+//!
+//! The binary does nothing unless run by `cargo bench` (which passes `--bench`), so
+//! `cargo test --benches` stays quick.
+
+#![allow(clippy::unwrap_used)]
+
+use std::error::Error;
+use std::io;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::get;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tollgate_core::{Algorithm, MemoryStore, Policy, Quota};
+use tollgate_tower::{HeaderStyle, RateLimitLayer};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+type BoxError = Box<dyn Error + Send + Sync>;
+
+const CONNECTIONS: usize = 32;
+const WARMUP: Duration = Duration::from_millis(300);
+const MAX_REQUESTS_PER_CONNECTION: usize = 1_000_000;
+const REQUEST: &[u8] = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: tollgate-bench\r\n\r\n";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Variant {
+    Axum,
+    Tollgate,
+    Governor,
+    TollgateRejecting,
+    GovernorRejecting,
+    TollgateNoHeaders,
+    GovernorHeaders,
+}
+
+impl Variant {
+    const ALL: [Variant; 7] = [
+        Variant::Axum,
+        Variant::Tollgate,
+        Variant::Governor,
+        Variant::TollgateRejecting,
+        Variant::GovernorRejecting,
+        Variant::TollgateNoHeaders,
+        Variant::GovernorHeaders,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Axum => "axum (no limiter)",
+            Variant::Tollgate => "tollgate, allowed",
+            Variant::Governor => "tower_governor, allowed",
+            Variant::TollgateRejecting => "tollgate, all 429",
+            Variant::GovernorRejecting => "tower_governor, all 429",
+            Variant::TollgateNoHeaders => "tollgate, no headers",
+            Variant::GovernorHeaders => "tower_governor, headers",
+        }
+    }
+
+    fn expected_status(self) -> u16 {
+        match self {
+            Variant::TollgateRejecting | Variant::GovernorRejecting => 429,
+            _ => 200,
+        }
+    }
+
+    /// The name `HTTP_BENCH_ONLY` selects it by.
+    fn short(self) -> &'static str {
+        match self {
+            Variant::Axum => "axum",
+            Variant::Tollgate => "tollgate",
+            Variant::Governor => "governor",
+            Variant::TollgateRejecting => "tollgate-429",
+            Variant::GovernorRejecting => "governor-429",
+            Variant::TollgateNoHeaders => "tollgate-bare",
+            Variant::GovernorHeaders => "governor-headers",
+        }
+    }
+
+    fn index(self) -> usize {
+        Variant::ALL.iter().position(|v| *v == self).unwrap_or(0)
+    }
+}
+
+async fn hello() -> &'static str {
+    "Hello, World!"
+}
+
+/// The router of one variant.
+fn app(variant: Variant) -> Result<Router, BoxError> {
+    let router = Router::new().route("/", get(hello));
+    // A quota nothing in this benchmark reaches: a million a second, a burst of a billion.
+    let huge = || -> Result<Quota, BoxError> {
+        Ok(Quota::per_second(1_000_000)?.with_burst(1_000_000_000)?)
+    };
+    Ok(match variant {
+        Variant::Axum => router,
+        Variant::Tollgate => {
+            let policy = Policy::new("bench", Algorithm::Gcra, huge()?)?;
+            router.layer(RateLimitLayer::builder(MemoryStore::new(), policy).build()?)
+        }
+        Variant::TollgateNoHeaders => {
+            let policy = Policy::new("bench", Algorithm::Gcra, huge()?)?;
+            let layer = RateLimitLayer::builder(MemoryStore::new(), policy)
+                .headers(HeaderStyle::None)
+                .build()?;
+            router.layer(layer)
+        }
+        Variant::TollgateRejecting => {
+            let policy = Policy::new("bench", Algorithm::Gcra, Quota::per_hour(1)?)?;
+            router.layer(RateLimitLayer::builder(MemoryStore::new(), policy).build()?)
+        }
+        Variant::Governor => {
+            let config = GovernorConfigBuilder::default()
+                .per_nanosecond(1_000)
+                .burst_size(1_000_000_000)
+                .finish()
+                .ok_or("tower_governor rejected the allowed-path quota")?;
+            router.layer(GovernorLayer::<_, _, Body>::new(config))
+        }
+        Variant::GovernorHeaders => {
+            let config = GovernorConfigBuilder::default()
+                .per_nanosecond(1_000)
+                .burst_size(1_000_000_000)
+                .use_headers()
+                .finish()
+                .ok_or("tower_governor rejected the allowed-path quota")?;
+            router.layer(GovernorLayer::<_, _, Body>::new(config))
+        }
+        Variant::GovernorRejecting => {
+            let config = GovernorConfigBuilder::default()
+                .per_second(3600)
+                .burst_size(1)
+                .finish()
+                .ok_or("tower_governor rejected the 1-per-hour quota")?;
+            router.layer(GovernorLayer::<_, _, Body>::new(config))
+        }
+    })
+}
+
+/// What one run of one variant measured.
+#[derive(Debug)]
+struct Run {
+    requests_per_sec: f64,
+    p50_us: f64,
+    p99_us: f64,
+    requests: usize,
+    unexpected: usize,
+}
+
+/// What one connection saw during the measured window.
+#[derive(Debug, Default)]
+struct ConnectionResult {
+    latencies_ns: Vec<u32>,
+    unexpected: usize,
+    last_done: Option<Instant>,
+}
+
+/// A keep-alive HTTP/1.1 connection with one request in flight.
+struct Connection {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    filled: usize,
+}
+
+impl Connection {
+    async fn open(addr: SocketAddr) -> io::Result<Self> {
+        let stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        Ok(Connection {
+            stream,
+            buf: vec![0; 16 * 1024],
+            filled: 0,
+        })
+    }
+
+    /// Sends `GET /` and reads the whole response; returns its status.
+    async fn get(&mut self) -> io::Result<u16> {
+        self.stream.write_all(REQUEST).await?;
+        loop {
+            if let Some((status, len)) = parse(&self.buf[..self.filled])? {
+                self.buf.copy_within(len..self.filled, 0);
+                self.filled -= len;
+                return Ok(status);
+            }
+            if self.filled == self.buf.len() {
+                return Err(io::Error::other("response larger than the client's buffer"));
+            }
+            let n = self.stream.read(&mut self.buf[self.filled..]).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            self.filled += n;
+        }
+    }
+}
+
+/// The status and total length of the complete response at the start of `bytes`, or
+/// `None` when more bytes are needed.
+fn parse(bytes: &[u8]) -> io::Result<Option<(u16, usize)>> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut response = httparse::Response::new(&mut headers);
+    let head = match response.parse(bytes) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
+    };
+    let status = response.code.unwrap_or(0);
+    let length = response
+        .headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+        .and_then(|h| {
+            std::str::from_utf8(h.value)
+                .ok()?
+                .trim()
+                .parse::<usize>()
+                .ok()
+        })
+        .ok_or_else(|| io::Error::other("response without Content-Length (chunked?)"))?;
+    Ok((bytes.len() >= head + length).then_some((status, head + length)))
+}
+
+/// Drives one connection: warm up until `start`, then measure until `end`.
+async fn drive(
+    mut conn: Connection,
+    expected: u16,
+    start: Instant,
+    end: Instant,
+) -> io::Result<ConnectionResult> {
+    let mut result = ConnectionResult {
+        latencies_ns: Vec::with_capacity(64 * 1024),
+        ..ConnectionResult::default()
+    };
+    loop {
+        let sent = Instant::now();
+        if sent >= end || result.latencies_ns.len() >= MAX_REQUESTS_PER_CONNECTION {
+            return Ok(result);
+        }
+        let status = conn.get().await?;
+        if sent < start {
+            continue;
+        }
+        let done = Instant::now();
+        let ns = done.duration_since(sent).as_nanos();
+        result
+            .latencies_ns
+            .push(u32::try_from(ns).unwrap_or(u32::MAX));
+        result.last_done = Some(done);
+        if status != expected {
+            result.unexpected += 1;
+        }
+    }
+}
+
+/// One run of `variant` at `addr`: fresh connections, warm-up, measurement.
+async fn run(variant: Variant, addr: SocketAddr, measure: Duration) -> Result<Run, BoxError> {
+    let mut conns = Vec::with_capacity(CONNECTIONS);
+    for _ in 0..CONNECTIONS {
+        conns.push(Connection::open(addr).await?);
+    }
+    let start = Instant::now() + WARMUP;
+    let end = start + measure;
+    let mut tasks = JoinSet::new();
+    for conn in conns {
+        tasks.spawn(drive(conn, variant.expected_status(), start, end));
+    }
+    let mut latencies = Vec::new();
+    let mut unexpected = 0;
+    let mut last = start;
+    while let Some(joined) = tasks.join_next().await {
+        let result = joined??;
+        latencies.extend_from_slice(&result.latencies_ns);
+        unexpected += result.unexpected;
+        last = last.max(result.last_done.unwrap_or(start));
+    }
+    if latencies.is_empty() {
+        return Err(format!("{}: no request completed", variant.name()).into());
+    }
+    let elapsed = last.duration_since(start).as_secs_f64();
+    let requests = latencies.len();
+    let p50 = percentile(&mut latencies, 0.50);
+    let p99 = percentile(&mut latencies, 0.99);
+    Ok(Run {
+        requests_per_sec: requests as f64 / elapsed,
+        p50_us: f64::from(p50) / 1_000.0,
+        p99_us: f64::from(p99) / 1_000.0,
+        requests,
+        unexpected,
+    })
+}
+
+fn percentile(samples: &mut [u32], q: f64) -> u32 {
+    let i = ((samples.len() as f64 * q) as usize).min(samples.len() - 1);
+    *samples.select_nth_unstable(i).1
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+fn env_number(name: &str, default: u64) -> Result<u64, BoxError> {
+    match std::env::var(name) {
+        Ok(text) => Ok(text
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("{name} must be a whole number above 0 (got {text:?})"))?),
+        Err(_) => Ok(default),
+    }
+}
+
+fn main() -> Result<(), BoxError> {
+    // `cargo bench` passes --bench; `cargo test --benches` does not: do nothing then.
+    if !std::env::args().any(|a| a == "--bench") {
+        return Ok(());
+    }
+    let rounds = usize::try_from(env_number("HTTP_BENCH_ROUNDS", 10)?)?;
+    let measure = Duration::from_millis(env_number("HTTP_BENCH_MILLIS", 1_500)?);
+
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("server")
+        .enable_all()
+        .build()?;
+    let mut addrs = Vec::new();
+    for variant in Variant::ALL {
+        let app = app(variant)?;
+        let addr = server.block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await?;
+            let addr = listener.local_addr()?;
+            tokio::spawn(async move {
+                let service = app.into_make_service_with_connect_info::<SocketAddr>();
+                if let Err(e) = axum::serve(listener, service).await {
+                    eprintln!("server error: {e}");
+                }
+            });
+            Ok::<_, BoxError>(addr)
+        })?;
+        addrs.push(addr);
+    }
+
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+
+    println!(
+        "HTTP side by side: {CONNECTIONS} keep-alive connections, {} ms per run after {} ms warm-up, \
+         {rounds} rounds in rotating order",
+        measure.as_millis(),
+        WARMUP.as_millis()
+    );
+    println!(
+        "server: tokio multi-thread runtime, 2 workers; client: 1 thread; {} CPUs available",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("keys: the peer IP for both limiters; all load comes from 127.0.0.1, so one hot key");
+    println!();
+
+    let only = std::env::var("HTTP_BENCH_ONLY").ok();
+    let selected: Vec<Variant> = Variant::ALL
+        .into_iter()
+        .filter(|v| {
+            only.as_deref()
+                .is_none_or(|only| only.split(',').any(|s| s.trim() == v.short()))
+        })
+        .collect();
+    if selected.is_empty() {
+        return Err("HTTP_BENCH_ONLY selects no variant: name some of \
+                    axum, tollgate, governor, tollgate-429, governor-429"
+            .into());
+    }
+
+    let n = selected.len();
+    let mut runs: Vec<Vec<Run>> = (0..Variant::ALL.len()).map(|_| Vec::new()).collect();
+    for round in 0..rounds {
+        for k in 0..n {
+            let variant = selected[(round + k) % n];
+            let addr = addrs[variant.index()];
+            let result = client.block_on(run(variant, addr, measure))?;
+            println!(
+                "round {}  {:<24} {:>9.0} req/s  p50 {:>7.1} µs  p99 {:>7.1} µs  ({} requests{})",
+                round + 1,
+                variant.name(),
+                result.requests_per_sec,
+                result.p50_us,
+                result.p99_us,
+                result.requests,
+                if result.unexpected > 0 {
+                    format!(", {} with an unexpected status!", result.unexpected)
+                } else {
+                    String::new()
+                }
+            );
+            runs[variant.index()].push(result);
+        }
+    }
+
+    println!();
+    println!("median over {rounds} rounds");
+    println!(
+        "{:<24} {:>10} {:>10} {:>10} {:>12}",
+        "variant", "req/s", "p50 µs", "p99 µs", "unexpected"
+    );
+    for &variant in &selected {
+        let rs = &runs[variant.index()];
+        let mut rps: Vec<f64> = rs.iter().map(|r| r.requests_per_sec).collect();
+        let mut p50: Vec<f64> = rs.iter().map(|r| r.p50_us).collect();
+        let mut p99: Vec<f64> = rs.iter().map(|r| r.p99_us).collect();
+        let unexpected: usize = rs.iter().map(|r| r.unexpected).sum();
+        println!(
+            "{:<24} {:>10.0} {:>10.1} {:>10.1} {:>12}",
+            variant.name(),
+            median(&mut rps),
+            median(&mut p50),
+            median(&mut p99),
+            unexpected
+        );
+    }
+
+    let total_unexpected: usize = runs.iter().flatten().map(|r| r.unexpected).sum();
+    if total_unexpected > 0 {
+        return Err(format!(
+            "{total_unexpected} measured responses had an unexpected status: the quotas are wrong"
+        )
+        .into());
+    }
+    if n < Variant::ALL.len() {
+        return Ok(());
+    }
+
+    // Ratios of throughput, each the median of the per-round ratios, with their spread.
+    let line = |label: &str, a: Variant, b: Variant, goal: Option<f64>| {
+        let mut r: Vec<f64> = runs[a.index()]
+            .iter()
+            .zip(&runs[b.index()])
+            .map(|(x, y)| x.requests_per_sec / y.requests_per_sec * 100.0)
+            .collect();
+        let mid = median(&mut r);
+        let (low, high) = (r[0], r[r.len() - 1]);
+        let goal = goal.map_or(String::new(), |g| {
+            let verdict = if mid >= g { "met" } else { "NOT met" };
+            format!("goal >= {g:.0}%: {verdict}")
+        });
+        println!("  {label:<42} {mid:>6.1}%   [{low:>5.1} .. {high:>5.1}]   {goal}");
+    };
+    println!();
+    println!("ratios of requests/s: median of the per-round ratios [lowest .. highest]");
+    line(
+        "tollgate allowed / axum",
+        Variant::Tollgate,
+        Variant::Axum,
+        Some(98.0),
+    );
+    line(
+        "tollgate allowed / tower_governor allowed",
+        Variant::Tollgate,
+        Variant::Governor,
+        Some(100.0),
+    );
+    line(
+        "tollgate all-429 / axum",
+        Variant::TollgateRejecting,
+        Variant::Axum,
+        Some(90.0),
+    );
+    line(
+        "tower_governor allowed / axum",
+        Variant::Governor,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "tower_governor all-429 / axum",
+        Variant::GovernorRejecting,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "tollgate all-429 / tower_governor all-429",
+        Variant::TollgateRejecting,
+        Variant::GovernorRejecting,
+        None,
+    );
+    line(
+        "tollgate all-429 / tollgate allowed",
+        Variant::TollgateRejecting,
+        Variant::Tollgate,
+        None,
+    );
+    println!("like for like, allowed path:");
+    line(
+        "tollgate no headers / axum",
+        Variant::TollgateNoHeaders,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "tollgate no headers / tower_governor",
+        Variant::TollgateNoHeaders,
+        Variant::Governor,
+        None,
+    );
+    line(
+        "tollgate / tower_governor with headers",
+        Variant::Tollgate,
+        Variant::GovernorHeaders,
+        None,
+    );
+    Ok(())
+}
