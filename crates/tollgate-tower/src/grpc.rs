@@ -39,9 +39,9 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
 /// (when a wait helps) and `QuotaFailure` details, and the `retry-after` and
 /// `grpc-retry-pushback-ms` metadata.
 #[must_use]
-pub fn rejection_status(verdict: &Verdict) -> Status {
+pub fn rejection_status(verdict: &Verdict<'_>) -> Status {
     let decision = &verdict.decision;
-    let policy = &verdict.policy;
+    let policy = verdict.policy;
     let retry = decision.retry_after();
     let mut details = ErrorDetails::with_retry_info(retry);
     let quota = policy.quota();
@@ -208,14 +208,11 @@ where
                 .cost
                 .as_ref()
                 .map_or(1, |cost| cost(http.method(), http.uri(), http.headers()));
-            let mut verdicts: SmallVec<[Verdict; 2]> = SmallVec::new();
+            let mut verdicts: SmallVec<[Verdict<'_>; 2]> = SmallVec::new();
             for index in plan {
                 let policy = &shared.limits.policies[index];
                 let decision = shared.store.check_sync(key.as_bytes(), policy, cost);
-                verdicts.push(Verdict {
-                    policy: policy.clone(),
-                    decision,
-                });
+                verdicts.push(Verdict { policy, decision });
                 if !decision.is_allowed() {
                     let most = most_restrictive(&verdicts).unwrap_or(&verdicts[verdicts.len() - 1]);
                     let mut status = rejection_status(most);

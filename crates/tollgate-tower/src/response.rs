@@ -1,7 +1,8 @@
 //! What the layer answers: rate-limit headers, 429, 503.
 
+use std::cell::RefCell;
 use std::fmt::Write as _;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
@@ -81,10 +82,10 @@ impl RejectionBody for axum::body::Body {
 }
 
 /// A decision, and the policy that made it.
-#[derive(Clone, Debug)]
-pub struct Verdict {
+#[derive(Clone, Copy, Debug)]
+pub struct Verdict<'a> {
     /// The policy.
-    pub policy: Policy,
+    pub policy: &'a Policy,
     /// Its decision.
     pub decision: Decision,
 }
@@ -92,12 +93,12 @@ pub struct Verdict {
 /// A denied request, as handed to a custom rejection handler.
 #[derive(Debug)]
 pub struct Rejection<'a> {
-    verdict: &'a Verdict,
+    verdict: Verdict<'a>,
     retry_after_secs: Option<u64>,
 }
 
 impl<'a> Rejection<'a> {
-    pub(crate) fn new(verdict: &'a Verdict) -> Self {
+    pub(crate) fn new(verdict: Verdict<'a>) -> Self {
         Rejection {
             verdict,
             retry_after_secs: retry_after_secs(&verdict.decision),
@@ -113,7 +114,7 @@ impl<'a> Rejection<'a> {
     /// The policy that denied it.
     #[must_use]
     pub fn policy(&self) -> &Policy {
-        &self.verdict.policy
+        self.verdict.policy
     }
 
     /// Whole seconds to wait, rounded up and never 0; `None` when waiting cannot help
@@ -165,15 +166,10 @@ pub(crate) fn json(status: StatusCode, message: &str) -> Response<Bytes> {
     body.push_str("{\"error\":\"");
     body.push_str(status.canonical_reason().unwrap_or(""));
     body.push_str("\",\"message\":\"");
-    for c in message.chars() {
-        match c {
-            '"' => body.push_str("\\\""),
-            '\\' => body.push_str("\\\\"),
-            c if c.is_control() => {
-                let _ = write!(body, "\\u{:04x}", u32::from(c));
-            }
-            c => body.push(c),
-        }
+    if !message.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
+        body.push_str(message);
+    } else {
+        escape_into(&mut body, message);
     }
     body.push_str("\"}");
     let mut response = Response::new(Bytes::from(body));
@@ -184,29 +180,90 @@ pub(crate) fn json(status: StatusCode, message: &str) -> Response<Bytes> {
     response
 }
 
+fn escape_into(body: &mut String, message: &str) {
+    for c in message.chars() {
+        match c {
+            '"' => body.push_str("\\\""),
+            '\\' => body.push_str("\\\\"),
+            c if c.is_control() => {
+                let _ = write!(body, "\\u{:04x}", u32::from(c));
+            }
+            c => body.push(c),
+        }
+    }
+}
+
+/// The largest number whose header value is made once and shared.
+const SHARED_NUMBERS: u64 = 4_096;
+
+/// A header value for `n`: small numbers (remaining counts, retry seconds, limits) come
+/// from a table made once, so the common case allocates nothing.
+fn number(n: u64) -> HeaderValue {
+    static TABLE: LazyLock<Box<[HeaderValue]>> = LazyLock::new(|| {
+        let mut text = String::new();
+        let mut ends = Vec::new();
+        for n in 0..=SHARED_NUMBERS {
+            let _ = write!(text, "{n}");
+            ends.push(text.len());
+        }
+        // One string for the whole table, kept for the life of the process.
+        let text: &'static str = Box::leak(text.into_boxed_str());
+        let mut start = 0;
+        ends.iter()
+            .map(|&end| {
+                let value = HeaderValue::from_static(&text[start..end]);
+                start = end;
+                value
+            })
+            .collect()
+    });
+    usize::try_from(n)
+        .ok()
+        .and_then(|i| TABLE.get(i))
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from(n))
+}
+
+/// `X-RateLimit-Reset` is the same second for many responses in a row: each thread
+/// keeps the last one it made.
+fn reset_value(unix_secs: u64) -> HeaderValue {
+    thread_local! {
+        static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((secs, value)) if *secs == unix_secs => value.clone(),
+            _ => {
+                let value = HeaderValue::from(unix_secs);
+                *last = Some((unix_secs, value.clone()));
+                value
+            }
+        }
+    })
+}
+
 /// Adds the rate-limit headers for `verdicts` (every limit checked, `most` the one
 /// reported by the legacy headers) at wall time `now_us`.
 pub(crate) fn add_headers(
     headers: &mut HeaderMap,
     style: HeaderStyle,
-    verdicts: &[Verdict],
-    most: &Verdict,
+    verdicts: &[Verdict<'_>],
+    most: &Verdict<'_>,
     now_us: u64,
 ) {
     let d = &most.decision;
+    headers.reserve(4);
     if !d.is_allowed() {
         if let Some(secs) = retry_after_secs(d) {
-            headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+            headers.insert(RETRY_AFTER, number(secs));
         }
     }
     if matches!(style, HeaderStyle::Legacy | HeaderStyle::Both) {
         let reset = (now_us + d.reset_after_micros()).div_ceil(1_000_000);
-        headers.insert(X_RATELIMIT_LIMIT.clone(), HeaderValue::from(d.limit()));
-        headers.insert(
-            X_RATELIMIT_REMAINING.clone(),
-            HeaderValue::from(d.remaining()),
-        );
-        headers.insert(X_RATELIMIT_RESET.clone(), HeaderValue::from(reset));
+        headers.insert(X_RATELIMIT_LIMIT.clone(), number(d.limit()));
+        headers.insert(X_RATELIMIT_REMAINING.clone(), number(d.remaining()));
+        headers.insert(X_RATELIMIT_RESET.clone(), reset_value(reset));
     }
     if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
         let (mut policy, mut current) = (String::new(), String::new());
@@ -239,7 +296,7 @@ pub(crate) fn add_headers(
 
 /// Of several decisions, the one to report: a denial if any (the longest wait), else the
 /// one with the fewest remaining (the soonest to deny).
-pub(crate) fn most_restrictive(verdicts: &[Verdict]) -> Option<&Verdict> {
+pub(crate) fn most_restrictive<'a, 'p>(verdicts: &'a [Verdict<'p>]) -> Option<&'a Verdict<'p>> {
     verdicts.iter().min_by_key(|v| {
         let d = &v.decision;
         (

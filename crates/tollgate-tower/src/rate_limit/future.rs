@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use smallvec::SmallVec;
-use tollgate_core::Store;
+use tollgate_core::{Decision, Store};
 use tower_service::Service;
 
 use super::Shared;
@@ -34,7 +34,8 @@ pin_project! {
         plan: Plan,
         cost: u32,
         grpc: bool,
-        verdicts: SmallVec<[Verdict; 2]>,
+        // (policy index, decision) for every limit checked so far.
+        checked: SmallVec<[(usize, Decision); 2]>,
     }
 }
 
@@ -72,7 +73,7 @@ where
             plan,
             cost,
             grpc,
-            verdicts: SmallVec::new(),
+            checked: SmallVec::new(),
             shared,
         }
     }
@@ -92,7 +93,7 @@ where
             plan: Plan::new(),
             cost: 0,
             grpc: false,
-            verdicts: SmallVec::new(),
+            checked: SmallVec::new(),
             shared,
         }
     }
@@ -108,7 +109,7 @@ where
             plan: Plan::new(),
             cost: 0,
             grpc: false,
-            verdicts: SmallVec::new(),
+            checked: SmallVec::new(),
             shared,
         }
     }
@@ -128,23 +129,20 @@ where
             match this.state.as_mut().project() {
                 StateProj::Checking { check } => {
                     let shared = &**this.shared;
-                    let index = this.plan[this.verdicts.len()];
+                    let index = this.plan[this.checked.len()];
                     let policy = &shared.limits.policies[index];
                     match ready!(check.poll(cx)) {
                         Ok(decision) => {
-                            this.verdicts.push(Verdict {
-                                policy: policy.clone(),
-                                decision,
-                            });
+                            this.checked.push((index, decision));
                             if !decision.is_allowed() {
-                                let response = reject(shared, this.verdicts, *this.grpc);
+                                let response = reject(shared, this.checked, *this.grpc);
                                 this.state.set(State::Respond {
                                     response: Some(response),
                                 });
                                 continue;
                             }
                             if let (Some(&next), Some(key)) =
-                                (this.plan.get(this.verdicts.len()), this.key.as_ref())
+                                (this.plan.get(this.checked.len()), this.key.as_ref())
                             {
                                 let check = shared.store.check(
                                     key.as_bytes(),
@@ -155,9 +153,9 @@ where
                                 continue;
                             }
                             let delay = this
-                                .verdicts
+                                .checked
                                 .iter()
-                                .map(|v| v.decision.delay_micros())
+                                .map(|(_, d)| d.delay_micros())
                                 .max()
                                 .unwrap_or(0);
                             if delay > 0 {
@@ -169,7 +167,7 @@ where
                         Err(error) => match shared.on_error {
                             OnStoreError::Allow => {
                                 tracing::warn!(%error, policy = policy.name(), "rate limit store failed; letting the request through");
-                                this.verdicts.clear();
+                                this.checked.clear();
                             }
                             _ => {
                                 tracing::warn!(%error, policy = policy.name(), "rate limit store failed; answering 503");
@@ -193,16 +191,11 @@ where
                 }
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?;
-                    if let Some(most) = most_restrictive(this.verdicts) {
-                        let shared = &**this.shared;
+                    let shared = &**this.shared;
+                    let verdicts = verdicts(shared, this.checked);
+                    if let Some(most) = most_restrictive(&verdicts) {
                         let now = shared.clock.now_micros();
-                        add_headers(
-                            response.headers_mut(),
-                            shared.headers,
-                            this.verdicts,
-                            most,
-                            now,
-                        );
+                        add_headers(response.headers_mut(), shared.headers, &verdicts, most, now);
                     }
                     return Poll::Ready(Ok(response));
                 }
@@ -229,10 +222,25 @@ where
     }
 }
 
+/// The checked limits with their policies.
+fn verdicts<'a, St>(
+    shared: &'a Shared<St>,
+    checked: &[(usize, Decision)],
+) -> SmallVec<[Verdict<'a>; 2]> {
+    checked
+        .iter()
+        .map(|&(index, decision)| Verdict {
+            policy: &shared.limits.policies[index],
+            decision,
+        })
+        .collect()
+}
+
 /// The response to a denied request: the handler's body (over gRPC, the status), our
 /// headers.
-fn reject<St>(shared: &Shared<St>, verdicts: &[Verdict], grpc: bool) -> Response<Bytes> {
-    let Some(most) = most_restrictive(verdicts) else {
+fn reject<St>(shared: &Shared<St>, checked: &[(usize, Decision)], grpc: bool) -> Response<Bytes> {
+    let verdicts = verdicts(shared, checked);
+    let Some(most) = most_restrictive(&verdicts) else {
         return refusal(
             StatusCode::TOO_MANY_REQUESTS,
             "API rate limit exceeded.",
@@ -243,14 +251,14 @@ fn reject<St>(shared: &Shared<St>, verdicts: &[Verdict], grpc: bool) -> Response
     let mut response = if grpc {
         crate::grpc::response(crate::grpc::rejection_status(most))
     } else {
-        (shared.on_rejected)(&Rejection::new(most))
+        (shared.on_rejected)(&Rejection::new(*most))
     };
     #[cfg(not(feature = "tonic"))]
     let mut response = {
         let _ = grpc;
-        (shared.on_rejected)(&Rejection::new(most))
+        (shared.on_rejected)(&Rejection::new(*most))
     };
     let now = shared.clock.now_micros();
-    add_headers(response.headers_mut(), shared.headers, verdicts, most, now);
+    add_headers(response.headers_mut(), shared.headers, &verdicts, most, now);
     response
 }
