@@ -54,6 +54,9 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "../../../tests/support/mod.rs"]
+mod support;
+
 use std::error::Error;
 use std::io;
 use std::net::SocketAddr;
@@ -65,8 +68,10 @@ use axum::routing::get;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
-use tollgate_core::{Algorithm, MemoryStore, Policy, Quota};
-use tollgate_tower::{HeaderStyle, RateLimitLayer};
+use tollgate_core::{
+    Algorithm, BreakerState, MemoryStore, Policy, Quota, RedisStore, Resilient, Store,
+};
+use tollgate_tower::{HeaderStyle, OnStoreError, RateLimitLayer};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 
@@ -86,10 +91,14 @@ enum Variant {
     GovernorRejecting,
     TollgateNoHeaders,
     GovernorHeaders,
+    RedisHealthy,
+    RedisDead,
+    RedisFloodCached,
+    RedisFloodUncached,
 }
 
 impl Variant {
-    const ALL: [Variant; 7] = [
+    const ALL: [Variant; 11] = [
         Variant::Axum,
         Variant::Tollgate,
         Variant::Governor,
@@ -97,7 +106,31 @@ impl Variant {
         Variant::GovernorRejecting,
         Variant::TollgateNoHeaders,
         Variant::GovernorHeaders,
+        Variant::RedisHealthy,
+        Variant::RedisDead,
+        Variant::RedisFloodCached,
+        Variant::RedisFloodUncached,
     ];
+
+    /// The variants of the fleet suite (`HTTP_BENCH_SUITE=fleet`).
+    const FLEET: [Variant; 6] = [
+        Variant::Axum,
+        Variant::Tollgate,
+        Variant::RedisHealthy,
+        Variant::RedisDead,
+        Variant::RedisFloodCached,
+        Variant::RedisFloodUncached,
+    ];
+
+    fn needs_redis(self) -> bool {
+        matches!(
+            self,
+            Variant::RedisHealthy
+                | Variant::RedisDead
+                | Variant::RedisFloodCached
+                | Variant::RedisFloodUncached
+        )
+    }
 
     fn name(self) -> &'static str {
         match self {
@@ -108,12 +141,19 @@ impl Variant {
             Variant::GovernorRejecting => "tower_governor, all 429",
             Variant::TollgateNoHeaders => "tollgate, no headers",
             Variant::GovernorHeaders => "tower_governor, headers",
+            Variant::RedisHealthy => "tollgate+Redis, allowed",
+            Variant::RedisDead => "tollgate+Redis dead, breaker",
+            Variant::RedisFloodCached => "Redis, flood, deny cache",
+            Variant::RedisFloodUncached => "Redis, flood, no cache",
         }
     }
 
     fn expected_status(self) -> u16 {
         match self {
-            Variant::TollgateRejecting | Variant::GovernorRejecting => 429,
+            Variant::TollgateRejecting
+            | Variant::GovernorRejecting
+            | Variant::RedisFloodCached
+            | Variant::RedisFloodUncached => 429,
             _ => 200,
         }
     }
@@ -128,6 +168,10 @@ impl Variant {
             Variant::GovernorRejecting => "governor-429",
             Variant::TollgateNoHeaders => "tollgate-bare",
             Variant::GovernorHeaders => "governor-headers",
+            Variant::RedisHealthy => "redis",
+            Variant::RedisDead => "redis-dead",
+            Variant::RedisFloodCached => "redis-flood",
+            Variant::RedisFloodUncached => "redis-flood-nocache",
         }
     }
 
@@ -140,8 +184,20 @@ async fn hello() -> &'static str {
     "Hello, World!"
 }
 
+/// The Redis-backed stores of the fleet suite, connected on the server's runtime.
+struct Fleet {
+    /// Allowed traffic: every decision is a script call.
+    healthy: RedisStore,
+    /// One key over its limit, with the local deny cache (the default).
+    cached: RedisStore,
+    /// The same without the cache: every denial is a script call.
+    uncached: RedisStore,
+    /// A store whose server has been killed, behind a breaker that is open.
+    dead: Resilient<RedisStore>,
+}
+
 /// The router of one variant.
-fn app(variant: Variant) -> Result<Router, BoxError> {
+fn app(variant: Variant, fleet: Option<&Fleet>) -> Result<Router, BoxError> {
     let router = Router::new().route("/", get(hello));
     // A quota nothing in this benchmark reaches: a million a second, a burst of a billion.
     let huge = || -> Result<Quota, BoxError> {
@@ -188,6 +244,28 @@ fn app(variant: Variant) -> Result<Router, BoxError> {
                 .finish()
                 .ok_or("tower_governor rejected the 1-per-hour quota")?;
             router.layer(GovernorLayer::<_, _, Body>::new(config))
+        }
+        Variant::RedisHealthy
+        | Variant::RedisDead
+        | Variant::RedisFloodCached
+        | Variant::RedisFloodUncached => {
+            let fleet = fleet.ok_or("the fleet variants need their Redis stores")?;
+            let allowed = Policy::new("bench", Algorithm::Gcra, huge()?)?;
+            let flood = Policy::new("flood", Algorithm::Gcra, Quota::per_hour(1)?)?;
+            match variant {
+                Variant::RedisHealthy => {
+                    router.layer(RateLimitLayer::builder(fleet.healthy.clone(), allowed).build()?)
+                }
+                Variant::RedisDead => router.layer(
+                    RateLimitLayer::builder(fleet.dead.clone(), allowed)
+                        .on_store_error(OnStoreError::Allow)
+                        .build()?,
+                ),
+                Variant::RedisFloodCached => {
+                    router.layer(RateLimitLayer::builder(fleet.cached.clone(), flood).build()?)
+                }
+                _ => router.layer(RateLimitLayer::builder(fleet.uncached.clone(), flood).build()?),
+            }
         }
     })
 }
@@ -383,9 +461,60 @@ fn main() -> Result<(), BoxError> {
         .thread_name("server")
         .enable_all()
         .build()?;
+    let fleet_suite = std::env::var("HTTP_BENCH_SUITE").is_ok_and(|s| s == "fleet");
+    let suite: &[Variant] = if fleet_suite {
+        &Variant::FLEET
+    } else {
+        &Variant::ALL[..7]
+    };
+    // The fleet suite's servers: one healthy, one killed once its store has connected.
+    let mut redis = Vec::new();
+    let fleet = if suite.iter().any(|v| v.needs_redis()) {
+        let healthy = support::RedisServer::start();
+        let mut doomed = support::RedisServer::start();
+        let fleet = server.block_on(async {
+            let store = |url: String, cache: usize| async move {
+                RedisStore::builder()
+                    .timeout(Duration::from_millis(50))
+                    .deny_cache(cache)
+                    .connect(&url)
+                    .await
+            };
+            let dead = Resilient::builder(store(doomed.url(), 0).await?)
+                .threshold(3)
+                .cool_down(Duration::from_secs(1))
+                .build()?;
+            doomed.kill();
+            // Open the breaker before measuring: three failed decisions.
+            let probe = Policy::new("probe", Algorithm::Gcra, Quota::per_second(1)?)?;
+            for _ in 0..3 {
+                let _ = dead.check(b"probe", &probe, 1).await;
+            }
+            if dead.state() != BreakerState::Open {
+                return Err::<Fleet, BoxError>(
+                    "the breaker did not open after three failures".into(),
+                );
+            }
+            Ok(Fleet {
+                healthy: store(healthy.url(), 0).await?,
+                cached: store(healthy.url(), 65_536).await?,
+                uncached: store(healthy.url(), 0).await?,
+                dead,
+            })
+        })?;
+        redis.push(healthy);
+        redis.push(doomed);
+        Some(fleet)
+    } else {
+        None
+    };
     let mut addrs = Vec::new();
     for variant in Variant::ALL {
-        let app = app(variant)?;
+        if !suite.contains(&variant) {
+            addrs.push(None);
+            continue;
+        }
+        let app = app(variant, fleet.as_ref())?;
         let addr = server.block_on(async {
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             let addr = listener.local_addr()?;
@@ -397,7 +526,7 @@ fn main() -> Result<(), BoxError> {
             });
             Ok::<_, BoxError>(addr)
         })?;
-        addrs.push(addr);
+        addrs.push(Some(addr));
     }
 
     let client = tokio::runtime::Builder::new_current_thread()
@@ -418,8 +547,9 @@ fn main() -> Result<(), BoxError> {
     println!();
 
     let only = std::env::var("HTTP_BENCH_ONLY").ok();
-    let selected: Vec<Variant> = Variant::ALL
-        .into_iter()
+    let selected: Vec<Variant> = suite
+        .iter()
+        .copied()
         .filter(|v| {
             only.as_deref()
                 .is_none_or(|only| only.split(',').any(|s| s.trim() == v.short()))
@@ -436,7 +566,7 @@ fn main() -> Result<(), BoxError> {
     for round in 0..rounds {
         for k in 0..n {
             let variant = selected[(round + k) % n];
-            let addr = addrs[variant.index()];
+            let addr = addrs[variant.index()].ok_or("a selected variant has no server")?;
             let result = client.block_on(run(variant, addr, measure))?;
             println!(
                 "round {}  {:<24} {:>9.0} req/s  p50 {:>7.1} µs  p99 {:>7.1} µs  ({} requests{})",
@@ -496,6 +626,9 @@ fn main() -> Result<(), BoxError> {
             .zip(&runs[b.index()])
             .map(|(x, y)| x.requests_per_sec / y.requests_per_sec * 100.0)
             .collect();
+        if r.is_empty() {
+            return;
+        }
         let mid = median(&mut r);
         let (low, high) = (r[0], r[r.len() - 1]);
         let goal = goal.map_or(String::new(), |g| {
@@ -567,5 +700,33 @@ fn main() -> Result<(), BoxError> {
         Variant::GovernorHeaders,
         None,
     );
+    if fleet_suite {
+        println!("fleet:");
+        line(
+            "Redis allowed / memory allowed",
+            Variant::RedisHealthy,
+            Variant::Tollgate,
+            None,
+        );
+        line(
+            "dead Redis, open breaker / axum",
+            Variant::RedisDead,
+            Variant::Axum,
+            None,
+        );
+        line(
+            "one-key flood, deny cache / no cache",
+            Variant::RedisFloodCached,
+            Variant::RedisFloodUncached,
+            None,
+        );
+        line(
+            "one-key flood, deny cache / axum",
+            Variant::RedisFloodCached,
+            Variant::Axum,
+            None,
+        );
+    }
+    drop(redis);
     Ok(())
 }
