@@ -1,30 +1,167 @@
 //! The Redis store against real `redis-server` processes: the Lua scripts decide exactly
 //! like the Rust functions, atomically across gateways, and survive NOSCRIPT and restarts.
+//!
+//! The suite's bodies are functions of a [`Target`], one server or a cluster. This file
+//! runs them against one server; tests/fleet.rs includes it as a module and runs the same
+//! functions against a local Redis Cluster. What is inside `crate::standalone_only!` —
+//! this binary's own tests, and what only one server can do (a restart, a deadpool pool) —
+//! exists only when this file is the test binary: the macro keeps its items here, and
+//! tests/fleet.rs defines one of the same name that drops them.
 
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::AsyncCommands;
-use support::{RedisServer, Rng};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
 use tollgate_core::{
-    Algorithm, Decision, ManualClock, MemoryStore, Policy, Quota, RedisStore, Store,
+    Algorithm, Decision, ManualClock, MemoryStore, Policy, Quota, RedisStore, RedisStoreBuilder,
+    Store,
 };
 
-/// About the Unix epoch in microseconds today: large numbers, as Redis TIME gives.
-const EPOCH_US: u64 = 1_764_480_000_000_000;
+use crate::support::Rng;
 
-async fn store(server: &RedisServer, clock: &ManualClock) -> RedisStore {
+/// Keeps its items: here this file is the crate root of its own test binary. (Where it is
+/// a module of tests/fleet.rs, `crate::standalone_only` names that file's macro, which
+/// drops them, and this one goes unused.)
+#[allow(unused_macros)]
+macro_rules! keep_items {
+    ($($item:item)*) => { $($item)* };
+}
+#[allow(unused_imports)]
+pub(crate) use keep_items as standalone_only;
+
+/// About the Unix epoch in microseconds today: large numbers, as Redis TIME gives.
+pub(crate) const EPOCH_US: u64 = 1_764_480_000_000_000;
+
+/// Where the suite's stores connect.
+#[derive(Clone, Debug)]
+#[allow(dead_code)] // each test binary builds one of the two
+pub(crate) enum Target {
+    /// One `redis-server`.
+    Server(String),
+    /// A Redis Cluster, through every node's URL.
+    Cluster(Vec<String>),
+}
+
+impl Target {
+    /// A gateway: `builder`'s store on its own connection(s) to the target.
+    pub(crate) async fn connect(&self, builder: RedisStoreBuilder) -> RedisStore {
+        match self {
+            Target::Server(url) => builder.connect(url).await.unwrap(),
+            Target::Cluster(urls) => {
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                builder.connect_cluster(&urls).await.unwrap()
+            }
+        }
+    }
+
+    /// A plain client for keyed commands (`GET`, `PTTL`, ...), sent to the node that
+    /// owns the key.
+    pub(crate) async fn admin(&self) -> Admin {
+        match self {
+            Target::Server(url) => Admin::Server(
+                redis::Client::open(url.as_str())
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap(),
+            ),
+            Target::Cluster(urls) => Admin::Cluster(
+                redis::cluster::ClusterClient::new(urls.clone())
+                    .unwrap()
+                    .get_async_connection()
+                    .await
+                    .unwrap(),
+            ),
+        }
+    }
+
+    /// A connection to every node, replicas included (`SCRIPT FLUSH`, `INFO`).
+    pub(crate) async fn each_node(&self) -> Vec<MultiplexedConnection> {
+        let urls = match self {
+            Target::Server(url) => std::slice::from_ref(url),
+            Target::Cluster(urls) => urls.as_slice(),
+        };
+        let mut nodes = Vec::new();
+        for url in urls {
+            nodes.push(
+                redis::Client::open(url.as_str())
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap(),
+            );
+        }
+        nodes
+    }
+}
+
+/// A connection to one server, or a cluster client that routes each command by its key.
+#[derive(Clone)]
+pub(crate) enum Admin {
+    Server(MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl ConnectionLike for Admin {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Admin::Server(con) => con.req_packed_command(cmd),
+            Admin::Cluster(con) => con.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Admin::Server(con) => con.req_packed_commands(pipeline, offset, count),
+            Admin::Cluster(con) => con.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Admin::Server(con) => con.get_db(),
+            Admin::Cluster(con) => con.get_db(),
+        }
+    }
+}
+
+/// How many times a node ran `command` (`INFO commandstats`), failed calls included.
+pub(crate) async fn command_calls(node: &mut MultiplexedConnection, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(node)
+        .await
+        .unwrap();
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
+}
+
+/// A store on the caller's (manual) time, with a timeout no test should reach.
+///
+/// Redis expires keys by its own clock, which runs on while the manual one stands still:
+/// an hour's grace keeps every key's state as long as the test runs, however slowly.
+/// (State that becomes fresh is deleted at once either way.)
+pub(crate) fn builder(clock: &ManualClock) -> RedisStoreBuilder {
     RedisStore::builder()
         .timeout(Duration::from_secs(5))
         .caller_time(clock.clone())
-        .connect(&server.url())
-        .await
-        .unwrap()
+        .grace(Duration::from_secs(3_600))
 }
 
 /// Quotas that exercise uneven rates, short and long periods, bursts above and below the
@@ -80,39 +217,6 @@ fn cost(rng: &mut Rng, quota: &Quota, algorithm: Algorithm) -> u32 {
     u32::try_from(c).unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lua_scripts_decide_exactly_like_the_rust_functions() {
-    const EVENTS: usize = 10_000;
-    let server = RedisServer::start();
-    let clock = ManualClock::at_micros(EPOCH_US);
-    let redis = store(&server, &clock).await;
-    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    let mut rng = Rng(0x7011_6a7e);
-    for algorithm in Algorithm::ALL {
-        let quotas = quotas(algorithm);
-        let mut counts = [0u64; 3];
-        for i in 0..EVENTS {
-            // A new policy (and so a new key) every 2,000 events, cycling the quotas.
-            let quota = quotas[(i / 2_000) % quotas.len()];
-            let policy = Policy::new(format!("conf{}", i / 2_000), algorithm, quota).unwrap();
-            let now = clock.now_micros_for_test();
-            clock.set_micros(now + gap(&mut rng, now, &quota));
-            let cost = cost(&mut rng, &quota, algorithm);
-            let expected = memory.check_sync(b"caller", &policy, cost);
-            let got = redis.check(b"caller", &policy, cost).await.unwrap();
-            assert_eq!(
-                got,
-                expected,
-                "{algorithm:?} event {i} at {} cost {cost} quota {quota:?}",
-                clock.now_micros_for_test()
-            );
-            counts[usize::from(expected.denial_code().min(2))] += 1;
-        }
-        // The trace is not vacuous: it admits, limits and refuses.
-        assert!(counts.iter().all(|&n| n > 100), "{algorithm:?}: {counts:?}");
-    }
-}
-
 /// Test-only reading of the manual clock without importing the trait everywhere.
 trait NowForTest {
     fn now_micros_for_test(&self) -> u64;
@@ -124,19 +228,85 @@ impl NowForTest for ManualClock {
     }
 }
 
-/// Runs `tasks` concurrent tasks, spread over `gateways`, each sending `per_task`
-/// requests for one key, and returns how many were admitted.
-async fn hammer(gateways: &[RedisStore], policy: &Policy, tasks: usize, per_task: usize) -> u64 {
-    let admitted = Arc::new(AtomicU64::new(0));
+/// Replays `events` random (time, caller, cost) events per algorithm through Redis and
+/// through the Rust functions (the memory store) on one pinned clock, and compares every
+/// field of every decision. Two Redis stores answer each event: one without the deny
+/// cache, so that every decision is the script's, and one with it (the default), whose
+/// local answers must be the same. Returns the Redis keys it used.
+pub(crate) async fn conformance(target: &Target, events: usize) -> Vec<String> {
+    const CALLERS: u64 = 6;
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let scripts = target
+        .connect(builder(&clock).prefix("script").deny_cache(0))
+        .await;
+    let cached = target.connect(builder(&clock).prefix("cached")).await;
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let mut rng = Rng(0x7011_6a7e);
+    // A new policy (and so new keys) every fifth of the trace, cycling the quotas.
+    let segment = events.div_ceil(5);
+    let mut keys = BTreeSet::new();
+    for algorithm in Algorithm::ALL {
+        let quotas = quotas(algorithm);
+        let mut counts = [0u64; 3];
+        for i in 0..events {
+            let quota = quotas[(i / segment) % quotas.len()];
+            let policy = Policy::new(format!("conf{}", i / segment), algorithm, quota).unwrap();
+            let now = clock.now_micros_for_test();
+            clock.set_micros(now + gap(&mut rng, now, &quota));
+            let cost = cost(&mut rng, &quota, algorithm);
+            let caller = format!("caller-{}", rng.below(CALLERS));
+            let expected = memory.check_sync(caller.as_bytes(), &policy, cost);
+            let (script, local) = tokio::join!(
+                scripts.check(caller.as_bytes(), &policy, cost),
+                cached.check(caller.as_bytes(), &policy, cost),
+            );
+            let context = || {
+                format!(
+                    "{algorithm:?} event {i} {caller} at {} cost {cost} quota {quota:?}",
+                    clock.now_micros_for_test()
+                )
+            };
+            assert_eq!(script.unwrap(), expected, "script: {}", context());
+            assert_eq!(local.unwrap(), expected, "deny cache: {}", context());
+            counts[usize::from(expected.denial_code().min(2))] += 1;
+            keys.extend(scripts.keys_for(caller.as_bytes(), &policy));
+        }
+        // The trace is not vacuous: it admits, limits and refuses (each at least 1%).
+        assert!(
+            counts.iter().all(|&n| n >= events as u64 / 100),
+            "{algorithm:?}: {counts:?}"
+        );
+    }
+    keys.into_iter().collect()
+}
+
+/// Runs `tasks` concurrent tasks, task `t` on gateway `t % gateways` for key
+/// `t / gateways % keys` (so every key is hammered through every gateway), each sending
+/// `per_task` requests, and returns how many each key admitted.
+async fn hammer(
+    gateways: &[RedisStore],
+    policy: &Policy,
+    keys: &[String],
+    tasks: usize,
+    per_task: usize,
+) -> Vec<u64> {
+    let admitted: Arc<Vec<AtomicU64>> = Arc::new(keys.iter().map(|_| AtomicU64::new(0)).collect());
     let mut handles = Vec::new();
     for t in 0..tasks {
         let store = gateways[t % gateways.len()].clone();
+        let k = t / gateways.len() % keys.len();
+        let key = keys[k].clone();
         let policy = policy.clone();
         let admitted = Arc::clone(&admitted);
         handles.push(tokio::spawn(async move {
             for _ in 0..per_task {
-                if store.check(b"hot", &policy, 1).await.unwrap().is_allowed() {
-                    admitted.fetch_add(1, Ordering::Relaxed);
+                if store
+                    .check(key.as_bytes(), &policy, 1)
+                    .await
+                    .unwrap()
+                    .is_allowed()
+                {
+                    admitted[k].fetch_add(1, Ordering::Relaxed);
                 }
             }
         }));
@@ -144,13 +314,13 @@ async fn hammer(gateways: &[RedisStore], policy: &Policy, tasks: usize, per_task
     for h in handles {
         h.await.unwrap();
     }
-    admitted.load(Ordering::Relaxed)
+    admitted.iter().map(|a| a.load(Ordering::Relaxed)).collect()
 }
 
 /// What a limiter without a script does: read, decide, write — two round trips with a
 /// gap between them.
 async fn naive_get_then_set(
-    url: &str,
+    target: &Target,
     gateways: usize,
     tasks: usize,
     per_task: usize,
@@ -158,13 +328,7 @@ async fn naive_get_then_set(
 ) -> u64 {
     let mut cons = Vec::new();
     for _ in 0..gateways {
-        cons.push(
-            redis::Client::open(url)
-                .unwrap()
-                .get_multiplexed_async_connection()
-                .await
-                .unwrap(),
-        );
+        cons.push(target.admin().await);
     }
     let admitted = Arc::new(AtomicU64::new(0));
     let mut handles = Vec::new();
@@ -188,18 +352,22 @@ async fn naive_get_then_set(
     admitted.load(Ordering::Relaxed)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_gateways_and_64_tasks_never_admit_more_than_the_model() {
+/// Three gateways and 66 tasks hammer three keys per algorithm on a pinned clock: each
+/// key admits exactly its capacity, never more; a GET-then-SET limiter under the same
+/// load over-admits. Returns the Redis keys it used.
+pub(crate) async fn atomicity(target: &Target) -> Vec<String> {
     const TASKS: usize = 66;
     const PER_TASK: usize = 30;
-    let server = RedisServer::start();
     // Time is pinned, so the exact model is the capacity: nothing refills mid-test.
     let clock = ManualClock::at_micros(EPOCH_US);
     let mut gateways = Vec::new();
     for _ in 0..3 {
-        gateways.push(store(&server, &clock).await);
+        // No deny cache: every one of the requests races inside Redis.
+        gateways.push(target.connect(builder(&clock).deny_cache(0)).await);
     }
     let quota = Quota::per_minute(100).unwrap();
+    let callers: Vec<String> = (0..3).map(|k| format!("hot-{k}")).collect();
+    let mut keys = Vec::new();
     for algorithm in [
         Algorithm::TokenBucket,
         Algorithm::Gcra,
@@ -208,17 +376,20 @@ async fn three_gateways_and_64_tasks_never_admit_more_than_the_model() {
         Algorithm::SlidingWindowCounter,
         Algorithm::LeakyBucket,
     ] {
-        let policy = Policy::new("atomic", algorithm, quota).unwrap();
-        let admitted = hammer(&gateways, &policy, TASKS, PER_TASK).await;
+        let policy = Policy::new(format!("atomic-{algorithm:?}"), algorithm, quota).unwrap();
+        let admitted = hammer(&gateways, &policy, &callers, TASKS, PER_TASK).await;
         assert_eq!(
             admitted,
-            100,
-            "{algorithm:?} admitted {admitted} of {}",
-            TASKS * PER_TASK
+            [100, 100, 100],
+            "{algorithm:?} admitted {admitted:?} of {} per key",
+            TASKS * PER_TASK / callers.len()
         );
+        for caller in &callers {
+            keys.extend(gateways[0].keys_for(caller.as_bytes(), &policy));
+        }
     }
     // The same load through GET-then-SET over-admits: the race the scripts remove.
-    let naive = naive_get_then_set(&server.url(), 3, TASKS, PER_TASK, 100).await;
+    let naive = naive_get_then_set(target, 3, TASKS, PER_TASK, 100).await;
     assert!(
         naive > 100,
         "the naive limiter admitted {naive}, expected more than 100"
@@ -227,163 +398,251 @@ async fn three_gateways_and_64_tasks_never_admit_more_than_the_model() {
         "naive GET-then-SET limiter admitted {naive} of {} (limit 100)",
         TASKS * PER_TASK
     );
+    keys
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn decisions_survive_script_flush_and_a_restart() {
-    let mut server = RedisServer::start();
-    let store = RedisStore::builder()
-        .timeout(Duration::from_secs(5))
-        .connect(&server.url())
-        .await
-        .unwrap();
+/// Many callers' state survives `SCRIPT FLUSH` on every node: each node that runs a
+/// script afterwards gets `NOSCRIPT` once, reloads it with `EVAL`, and decides from the
+/// state it kept. Returns the Redis keys it used.
+pub(crate) async fn script_flush(target: &Target) -> Vec<String> {
+    const CALLERS: usize = 24;
+    let clock = ManualClock::at_micros(EPOCH_US);
+    // No deny cache: every call must reach Redis, and the test counts them.
+    let store = target.connect(builder(&clock).deny_cache(0)).await;
     let policy = Policy::new(
         "noscript",
         Algorithm::TokenBucket,
         Quota::per_minute(10).unwrap(),
     )
     .unwrap();
-    assert!(store.check(b"k", &policy, 1).await.unwrap().is_allowed());
+    let callers: Vec<String> = (0..CALLERS).map(|c| format!("caller-{c}")).collect();
+    for caller in &callers {
+        let d = store.check(caller.as_bytes(), &policy, 1).await.unwrap();
+        assert_eq!(d.remaining(), 9, "{caller}");
+    }
 
-    let mut con = server.connection().await;
-    let () = redis::cmd("SCRIPT")
-        .arg("FLUSH")
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    let after_flush = store.check(b"k", &policy, 1).await.unwrap();
-    assert_eq!(after_flush.remaining(), 8, "state kept, script reloaded");
-
-    server.restart();
-    let after_restart = store.check(b"k", &policy, 1).await.unwrap();
-    assert!(after_restart.is_allowed());
-    assert_eq!(
-        after_restart.remaining(),
-        9,
-        "a restarted server starts empty"
-    );
+    let mut nodes = target.each_node().await;
+    let mut before = Vec::new();
+    for node in &mut nodes {
+        before.push((
+            command_calls(node, "evalsha").await,
+            command_calls(node, "eval").await,
+        ));
+        let () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(node)
+            .await
+            .unwrap();
+    }
+    for caller in &callers {
+        let d = store.check(caller.as_bytes(), &policy, 1).await.unwrap();
+        assert_eq!(d.remaining(), 8, "{caller}: state kept, script reloaded");
+    }
+    let mut served = 0;
+    for (node, (evalsha, eval)) in nodes.iter_mut().zip(before) {
+        let evalsha = command_calls(node, "evalsha").await - evalsha;
+        let eval = command_calls(node, "eval").await - eval;
+        // A node that ran scripts got one NOSCRIPT, one EVAL, then EVALSHA again.
+        if evalsha > 0 {
+            served += 1;
+            assert_eq!(eval, 1, "a node ran {evalsha} EVALSHA and {eval} EVAL");
+        } else {
+            assert_eq!(eval, 0);
+        }
+    }
+    assert!(served > 0);
+    callers
+        .iter()
+        .flat_map(|c| store.keys_for(c.as_bytes(), &policy))
+        .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn keys_expire_when_their_state_is_fresh_again() {
-    let server = RedisServer::start();
-    let mut con = server.connection().await;
+/// Keys expire when their state is fresh again, on the server's time and on the
+/// caller's, for every algorithm and several callers. Returns the Redis keys it used.
+pub(crate) async fn expiry(target: &Target) -> Vec<String> {
+    let callers: Vec<String> = (0..6).map(|c| format!("idler-{c}")).collect();
+    let mut con = target.admin().await;
+    let mut keys = Vec::new();
     // Server time: the TTL is exactly the time the state needs to become fresh.
-    let store = RedisStore::builder()
-        .prefix("ttl")
-        .timeout(Duration::from_secs(5))
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let store = target
+        .connect(
+            RedisStore::builder()
+                .prefix("ttl")
+                .timeout(Duration::from_secs(5)),
+        )
+        .await;
     for algorithm in Algorithm::ALL {
         let policy = Policy::new("idle", algorithm, Quota::per_second(4).unwrap()).unwrap();
-        let d: Decision = store.check(b"idler", &policy, 2).await.unwrap();
-        assert!(d.is_allowed());
-        for key in store.keys_for(b"idler", &policy) {
-            let ttl: i64 = con.pttl(&key).await.unwrap();
-            // Never without an expiry, and never longer than the state needs: the reset
-            // time (rounded up to a millisecond), less what has passed since.
-            let most = i64::try_from(d.reset_after().as_micros().div_ceil(1000)).unwrap();
-            assert!(
-                ttl > 0 && ttl <= most,
-                "{algorithm:?} {key}: pttl {ttl}, reset {most} ms"
-            );
+        for caller in &callers {
+            let d: Decision = store.check(caller.as_bytes(), &policy, 2).await.unwrap();
+            assert!(d.is_allowed());
+            for key in store.keys_for(caller.as_bytes(), &policy) {
+                let ttl: i64 = con.pttl(&key).await.unwrap();
+                // Never without an expiry, and never longer than the state needs: the
+                // reset time (rounded up to a millisecond), less what has passed since.
+                let most = i64::try_from(d.reset_after().as_micros().div_ceil(1000)).unwrap();
+                assert!(
+                    ttl > 0 && ttl <= most,
+                    "{algorithm:?} {key}: pttl {ttl}, reset {most} ms"
+                );
+                keys.push(key);
+            }
         }
     }
     // With the caller's time, an idle caller's next look leaves nothing behind.
     let clock = ManualClock::at_micros(EPOCH_US);
-    let store = RedisStore::builder()
-        .prefix("idle")
-        .caller_time(clock.clone())
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let store = target
+        .connect(builder(&clock).prefix("idle").deny_cache(0))
+        .await;
     for algorithm in Algorithm::ALL {
         let policy = Policy::new("idle", algorithm, Quota::per_second(4).unwrap()).unwrap();
-        assert!(
-            store
-                .check(b"idler", &policy, 1)
-                .await
-                .unwrap()
-                .is_allowed()
-        );
+        for caller in &callers {
+            let d = store.check(caller.as_bytes(), &policy, 1).await.unwrap();
+            assert!(d.is_allowed());
+        }
         clock.advance(Duration::from_secs(3));
-        assert!(
-            store
-                .check(b"idler", &policy, 0)
-                .await
-                .unwrap()
-                .is_allowed()
-        );
-        for key in store.keys_for(b"idler", &policy) {
-            let exists: bool = con.exists(&key).await.unwrap();
-            assert!(!exists, "{algorithm:?}: {key} outlived its state");
+        for caller in &callers {
+            let d = store.check(caller.as_bytes(), &policy, 0).await.unwrap();
+            assert!(d.is_allowed());
+            for key in store.keys_for(caller.as_bytes(), &policy) {
+                let exists: bool = con.exists(&key).await.unwrap();
+                assert!(!exists, "{algorithm:?}: {key} outlived its state");
+                keys.push(key);
+            }
         }
     }
+    keys
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hostile_keys_cannot_choose_their_slot_or_bloat_redis() {
-    let server = RedisServer::start();
+/// Keys with braces, binary or a megabyte become short, hashed keys with one hash tag
+/// (the sliding log's two keys share it, so a cluster never answers `CROSSSLOT`), and
+/// never collide with the key they imitate. Returns the Redis keys it used.
+pub(crate) async fn hostile_keys(target: &Target) -> Vec<String> {
     let clock = ManualClock::at_micros(EPOCH_US);
-    let store = store(&server, &clock).await;
-    let policy = Policy::new("keys", Algorithm::Gcra, Quota::per_second(1).unwrap()).unwrap();
+    let store = target.connect(builder(&clock)).await;
     let huge = vec![b'x'; 1 << 20];
-    for key in [&b"}{victim"[..], b"\x00\xff binary", &huge] {
-        assert!(store.check(key, &policy, 1).await.unwrap().is_allowed());
-        let names = store.keys_for(key, &policy);
-        assert_eq!(names[0].matches('{').count(), 1, "{}", names[0]);
-        assert!(names[0].len() < 80, "{} bytes", names[0].len());
+    let mut keys = Vec::new();
+    for algorithm in [Algorithm::Gcra, Algorithm::SlidingWindowLog] {
+        let policy = Policy::new("keys", algorithm, Quota::per_second(1).unwrap()).unwrap();
+        for key in [&b"}{victim"[..], b"\x00\xff binary", &huge] {
+            assert!(store.check(key, &policy, 1).await.unwrap().is_allowed());
+            let names = store.keys_for(key, &policy);
+            for name in &names {
+                assert_eq!(name.matches('{').count(), 1, "{name}");
+                assert!(name.len() < 80, "{} bytes", name.len());
+            }
+            keys.extend(names);
+        }
+        // The escaped key does not collide with the victim's own key.
+        assert!(
+            store
+                .check(b"victim", &policy, 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+        keys.extend(store.keys_for(b"victim", &policy));
     }
-    // The escaped key does not collide with the victim's own key.
-    assert!(
-        store
-            .check(b"victim", &policy, 1)
+    keys
+}
+
+crate::standalone_only! {
+    mod support;
+
+    use crate::support::RedisServer;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lua_scripts_decide_exactly_like_the_rust_functions() {
+        let server = RedisServer::start();
+        conformance(&Target::Server(server.url()), 10_000).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn three_gateways_and_66_tasks_never_admit_more_than_the_model() {
+        let server = RedisServer::start();
+        atomicity(&Target::Server(server.url())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn decisions_survive_script_flush_and_a_restart() {
+        let mut server = RedisServer::start();
+        script_flush(&Target::Server(server.url())).await;
+
+        let store = RedisStore::builder()
+            .timeout(Duration::from_secs(5))
+            .connect(&server.url())
             .await
-            .unwrap()
-            .is_allowed()
-    );
-}
+            .unwrap();
+        let policy = Policy::new(
+            "restart",
+            Algorithm::TokenBucket,
+            Quota::per_minute(10).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(store.check(b"k", &policy, 1).await.unwrap().remaining(), 9);
+        assert_eq!(store.check(b"k", &policy, 1).await.unwrap().remaining(), 8);
+        server.restart();
+        let after_restart = store.check(b"k", &policy, 1).await.unwrap();
+        assert!(after_restart.is_allowed());
+        assert_eq!(
+            after_restart.remaining(),
+            9,
+            "a restarted server starts empty"
+        );
+    }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_deadpool_pool_is_accepted_and_decides_the_same() {
-    let server = RedisServer::start();
-    let pool = deadpool_redis::Config::from_url(server.url())
-        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-        .unwrap();
-    let clock = ManualClock::at_micros(EPOCH_US);
-    let pooled = RedisStore::builder()
-        .caller_time(clock.clone())
-        .with_pool(pool)
-        .unwrap();
-    let policy = Policy::new(
-        "pool",
-        Algorithm::SlidingWindowLog,
-        Quota::per_minute(2).unwrap(),
-    )
-    .unwrap();
-    assert!(pooled.check(b"k", &policy, 1).await.unwrap().is_allowed());
-    assert!(pooled.check(b"k", &policy, 1).await.unwrap().is_allowed());
-    let third = pooled.check(b"k", &policy, 1).await.unwrap();
-    assert_eq!(third.retry_after(), Some(Duration::from_secs(60)));
-}
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_expire_when_their_state_is_fresh_again() {
+        let server = RedisServer::start();
+        expiry(&Target::Server(server.url())).await;
+    }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_server_is_an_error_within_the_timeout_not_a_hang() {
-    let mut server = RedisServer::start();
-    let store = RedisStore::builder()
-        .timeout(Duration::from_millis(300))
-        .connect(&server.url())
-        .await
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hostile_keys_cannot_choose_their_slot_or_bloat_redis() {
+        let server = RedisServer::start();
+        hostile_keys(&Target::Server(server.url())).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_deadpool_pool_is_accepted_and_decides_the_same() {
+        let server = RedisServer::start();
+        let pool = deadpool_redis::Config::from_url(server.url())
+            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+            .unwrap();
+        let clock = ManualClock::at_micros(EPOCH_US);
+        let pooled = RedisStore::builder()
+            .caller_time(clock.clone())
+            .with_pool(pool)
+            .unwrap();
+        let policy = Policy::new(
+            "pool",
+            Algorithm::SlidingWindowLog,
+            Quota::per_minute(2).unwrap(),
+        )
         .unwrap();
-    server.kill();
-    let policy = Policy::new("dead", Algorithm::Gcra, Quota::per_second(1).unwrap()).unwrap();
-    let started = std::time::Instant::now();
-    let err = store.check(b"k", &policy, 1).await.unwrap_err();
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "took {:?}",
-        started.elapsed()
-    );
-    println!("dead server: {err}");
+        assert!(pooled.check(b"k", &policy, 1).await.unwrap().is_allowed());
+        assert!(pooled.check(b"k", &policy, 1).await.unwrap().is_allowed());
+        let third = pooled.check(b"k", &policy, 1).await.unwrap();
+        assert_eq!(third.retry_after(), Some(Duration::from_secs(60)));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_server_is_an_error_within_the_timeout_not_a_hang() {
+        let mut server = RedisServer::start();
+        let store = RedisStore::builder()
+            .timeout(Duration::from_millis(300))
+            .connect(&server.url())
+            .await
+            .unwrap();
+        server.kill();
+        let policy = Policy::new("dead", Algorithm::Gcra, Quota::per_second(1).unwrap()).unwrap();
+        let started = std::time::Instant::now();
+        let err = store.check(b"k", &policy, 1).await.unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "took {:?}",
+            started.elapsed()
+        );
+        println!("dead server: {err}");
+    }
 }

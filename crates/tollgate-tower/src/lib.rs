@@ -1,8 +1,16 @@
 //! tower middleware for tollgate: rate limiting for axum routers, tonic servers and any
 //! tower stack.
 //!
-//! Start at [`RateLimitLayer`]. The algorithms, quotas and stores come from
-//! [`tollgate_core`], re-exported as [`core`].
+//! Start at [`RateLimitLayer`] (the [`rate_limit`] module has a tour). The algorithms,
+//! quotas and stores come from [`tollgate_core`], re-exported as [`core`].
+//!
+//! Features: `axum` reads peer addresses from axum's `ConnectInfo`; `tonic` answers gRPC
+//! requests with `RESOURCE_EXHAUSTED` and retry details, reads tonic's `TcpConnectInfo`,
+//! and adds a synchronous `Interceptor` (see `grpc`); `redis` re-exports the Redis store.
+//!
+//! When the store fails, [`OnStoreError`] lets requests through (the default) or answers
+//! 503 / `UNAVAILABLE`; wrap a remote store in [`core::Resilient`] for a circuit breaker
+//! and a local fallback limiter.
 
 #[cfg(feature = "tonic")]
 pub mod grpc;

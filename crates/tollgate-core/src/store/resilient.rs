@@ -259,8 +259,12 @@ where
         };
         let call = inner.primary.check(key, policy, cost);
         let (key, policy) = (key.to_vec(), policy.clone());
+        let mut abandoned = AbandonedProbe(probe.then(|| Arc::clone(&inner)));
         Box::pin(async move {
-            match call.await {
+            let answer = call.await;
+            // Answered: `record` settles the probe.
+            abandoned.disarm();
+            match answer {
                 Ok(decision) => {
                     inner.record(true, probe);
                     Ok(decision)
@@ -277,6 +281,25 @@ where
                 }
             }
         })
+    }
+}
+
+/// Ends a probe whose future is dropped before it answers (its caller gave up: a client
+/// disconnected, an outer timeout fired), so that the next call probes instead; without
+/// it the breaker would stay half-open, skipping the primary, for good.
+struct AbandonedProbe<S, C>(Option<Arc<Inner<S, C>>>);
+
+impl<S, C> AbandonedProbe<S, C> {
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl<S, C> Drop for AbandonedProbe<S, C> {
+    fn drop(&mut self) {
+        if let Some(inner) = &self.0 {
+            inner.breaker.lock().probing = false;
+        }
     }
 }
 

@@ -147,7 +147,8 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// Adds a limit for requests to `pattern` (an exact path, or a prefix ending in
     /// `/*`) with `method` (`None`: any method), checked as well as the caller's own
     /// limit, per caller. All of a request's limits must pass; the headers report the most
-    /// restrictive.
+    /// restrictive. Limits are checked in order — the caller's own, then the routes' —
+    /// and a denial by a later one does not give back the unit an earlier one took.
     pub fn route(mut self, method: Option<Method>, pattern: &str, policy: Policy) -> Self {
         match Route::new(method, pattern, self.policies.len()) {
             Ok(route) => {
