@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use strength_reduce::StrengthReducedU64;
+
 use crate::error::ConfigError;
 
 /// The largest product of two quota numbers that every algorithm keeps exact.
@@ -43,7 +45,7 @@ pub(crate) const MAX_EXACT: u64 = 1 << 52;
 /// assert!(err.to_string().contains("limit must be at least 1"));
 /// # Ok::<(), tollgate_core::ConfigError>(())
 /// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug)]
 pub struct Quota {
     limit: u64,
     period_us: u64,
@@ -53,6 +55,25 @@ pub struct Quota {
     emission_us: u64,
     /// Microseconds for an empty token bucket to refill: `ceil(burst × period / limit)`.
     fill_us: u64,
+    /// The divisors of the hot path, reduced to a multiplication once: a hardware
+    /// division costs more than the rest of a decision.
+    by_limit: StrengthReducedU64,
+    by_period: StrengthReducedU64,
+    by_emission: StrengthReducedU64,
+}
+
+impl PartialEq for Quota {
+    fn eq(&self, other: &Self) -> bool {
+        (self.limit, self.period_us, self.burst) == (other.limit, other.period_us, other.burst)
+    }
+}
+
+impl Eq for Quota {}
+
+impl std::hash::Hash for Quota {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (self.limit, self.period_us, self.burst).hash(state);
+    }
 }
 
 impl Quota {
@@ -119,12 +140,16 @@ impl Quota {
                  use a longer period with a proportionally larger limit"
             )));
         }
+        let emission_us = period_us.div_ceil(limit);
         let quota = Quota {
             limit,
             period_us,
             burst: limit,
-            emission_us: period_us.div_ceil(limit),
+            emission_us,
             fill_us: period_us,
+            by_limit: StrengthReducedU64::new(limit),
+            by_period: StrengthReducedU64::new(period_us),
+            by_emission: StrengthReducedU64::new(emission_us),
         };
         quota.check_exact("limit")?;
         Ok(quota)
@@ -190,6 +215,31 @@ impl Quota {
     #[must_use]
     pub const fn period_micros(&self) -> u64 {
         self.period_us
+    }
+
+    /// `ceil(n / limit)`.
+    #[inline]
+    pub(crate) fn per_limit_ceil(&self, n: u64) -> u64 {
+        let (q, r) = StrengthReducedU64::div_rem(n, self.by_limit);
+        q + u64::from(r != 0)
+    }
+
+    /// `n / period`.
+    #[inline]
+    pub(crate) fn per_period(&self, n: u64) -> u64 {
+        n / self.by_period
+    }
+
+    /// `n % period`.
+    #[inline]
+    pub(crate) fn rem_period(&self, n: u64) -> u64 {
+        n % self.by_period
+    }
+
+    /// `n / emission interval`.
+    #[inline]
+    pub(crate) fn per_emission(&self, n: u64) -> u64 {
+        n / self.by_emission
     }
 
     /// How long an empty token bucket takes to refill, in microseconds: `burst × period /

@@ -37,7 +37,7 @@ impl SlotState for State {
 #[must_use]
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
     let (limit, period) = (quota.limit(), quota.period_micros());
-    let end = now - now % period + period;
+    let end = now - quota.rem_period(now) + period;
     let count = if state.end == end { state.count } else { 0 };
     let reset = |count: u64| if count > 0 { end - now } else { 0 };
     let cost = u64::from(cost);

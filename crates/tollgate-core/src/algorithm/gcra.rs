@@ -37,7 +37,7 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
     let t = quota.emission_micros();
     let window = quota.burst() * t;
     let start = state.tat.max(now);
-    let remaining = |ahead: u64| window.saturating_sub(ahead) / t;
+    let remaining = |ahead: u64| quota.per_emission(window.saturating_sub(ahead));
     let cost = u64::from(cost);
     let ahead = start - now;
     if cost > quota.burst() {

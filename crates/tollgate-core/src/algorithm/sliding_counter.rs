@@ -84,12 +84,12 @@ impl State {
 #[must_use]
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
     let (limit, period) = (quota.limit(), quota.period_micros());
-    let start = now - now % period;
+    let start = now - quota.rem_period(now);
     let elapsed = now - start;
     let (prev, curr) = state.counts_at(start, period);
     // Everything below is scaled by the period: `used` is the weighted count × P.
     let used = |curr: u64| prev * (period - elapsed) + curr * period;
-    let remaining = |curr: u64| (limit * period).saturating_sub(used(curr)) / period;
+    let remaining = |curr: u64| quota.per_period((limit * period).saturating_sub(used(curr)));
     let reset = |curr: u64| match (prev, curr) {
         (_, c) if c > 0 => start + 2 * period - now,
         (p, _) if p > 0 => start + period - now,

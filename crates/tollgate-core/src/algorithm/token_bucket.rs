@@ -37,7 +37,7 @@ impl State {
 
     /// The state with `deficit` ticks missing at `now`, and how long until it is full.
     fn with_deficit(now: u64, deficit: u64, quota: &Quota) -> (Self, u64) {
-        let us = deficit.div_ceil(quota.limit());
+        let us = quota.per_limit_ceil(deficit);
         let state = State {
             full_at: now + us,
             frac: us * quota.limit() - deficit,
@@ -61,11 +61,11 @@ impl SlotState for State {
 /// Decides one request of `cost` units at `now` (microseconds).
 #[must_use]
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
-    let (limit, period) = (quota.limit(), quota.period_micros());
+    let period = quota.period_micros();
     let cap = quota.burst() * period;
     let deficit = state.deficit(now, quota);
-    let remaining = |deficit: u64| (cap - deficit) / period;
-    let reset = |deficit: u64| deficit.div_ceil(limit);
+    let remaining = |deficit: u64| quota.per_period(cap - deficit);
+    let reset = |deficit: u64| quota.per_limit_ceil(deficit);
     let cost = u64::from(cost);
     if cost > quota.burst() {
         let d = Decision::refused(
@@ -82,7 +82,7 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
         let d = Decision::allow(quota.burst(), remaining(after), reset, 0);
         (d, state)
     } else {
-        let retry = (after - cap).div_ceil(limit);
+        let retry = quota.per_limit_ceil(after - cap);
         let d = Decision::limited(quota.burst(), remaining(deficit), reset(deficit), retry);
         (d, state)
     }
