@@ -21,72 +21,30 @@
 //! headers; a denial is a `429` with `Retry-After` and a JSON body. When the store fails
 //! (Redis down), requests are let through and the failure is logged.
 
-use std::collections::HashMap;
+#[path = "demo.rs"]
+#[macro_use]
+mod demo;
+
 use std::error::Error;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::Request;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tollgate_tower::core::{Algorithm, MemoryStore, Policy, Quota, RedisStore, Store};
-use tollgate_tower::{Header, HeaderStyle, Key, KeyExtractor, RateLimitLayer};
-use tracing_subscriber::EnvFilter;
-
-/// The demo API keys and the tier each belongs to.
-const DEMO_KEYS: [(&str, &str); 2] = [("demo-free-key", "free"), ("demo-pro-key", "pro")];
+use tollgate_tower::core::{Algorithm, Policy, Quota, Store};
+use tollgate_tower::{HeaderStyle, RateLimitLayer};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
-    match run().await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    demo::init_tracing();
+    demo::exit(run().await)
 }
 
 async fn run() -> Result<(), Box<dyn Error>> {
-    let port = match std::env::var("PORT") {
-        Ok(text) => text
-            .parse::<u16>()
-            .map_err(|_| format!("PORT must be a port number from 0 to 65535 (got {text:?})"))?,
-        Err(_) => 3000,
-    };
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, port))
-        .await
-        .map_err(|e| format!("cannot listen on 127.0.0.1:{port}: {e}"))?;
-    let addr = listener.local_addr()?;
-
-    match std::env::var("REDIS_URL") {
-        Ok(url) => {
-            let store = RedisStore::builder()
-                .prefix("tollgate-demo")
-                .connect(&url)
-                .await
-                .map_err(|e| {
-                    format!(
-                        "cannot use Redis at {url}: {e}\n\
-                         Start Redis (redis-server) or unset REDIS_URL to use the memory store."
-                    )
-                })?;
-            println!("store: Redis at {url} (limits shared by every server using it)");
-            serve(store, listener, addr).await
-        }
-        Err(_) => {
-            println!("store: memory (this process only; set REDIS_URL to share limits)");
-            serve(MemoryStore::new(), listener, addr).await
-        }
-    }
+    let (listener, addr) = demo::listen(3000).await?;
+    serve_with_store_from_env!(serve(listener, addr))
 }
 
 /// Builds the router with the rate limits over `store` and serves it until Ctrl-C.
@@ -95,36 +53,17 @@ async fn serve<St: Store>(
     listener: TcpListener,
     addr: SocketAddr,
 ) -> Result<(), Box<dyn Error>> {
-    let anonymous = Policy::new("anonymous", Algorithm::TokenBucket, Quota::per_minute(20)?)?;
-    let free = Policy::new("free", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
-    let pro = Policy::new("pro", Algorithm::TokenBucket, Quota::per_minute(10_000)?)?;
+    let [anonymous, free, pro] = demo::tier_policies()?;
     let checkout = Policy::new(
         "checkout",
         Algorithm::SlidingWindowLog,
         Quota::per_minute(5)?,
     )?;
-
-    let tiers: HashMap<String, String> = DEMO_KEYS
-        .iter()
-        .map(|(key, tier)| ((*key).to_owned(), (*tier).to_owned()))
-        .collect();
-    // Only keys we know name a caller. An unknown key counts as no key, so the caller is
-    // limited by IP (MissingKey::FallbackToIp, the default): otherwise anyone could mint
-    // a fresh limit by sending a new random key with every request. A real service
-    // checks its keys in an authentication layer before this one.
-    let known = Arc::new(tiers.clone());
-    let api_key = Header::new("x-api-key")?;
-    let key = move |request: &Request<Body>| {
-        api_key.extract(request).filter(|key: &Key| {
-            std::str::from_utf8(key.value()).is_ok_and(|value| known.contains_key(value))
-        })
-    };
-
     let limits = RateLimitLayer::builder(store, anonymous)
-        .key(key)
+        .key(demo::known_api_key::<Body>()?)
         .tier(free)
         .tier(pro)
-        .tiers(tiers)
+        .tiers(demo::tiers())
         .route(None, "/api/v1/checkout", checkout)
         .headers(HeaderStyle::Both)
         .build()?;
@@ -166,7 +105,7 @@ fn print_usage(addr: SocketAddr) {
     println!("listening on http://{addr}");
     println!();
     println!("demo API keys:");
-    for (key, tier) in DEMO_KEYS {
+    for (key, tier) in demo::DEMO_KEYS {
         let limit = if tier == "pro" { "10,000" } else { "100" };
         println!("  {key:<14} tier {tier:<4} {limit}/min");
     }

@@ -13,6 +13,8 @@
 //! It exits non-zero when anything is not as the server promises: no denial, a denial
 //! without `RetryInfo`, metadata that disagrees with it, or a refused call after the wait.
 
+#[path = "demo.rs"]
+mod demo;
 mod grpc_demo;
 
 use std::error::Error;
@@ -29,22 +31,11 @@ const MAX_CALLS: u32 = 10;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    match run().await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    demo::exit(run().await)
 }
 
 async fn run() -> Result<(), Box<dyn Error>> {
-    let port = match std::env::var("PORT") {
-        Ok(text) => text
-            .parse::<u16>()
-            .map_err(|_| format!("PORT must be a port number from 1 to 65535 (got {text:?})"))?,
-        Err(_) => 50051,
-    };
+    let port = demo::port(50051)?;
     let api_key = std::env::var("API_KEY").unwrap_or_else(|_| "demo-free-key".to_owned());
     let uri = format!("http://127.0.0.1:{port}");
     let mut client = CatalogClient::connect(uri.clone()).await.map_err(|e| {

@@ -25,73 +25,31 @@
 //! fails (Redis down), calls are let through and the failure is logged.
 
 mod grpc_demo;
+#[path = "demo.rs"]
+#[macro_use]
+mod demo;
 
-use std::collections::HashMap;
 use std::error::Error;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use grpc_demo::{Catalog, EXPORT};
 use http::Method;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tollgate_tower::core::{Algorithm, MemoryStore, Policy, Quota, RedisStore, Store};
-use tollgate_tower::{Header, HeaderStyle, Key, KeyExtractor, RateLimitLayer};
+use tollgate_tower::core::{Algorithm, Policy, Quota, Store};
+use tollgate_tower::{HeaderStyle, RateLimitLayer};
 use tonic::transport::Server;
-use tracing_subscriber::EnvFilter;
-
-/// The demo API keys and the tier each belongs to.
-const DEMO_KEYS: [(&str, &str); 2] = [("demo-free-key", "free"), ("demo-pro-key", "pro")];
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
-    match run().await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {error}");
-            ExitCode::FAILURE
-        }
-    }
+    demo::init_tracing();
+    demo::exit(run().await)
 }
 
 async fn run() -> Result<(), Box<dyn Error>> {
-    let port = match std::env::var("PORT") {
-        Ok(text) => text
-            .parse::<u16>()
-            .map_err(|_| format!("PORT must be a port number from 0 to 65535 (got {text:?})"))?,
-        Err(_) => 50051,
-    };
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, port))
-        .await
-        .map_err(|e| format!("cannot listen on 127.0.0.1:{port}: {e}"))?;
-    let addr = listener.local_addr()?;
-
-    match std::env::var("REDIS_URL") {
-        Ok(url) => {
-            let store = RedisStore::builder()
-                .prefix("tollgate-demo")
-                .connect(&url)
-                .await
-                .map_err(|e| {
-                    format!(
-                        "cannot use Redis at {url}: {e}\n\
-                         Start Redis (redis-server) or unset REDIS_URL to use the memory store."
-                    )
-                })?;
-            println!("store: Redis at {url} (limits shared by every server using it)");
-            serve(store, listener, addr).await
-        }
-        Err(_) => {
-            println!("store: memory (this process only; set REDIS_URL to share limits)");
-            serve(MemoryStore::new(), listener, addr).await
-        }
-    }
+    let (listener, addr) = demo::listen(50051).await?;
+    serve_with_store_from_env!(serve(listener, addr))
 }
 
 /// Serves `demo.Catalog` with the rate limits over `store` until Ctrl-C.
@@ -100,27 +58,11 @@ async fn serve<St: Store>(
     listener: TcpListener,
     addr: SocketAddr,
 ) -> Result<(), Box<dyn Error>> {
-    let anonymous = Policy::new("anonymous", Algorithm::TokenBucket, Quota::per_minute(20)?)?;
-    let free = Policy::new("free", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
-    let pro = Policy::new("pro", Algorithm::TokenBucket, Quota::per_minute(10_000)?)?;
+    let [anonymous, free, pro] = demo::tier_policies()?;
     let export = Policy::new("export", Algorithm::TokenBucket, Quota::per_minute(3)?)?;
-
-    let tiers: HashMap<String, String> = DEMO_KEYS
-        .iter()
-        .map(|(key, tier)| ((*key).to_owned(), (*tier).to_owned()))
-        .collect();
-    // Only keys we know name a caller. An unknown key counts as no key, so the caller is
-    // limited by its IP address (MissingKey::FallbackToIp, the default, reading tonic's
-    // TcpConnectInfo): otherwise anyone could mint a fresh limit by sending a new random
-    // key with every call. A real service checks its keys in an authentication layer
-    // before this one.
-    let known = Arc::new(tiers.clone());
-    let api_key = Header::new("x-api-key")?;
-    let key = move |request: &http::Request<tonic::body::Body>| {
-        api_key.extract(request).filter(|key: &Key| {
-            std::str::from_utf8(key.value()).is_ok_and(|value| known.contains_key(value))
-        })
-    };
+    // Anonymous callers are keyed by their IP address from tonic's TcpConnectInfo.
+    let key = demo::known_api_key::<tonic::body::Body>()?;
+    let tiers = demo::tiers();
 
     // gRPC calls are HTTP/2 POSTs to /<package>.<Service>/<Method>: a route limit on one
     // method is a route limit on its path.
@@ -151,7 +93,7 @@ fn print_usage(addr: SocketAddr) {
     println!("serving demo.Catalog (Lookup, Export) on http://{addr}");
     println!();
     println!("demo API keys (metadata x-api-key):");
-    for (key, tier) in DEMO_KEYS {
+    for (key, tier) in demo::DEMO_KEYS {
         let limit = if tier == "pro" { "10,000" } else { "100" };
         println!("  {key:<14} tier {tier:<4} {limit}/min");
     }

@@ -8,6 +8,9 @@
 #![allow(clippy::unwrap_used)]
 
 mod support;
+#[macro_use]
+#[path = "support/stores.rs"]
+mod stores;
 #[path = "support/http.rs"]
 mod web;
 
@@ -27,7 +30,7 @@ use support::RedisServer;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tollgate_core::{
-    Algorithm, Decision, ManualClock, MemoryStore, Policy, Quota, RedisStore, Store, StoreError,
+    Algorithm, Decision, ManualClock, Policy, Quota, RedisStore, Store, StoreError,
 };
 use tollgate_tower::{
     ClientIp, Header, HeaderStyle, KeyExtractor, MissingKey, OnStoreError, RateLimitLayer,
@@ -35,58 +38,7 @@ use tollgate_tower::{
 };
 use web::{Reply, Server};
 
-/// 2025-11-30T05:20:00Z in microseconds: a realistic wall time, on a whole second.
-const EPOCH_US: u64 = 1_764_480_000_000_000;
-/// The same instant in Unix seconds, as `X-RateLimit-Reset` counts.
-const EPOCH_S: u64 = EPOCH_US / 1_000_000;
-
-// ---------------------------------------------------------------------------------------
-// Fixtures
-// ---------------------------------------------------------------------------------------
-
-/// Runs a test body over both stores. The body sees `$store` (a fresh store) and `$clock`
-/// (the manual clock that store reads, at [`EPOCH_US`]).
-macro_rules! both_stores {
-    ($(#[$meta:meta])* async fn $name:ident($store:ident, $clock:ident) $body:block) => {
-        $(#[$meta])*
-        mod $name {
-            use super::*;
-
-            async fn case<St: Store + Clone>($store: St, $clock: ManualClock) $body
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                let clock = ManualClock::at_micros(EPOCH_US);
-                case(memory_store(&clock), clock).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                let server = RedisServer::start();
-                let clock = ManualClock::at_micros(EPOCH_US);
-                case(redis_store(&server, &clock).await, clock).await;
-            }
-        }
-    };
-}
-
-fn memory_store(clock: &ManualClock) -> MemoryStore<ManualClock> {
-    MemoryStore::builder().clock(clock.clone()).build().unwrap()
-}
-
-async fn redis_store(server: &RedisServer, clock: &ManualClock) -> RedisStore {
-    RedisStore::builder()
-        .timeout(Duration::from_secs(5))
-        .caller_time(clock.clone())
-        .connect(&server.url())
-        .await
-        .unwrap()
-}
-
-/// A token bucket of `n` per minute: one unit refills every `60 / n` seconds.
-fn per_minute(name: &str, n: u32) -> Policy {
-    Policy::new(name, Algorithm::TokenBucket, Quota::per_minute(n).unwrap()).unwrap()
-}
+use stores::{EPOCH_S, EPOCH_US, memory_store, per_minute, redis_store};
 
 /// How many requests reached a handler: a denied request must never get there.
 #[derive(Clone, Debug, Default)]

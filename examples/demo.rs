@@ -1,0 +1,122 @@
+//! What the demo servers and client share: logging, the port, the store chosen by
+//! `REDIS_URL`, and the demo API keys with their tiers. Included by the examples with
+//! `#[path = "demo.rs"] mod demo;`; not an example of its own.
+#![allow(dead_code, unused_macros, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::error::Error;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tollgate_tower::core::{Algorithm, ConfigError, Policy, Quota, RedisStore};
+use tollgate_tower::{Header, Key, KeyExtractor};
+use tracing_subscriber::EnvFilter;
+
+/// The demo API keys and the tier each belongs to.
+pub const DEMO_KEYS: [(&str, &str); 2] = [("demo-free-key", "free"), ("demo-pro-key", "pro")];
+
+/// Logs to stderr at `RUST_LOG` (default `info`).
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+}
+
+/// The process's exit code for `result`, printing an error.
+pub fn exit(result: Result<(), Box<dyn Error>>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `PORT`, or `default`.
+pub fn port(default: u16) -> Result<u16, String> {
+    match std::env::var("PORT") {
+        Ok(text) => text
+            .parse::<u16>()
+            .map_err(|_| format!("PORT must be a port number from 0 to 65535 (got {text:?})")),
+        Err(_) => Ok(default),
+    }
+}
+
+/// A listener on 127.0.0.1 at `PORT`, or `default`.
+pub async fn listen(default: u16) -> Result<(TcpListener, SocketAddr), Box<dyn Error>> {
+    let port = port(default)?;
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, port))
+        .await
+        .map_err(|e| format!("cannot listen on 127.0.0.1:{port}: {e}"))?;
+    let addr = listener.local_addr()?;
+    Ok((listener, addr))
+}
+
+/// The Redis store at `url`, or an error that says what to do.
+pub async fn redis_store(url: &str) -> Result<RedisStore, String> {
+    RedisStore::builder()
+        .prefix("tollgate-demo")
+        .connect(url)
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot use Redis at {url}: {e}\n\
+                 Start Redis (redis-server) or unset REDIS_URL to use the memory store."
+            )
+        })
+}
+
+/// Calls `$serve(store, args...)` with the Redis store when `REDIS_URL` is set, else the
+/// memory store.
+macro_rules! serve_with_store_from_env {
+    ($serve:ident($($arg:expr),* $(,)?)) => {
+        match std::env::var("REDIS_URL") {
+            Ok(url) => {
+                let store = demo::redis_store(&url).await?;
+                println!("store: Redis at {url} (limits shared by every server using it)");
+                $serve(store, $($arg),*).await
+            }
+            Err(_) => {
+                println!("store: memory (this process only; set REDIS_URL to share limits)");
+                $serve(tollgate_tower::core::MemoryStore::new(), $($arg),*).await
+            }
+        }
+    };
+}
+
+/// The anonymous (20/min per IP), Free (100/min) and Pro (10,000/min) policies.
+pub fn tier_policies() -> Result<[Policy; 3], ConfigError> {
+    Ok([
+        Policy::new("anonymous", Algorithm::TokenBucket, Quota::per_minute(20)?)?,
+        Policy::new("free", Algorithm::TokenBucket, Quota::per_minute(100)?)?,
+        Policy::new("pro", Algorithm::TokenBucket, Quota::per_minute(10_000)?)?,
+    ])
+}
+
+/// The demo keys as a map from key to tier name.
+pub fn tiers() -> HashMap<String, String> {
+    DEMO_KEYS
+        .iter()
+        .map(|(key, tier)| ((*key).to_owned(), (*tier).to_owned()))
+        .collect()
+}
+
+/// Keys callers by `X-API-Key`, but only keys we know: an unknown key counts as no key,
+/// so the caller is limited by its IP address (`MissingKey::FallbackToIp`, the default).
+/// Otherwise anyone could mint a fresh limit by sending a new random key with every
+/// request. A real service checks its keys in an authentication layer before this one.
+pub fn known_api_key<B>()
+-> Result<impl Fn(&http::Request<B>) -> Option<Key> + Send + Sync + 'static, ConfigError> {
+    let known = Arc::new(tiers());
+    let api_key = Header::new("x-api-key")?;
+    Ok(move |request: &http::Request<B>| {
+        api_key.extract(request).filter(|key: &Key| {
+            std::str::from_utf8(key.value()).is_ok_and(|value| known.contains_key(value))
+        })
+    })
+}

@@ -1,0 +1,61 @@
+//! Fixtures shared by the HTTP and gRPC end-to-end tests: one manual clock at a realistic
+//! wall time, the two stores over it, and a macro that runs a test body over both.
+#![allow(dead_code, unreachable_pub)]
+
+use std::time::Duration;
+
+use tollgate_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota, RedisStore};
+
+use super::support::RedisServer;
+
+/// 2025-11-30T05:20:00Z in microseconds: a realistic wall time, on a whole second.
+pub const EPOCH_US: u64 = 1_764_480_000_000_000;
+/// The same instant in Unix seconds, as `X-RateLimit-Reset` counts.
+pub const EPOCH_S: u64 = EPOCH_US / 1_000_000;
+
+/// Runs a test body over both stores, as `<name>::memory` and `<name>::redis`. The body
+/// sees `$store` (a fresh store) and `$clock` (the manual clock that store reads, at
+/// [`EPOCH_US`]).
+macro_rules! both_stores {
+    ($(#[$meta:meta])* async fn $name:ident($store:ident, $clock:ident) $body:block) => {
+        $(#[$meta])*
+        mod $name {
+            use super::*;
+
+            async fn case<St: Store + Clone>($store: St, $clock: ManualClock) $body
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                let clock = ManualClock::at_micros(stores::EPOCH_US);
+                case(stores::memory_store(&clock), clock).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis() {
+                let server = support::RedisServer::start();
+                let clock = ManualClock::at_micros(stores::EPOCH_US);
+                case(stores::redis_store(&server, &clock).await, clock).await;
+            }
+        }
+    };
+}
+
+/// A memory store reading `clock`.
+pub fn memory_store(clock: &ManualClock) -> MemoryStore<ManualClock> {
+    MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+/// A Redis store on `server`, passing `clock`'s time to the scripts.
+pub async fn redis_store(server: &RedisServer, clock: &ManualClock) -> RedisStore {
+    RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .caller_time(clock.clone())
+        .connect(&server.url())
+        .await
+        .unwrap()
+}
+
+/// A token bucket of `n` per minute: one unit refills every `60 / n` seconds.
+pub fn per_minute(name: &str, n: u32) -> Policy {
+    Policy::new(name, Algorithm::TokenBucket, Quota::per_minute(n).unwrap()).unwrap()
+}
