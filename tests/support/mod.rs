@@ -12,6 +12,19 @@ pub struct RedisServer {
     port: u16,
     child: Option<Child>,
     dir: PathBuf,
+    /// The options it was started with, given again on a restart.
+    extra: Vec<String>,
+    /// The CA certificate (PEM) when it listens only for TLS on `port`.
+    tls_ca: Option<String>,
+}
+
+/// What a TLS server needs, all PEM: the CA that signed its certificate, the certificate
+/// (valid for 127.0.0.1) and its private key.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub ca_cert: String,
+    pub cert: String,
+    pub key: String,
 }
 
 impl RedisServer {
@@ -27,18 +40,56 @@ impl RedisServer {
 
     /// Starts a server with extra command-line options (`["--cluster-enabled", "yes"]`).
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_inner(extra, None)
+    }
+
+    /// Starts a server that accepts only TLS (`rediss://`, no plain port) with `files`'
+    /// certificate and extra options, and does not ask clients for certificates.
+    pub fn start_tls(files: &TlsFiles, extra: &[&str]) -> Self {
+        Self::start_inner(extra, Some(files))
+    }
+
+    fn start_inner(extra: &[&str], tls: Option<&TlsFiles>) -> Self {
+        // The TLS files are written into the server's directory, its working directory.
+        let tls_options = [
+            "--tls-cert-file",
+            "server.pem",
+            "--tls-key-file",
+            "server.key",
+            "--tls-ca-cert-file",
+            "ca.pem",
+            "--tls-auth-clients",
+            "no",
+        ];
+        let options: Vec<String> = tls
+            .map_or(&[][..], |_| &tls_options[..])
+            .iter()
+            .chain(extra)
+            .map(|s| (*s).to_owned())
+            .collect();
         let mut last_error = String::new();
         for _ in 0..5 {
             let port = free_port();
             let dir =
                 std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
             std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
+            if let Some(files) = tls {
+                for (name, pem) in [
+                    ("ca.pem", &files.ca_cert),
+                    ("server.pem", &files.cert),
+                    ("server.key", &files.key),
+                ] {
+                    std::fs::write(dir.join(name), pem).expect("write a TLS file for redis-server");
+                }
+            }
             let mut server = RedisServer {
                 port,
                 child: None,
                 dir,
+                extra: options.clone(),
+                tls_ca: tls.map(|files| files.ca_cert.clone()),
             };
-            match server.spawn(extra) {
+            match server.spawn() {
                 Ok(()) => return server,
                 Err(e) => last_error = e,
             }
@@ -46,12 +97,19 @@ impl RedisServer {
         panic!("redis-server did not start: {last_error}");
     }
 
-    fn spawn(&mut self, extra: &[&str]) -> Result<(), String> {
+    fn spawn(&mut self) -> Result<(), String> {
         let port = self.port.to_string();
+        // A TLS server listens on `port` for TLS only.
+        let ports: &[&str] = if self.tls_ca.is_some() {
+            &["--port", "0", "--tls-port", &port]
+        } else {
+            &["--port", &port]
+        };
         let mut child = Command::new("redis-server")
-            .args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(ports)
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--logfile", "", "--daemonize", "no", "--protected-mode", "no"])
-            .args(extra)
+            .args(&self.extra)
             .current_dir(&self.dir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -100,9 +158,14 @@ impl RedisServer {
         self.port
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>`, or `rediss://` for a TLS server.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls_ca.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// Kills the server (like a crash: no shutdown, state lost).
@@ -113,16 +176,26 @@ impl RedisServer {
         }
     }
 
-    /// Starts it again on the same port, empty.
+    /// Starts it again on the same port with the same options, empty.
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn(&[])
-            .expect("restart redis-server on the same port");
+        self.spawn().expect("restart redis-server on the same port");
     }
 
-    /// A plain connection for inspecting the server.
+    /// A plain connection for inspecting the server (trusting its CA, for TLS; with no
+    /// password: a server started with `--requirepass` needs its own client).
     pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
-        redis::Client::open(self.url())
+        let client = match &self.tls_ca {
+            Some(ca) => redis::Client::build_with_tls(
+                self.url(),
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(ca.clone().into_bytes()),
+                },
+            ),
+            None => redis::Client::open(self.url()),
+        };
+        client
             .expect("redis url")
             .get_multiplexed_async_connection()
             .await

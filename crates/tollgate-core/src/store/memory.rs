@@ -230,6 +230,15 @@ impl<C: Clock> Store for MemoryStore<C> {
     fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
         ready(Ok(self.check_sync(key, policy, cost)))
     }
+
+    fn check_now(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        Some(Ok(self.check_sync(key, policy, cost)))
+    }
 }
 
 impl Table {

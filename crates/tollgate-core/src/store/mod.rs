@@ -48,4 +48,18 @@ pub trait Store: Send + Sync + 'static {
 
     /// Decides one request of `cost` units for `key` under `policy`.
     fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future;
+
+    /// Decides at once when this store can without waiting (no I/O), else `None` — then
+    /// the caller uses [`Store::check`]. The memory store always can; the Redis store can
+    /// when its local deny cache holds the answer. A middleware that gets an answer here
+    /// calls its service directly instead of holding it across an await.
+    fn check_now(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        let _ = (key, policy, cost);
+        None
+    }
 }

@@ -254,6 +254,8 @@ impl RedisStore {
             clock: None,
             grace: Duration::ZERO,
             deny_cache: DEFAULT_DENY_CACHE,
+            #[cfg(feature = "tls")]
+            tls_root: None,
         }
     }
 
@@ -342,6 +344,18 @@ async fn invoke(
     }
 }
 
+/// Makes sure rustls has a process-wide crypto provider before redis-rs builds its TLS
+/// configuration (which panics without one): `ring`'s, unless the application already
+/// installed its own.
+#[cfg(feature = "tls")]
+fn ensure_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Another thread may install one first: either way there is one, which is all
+        // that matters here.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
 fn redis_error(e: RedisError) -> StoreError {
     StoreError::with_source(format!("Redis call failed: {e}"), e)
 }
@@ -351,6 +365,16 @@ pub type RedisFuture = Pin<Box<dyn Future<Output = Result<Decision, StoreError>>
 
 impl Store for RedisStore {
     type Future = RedisFuture;
+
+    fn check_now(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        let cache = self.inner.deny_cache.as_ref()?;
+        cache.lookup(key, policy, cost).map(Ok)
+    }
 
     fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
         if let Some(decision) = self
@@ -445,15 +469,19 @@ pub struct RedisStoreBuilder {
     clock: Option<Arc<dyn Clock>>,
     grace: Duration,
     deny_cache: usize,
+    #[cfg(feature = "tls")]
+    tls_root: Option<Vec<u8>>,
 }
 
 impl fmt::Debug for RedisStoreBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStoreBuilder")
-            .field("prefix", &self.prefix)
+        let mut s = f.debug_struct("RedisStoreBuilder");
+        s.field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
-            .field("caller_time", &self.clock.is_some())
-            .finish()
+            .field("caller_time", &self.clock.is_some());
+        #[cfg(feature = "tls")]
+        s.field("tls_root_certificate", &self.tls_root.is_some());
+        s.finish()
     }
 }
 
@@ -503,6 +531,41 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Trusts only the CA certificate(s) in `pem` (PEM text) for a `rediss://` URL passed
+    /// to [`RedisStoreBuilder::connect`], instead of the system's root certificates: for
+    /// a server whose certificate a private CA signed. The server's certificate must
+    /// still be valid for the URL's host; a URL that is not `rediss://` is refused.
+    #[cfg(feature = "tls")]
+    pub fn tls_root_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root = Some(pem.into());
+        self
+    }
+
+    /// The client for `url`, with the trusted CA if one was given.
+    fn client(&self, url: &str) -> Result<redis::Client, StoreError> {
+        #[cfg(feature = "tls")]
+        if let Some(root) = &self.tls_root {
+            ensure_crypto_provider();
+            let certificates = redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(root.clone()),
+            };
+            return redis::Client::build_with_tls(url, certificates).map_err(|e| {
+                StoreError::with_source(format!("bad Redis URL or TLS root certificate: {e}"), e)
+            });
+        }
+        let client = redis::Client::open(url)
+            .map_err(|e| StoreError::with_source(format!("bad Redis URL: {e}"), e))?;
+        #[cfg(feature = "tls")]
+        if matches!(
+            client.get_connection_info().addr(),
+            redis::ConnectionAddr::TcpTls { .. }
+        ) {
+            ensure_crypto_provider();
+        }
+        Ok(client)
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
         if self.prefix.is_empty() || self.prefix.len() > 64 || !self.prefix.chars().all(ok) {
@@ -539,17 +602,23 @@ impl RedisStoreBuilder {
     }
 
     /// Connects to `url` (`redis://[user:password@]host:port[/db]`) with one multiplexed,
-    /// self-reconnecting connection.
+    /// self-reconnecting connection. A password (with or without an ACL user name) is
+    /// sent with `AUTH` on every connection, reconnections included.
+    ///
+    /// With the `tls` feature, `rediss://[user:password@]host:port[/db]` connects over
+    /// TLS (rustls), verifying the server's certificate against the system's root
+    /// certificates or the one given to [`RedisStoreBuilder::tls_root_certificate`].
+    /// When the process has no default rustls crypto provider yet, `ring`'s is installed.
     ///
     /// # Errors
     ///
-    /// When the prefix or timeout is invalid, the URL cannot be parsed, or the server
-    /// cannot be reached within the timeout.
+    /// When the prefix or timeout is invalid, the URL cannot be parsed, the server cannot
+    /// be reached within the timeout, refuses the credentials, or (TLS) presents a
+    /// certificate that does not verify.
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
         self.validate()
             .map_err(|e| StoreError::with_source(e.to_string(), e))?;
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::with_source(format!("bad Redis URL: {e}"), e))?;
+        let client = self.client(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout))

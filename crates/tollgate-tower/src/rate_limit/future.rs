@@ -54,46 +54,55 @@ where
     S: Service<Request<B>>,
     St: Store,
 {
-    /// Checks `plan` for `key`, then calls `service` with `request`.
-    pub(super) fn checking(
+    /// Finishes checking `plan` for `key` (the decisions in `checked` are already made)
+    /// and waits out any shaping delay, then calls `service` with `request`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pending(
         shared: Arc<Shared<St>>,
         key: Key,
         plan: Plan,
         cost: u32,
         grpc: bool,
+        checked: SmallVec<[(usize, Decision); 2]>,
         service: S,
         request: Request<B>,
     ) -> Self {
-        let policy = &shared.limits.policies[plan[0]];
-        let check = shared.store.check(key.as_bytes(), policy, cost);
+        let state = match plan.get(checked.len()) {
+            Some(&next) => State::Checking {
+                check: shared
+                    .store
+                    .check(key.as_bytes(), &shared.limits.policies[next], cost),
+            },
+            None => State::Delaying {
+                sleep: tokio::time::sleep(Duration::from_micros(max_delay(&checked))),
+            },
+        };
         ResponseFuture {
-            state: State::Checking { check },
+            state,
             call: Some((service, request)),
             key: Some(key),
             plan,
             cost,
             grpc,
-            checked: SmallVec::new(),
+            checked,
             shared,
         }
     }
 
-    /// Calls `service` with `request` without limiting it.
-    pub(super) fn passthrough(
+    /// Waits for the service's `future`, then adds the headers for `checked`.
+    pub(super) fn calling(
         shared: Arc<Shared<St>>,
-        mut service: S,
-        request: Request<B>,
+        future: S::Future,
+        checked: SmallVec<[(usize, Decision); 2]>,
     ) -> Self {
         ResponseFuture {
-            state: State::Calling {
-                future: service.call(request),
-            },
+            state: State::Calling { future },
             call: None,
             key: None,
             plan: Plan::new(),
             cost: 0,
             grpc: false,
-            checked: SmallVec::new(),
+            checked,
             shared,
         }
     }
@@ -111,6 +120,39 @@ where
             grpc: false,
             checked: SmallVec::new(),
             shared,
+        }
+    }
+}
+
+/// The longest shaping delay among `checked`, in microseconds.
+pub(super) fn max_delay(checked: &[(usize, Decision)]) -> u64 {
+    checked
+        .iter()
+        .map(|(_, d)| d.delay_micros())
+        .max()
+        .unwrap_or(0)
+}
+
+/// What to do when the store failed for `policy`: `None` to let the request through
+/// (unlimited, without headers), or the refusal to answer.
+pub(super) fn store_failed(
+    on_error: OnStoreError,
+    error: &tollgate_core::StoreError,
+    policy: &tollgate_core::Policy,
+    grpc: bool,
+) -> Option<Response<Bytes>> {
+    match on_error {
+        OnStoreError::Allow => {
+            tracing::warn!(%error, policy = policy.name(), "rate limit store failed; letting the request through");
+            None
+        }
+        _ => {
+            tracing::warn!(%error, policy = policy.name(), "rate limit store failed; answering 503");
+            Some(refusal(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Rate limiting is unavailable. Please retry later.",
+                grpc,
+            ))
         }
     }
 }
@@ -152,36 +194,24 @@ where
                                 this.state.set(State::Checking { check });
                                 continue;
                             }
-                            let delay = this
-                                .checked
-                                .iter()
-                                .map(|(_, d)| d.delay_micros())
-                                .max()
-                                .unwrap_or(0);
+                            let delay = max_delay(this.checked);
                             if delay > 0 {
                                 let sleep = tokio::time::sleep(Duration::from_micros(delay));
                                 this.state.set(State::Delaying { sleep });
                                 continue;
                             }
                         }
-                        Err(error) => match shared.on_error {
-                            OnStoreError::Allow => {
-                                tracing::warn!(%error, policy = policy.name(), "rate limit store failed; letting the request through");
-                                this.checked.clear();
-                            }
-                            _ => {
-                                tracing::warn!(%error, policy = policy.name(), "rate limit store failed; answering 503");
-                                let response = refusal(
-                                    StatusCode::SERVICE_UNAVAILABLE,
-                                    "Rate limiting is unavailable. Please retry later.",
-                                    *this.grpc,
-                                );
+                        Err(error) => {
+                            if let Some(response) =
+                                store_failed(shared.on_error, &error, policy, *this.grpc)
+                            {
                                 this.state.set(State::Respond {
                                     response: Some(response),
                                 });
                                 continue;
                             }
-                        },
+                            this.checked.clear();
+                        }
                     }
                     call_inner(this.call, this.state.as_mut());
                 }
@@ -238,7 +268,11 @@ fn verdicts<'a, St>(
 
 /// The response to a denied request: the handler's body (over gRPC, the status), our
 /// headers.
-fn reject<St>(shared: &Shared<St>, checked: &[(usize, Decision)], grpc: bool) -> Response<Bytes> {
+pub(super) fn reject<St>(
+    shared: &Shared<St>,
+    checked: &[(usize, Decision)],
+    grpc: bool,
+) -> Response<Bytes> {
     let verdicts = verdicts(shared, checked);
     let Some(most) = most_restrictive(&verdicts) else {
         return refusal(

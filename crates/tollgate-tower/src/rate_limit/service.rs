@@ -8,6 +8,9 @@ use http::{Request, Response};
 use tollgate_core::Store;
 use tower_service::Service;
 
+use smallvec::SmallVec;
+
+use super::future::{max_delay, reject, store_failed};
 use super::{ResponseFuture, Shared};
 use crate::key::{Key, KeyExtractor, PeerIp};
 use crate::limits::MissingKey;
@@ -77,10 +80,6 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        // The ready service goes with this request; its clone waits for the next
-        // poll_ready (tower-service's "be careful when cloning inner services").
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
         let shared = Arc::clone(&self.shared);
         #[cfg(feature = "tonic")]
         let grpc = crate::grpc::is_grpc(request.headers());
@@ -94,7 +93,10 @@ where
                     KeyExtractor::<B>::extract(&PeerIp::new(), &request)
                         .unwrap_or_else(|| Key::new("ip", "unknown"))
                 }
-                MissingKey::Allow => return ResponseFuture::passthrough(shared, inner, request),
+                MissingKey::Allow => {
+                    let future = self.inner.call(request);
+                    return ResponseFuture::calling(shared, future, SmallVec::new());
+                }
                 MissingKey::Reject(status) => {
                     let response = refusal(
                         status,
@@ -111,6 +113,37 @@ where
         let cost = shared.cost.as_ref().map_or(1, |cost| {
             cost(request.method(), request.uri(), request.headers())
         });
-        ResponseFuture::checking(shared, key, plan, cost, grpc, inner, request)
+        // Decide now what the store can decide without waiting: then the ready service is
+        // called at once, and nothing is held across an await.
+        let mut checked = SmallVec::new();
+        for &index in &plan {
+            let policy = &shared.limits.policies[index];
+            match shared.store.check_now(key.as_bytes(), policy, cost) {
+                Some(Ok(decision)) => {
+                    checked.push((index, decision));
+                    if !decision.is_allowed() {
+                        let response = reject(&shared, &checked, grpc);
+                        return ResponseFuture::respond(shared, response);
+                    }
+                }
+                Some(Err(error)) => match store_failed(shared.on_error, &error, policy, grpc) {
+                    Some(response) => return ResponseFuture::respond(shared, response),
+                    None => {
+                        let future = self.inner.call(request);
+                        return ResponseFuture::calling(shared, future, SmallVec::new());
+                    }
+                },
+                None => break,
+            }
+        }
+        if checked.len() == plan.len() && max_delay(&checked) == 0 {
+            let future = self.inner.call(request);
+            return ResponseFuture::calling(shared, future, checked);
+        }
+        // The ready service goes with this request; its clone waits for the next
+        // poll_ready (tower-service's "be careful when cloning inner services").
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::pending(shared, key, plan, cost, grpc, checked, inner, request)
     }
 }

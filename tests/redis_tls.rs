@@ -1,0 +1,217 @@
+//! The Redis store over TLS (`rediss://`) and with credentials in the URL, against real
+//! `redis-server` processes: a test CA and a server certificate for 127.0.0.1 are made
+//! at test time, and the client verifies the server against that CA.
+
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+use tollgate_core::{
+    Algorithm, ManualClock, Policy, Quota, RedisStore, RedisStoreBuilder, Store, StoreError,
+};
+
+use crate::support::{RedisServer, TlsFiles};
+
+/// About the Unix epoch in microseconds today.
+const EPOCH_US: u64 = 1_764_480_000_000_000;
+
+/// A certificate authority made for one test.
+struct TestCa {
+    pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl TestCa {
+    fn new(name: &str) -> Self {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let pem = params.self_signed(&key).unwrap().pem();
+        TestCa {
+            pem,
+            issuer: Issuer::new(params, key),
+        }
+    }
+
+    /// A server certificate for 127.0.0.1 and localhost, signed by this CA.
+    fn server_files(&self) -> TlsFiles {
+        let key = KeyPair::generate().unwrap();
+        let mut params =
+            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "tollgate test redis");
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        TlsFiles {
+            ca_cert: self.pem.clone(),
+            cert: cert.pem(),
+            key: key.serialize_pem(),
+        }
+    }
+}
+
+/// Exact decisions: the caller's manual clock, no local deny cache, room for a slow CI
+/// machine's handshakes.
+fn builder(clock: &ManualClock) -> RedisStoreBuilder {
+    RedisStore::builder()
+        .prefix("tls-test")
+        .timeout(Duration::from_secs(5))
+        .caller_time(clock.clone())
+        .deny_cache(0)
+}
+
+/// Two a minute: allowed, allowed, denied for 30 s, then allowed again.
+async fn decides_exactly(store: &RedisStore, clock: &ManualClock) {
+    let policy = Policy::new("two", Algorithm::Gcra, Quota::per_minute(2).unwrap()).unwrap();
+    let first = store.check(b"alice", &policy, 1).await.unwrap();
+    assert!(first.is_allowed(), "{first:?}");
+    assert_eq!(first.remaining(), 1, "{first:?}");
+    let second = store.check(b"alice", &policy, 1).await.unwrap();
+    assert!(second.is_allowed(), "{second:?}");
+    assert_eq!(second.remaining(), 0, "{second:?}");
+    let third = store.check(b"alice", &policy, 1).await.unwrap();
+    assert!(!third.is_allowed(), "{third:?}");
+    assert_eq!(third.retry_after_micros(), 30_000_000, "{third:?}");
+    // Another key has its own state.
+    assert!(store.check(b"bob", &policy, 1).await.unwrap().is_allowed());
+    clock.advance(Duration::from_secs(30));
+    let later = store.check(b"alice", &policy, 1).await.unwrap();
+    assert!(later.is_allowed(), "{later:?}");
+}
+
+/// The connection error, which must come well within the store's timeout.
+async fn connect_error(builder: RedisStoreBuilder, url: &str) -> StoreError {
+    builder
+        .timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .expect_err("the connection should be refused")
+}
+
+#[tokio::test]
+async fn a_password_in_the_url_authenticates() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let url = format!("redis://:s3cret@127.0.0.1:{}", server.port());
+    let store = builder(&clock).connect(&url).await.unwrap();
+    decides_exactly(&store, &clock).await;
+}
+
+#[tokio::test]
+async fn an_acl_user_and_password_in_the_url_authenticate() {
+    let server = RedisServer::start_with(&[
+        "--user",
+        "gateway",
+        "on",
+        ">gw-pass",
+        "~tls-test:*",
+        "+@all",
+    ]);
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let url = format!("redis://gateway:gw-pass@127.0.0.1:{}", server.port());
+    let store = builder(&clock).connect(&url).await.unwrap();
+    decides_exactly(&store, &clock).await;
+}
+
+#[tokio::test]
+async fn a_wrong_password_is_a_clear_connection_error() {
+    let server = RedisServer::start_with(&["--requirepass", "s3cret"]);
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let url = format!("redis://:wrong@127.0.0.1:{}", server.port());
+    let error = connect_error(builder(&clock), &url).await;
+    let message = error.to_string();
+    assert!(
+        message.contains("could not connect to Redis")
+            && message.contains("Password authentication failed"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn rediss_verifies_the_server_against_the_given_ca() {
+    let ca = TestCa::new("tollgate test CA");
+    let server = RedisServer::start_tls(&ca.server_files(), &[]);
+    assert!(server.url().starts_with("rediss://127.0.0.1:"));
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let store = builder(&clock)
+        .tls_root_certificate(ca.pem.as_bytes())
+        .connect(&server.url())
+        .await
+        .unwrap();
+    decides_exactly(&store, &clock).await;
+
+    // The state is in that server, read over another TLS connection.
+    let policy = Policy::new("two", Algorithm::Gcra, Quota::per_minute(2).unwrap()).unwrap();
+    let key = store.keys_for(b"alice", &policy).remove(0);
+    let mut con = server.connection().await;
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(&key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(exists, "{key}");
+}
+
+#[tokio::test]
+async fn rediss_refuses_a_server_signed_by_another_ca() {
+    let ca = TestCa::new("tollgate test CA");
+    let other = TestCa::new("some other CA");
+    let server = RedisServer::start_tls(&ca.server_files(), &[]);
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let error = connect_error(
+        builder(&clock).tls_root_certificate(other.pem.as_bytes()),
+        &server.url(),
+    )
+    .await;
+    let message = error.to_string();
+    assert!(
+        message.contains("could not connect to Redis") && message.contains("UnknownIssuer"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn rediss_with_a_password() {
+    let ca = TestCa::new("tollgate test CA");
+    let server = RedisServer::start_tls(&ca.server_files(), &["--requirepass", "s3cret"]);
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let url = format!("rediss://:s3cret@127.0.0.1:{}", server.port());
+    let store = builder(&clock)
+        .tls_root_certificate(ca.pem.clone())
+        .connect(&url)
+        .await
+        .unwrap();
+    decides_exactly(&store, &clock).await;
+
+    let error = connect_error(
+        builder(&clock).tls_root_certificate(ca.pem.clone()),
+        &format!("rediss://:wrong@127.0.0.1:{}", server.port()),
+    )
+    .await;
+    assert!(
+        error.to_string().contains("Password authentication failed"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn a_root_certificate_needs_a_rediss_url() {
+    let ca = TestCa::new("tollgate test CA");
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let error = connect_error(
+        builder(&clock).tls_root_certificate(ca.pem),
+        "redis://127.0.0.1:1",
+    )
+    .await;
+    assert!(error.to_string().contains("rediss://"), "{error}");
+}
