@@ -153,7 +153,16 @@ async fn rediss_verifies_the_server_against_the_given_ca() {
     // The state is in that server, read over another TLS connection.
     let policy = Policy::new("two", Algorithm::Gcra, Quota::per_minute(2).unwrap()).unwrap();
     let key = store.keys_for(b"alice", &policy).remove(0);
-    let mut con = server.connection().await;
+    let ca_pem = server.tls_ca().unwrap().as_bytes().to_vec();
+    let certificates = redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(ca_pem),
+    };
+    let mut con = redis::Client::build_with_tls(server.url(), certificates)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     let exists: bool = redis::cmd("EXISTS")
         .arg(&key)
         .query_async(&mut con)
