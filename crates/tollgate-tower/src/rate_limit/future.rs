@@ -28,15 +28,22 @@ pin_project! {
         #[pin]
         state: State<St::Future, S::Future>,
         shared: Arc<Shared<St>>,
-        // The ready service and its request, until the limits let it through.
-        call: Option<(S, Request<B>)>,
-        key: Option<Key>,
-        plan: Plan,
-        cost: u32,
+        // What only a decision that waits needs, boxed so that the common future (decided
+        // at once) stays small.
+        pending: Option<Box<Pending<S, B>>>,
         grpc: bool,
         // (policy index, decision) for every limit checked so far.
         checked: SmallVec<[(usize, Decision); 2]>,
     }
+}
+
+/// A request whose limits are still being checked (or whose shaping delay runs): the ready
+/// service and the request until the limits let it through, and what the next check needs.
+struct Pending<S, B> {
+    call: Option<(S, Request<B>)>,
+    key: Key,
+    plan: Plan,
+    cost: u32,
 }
 
 pin_project! {
@@ -79,10 +86,12 @@ where
         };
         ResponseFuture {
             state,
-            call: Some((service, request)),
-            key: Some(key),
-            plan,
-            cost,
+            pending: Some(Box::new(Pending {
+                call: Some((service, request)),
+                key,
+                plan,
+                cost,
+            })),
             grpc,
             checked,
             shared,
@@ -97,10 +106,7 @@ where
     ) -> Self {
         ResponseFuture {
             state: State::Calling { future },
-            call: None,
-            key: None,
-            plan: Plan::new(),
-            cost: 0,
+            pending: None,
             grpc: false,
             checked,
             shared,
@@ -113,10 +119,7 @@ where
             state: State::Respond {
                 response: Some(response),
             },
-            call: None,
-            key: None,
-            plan: Plan::new(),
-            cost: 0,
+            pending: None,
             grpc: false,
             checked: SmallVec::new(),
             shared,
@@ -171,7 +174,17 @@ where
             match this.state.as_mut().project() {
                 StateProj::Checking { check } => {
                     let shared = &**this.shared;
-                    let index = this.plan[this.checked.len()];
+                    // Checking is only ever entered with a pending request; were it not,
+                    // answer rather than panic on a request path.
+                    let Some(pending) = this.pending.as_mut() else {
+                        let response = refusal(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "The rate limiter lost track of this request.",
+                            *this.grpc,
+                        );
+                        return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
+                    };
+                    let index = pending.plan[this.checked.len()];
                     let policy = &shared.limits.policies[index];
                     match ready!(check.poll(cx)) {
                         Ok(decision) => {
@@ -183,13 +196,11 @@ where
                                 });
                                 continue;
                             }
-                            if let (Some(&next), Some(key)) =
-                                (this.plan.get(this.checked.len()), this.key.as_ref())
-                            {
+                            if let Some(&next) = pending.plan.get(this.checked.len()) {
                                 let check = shared.store.check(
-                                    key.as_bytes(),
+                                    pending.key.as_bytes(),
                                     &shared.limits.policies[next],
-                                    *this.cost,
+                                    pending.cost,
                                 );
                                 this.state.set(State::Checking { check });
                                 continue;
@@ -213,11 +224,11 @@ where
                             this.checked.clear();
                         }
                     }
-                    call_inner(this.call, this.state.as_mut());
+                    call_inner(this.pending, this.state.as_mut());
                 }
                 StateProj::Delaying { sleep } => {
                     ready!(sleep.poll(cx));
-                    call_inner(this.call, this.state.as_mut());
+                    call_inner(this.pending, this.state.as_mut());
                 }
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?;
@@ -240,12 +251,14 @@ where
     }
 }
 
-fn call_inner<S, B, C>(call: &mut Option<(S, Request<B>)>, mut state: Pin<&mut State<C, S::Future>>)
-where
+fn call_inner<S, B, C>(
+    pending: &mut Option<Box<Pending<S, B>>>,
+    mut state: Pin<&mut State<C, S::Future>>,
+) where
     S: Service<Request<B>>,
 {
     // Present until the first call: every path that gets here set it and took nothing.
-    if let Some((mut service, request)) = call.take() {
+    if let Some((mut service, request)) = pending.as_mut().and_then(|p| p.call.take()) {
         state.set(State::Calling {
             future: service.call(request),
         });
