@@ -2,13 +2,14 @@
 //! running `EVALSHA` of the same token bucket script against the same server.
 //!
 //! ```sh
-//! cargo bench -p tollgate-core --features redis --bench redis_store
+//! cargo bench -p tollgate-core --features redis,deadpool --bench redis_store
 //! ```
 //!
 //! Starts its own `redis-server` on a free loopback port. Each round runs
 //! `redis-benchmark -c 50 -P 16` (50 connections, 16 commands pipelined on each: the
-//! server's ceiling for this script) and then tollgate with 64 concurrent tasks on one
-//! multiplexed connection, both over 10,000 random keys, and prints both.
+//! server's ceiling for this script), then tollgate with 64 concurrent tasks on one
+//! multiplexed connection, then the same through a deadpool-redis pool (a connection
+//! checked out per call), all over 10,000 random keys, and prints all three.
 
 #![allow(clippy::unwrap_used, missing_docs)]
 
@@ -143,6 +144,13 @@ fn main() {
     // Loads the script, so that redis-benchmark's EVALSHA finds it.
     rt.block_on(store.check(b"warm", &policy, 1)).unwrap();
     let store = Arc::new(store);
+    let pooled = deadpool_redis::Config::from_url(server.url())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let pooled = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .with_pool(pooled)
+        .unwrap();
 
     println!(
         "{CALLS} token bucket decisions per run over {KEYS} keys, {ROUNDS} rounds, interleaved"
@@ -152,22 +160,30 @@ fn main() {
         "client", "decisions/s", "p50 ms", "p99 ms"
     );
     let mut ratios = Vec::new();
+    let mut pool_ratios = Vec::new();
+    let row = |name: &str, r: &Run| {
+        println!(
+            "{name:<44} {:>12.0} {:>9.3} {:>9.3}",
+            r.per_second, r.p50_ms, r.p99_ms
+        )
+    };
     for _ in 0..ROUNDS {
         let b = redis_benchmark(server.port());
-        println!(
-            "{:<44} {:>12.0} {:>9.3} {:>9.3}",
-            "redis-benchmark EVALSHA -c 50 -P 16", b.per_second, b.p50_ms, b.p99_ms
-        );
+        row("redis-benchmark EVALSHA -c 50 -P 16", &b);
         let t = rt.block_on(tollgate(&store, &policy));
-        println!(
-            "{:<44} {:>12.0} {:>9.3} {:>9.3}",
-            "tollgate RedisStore, 64 tasks, multiplexed", t.per_second, t.p50_ms, t.p99_ms
-        );
+        row("tollgate RedisStore, 64 tasks, multiplexed", &t);
+        let p = rt.block_on(tollgate(&pooled, &policy));
+        row("tollgate RedisStore, 64 tasks, deadpool pool", &p);
         ratios.push(t.per_second / b.per_second);
+        pool_ratios.push(t.per_second / p.per_second);
     }
-    let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     println!(
-        "tollgate / redis-benchmark: {:.1}% (mean of {ROUNDS} rounds)",
-        mean * 100.0
+        "tollgate multiplexed / redis-benchmark: {:.1}% (mean of {ROUNDS} rounds)",
+        mean(&ratios) * 100.0
+    );
+    println!(
+        "tollgate multiplexed / deadpool pool: {:.2}x (mean of {ROUNDS} rounds)",
+        mean(&pool_ratios)
     );
 }
