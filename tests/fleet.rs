@@ -25,6 +25,7 @@ use cluster::RedisCluster;
 use redis::aio::MultiplexedConnection;
 use redis_store::{EPOCH_US, Target, builder, command_calls};
 use support::RedisServer;
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tollgate_core::{
     Algorithm, BreakerState, Decision, ManualClock, Policy, Quota, RedisStore, Resilient, Store,
@@ -152,12 +153,22 @@ async fn the_deny_cache_answers_a_flood_locally_exactly_as_redis_would() {
 // Faults
 // ---------------------------------------------------------------------------------------
 
-/// Polls `done` until it holds, for at most `within`.
-async fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !done() {
-        assert!(Instant::now() < deadline, "waited {within:?} for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
+/// Waits until `done` holds, for at most `within`, checking it again whenever the load
+/// reports an answer (no polling interval: the load's own progress drives the wait).
+async fn wait_for(what: &str, within: Duration, load: &Load, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let answered = load.progress.notified();
+        tokio::pin!(answered);
+        // Registered before `done` is read, so no answer between the two is missed.
+        answered.as_mut().enable();
+        if done() {
+            return;
+        }
+        assert!(
+            tokio::time::timeout_at(deadline, answered).await.is_ok(),
+            "waited {within:?} for {what}"
+        );
     }
 }
 
@@ -191,6 +202,8 @@ impl Answer {
 struct Load {
     start: Instant,
     stop: Arc<AtomicBool>,
+    /// Woken after every answer, for [`wait_for`].
+    progress: Arc<Notify>,
     redis_answers: Arc<AtomicU64>,
     /// Per caller, when the latest call answered by Redis began (µs since the start).
     latest_from_redis: Arc<Vec<AtomicU64>>,
@@ -208,6 +221,7 @@ impl Load {
     {
         let start = Instant::now();
         let stop = Arc::new(AtomicBool::new(false));
+        let progress = Arc::new(Notify::new());
         let redis_answers = Arc::new(AtomicU64::new(0));
         let latest_from_redis: Arc<Vec<AtomicU64>> =
             Arc::new(callers.iter().map(|_| AtomicU64::new(0)).collect());
@@ -218,6 +232,7 @@ impl Load {
                 let (store, policy, key) = (store.clone(), policy.clone(), key.clone());
                 let (stop, redis_answers) = (Arc::clone(&stop), Arc::clone(&redis_answers));
                 let latest = Arc::clone(&latest_from_redis);
+                let progress = Arc::clone(&progress);
                 tokio::spawn(async move {
                     let mut answers = Vec::new();
                     for _ in 0..Self::MAX_REQUESTS {
@@ -244,6 +259,9 @@ impl Load {
                             ended,
                             source,
                         });
+                        progress.notify_waiters();
+                        // Pacing, not waiting: each caller sends about one request a
+                        // millisecond, so the load lasts through the outage it observes.
                         tokio::time::sleep(Duration::from_millis(1)).await;
                     }
                     answers
@@ -253,6 +271,7 @@ impl Load {
         Load {
             start,
             stop,
+            progress,
             redis_answers,
             latest_from_redis,
             tasks,
@@ -323,11 +342,14 @@ async fn redis_dies_and_comes_back_under_load(fallback: bool) {
     let callers: Vec<String> = (0..16).map(|c| format!("caller-{c}")).collect();
     let load = Load::start(&store, &policy, &callers, redis_limit);
     let within = Duration::from_secs(10);
-    wait_for("answers from Redis", within, || load.redis_answers() >= 100).await;
+    wait_for("answers from Redis", within, &load, || {
+        load.redis_answers() >= 100
+    })
+    .await;
 
     server.kill();
     let killed = load.now();
-    wait_for("the breaker to open", within, || {
+    wait_for("the breaker to open", within, &load, || {
         store.state() == BreakerState::Open
     })
     .await;
@@ -345,7 +367,7 @@ async fn redis_dies_and_comes_back_under_load(fallback: bool) {
     open.sort_unstable();
     let (median, p99) = (open[500], open[990]);
     // A probe while Redis is down fails, and the breaker opens again.
-    wait_for("a failed probe", within, || {
+    wait_for("a failed probe", within, &load, || {
         let states = states.lock().unwrap();
         states
             .windows(2)
@@ -355,12 +377,15 @@ async fn redis_dies_and_comes_back_under_load(fallback: bool) {
 
     server.restart();
     let restarted = load.now();
-    wait_for("a decision from Redis after the restart", within, || {
-        (0..callers.len()).any(|c| load.redis_answered_since(c, restarted))
-    })
+    wait_for(
+        "a decision from Redis after the restart",
+        within,
+        &load,
+        || (0..callers.len()).any(|c| load.redis_answered_since(c, restarted)),
+    )
     .await;
     let recovered_count = load.redis_answers();
-    wait_for("more decisions from Redis", within, || {
+    wait_for("more decisions from Redis", within, &load, || {
         load.redis_answers() >= recovered_count + 300
     })
     .await;
@@ -544,7 +569,8 @@ async fn script_flush_mid_load_fails_no_decision() {
             .await
             .unwrap();
         flushes += 1;
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        // Each flush is a round trip: that paces the loop, and the load runs meanwhile.
+        tokio::task::yield_now().await;
     }
     let mut admitted = [0u64; 4];
     for task in tasks {
@@ -604,7 +630,10 @@ async fn a_killed_cluster_master_is_replaced_and_the_limiter_carries_on() {
     let redis_limit = store.check(b"warm-up", &policy, 1).await.unwrap().limit();
     let load = Load::start(&store, &policy, &callers, redis_limit);
     let within = Duration::from_secs(10);
-    wait_for("answers from Redis", within, || load.redis_answers() >= 100).await;
+    wait_for("answers from Redis", within, &load, || {
+        load.redis_answers() >= 100
+    })
+    .await;
 
     // State held only by the dead master (writes its replica had not received yet) is
     // lost with it: its callers' limits restart from what the replica had, at worst
@@ -612,9 +641,12 @@ async fn a_killed_cluster_master_is_replaced_and_the_limiter_carries_on() {
     let killed = load.now();
     let (promoted, failover) = cluster.kill_master(victim).await;
     let settled = load.now();
-    wait_for("decisions from Redis for every caller", within, || {
-        (0..callers.len()).all(|c| load.redis_answered_since(c, settled))
-    })
+    wait_for(
+        "decisions from Redis for every caller",
+        within,
+        &load,
+        || (0..callers.len()).all(|c| load.redis_answered_since(c, settled)),
+    )
     .await;
     let answers = load.finish().await;
 
@@ -656,9 +688,12 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
         .connect(&server.url())
         .await
         .unwrap();
+    // The breaker's cool-down runs on a manual clock: the test moves it, never waits.
+    let clock = ManualClock::new();
     let store = Resilient::builder(redis)
         .threshold(1)
         .cool_down(COOL_DOWN)
+        .clock(clock.clone())
         .build()
         .unwrap();
     let policy = Policy::new("probe", Algorithm::Gcra, Quota::per_second(100).unwrap()).unwrap();
@@ -673,17 +708,13 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
         .unwrap();
     assert!(store.check(b"k", &policy, 1).await.is_err());
     assert_eq!(store.state(), BreakerState::Open);
-    // After the cool-down, the call that becomes the probe is abandoned by its caller.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let probe = loop {
-        let call = store.check(b"k", &policy, 1);
-        if store.state() == BreakerState::HalfOpen {
-            break call;
-        }
-        assert!(call.await.is_err(), "the breaker is open");
-        assert!(Instant::now() < deadline, "no probe after the cool-down");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    // While open, calls skip Redis; after the cool-down the next call is the probe, and
+    // its caller abandons it.
+    assert!(store.check(b"k", &policy, 1).await.is_err());
+    assert_eq!(store.state(), BreakerState::Open);
+    clock.advance(COOL_DOWN);
+    let probe = store.check(b"k", &policy, 1);
+    assert_eq!(store.state(), BreakerState::HalfOpen);
     assert!(
         tokio::time::timeout(Duration::from_millis(20), probe)
             .await
@@ -695,15 +726,12 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
         .query_async(&mut admin)
         .await
         .unwrap();
-    // Redis answers again: the breaker must find out.
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while store.check(b"k", &policy, 1).await.is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "still {:?} 3 s after Redis came back",
-            store.state()
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    // Redis answers again: the next call probes it and closes the breaker.
+    let answer = store.check(b"k", &policy, 1).await;
+    assert!(
+        answer.is_ok(),
+        "still {:?} after Redis came back: {answer:?}",
+        store.state()
+    );
     assert_eq!(store.state(), BreakerState::Closed);
 }
