@@ -386,7 +386,9 @@ impl Store for RedisStore {
             return Box::pin(std::future::ready(Ok(decision)));
         }
         let this = self.clone();
-        let (user_key, policy_for_cache) = (key.to_vec(), policy.clone());
+        // Only a unit-cost request's denial is remembered: copy what that needs, only then.
+        let remember =
+            (cost == 1 && self.inner.deny_cache.is_some()).then(|| (key.to_vec(), policy.clone()));
         let keys = self.keys_for(key, policy);
         let quota = policy.quota();
         let now = self
@@ -412,8 +414,8 @@ impl Store for RedisStore {
                     StoreError::new(format!("Redis call timed out after {timeout:?}"))
                 })??;
             let decision = parse(&reply)?;
-            if let Some(cache) = &this.inner.deny_cache {
-                cache.remember(&user_key, &policy_for_cache, cost, &decision);
+            if let (Some(cache), Some((key, policy))) = (&this.inner.deny_cache, &remember) {
+                cache.remember(key, policy, cost, &decision);
             }
             Ok(decision)
         })
