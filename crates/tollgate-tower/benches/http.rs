@@ -95,10 +95,25 @@ enum Variant {
     RedisDead,
     RedisFloodCached,
     RedisFloodUncached,
+    NoopLayer,
+    TollgateOutside,
 }
 
 impl Variant {
-    const ALL: [Variant; 11] = [
+    /// The default suite.
+    const DEFAULT: [Variant; 9] = [
+        Variant::Axum,
+        Variant::Tollgate,
+        Variant::Governor,
+        Variant::TollgateRejecting,
+        Variant::GovernorRejecting,
+        Variant::TollgateNoHeaders,
+        Variant::GovernorHeaders,
+        Variant::NoopLayer,
+        Variant::TollgateOutside,
+    ];
+
+    const ALL: [Variant; 13] = [
         Variant::Axum,
         Variant::Tollgate,
         Variant::Governor,
@@ -110,6 +125,8 @@ impl Variant {
         Variant::RedisDead,
         Variant::RedisFloodCached,
         Variant::RedisFloodUncached,
+        Variant::NoopLayer,
+        Variant::TollgateOutside,
     ];
 
     /// The variants of the fleet suite (`HTTP_BENCH_SUITE=fleet`).
@@ -145,6 +162,8 @@ impl Variant {
             Variant::RedisDead => "tollgate+Redis dead, breaker",
             Variant::RedisFloodCached => "Redis, flood, deny cache",
             Variant::RedisFloodUncached => "Redis, flood, no cache",
+            Variant::NoopLayer => "axum + a no-op layer",
+            Variant::TollgateOutside => "tollgate around Router",
         }
     }
 
@@ -172,6 +191,8 @@ impl Variant {
             Variant::RedisDead => "redis-dead",
             Variant::RedisFloodCached => "redis-flood",
             Variant::RedisFloodUncached => "redis-flood-nocache",
+            Variant::NoopLayer => "noop",
+            Variant::TollgateOutside => "tollgate-outside",
         }
     }
 
@@ -196,15 +217,21 @@ struct Fleet {
     dead: Resilient<RedisStore>,
 }
 
+/// A quota nothing in this benchmark reaches: a million a second, a burst of a billion.
+fn huge_quota() -> Result<Quota, BoxError> {
+    Ok(Quota::per_second(1_000_000)?.with_burst(1_000_000_000)?)
+}
+
 /// The router of one variant.
 fn app(variant: Variant, fleet: Option<&Fleet>) -> Result<Router, BoxError> {
     let router = Router::new().route("/", get(hello));
-    // A quota nothing in this benchmark reaches: a million a second, a burst of a billion.
-    let huge = || -> Result<Quota, BoxError> {
-        Ok(Quota::per_second(1_000_000)?.with_burst(1_000_000_000)?)
-    };
+    let huge = huge_quota;
     Ok(match variant {
-        Variant::Axum => router,
+        // tollgate-outside wraps this router where it is served.
+        Variant::Axum | Variant::TollgateOutside => router,
+        Variant::NoopLayer => router.layer(tower::util::MapRequestLayer::new(
+            |request: axum::extract::Request| request,
+        )),
         Variant::Tollgate => {
             let policy = Policy::new("bench", Algorithm::Gcra, huge()?)?;
             router.layer(RateLimitLayer::builder(MemoryStore::new(), policy).build()?)
@@ -278,7 +305,64 @@ struct Run {
     p99_us: f64,
     requests: usize,
     unexpected: usize,
+    /// CPU time of the server's threads and of the load generator's, each as a share of
+    /// one core over the measured window (from /proc, in 10 ms ticks).
+    server_cpu: f64,
+    client_cpu: f64,
 }
+
+/// Where the server and the load generator run (`HTTP_BENCH_LAYOUT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// The default: the server on one tokio worker pinned to CPU 0, the load generator
+    /// pinned to CPU 1. The server's core is the bottleneck, so requests/s is what one
+    /// core of server achieves, and nothing of the client's own work (such as parsing
+    /// the longer responses that carry rate-limit headers) is charged to the server.
+    Pinned,
+    /// Two server workers and the load generator, unpinned, sharing both CPUs: the
+    /// layout of the earlier runs, with a hot key locked from two cores.
+    Shared,
+}
+
+/// The server's thread ids, for their CPU time.
+static SERVER_THREADS: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// This thread's id, from `/proc/thread-self` (`<pid>/task/<tid>`).
+fn thread_id() -> Option<u32> {
+    std::fs::read_link("/proc/thread-self")
+        .ok()?
+        .file_name()?
+        .to_str()?
+        .parse()
+        .ok()
+}
+
+/// User plus system CPU time of thread `tid` of this process, in clock ticks.
+fn cpu_ticks(tid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")) else {
+        return 0;
+    };
+    // Fields after the command name's closing parenthesis start at field 3 (state);
+    // utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    rest.split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|f| f.parse::<u64>().ok())
+        .sum()
+}
+
+/// (server ticks, client ticks) now.
+fn ticks(client: u32) -> (u64, u64) {
+    let server = SERVER_THREADS
+        .lock()
+        .map(|tids| tids.iter().map(|&t| cpu_ticks(t)).sum())
+        .unwrap_or(0);
+    (server, cpu_ticks(client))
+}
+
+/// Linux's `USER_HZ`, the unit of the CPU times in /proc.
+const TICKS_PER_SEC: f64 = 100.0;
 
 /// What one connection saw during the measured window.
 #[derive(Debug, Default)]
@@ -397,6 +481,18 @@ async fn run(variant: Variant, addr: SocketAddr, measure: Duration) -> Result<Ru
     for conn in conns {
         tasks.spawn(drive(conn, variant.expected_status(), start, end));
     }
+    // CPU time over the measured window, sampled by a task of the load generator's own
+    // thread when the window opens and closes.
+    let client = thread_id().unwrap_or(0);
+    let cpu = tokio::spawn(async move {
+        tokio::time::sleep_until(start.into()).await;
+        let (s0, t0) = (ticks(client), Instant::now());
+        let c0 = s0.1;
+        tokio::time::sleep_until(end.into()).await;
+        let ((s1, c1), t1) = (ticks(client), Instant::now());
+        let secs = t1.duration_since(t0).as_secs_f64() * TICKS_PER_SEC;
+        ((s1 - s0.0) as f64 / secs, (c1 - c0) as f64 / secs)
+    });
     let mut latencies = Vec::new();
     let mut unexpected = 0;
     let mut last = start;
@@ -409,6 +505,7 @@ async fn run(variant: Variant, addr: SocketAddr, measure: Duration) -> Result<Ru
     if latencies.is_empty() {
         return Err(format!("{}: no request completed", variant.name()).into());
     }
+    let (server_cpu, client_cpu) = cpu.await?;
     let elapsed = last.duration_since(start).as_secs_f64();
     let requests = latencies.len();
     let p50 = percentile(&mut latencies, 0.50);
@@ -419,7 +516,40 @@ async fn run(variant: Variant, addr: SocketAddr, measure: Duration) -> Result<Ru
         p99_us: f64::from(p99) / 1_000.0,
         requests,
         unexpected,
+        server_cpu,
+        client_cpu,
     })
+}
+
+/// A fixed amount of work, for an instruction counter (`valgrind --tool=callgrind`):
+/// `warm` then `count` requests on each of `CONNECTIONS` connections, untimed.
+async fn run_count(
+    variant: Variant,
+    addr: SocketAddr,
+    warm: usize,
+    count: usize,
+) -> Result<usize, BoxError> {
+    let mut tasks = JoinSet::new();
+    for _ in 0..CONNECTIONS {
+        let mut conn = Connection::open(addr).await?;
+        let expected = variant.expected_status();
+        tasks.spawn(async move {
+            for i in 0..warm + count {
+                let status = conn.get().await?;
+                if i >= warm && status != expected {
+                    return Err(io::Error::other(format!(
+                        "status {status}, expected {expected}"
+                    )));
+                }
+            }
+            Ok::<_, io::Error>(count)
+        });
+    }
+    let mut done = 0;
+    while let Some(joined) = tasks.join_next().await {
+        done += joined??;
+    }
+    Ok(done)
 }
 
 fn percentile(samples: &mut [u32], q: f64) -> u32 {
@@ -456,16 +586,36 @@ fn main() -> Result<(), BoxError> {
     let rounds = usize::try_from(env_number("HTTP_BENCH_ROUNDS", 10)?)?;
     let measure = Duration::from_millis(env_number("HTTP_BENCH_MILLIS", 1_500)?);
 
+    let layout = match std::env::var("HTTP_BENCH_LAYOUT").as_deref() {
+        Ok("shared") => Layout::Shared,
+        Ok("pinned") | Err(_) => Layout::Pinned,
+        Ok(other) => {
+            return Err(format!("HTTP_BENCH_LAYOUT is pinned or shared (got {other:?})").into());
+        }
+    };
+    let cores = core_affinity::get_core_ids().unwrap_or_default();
+    if layout == Layout::Pinned && cores.len() < 2 {
+        return Err("the pinned layout needs two CPUs; run with HTTP_BENCH_LAYOUT=shared".into());
+    }
+    let server_core = cores.first().copied();
     let server = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(if layout == Layout::Pinned { 1 } else { 2 })
         .thread_name("server")
+        .on_thread_start(move || {
+            if let (Layout::Pinned, Some(core)) = (layout, server_core) {
+                core_affinity::set_for_current(core);
+            }
+            if let (Some(tid), Ok(mut tids)) = (thread_id(), SERVER_THREADS.lock()) {
+                tids.push(tid);
+            }
+        })
         .enable_all()
         .build()?;
     let fleet_suite = std::env::var("HTTP_BENCH_SUITE").is_ok_and(|s| s == "fleet");
     let suite: &[Variant] = if fleet_suite {
         &Variant::FLEET
     } else {
-        &Variant::ALL[..7]
+        &Variant::DEFAULT
     };
     // The fleet suite's servers: one healthy, one killed once its store has connected.
     let mut redis = Vec::new();
@@ -518,17 +668,36 @@ fn main() -> Result<(), BoxError> {
         let addr = server.block_on(async {
             let listener = TcpListener::bind("127.0.0.1:0").await?;
             let addr = listener.local_addr()?;
-            tokio::spawn(async move {
-                let service = app.into_make_service_with_connect_info::<SocketAddr>();
-                if let Err(e) = axum::serve(listener, service).await {
-                    eprintln!("server error: {e}");
-                }
-            });
+            if variant == Variant::TollgateOutside {
+                // The layer around the whole router (`ServiceBuilder` style) rather than
+                // through `Router::layer`, which clones a boxed route per request.
+                let policy = Policy::new("bench", Algorithm::Gcra, huge_quota()?)?;
+                let layer = RateLimitLayer::builder(MemoryStore::new(), policy).build()?;
+                let service = tower::Layer::layer(&layer, app);
+                let service = axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<SocketAddr>(service);
+                tokio::spawn(async move {
+                    if let Err(e) = axum::serve(listener, service).await {
+                        eprintln!("server error: {e}");
+                    }
+                });
+            } else {
+                tokio::spawn(async move {
+                    let service = app.into_make_service_with_connect_info::<SocketAddr>();
+                    if let Err(e) = axum::serve(listener, service).await {
+                        eprintln!("server error: {e}");
+                    }
+                });
+            }
             Ok::<_, BoxError>(addr)
         })?;
         addrs.push(Some(addr));
     }
 
+    if layout == Layout::Pinned {
+        if let Some(&core) = cores.get(1) {
+            core_affinity::set_for_current(core);
+        }
+    }
     let client = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -540,7 +709,17 @@ fn main() -> Result<(), BoxError> {
         WARMUP.as_millis()
     );
     println!(
-        "server: tokio multi-thread runtime, 2 workers; client: 1 thread; {} CPUs available",
+        "layout {layout:?}: server: tokio multi-thread runtime, {}; client: 1 thread{}; {} CPUs available",
+        if layout == Layout::Pinned {
+            "1 worker pinned to CPU 0"
+        } else {
+            "2 workers"
+        },
+        if layout == Layout::Pinned {
+            " pinned to CPU 1"
+        } else {
+            ""
+        },
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!("keys: the peer IP for both limiters; all load comes from 127.0.0.1, so one hot key");
@@ -561,6 +740,18 @@ fn main() -> Result<(), BoxError> {
             .into());
     }
 
+    if let Ok(count) = std::env::var("HTTP_BENCH_COUNT") {
+        let count: usize = count
+            .parse()
+            .map_err(|_| format!("HTTP_BENCH_COUNT must be a whole number (got {count:?})"))?;
+        for &variant in &selected {
+            let addr = addrs[variant.index()].ok_or("a selected variant has no server")?;
+            let done = client.block_on(run_count(variant, addr, 20, count))?;
+            println!("{}: {done} requests after the warm-up", variant.name());
+        }
+        return Ok(());
+    }
+
     let n = selected.len();
     let mut runs: Vec<Vec<Run>> = (0..Variant::ALL.len()).map(|_| Vec::new()).collect();
     for round in 0..rounds {
@@ -569,12 +760,14 @@ fn main() -> Result<(), BoxError> {
             let addr = addrs[variant.index()].ok_or("a selected variant has no server")?;
             let result = client.block_on(run(variant, addr, measure))?;
             println!(
-                "round {}  {:<24} {:>9.0} req/s  p50 {:>7.1} µs  p99 {:>7.1} µs  ({} requests{})",
+                "round {}  {:<24} {:>9.0} req/s  p50 {:>7.1} µs  p99 {:>7.1} µs  cpu server {:>4.0}% client {:>4.0}%  ({} requests{})",
                 round + 1,
                 variant.name(),
                 result.requests_per_sec,
                 result.p50_us,
                 result.p99_us,
+                result.server_cpu * 100.0,
+                result.client_cpu * 100.0,
                 result.requests,
                 if result.unexpected > 0 {
                     format!(", {} with an unexpected status!", result.unexpected)
@@ -589,21 +782,25 @@ fn main() -> Result<(), BoxError> {
     println!();
     println!("median over {rounds} rounds");
     println!(
-        "{:<24} {:>10} {:>10} {:>10} {:>12}",
-        "variant", "req/s", "p50 µs", "p99 µs", "unexpected"
+        "{:<24} {:>10} {:>10} {:>10} {:>11} {:>11} {:>12}",
+        "variant", "req/s", "p50 µs", "p99 µs", "server cpu", "client cpu", "unexpected"
     );
     for &variant in &selected {
         let rs = &runs[variant.index()];
         let mut rps: Vec<f64> = rs.iter().map(|r| r.requests_per_sec).collect();
         let mut p50: Vec<f64> = rs.iter().map(|r| r.p50_us).collect();
         let mut p99: Vec<f64> = rs.iter().map(|r| r.p99_us).collect();
+        let mut server_cpu: Vec<f64> = rs.iter().map(|r| r.server_cpu * 100.0).collect();
+        let mut client_cpu: Vec<f64> = rs.iter().map(|r| r.client_cpu * 100.0).collect();
         let unexpected: usize = rs.iter().map(|r| r.unexpected).sum();
         println!(
-            "{:<24} {:>10.0} {:>10.1} {:>10.1} {:>12}",
+            "{:<24} {:>10.0} {:>10.1} {:>10.1} {:>10.0}% {:>10.0}% {:>12}",
             variant.name(),
             median(&mut rps),
             median(&mut p50),
             median(&mut p99),
+            median(&mut server_cpu),
+            median(&mut client_cpu),
             unexpected
         );
     }
@@ -679,6 +876,24 @@ fn main() -> Result<(), BoxError> {
         "tollgate all-429 / tollgate allowed",
         Variant::TollgateRejecting,
         Variant::Tollgate,
+        None,
+    );
+    line(
+        "axum + a no-op layer / axum",
+        Variant::NoopLayer,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "tollgate allowed / axum + a no-op layer",
+        Variant::Tollgate,
+        Variant::NoopLayer,
+        None,
+    );
+    line(
+        "tollgate around Router / axum",
+        Variant::TollgateOutside,
+        Variant::Axum,
         None,
     );
     println!("like for like, allowed path:");

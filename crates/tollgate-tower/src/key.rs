@@ -6,7 +6,7 @@
 
 use std::fmt::{self, Write as _};
 use std::marker::PhantomData;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use http::{HeaderName, Request};
 use smallvec::SmallVec;
@@ -57,36 +57,47 @@ impl Key {
     /// addresses grouped by their first `ipv6_prefix` bits (0 to 128).
     #[must_use]
     pub fn ip(ip: IpAddr, ipv6_prefix: u8) -> Self {
-        let mut key = Key::new("ip", "");
-        let mut text = KeyWriter(&mut key.bytes);
-        // Writing to memory cannot fail.
-        let _ = match canonical(ip) {
-            IpAddr::V4(v4) => {
-                // The common case, by hand: `core::fmt` costs more than the rest of the key.
-                for (i, octet) in v4.octets().into_iter().enumerate() {
-                    if i > 0 {
-                        key.bytes.push(b'.');
-                    }
-                    if octet >= 100 {
-                        key.bytes.push(b'0' + octet / 100);
-                    }
-                    if octet >= 10 {
-                        key.bytes.push(b'0' + octet / 10 % 10);
-                    }
-                    key.bytes.push(b'0' + octet % 10);
-                }
-                Ok(())
-            }
-            IpAddr::V6(v6) if ipv6_prefix >= 128 => write!(text, "{v6}"),
+        match canonical(ip) {
+            IpAddr::V4(v4) => Key::ipv4(v4),
             IpAddr::V6(v6) => {
-                let bits = u128::from(v6);
-                let mask = u128::MAX
-                    .checked_shl(128 - u32::from(ipv6_prefix))
-                    .unwrap_or(0);
-                write!(text, "{}/{ipv6_prefix}", Ipv6Addr::from(bits & mask))
+                let mut key = Key::new("ip", "");
+                let mut text = KeyWriter(&mut key.bytes);
+                // Writing to memory cannot fail.
+                let _ = if ipv6_prefix >= 128 {
+                    write!(text, "{v6}")
+                } else {
+                    let bits = u128::from(v6);
+                    let mask = u128::MAX
+                        .checked_shl(128 - u32::from(ipv6_prefix))
+                        .unwrap_or(0);
+                    write!(text, "{}/{ipv6_prefix}", Ipv6Addr::from(bits & mask))
+                };
+                key
             }
-        };
-        key
+        }
+    }
+
+    /// `ip:a.b.c.d`, the common case, written by hand into the key's inline buffer:
+    /// `core::fmt` (or a push per digit) costs more than the rest of the key.
+    fn ipv4(v4: Ipv4Addr) -> Self {
+        let mut buf = [0u8; 56];
+        buf[..3].copy_from_slice(b"ip:");
+        let mut len = 3;
+        for (i, octet) in v4.octets().into_iter().enumerate() {
+            if i > 0 {
+                buf[len] = b'.';
+                len += 1;
+            }
+            let [n, digits @ ..] = OCTETS[usize::from(octet)];
+            // Three bytes stored every time (no call to memcpy); what is past the
+            // octet's own digits is overwritten next, or past the key's length.
+            buf[len..len + 3].copy_from_slice(&digits);
+            len += usize::from(n);
+        }
+        Key {
+            bytes: SmallVec::from_buf_and_len(buf, len),
+            namespace_len: 2,
+        }
     }
 
     /// The namespace (`ip`, `key`, `user`, `global`, or a custom one).
@@ -122,6 +133,23 @@ impl fmt::Write for KeyWriter<'_> {
         Ok(())
     }
 }
+
+/// Every octet in decimal: `[number of digits, the digits...]`, made at compile time.
+static OCTETS: [[u8; 4]; 256] = {
+    let mut table = [[0u8; 4]; 256];
+    let mut i = 0;
+    while i < 256 {
+        let o = i as u8;
+        let (h, t, u) = (b'0' + o / 100, b'0' + o / 10 % 10, b'0' + o % 10);
+        table[i] = match o {
+            100.. => [3, h, t, u],
+            10.. => [2, t, u, 0],
+            _ => [1, u, 0, 0],
+        };
+        i += 1;
+    }
+    table
+};
 
 fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
@@ -631,9 +659,18 @@ mod tests {
 
     #[test]
     fn ipv4_keys_are_the_dotted_quad() {
-        for text in ["0.10.100.255", "1.2.3.4", "199.9.0.20"] {
+        for text in ["0.10.100.255", "1.2.3.4", "199.9.0.20", "255.255.255.255"] {
             let ip: IpAddr = text.parse().unwrap();
             assert_eq!(Key::ip(ip, 64), Key::new("ip", text));
+        }
+        // Every octet value, in every position, as `Display` writes it.
+        for o in 0..=255u8 {
+            let ip = Ipv4Addr::new(o, 255 - o, o / 3, o.wrapping_mul(7));
+            assert_eq!(Key::ip(IpAddr::V4(ip), 64), Key::new("ip", ip.to_string()));
+            assert_eq!(
+                Key::ip(IpAddr::V4(ip), 64).value(),
+                ip.to_string().as_bytes()
+            );
         }
     }
 

@@ -5,10 +5,11 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use http::{HeaderMap, Method, StatusCode, Uri};
+use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use tollgate_core::{ConfigError, Policy};
 
 use crate::Key;
+use crate::response::{number, static_number};
 
 /// Names the tier of a caller: the name of one of the layer's tier policies, or `None`
 /// for the default policy.
@@ -155,14 +156,55 @@ pub(crate) struct Limits {
     pub(crate) tier_names: Vec<(String, usize)>,
     pub(crate) tiers: Option<Box<dyn Tiers>>,
     pub(crate) routes: Vec<Route>,
+    /// `X-RateLimit-Limit` of each policy, made once.
+    pub(crate) limit_headers: Vec<(u64, HeaderValue)>,
 }
 
 /// The policies one request is checked against, by index into [`Limits::policies`].
 pub(crate) type Plan = smallvec::SmallVec<[usize; 4]>;
 
 impl Limits {
+    pub(crate) fn new(
+        policies: Vec<Policy>,
+        tier_names: Vec<(String, usize)>,
+        tiers: Option<Box<dyn Tiers>>,
+        routes: Vec<Route>,
+    ) -> Self {
+        let limit_headers = policies
+            .iter()
+            .map(|p| {
+                let limit = if p.algorithm().uses_burst() {
+                    p.quota().burst()
+                } else {
+                    p.quota().limit()
+                };
+                (limit, static_number(limit))
+            })
+            .collect();
+        Limits {
+            policies,
+            tier_names,
+            tiers,
+            routes,
+            limit_headers,
+        }
+    }
+
+    /// The `X-RateLimit-Limit` value for `limit`, reported by policy `index`.
+    pub(crate) fn limit_header(&self, index: usize, limit: u64) -> HeaderValue {
+        match self.limit_headers.get(index) {
+            Some((n, value)) if *n == limit => value.clone(),
+            _ => number(limit),
+        }
+    }
+
     pub(crate) fn plan(&self, key: &Key, method: &Method, path: &str) -> Plan {
         let mut plan = Plan::new();
+        if self.tiers.is_none() && self.routes.is_empty() {
+            // One policy for everyone: nothing to look up.
+            plan.push(0);
+            return plan;
+        }
         let tier = self
             .tiers
             .as_ref()

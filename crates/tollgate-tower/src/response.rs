@@ -2,7 +2,7 @@
 
 use std::cell::RefCell;
 use std::fmt::Write as _;
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
@@ -138,15 +138,28 @@ pub(crate) fn retry_after_secs(d: &Decision) -> Option<u64> {
 #[must_use]
 pub fn default_rejection(rejection: &Rejection<'_>) -> Response<Bytes> {
     let message = match (rejection.retry_after_secs(), rejection.decision().denial()) {
-        (Some(n), _) => format!("API rate limit exceeded. Please retry after {n} seconds."),
+        (Some(n), _) => return retry_after_body(n),
         (None, Some(Denial::StoreFull)) => {
             "The rate limiter is tracking too many callers to admit a new one. Please retry later."
-                .to_owned()
         }
-        _ => "This request costs more than the rate limit allows at once; it cannot succeed."
-            .to_owned(),
+        _ => "This request costs more than the rate limit allows at once; it cannot succeed.",
     };
-    json(StatusCode::TOO_MANY_REQUESTS, &message)
+    json(StatusCode::TOO_MANY_REQUESTS, message)
+}
+
+/// The common 429, written without `core::fmt` or an escaping pass: during a flood this
+/// is most of what the server answers.
+fn retry_after_body(secs: u64) -> Response<Bytes> {
+    const HEAD: &[u8] =
+        b"{\"error\":\"Too Many Requests\",\"message\":\"API rate limit exceeded. Please retry after ";
+    const TAIL: &[u8] = b" seconds.\"}";
+    let mut digits = itoa::Buffer::new();
+    let digits = digits.format(secs).as_bytes();
+    let mut body = Vec::with_capacity(HEAD.len() + digits.len() + TAIL.len());
+    body.extend_from_slice(HEAD);
+    body.extend_from_slice(digits);
+    body.extend_from_slice(TAIL);
+    json_body(StatusCode::TOO_MANY_REQUESTS, Bytes::from(body))
 }
 
 /// The layer's own refusal (a missing key, a failed store): JSON over HTTP, the matching
@@ -172,7 +185,12 @@ pub(crate) fn json(status: StatusCode, message: &str) -> Response<Bytes> {
         escape_into(&mut body, message);
     }
     body.push_str("\"}");
-    let mut response = Response::new(Bytes::from(body));
+    json_body(status, Bytes::from(body))
+}
+
+/// A response of `status` with a JSON `body`.
+fn json_body(status: StatusCode, body: Bytes) -> Response<Bytes> {
+    let mut response = Response::new(body);
     *response.status_mut() = status;
     response
         .headers_mut()
@@ -197,8 +215,9 @@ fn escape_into(body: &mut String, message: &str) {
 const SHARED_NUMBERS: u64 = 4_096;
 
 /// A header value for `n`: small numbers (remaining counts, retry seconds, limits) come
-/// from a table made once, so the common case allocates nothing.
-fn number(n: u64) -> HeaderValue {
+/// from a table made once, so the common case allocates nothing; larger ones from
+/// [`recent`].
+pub(crate) fn number(n: u64) -> HeaderValue {
     static TABLE: LazyLock<Box<[HeaderValue]>> = LazyLock::new(|| {
         let mut text = String::new();
         let mut ends = Vec::new();
@@ -217,30 +236,101 @@ fn number(n: u64) -> HeaderValue {
             })
             .collect()
     });
-    usize::try_from(n)
-        .ok()
-        .and_then(|i| TABLE.get(i))
-        .cloned()
-        .unwrap_or_else(|| HeaderValue::from(n))
+    match usize::try_from(n).ok().and_then(|i| TABLE.get(i)) {
+        Some(value) => value.clone(),
+        None => recent(n),
+    }
 }
 
-/// `X-RateLimit-Reset` is the same second for many responses in a row: each thread
-/// keeps the last one it made.
-fn reset_value(unix_secs: u64) -> HeaderValue {
-    thread_local! {
-        static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
+/// A header value for `n` that is cloned without touching a reference count, for the
+/// numbers a layer reports on every response (its policies' limits): made when the layer
+/// is built. Past the shared table, each distinct number is kept once for the life of the
+/// process, so building layers again and again adds nothing after the first.
+pub(crate) fn static_number(n: u64) -> HeaderValue {
+    static INTERNED: Mutex<Vec<(u64, &'static str)>> = Mutex::new(Vec::new());
+    if n <= SHARED_NUMBERS {
+        return number(n);
     }
-    LAST.with(|last| {
-        let mut last = last.borrow_mut();
-        match &*last {
-            Some((secs, value)) if *secs == unix_secs => value.clone(),
+    let mut interned = INTERNED.lock().unwrap_or_else(PoisonError::into_inner);
+    let text = match interned.iter().find(|(m, _)| *m == n) {
+        Some((_, text)) => *text,
+        None => {
+            let text: &'static str = Box::leak(n.to_string().into_boxed_str());
+            interned.push((n, text));
+            text
+        }
+    };
+    HeaderValue::from_static(text)
+}
+
+/// A header value for a large number, from the few this thread made last. Large numbers
+/// repeat from one response to the next: the limit of a big quota, the remaining count
+/// of a bucket that stays near full, and `X-RateLimit-Reset`, the same second for many
+/// responses in a row.
+fn recent(n: u64) -> HeaderValue {
+    const SLOTS: usize = 8;
+    thread_local! {
+        static RECENT: RefCell<[Option<(u64, HeaderValue)>; SLOTS]> =
+            const { RefCell::new([const { None }; SLOTS]) };
+    }
+    // A multiplicative hash of `n` picks its one slot.
+    let slot = (n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 61) as usize % SLOTS;
+    RECENT.with(|recent| {
+        let mut recent = recent.borrow_mut();
+        match &recent[slot] {
+            Some((m, value)) if *m == n => value.clone(),
             _ => {
-                let value = HeaderValue::from(unix_secs);
-                *last = Some((unix_secs, value.clone()));
+                let value = HeaderValue::from(n);
+                recent[slot] = Some((n, value.clone()));
                 value
             }
         }
     })
+}
+
+/// The rate-limit headers an allowed response will carry, decided with the request so
+/// that the response future needs nothing shared to add them.
+#[derive(Debug)]
+pub(crate) enum Added {
+    /// No headers ([`HeaderStyle::None`], or no limit was checked).
+    Nothing,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` (Unix seconds).
+    Legacy {
+        limit: HeaderValue,
+        remaining: u64,
+        reset: u64,
+    },
+    /// Headers made when the request was decided (the IETF fields).
+    Built(Box<HeaderMap>),
+}
+
+impl Added {
+    /// The legacy headers for `d`, decided at wall time `now_us`; `limit` is the value
+    /// of `d.limit()`.
+    pub(crate) fn legacy(d: &Decision, limit: HeaderValue, now_us: u64) -> Self {
+        Added::Legacy {
+            limit,
+            remaining: d.remaining(),
+            reset: (now_us + d.reset_after_micros()).div_ceil(1_000_000),
+        }
+    }
+
+    /// Adds the headers to `headers`, once.
+    pub(crate) fn add_to(&mut self, headers: &mut HeaderMap) {
+        match std::mem::replace(self, Added::Nothing) {
+            Added::Nothing => {}
+            Added::Legacy {
+                limit,
+                remaining,
+                reset,
+            } => {
+                headers.insert(X_RATELIMIT_LIMIT.clone(), limit);
+                headers.insert(X_RATELIMIT_REMAINING.clone(), number(remaining));
+                headers.insert(X_RATELIMIT_RESET.clone(), number(reset));
+            }
+            Added::Built(built) => headers.extend(*built),
+        }
+    }
 }
 
 /// Adds the rate-limit headers for `verdicts` (every limit checked, `most` the one
@@ -260,10 +350,7 @@ pub(crate) fn add_headers(
         }
     }
     if matches!(style, HeaderStyle::Legacy | HeaderStyle::Both) {
-        let reset = (now_us + d.reset_after_micros()).div_ceil(1_000_000);
-        headers.insert(X_RATELIMIT_LIMIT.clone(), number(d.limit()));
-        headers.insert(X_RATELIMIT_REMAINING.clone(), number(d.remaining()));
-        headers.insert(X_RATELIMIT_RESET.clone(), reset_value(reset));
+        Added::legacy(d, number(d.limit()), now_us).add_to(headers);
     }
     if matches!(style, HeaderStyle::Ietf | HeaderStyle::Both) {
         let (mut policy, mut current) = (String::new(), String::new());
@@ -294,16 +381,18 @@ pub(crate) fn add_headers(
     }
 }
 
-/// Of several decisions, the one to report: a denial if any (the longest wait), else the
-/// one with the fewest remaining (the soonest to deny).
+/// How restrictive a decision is, least first: a denial (the longest wait first), then
+/// the fewest remaining (the soonest to deny), then the latest reset.
+pub(crate) fn restrictiveness(d: &Decision) -> (bool, u64, u64, u64) {
+    (
+        d.is_allowed(),
+        u64::MAX - d.retry_after_micros(),
+        d.remaining(),
+        u64::MAX - d.reset_after_micros(),
+    )
+}
+
+/// Of several decisions, the one to report: the most restrictive.
 pub(crate) fn most_restrictive<'a, 'p>(verdicts: &'a [Verdict<'p>]) -> Option<&'a Verdict<'p>> {
-    verdicts.iter().min_by_key(|v| {
-        let d = &v.decision;
-        (
-            d.is_allowed(),
-            u64::MAX - d.retry_after_micros(),
-            d.remaining(),
-            u64::MAX - d.reset_after_micros(),
-        )
-    })
+    verdicts.iter().min_by_key(|v| restrictiveness(&v.decision))
 }

@@ -15,11 +15,22 @@ use tower_service::Service;
 
 use super::Shared;
 use crate::Key;
-use crate::limits::{OnStoreError, Plan};
-use crate::response::{Rejection, RejectionBody, Verdict, add_headers, most_restrictive, refusal};
+use crate::limits::{HeaderStyle, OnStoreError, Plan};
+use crate::response::{
+    Added, Rejection, RejectionBody, Verdict, add_headers, most_restrictive, refusal,
+    restrictiveness,
+};
+
+/// `(policy index, decision)` for every limit checked so far.
+pub(super) type Checked = SmallVec<[(usize, Decision); 2]>;
 
 pin_project! {
     /// The future of a [`RateLimit`](super::RateLimit) service's response.
+    ///
+    /// A request the store decided at once (the memory store, a local denial) carries only
+    /// the inner service's future and the headers to add; everything a decision that
+    /// waits needs (a Redis call, a shaping delay) is boxed apart, so the common future
+    /// stays small.
     pub struct ResponseFuture<S, B, St>
     where
         S: Service<Request<B>>,
@@ -27,31 +38,28 @@ pin_project! {
     {
         #[pin]
         state: State<St::Future, S::Future>,
-        shared: Arc<Shared<St>>,
-        // What only a decision that waits needs, boxed so that the common future (decided
-        // at once) stays small.
-        pending: Option<Box<Pending<S, B>>>,
-        grpc: bool,
-        // (policy index, decision) for every limit checked so far.
-        checked: SmallVec<[(usize, Decision); 2]>,
+        pending: Option<Box<Pending<S, B, St>>>,
     }
 }
 
 /// A request whose limits are still being checked (or whose shaping delay runs): the ready
 /// service and the request until the limits let it through, and what the next check needs.
-struct Pending<S, B> {
+struct Pending<S, B, St> {
+    shared: Arc<Shared<St>>,
     call: Option<(S, Request<B>)>,
     key: Key,
     plan: Plan,
     cost: u32,
+    grpc: bool,
+    checked: Checked,
 }
 
 pin_project! {
     #[project = StateProj]
     enum State<C, F> {
         Checking { #[pin] check: C },
-        Delaying { #[pin] sleep: tokio::time::Sleep },
-        Calling { #[pin] future: F },
+        Delaying { sleep: Pin<Box<tokio::time::Sleep>> },
+        Calling { #[pin] future: F, added: Added },
         Respond { response: Option<Response<Bytes>> },
     }
 }
@@ -70,7 +78,7 @@ where
         plan: Plan,
         cost: u32,
         grpc: bool,
-        checked: SmallVec<[(usize, Decision); 2]>,
+        checked: Checked,
         service: S,
         request: Request<B>,
     ) -> Self {
@@ -81,48 +89,40 @@ where
                     .check(key.as_bytes(), &shared.limits.policies[next], cost),
             },
             None => State::Delaying {
-                sleep: tokio::time::sleep(Duration::from_micros(max_delay(&checked))),
+                sleep: Box::pin(tokio::time::sleep(Duration::from_micros(max_delay(
+                    &checked,
+                )))),
             },
         };
         ResponseFuture {
             state,
             pending: Some(Box::new(Pending {
+                shared,
                 call: Some((service, request)),
                 key,
                 plan,
                 cost,
+                grpc,
+                checked,
             })),
-            grpc,
-            checked,
-            shared,
         }
     }
 
-    /// Waits for the service's `future`, then adds the headers for `checked`.
-    pub(super) fn calling(
-        shared: Arc<Shared<St>>,
-        future: S::Future,
-        checked: SmallVec<[(usize, Decision); 2]>,
-    ) -> Self {
+    /// Waits for the service's `future`, then adds the `added` headers.
+    pub(super) fn calling(future: S::Future, added: Added) -> Self {
         ResponseFuture {
-            state: State::Calling { future },
+            state: State::Calling { future, added },
             pending: None,
-            grpc: false,
-            checked,
-            shared,
         }
     }
 
     /// Answers `response` without calling the service.
-    pub(super) fn respond(shared: Arc<Shared<St>>, response: Response<Bytes>) -> Self {
+    pub(super) fn respond(response: Response<Bytes>) -> Self {
         ResponseFuture {
             state: State::Respond {
                 response: Some(response),
             },
             pending: None,
-            grpc: false,
-            checked: SmallVec::new(),
-            shared,
         }
     }
 }
@@ -173,77 +173,32 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Checking { check } => {
-                    let shared = &**this.shared;
                     // Checking is only ever entered with a pending request; were it not,
                     // answer rather than panic on a request path.
                     let Some(pending) = this.pending.as_mut() else {
-                        let response = refusal(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            "The rate limiter lost track of this request.",
-                            *this.grpc,
-                        );
-                        return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
+                        return Poll::Ready(Ok(lost().map(ResBody::from_bytes)));
                     };
-                    let index = pending.plan[this.checked.len()];
-                    let policy = &shared.limits.policies[index];
-                    match ready!(check.poll(cx)) {
-                        Ok(decision) => {
-                            this.checked.push((index, decision));
-                            if !decision.is_allowed() {
-                                let response = reject(shared, this.checked, *this.grpc);
-                                this.state.set(State::Respond {
-                                    response: Some(response),
-                                });
-                                continue;
-                            }
-                            if let Some(&next) = pending.plan.get(this.checked.len()) {
-                                let check = shared.store.check(
-                                    pending.key.as_bytes(),
-                                    &shared.limits.policies[next],
-                                    pending.cost,
-                                );
-                                this.state.set(State::Checking { check });
-                                continue;
-                            }
-                            let delay = max_delay(this.checked);
-                            if delay > 0 {
-                                let sleep = tokio::time::sleep(Duration::from_micros(delay));
-                                this.state.set(State::Delaying { sleep });
-                                continue;
-                            }
-                        }
-                        Err(error) => {
-                            if let Some(response) =
-                                store_failed(shared.on_error, &error, policy, *this.grpc)
-                            {
-                                this.state.set(State::Respond {
-                                    response: Some(response),
-                                });
-                                continue;
-                            }
-                            this.checked.clear();
-                        }
-                    }
-                    call_inner(this.pending, this.state.as_mut());
+                    let result = ready!(check.poll(cx));
+                    let next = pending.decided(result);
+                    this.state.set(next);
                 }
                 StateProj::Delaying { sleep } => {
-                    ready!(sleep.poll(cx));
-                    call_inner(this.pending, this.state.as_mut());
+                    ready!(sleep.as_mut().poll(cx));
+                    let next = match this.pending.as_mut() {
+                        Some(pending) => pending.call(),
+                        None => State::Respond {
+                            response: Some(lost()),
+                        },
+                    };
+                    this.state.set(next);
                 }
-                StateProj::Calling { future } => {
+                StateProj::Calling { future, added } => {
                     let mut response = ready!(future.poll(cx))?;
-                    let shared = &**this.shared;
-                    let verdicts = verdicts(shared, this.checked);
-                    if let Some(most) = most_restrictive(&verdicts) {
-                        let now = shared.clock.now_micros();
-                        add_headers(response.headers_mut(), shared.headers, &verdicts, most, now);
-                    }
+                    added.add_to(response.headers_mut());
                     return Poll::Ready(Ok(response));
                 }
                 StateProj::Respond { response } => {
-                    let response = response
-                        .take()
-                        .expect("ResponseFuture polled after it completed");
+                    let response = response.take().unwrap_or_else(lost);
                     return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
                 }
             }
@@ -251,18 +206,75 @@ where
     }
 }
 
-fn call_inner<S, B, C>(
-    pending: &mut Option<Box<Pending<S, B>>>,
-    mut state: Pin<&mut State<C, S::Future>>,
-) where
+impl<S, B, St> Pending<S, B, St>
+where
     S: Service<Request<B>>,
+    St: Store,
 {
-    // Present until the first call: every path that gets here set it and took nothing.
-    if let Some((mut service, request)) = pending.as_mut().and_then(|p| p.call.take()) {
-        state.set(State::Calling {
-            future: service.call(request),
-        });
+    /// The next state once the store answered for the next policy of the plan.
+    fn decided(
+        &mut self,
+        result: Result<Decision, tollgate_core::StoreError>,
+    ) -> State<St::Future, S::Future> {
+        let shared = &*self.shared;
+        let index = self.plan[self.checked.len()];
+        match result {
+            Ok(decision) => {
+                self.checked.push((index, decision));
+                if !decision.is_allowed() {
+                    return State::Respond {
+                        response: Some(reject(shared, &self.checked, self.grpc)),
+                    };
+                }
+                if let Some(&next) = self.plan.get(self.checked.len()) {
+                    let check = shared.store.check(
+                        self.key.as_bytes(),
+                        &shared.limits.policies[next],
+                        self.cost,
+                    );
+                    return State::Checking { check };
+                }
+                let delay = max_delay(&self.checked);
+                if delay > 0 {
+                    let sleep = Box::pin(tokio::time::sleep(Duration::from_micros(delay)));
+                    return State::Delaying { sleep };
+                }
+            }
+            Err(error) => {
+                let policy = &shared.limits.policies[index];
+                if let Some(response) = store_failed(shared.on_error, &error, policy, self.grpc) {
+                    return State::Respond {
+                        response: Some(response),
+                    };
+                }
+                self.checked.clear();
+            }
+        }
+        self.call()
     }
+
+    /// Calls the service, once: every path that gets here set `call` and took nothing.
+    fn call(&mut self) -> State<St::Future, S::Future> {
+        match self.call.take() {
+            Some((mut service, request)) => State::Calling {
+                future: service.call(request),
+                added: Added::new(&self.shared, &self.checked),
+            },
+            None => State::Respond {
+                response: Some(lost()),
+            },
+        }
+    }
+}
+
+/// The answer to a future polled in a state it cannot be in (or after it completed):
+/// a 500 rather than a panic on a request path.
+fn lost() -> Response<Bytes> {
+    refusal(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "The rate limiter lost track of this request.",
+        false,
+    )
 }
 
 /// The checked limits with their policies.
@@ -277,6 +289,48 @@ fn verdicts<'a, St>(
             decision,
         })
         .collect()
+}
+
+impl Added {
+    /// The headers an allowed response carries for `checked`, at the layer's wall time.
+    pub(super) fn new<St>(shared: &Shared<St>, checked: &[(usize, Decision)]) -> Self {
+        match shared.headers {
+            HeaderStyle::None => Added::Nothing,
+            HeaderStyle::Legacy => match most_restrictive_decision(checked) {
+                Some((index, d)) => {
+                    let limit = shared.limits.limit_header(*index, d.limit());
+                    Added::legacy(d, limit, shared.clock.now_micros())
+                }
+                None => Added::Nothing,
+            },
+            style => {
+                let verdicts = verdicts(shared, checked);
+                let Some(most) = most_restrictive(&verdicts) else {
+                    return Added::Nothing;
+                };
+                let mut headers = http::HeaderMap::new();
+                add_headers(
+                    &mut headers,
+                    style,
+                    &verdicts,
+                    most,
+                    shared.clock.now_micros(),
+                );
+                Added::Built(Box::new(headers))
+            }
+        }
+    }
+}
+
+/// Of several decisions, the one the legacy headers report (as `most_restrictive`).
+fn most_restrictive_decision(checked: &[(usize, Decision)]) -> Option<(&usize, &Decision)> {
+    match checked {
+        [(index, only)] => Some((index, only)),
+        _ => checked
+            .iter()
+            .map(|(index, d)| (index, d))
+            .min_by_key(|(_, d)| restrictiveness(d)),
+    }
 }
 
 /// The response to a denied request: the handler's body (over gRPC, the status), our

@@ -224,12 +224,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 )));
             }
         }
-        let limits = Limits {
-            policies: self.policies,
-            tier_names: self.tier_names,
-            tiers: self.tiers,
-            routes: self.routes,
-        };
+        let limits = Limits::new(self.policies, self.tier_names, self.tiers, self.routes);
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
                 store: self.store,

@@ -8,13 +8,11 @@ use http::{Request, Response};
 use tollgate_core::Store;
 use tower_service::Service;
 
-use smallvec::SmallVec;
-
-use super::future::{max_delay, reject, store_failed};
+use super::future::{Checked, max_delay, reject, store_failed};
 use super::{ResponseFuture, Shared};
 use crate::key::{Key, KeyExtractor, PeerIp};
 use crate::limits::MissingKey;
-use crate::response::{RejectionBody, refusal};
+use crate::response::{Added, RejectionBody, refusal};
 
 /// Rate limits the requests to `S`. Built by [`RateLimitLayer`](super::RateLimitLayer);
 /// clones share their limits.
@@ -80,12 +78,9 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let shared = Arc::clone(&self.shared);
-        #[cfg(feature = "tonic")]
-        let grpc = crate::grpc::is_grpc(request.headers());
-        #[cfg(not(feature = "tonic"))]
-        let grpc = false;
-        let key = match self.key.extract(&request) {
+        // Borrowed, not cloned: a request decided at once never touches the `Arc`'s count.
+        let RateLimit { inner, shared, key } = self;
+        let key = match key.extract(&request) {
             Some(key) => key,
             None => match shared.missing {
                 MissingKey::FallbackToIp => {
@@ -94,16 +89,15 @@ where
                         .unwrap_or_else(|| Key::new("ip", "unknown"))
                 }
                 MissingKey::Allow => {
-                    let future = self.inner.call(request);
-                    return ResponseFuture::calling(shared, future, SmallVec::new());
+                    return ResponseFuture::calling(inner.call(request), Added::Nothing);
                 }
                 MissingKey::Reject(status) => {
                     let response = refusal(
                         status,
                         "No rate-limit key could be determined for this request.",
-                        grpc,
+                        is_grpc(&request),
                     );
-                    return ResponseFuture::respond(shared, response);
+                    return ResponseFuture::respond(response);
                 }
             },
         };
@@ -115,35 +109,55 @@ where
         });
         // Decide now what the store can decide without waiting: then the ready service is
         // called at once, and nothing is held across an await.
-        let mut checked = SmallVec::new();
+        let mut checked = Checked::new();
         for &index in &plan {
             let policy = &shared.limits.policies[index];
             match shared.store.check_now(key.as_bytes(), policy, cost) {
                 Some(Ok(decision)) => {
                     checked.push((index, decision));
                     if !decision.is_allowed() {
-                        let response = reject(&shared, &checked, grpc);
-                        return ResponseFuture::respond(shared, response);
+                        let response = reject(shared, &checked, is_grpc(&request));
+                        return ResponseFuture::respond(response);
                     }
                 }
-                Some(Err(error)) => match store_failed(shared.on_error, &error, policy, grpc) {
-                    Some(response) => return ResponseFuture::respond(shared, response),
-                    None => {
-                        let future = self.inner.call(request);
-                        return ResponseFuture::calling(shared, future, SmallVec::new());
-                    }
-                },
+                Some(Err(error)) => {
+                    return match store_failed(shared.on_error, &error, policy, is_grpc(&request)) {
+                        Some(response) => ResponseFuture::respond(response),
+                        None => ResponseFuture::calling(inner.call(request), Added::Nothing),
+                    };
+                }
                 None => break,
             }
         }
         if checked.len() == plan.len() && max_delay(&checked) == 0 {
-            let future = self.inner.call(request);
-            return ResponseFuture::calling(shared, future, checked);
+            let added = Added::new(shared, &checked);
+            return ResponseFuture::calling(inner.call(request), added);
         }
         // The ready service goes with this request; its clone waits for the next
         // poll_ready (tower-service's "be careful when cloning inner services").
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::pending(shared, key, plan, cost, grpc, checked, inner, request)
+        let clone = inner.clone();
+        let ready = std::mem::replace(inner, clone);
+        let grpc = is_grpc(&request);
+        ResponseFuture::pending(
+            Arc::clone(shared),
+            key,
+            plan,
+            cost,
+            grpc,
+            checked,
+            ready,
+            request,
+        )
+    }
+}
+
+/// Whether `request` is a gRPC call, answered with gRPC statuses instead of HTTP ones.
+fn is_grpc<B>(request: &Request<B>) -> bool {
+    #[cfg(feature = "tonic")]
+    return crate::grpc::is_grpc(request.headers());
+    #[cfg(not(feature = "tonic"))]
+    {
+        let _ = request;
+        false
     }
 }
