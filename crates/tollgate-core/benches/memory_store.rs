@@ -3,7 +3,7 @@
 //!
 //! Run with `cargo bench -p tollgate-core --bench memory_store`.
 //!
-//! Both libraries run as their defaults: `MemoryStore::new()` (64 shards, a seeded ahash,
+//! Both libraries run as their defaults: `MemoryStore::new()` (64 shards, a seeded foldhash,
 //! the TSC clock through `quanta`) and `governor::RateLimiter::keyed` (a `DashMap` with the std
 //! SipHash `RandomState`, the `quanta` TSC clock). Keys are `u64`s: governor is keyed by
 //! the `u64` itself, tollgate by its 8-byte little-endian encoding, built once up front,

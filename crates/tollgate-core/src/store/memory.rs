@@ -2,10 +2,11 @@
 
 use std::fmt;
 use std::future::{Ready, ready};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use hashbrown::HashTable;
-use parking_lot::Mutex;
+use spin::mutex::{SpinMutex, SpinMutexGuard};
 
 use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::{
@@ -75,7 +76,7 @@ pub struct MemoryStore<C = MonotonicClock> {
 
 struct Shared<C> {
     clock: C,
-    hasher: ahash::RandomState,
+    hasher: foldhash::quality::RandomState,
     shards: Box<[Shard]>,
     shard_mask: u64,
     max_per_shard: usize,
@@ -84,8 +85,42 @@ struct Shared<C> {
 
 /// One lock and its tables, on a cache line of its own so that two cores working on
 /// neighbouring shards do not contend.
+///
+/// The lock is a spin lock whose release is a plain store: a decision holds it for a few
+/// tens of nanoseconds, and taking and releasing it then costs one atomic operation
+/// where a parking mutex costs two — measurably, at ~25 ns a decision (BENCHMARKS.md).
+/// A thread that finds it taken spins briefly, then yields its core, so a holder that was
+/// preempted gets to run.
 #[repr(align(128))]
-struct Shard(Mutex<Table>);
+struct Shard(SpinMutex<Table>);
+
+impl Shard {
+    #[inline]
+    fn lock(&self) -> SpinMutexGuard<'_, Table> {
+        match self.0.try_lock() {
+            Some(table) => table,
+            None => self.lock_contended(),
+        }
+    }
+
+    #[cold]
+    fn lock_contended(&self) -> SpinMutexGuard<'_, Table> {
+        let mut spins = 0u32;
+        loop {
+            while self.0.is_locked() {
+                if spins < 100 {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            if let Some(table) = self.0.try_lock() {
+                return table;
+            }
+        }
+    }
+}
 
 struct Table {
     /// Fixed-size states: `(key hash, slot)`, 24 bytes an entry.
@@ -149,7 +184,7 @@ impl<C: Clock> MemoryStore<C> {
         let max_per_shard = builder.max_keys.div_ceil(shards);
         let shards: Box<[Shard]> = (0..shards)
             .map(|_| {
-                Shard(Mutex::new(Table {
+                Shard(SpinMutex::new(Table {
                     slots: HashTable::new(),
                     logs: HashTable::new(),
                     sweep_at: MIN_SWEEP.min(max_per_shard),
@@ -161,7 +196,7 @@ impl<C: Clock> MemoryStore<C> {
         MemoryStore {
             shared: Arc::new(Shared {
                 clock: builder.clock,
-                hasher: ahash::RandomState::new(),
+                hasher: foldhash::quality::RandomState::default(),
                 shard_mask: shards.len() as u64 - 1,
                 shards,
                 max_per_shard,
@@ -178,7 +213,7 @@ impl<C: Clock> MemoryStore<C> {
         let now = shared.clock.now_micros();
         let hash = shared.hasher.hash_one((policy.id(), key));
         let shard = &shared.shards[((hash >> 32) & shared.shard_mask) as usize];
-        let mut table = shard.0.lock();
+        let mut table = shard.lock();
         table.check(
             hash,
             now,
@@ -192,7 +227,7 @@ impl<C: Clock> MemoryStore<C> {
     /// The number of keys held, idle ones not yet swept included.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.shared.shards.iter().map(|s| s.0.lock().len()).sum()
+        self.shared.shards.iter().map(|s| s.lock().len()).sum()
     }
 
     /// Whether no key is held.
@@ -210,7 +245,7 @@ impl<C: Clock> MemoryStore<C> {
             .shards
             .iter()
             .map(|s| {
-                let mut table = s.0.lock();
+                let mut table = s.lock();
                 table.sweep(now, self.shared.max_per_shard);
                 table.len()
             })

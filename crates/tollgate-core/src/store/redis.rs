@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::hash::BuildHasher;
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -140,7 +141,7 @@ struct Inner {
 /// denial can outlast Redis's by that much.)
 struct DenyCache {
     clock: Arc<dyn Clock>,
-    hasher: ahash::RandomState,
+    hasher: foldhash::quality::RandomState,
     shards: Box<[Mutex<HashMap<u64, Denied>>]>,
     per_shard: usize,
 }
@@ -158,7 +159,7 @@ impl DenyCache {
     fn new(capacity: usize, clock: Arc<dyn Clock>) -> Self {
         DenyCache {
             clock,
-            hasher: ahash::RandomState::new(),
+            hasher: foldhash::quality::RandomState::default(),
             shards: (0..Self::SHARDS).map(|_| Mutex::default()).collect(),
             per_shard: capacity.div_ceil(Self::SHARDS),
         }
