@@ -56,6 +56,7 @@ impl Key {
     /// The key of a client address: IPv4 as it is, IPv4-mapped IPv6 as IPv4, other IPv6
     /// addresses grouped by their first `ipv6_prefix` bits (0 to 128).
     #[must_use]
+    #[inline]
     pub fn ip(ip: IpAddr, ipv6_prefix: u8) -> Self {
         match canonical(ip) {
             IpAddr::V4(v4) => Key::ipv4(v4),
@@ -79,6 +80,7 @@ impl Key {
 
     /// `ip:a.b.c.d`, the common case, written by hand into the key's inline buffer:
     /// `core::fmt` (or a push per digit) costs more than the rest of the key.
+    #[inline]
     fn ipv4(v4: Ipv4Addr) -> Self {
         let mut buf = [0u8; 56];
         buf[..3].copy_from_slice(b"ip:");

@@ -198,6 +198,7 @@ impl Limits {
         }
     }
 
+    #[inline]
     pub(crate) fn plan(&self, key: &Key, method: &Method, path: &str) -> Plan {
         let mut plan = Plan::new();
         if self.tiers.is_none() && self.routes.is_empty() {
