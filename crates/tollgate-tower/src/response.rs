@@ -150,6 +150,26 @@ pub fn default_rejection(rejection: &Rejection<'_>) -> Response<Bytes> {
 /// The common 429, written without `core::fmt` or an escaping pass: during a flood this
 /// is most of what the server answers.
 fn retry_after_body(secs: u64) -> Response<Bytes> {
+    // The same wait is answered to every caller denied in the same second: each thread
+    // keeps the last body it wrote.
+    thread_local! {
+        static LAST: RefCell<Option<(u64, Bytes)>> = const { RefCell::new(None) };
+    }
+    let body = LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((n, body)) if *n == secs => body.clone(),
+            _ => {
+                let body = write_retry_after_body(secs);
+                *last = Some((secs, body.clone()));
+                body
+            }
+        }
+    });
+    json_body(StatusCode::TOO_MANY_REQUESTS, body)
+}
+
+fn write_retry_after_body(secs: u64) -> Bytes {
     const HEAD: &[u8] =
         b"{\"error\":\"Too Many Requests\",\"message\":\"API rate limit exceeded. Please retry after ";
     const TAIL: &[u8] = b" seconds.\"}";
@@ -159,7 +179,7 @@ fn retry_after_body(secs: u64) -> Response<Bytes> {
     body.extend_from_slice(HEAD);
     body.extend_from_slice(digits);
     body.extend_from_slice(TAIL);
-    json_body(StatusCode::TOO_MANY_REQUESTS, Bytes::from(body))
+    Bytes::from(body)
 }
 
 /// The layer's own refusal (a missing key, a failed store): JSON over HTTP, the matching
@@ -343,7 +363,6 @@ pub(crate) fn add_headers(
     now_us: u64,
 ) {
     let d = &most.decision;
-    headers.reserve(4);
     if !d.is_allowed() {
         if let Some(secs) = retry_after_secs(d) {
             headers.insert(RETRY_AFTER, number(secs));
