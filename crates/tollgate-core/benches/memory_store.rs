@@ -1,7 +1,9 @@
 //! Side-by-side speed of tollgate's `MemoryStore::check_sync` and governor's default keyed
 //! rate limiter, on the same quota.
 //!
-//! Run with `cargo bench -p tollgate-core --bench memory_store`.
+//! Run with `cargo bench -p tollgate-core --bench memory_store`, or, to pair the two
+//! libraries round by round (on a host with slow spells, the figures to compare), with
+//! `MEMORY_BENCH_ROUNDS=30 cargo bench -p tollgate-core --bench memory_store`.
 //!
 //! Both libraries run as their defaults: `MemoryStore::new()` (64 shards, a seeded foldhash,
 //! the TSC clock through `quanta`) and `governor::RateLimiter::keyed` (a `DashMap` with the std

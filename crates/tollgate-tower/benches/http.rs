@@ -7,9 +7,10 @@
 //! HTTP_BENCH_ONLY=tollgate,governor cargo bench -p tollgate-tower --bench http
 //! ```
 //!
-//! Seven variants of the same axum hello-world server, each on its own `127.0.0.1:0`
-//! listener in this process: the five the performance goals are about, and two that pair
-//! the allowed paths like for like, with and without rate-limit headers.
+//! Nine variants of the same axum hello-world server, each on its own `127.0.0.1:0`
+//! listener in this process: the five the performance goals are about, two that pair
+//! the allowed paths like for like, with and without rate-limit headers, and two that
+//! show what a layer costs at all and where it is applied.
 //!
 //! | variant            | layer                                                             |
 //! |--------------------|-------------------------------------------------------------------|
@@ -20,6 +21,8 @@
 //! | `governor-429`     | `GovernorLayer`, 1 per hour: every measured request denied        |
 //! | `tollgate-bare`    | as `tollgate`, with `HeaderStyle::None`: like `governor`          |
 //! | `governor-headers` | as `governor`, with `use_headers()` (limit, remaining): like `tollgate` |
+//! | `noop`             | `Router::layer` of a `MapRequestLayer` that returns the request: what any layer costs |
+//! | `tollgate-outside` | as `tollgate`, but the layer wraps the whole `Router` instead of `Router::layer` |
 //!
 //! Both limiters key callers by the peer IP (tollgate's `PeerIp`, tower_governor's
 //! `PeerIpKeyExtractor`, both from axum's `ConnectInfo`). All load comes from 127.0.0.1,
@@ -28,13 +31,20 @@
 //! tower_governor `Retry-After`, `X-RateLimit-After` and a text body.
 //!
 //! **Setup.** The machine this was written on has 2 vCPUs, shared by the server and the
-//! load generator. The servers run on a multi-thread tokio runtime with 2 workers; the
-//! load generator is one thread (a current-thread runtime) driving 32 keep-alive HTTP/1.1
-//! connections, each with one request in flight (closed loop), with a small hand-written
-//! client (`httparse` for the response head, no allocation per request) so that it takes
-//! as little of the CPU as it can. Throughput is therefore what one core-and-a-bit of
-//! server achieves, and latency includes the client's own queueing; what matters is the
-//! ratio between variants measured the same way. Everything stays on loopback.
+//! load generator. By default (`HTTP_BENCH_LAYOUT=pinned`) the servers run on a tokio
+//! runtime with one worker pinned to CPU 0 and the load generator is pinned to CPU 1, so
+//! the server's core is the bottleneck and requests/s is what one core of server
+//! achieves; `HTTP_BENCH_LAYOUT=shared` runs two unpinned workers beside the unpinned
+//! load generator instead (a hot key locked from two cores). The load generator is one
+//! thread (a current-thread runtime) driving 32 keep-alive HTTP/1.1 connections, each
+//! with one request in flight (closed loop), with a small hand-written client
+//! (`httparse` for the response head, no allocation per request). Each run also reports
+//! the CPU share of the server and of the client, and requests per second of server CPU
+//! time (from the threads' `schedstat`). Everything stays on loopback.
+//!
+//! **Instructions.** `HTTP_BENCH_COUNT=N` runs the selected variants for a fixed amount
+//! of work instead (20 warm-up requests, then `N` on each connection, untimed), for an
+//! instruction counter: `benches/instructions.sh` runs it under callgrind.
 //!
 //! **Method.** Rounds: each round runs every variant once, in an order rotated by one
 //! each round, so a slow phase of the machine (another build, a noisy neighbour) hits
@@ -47,7 +57,8 @@
 //! about, each the median of the per-round ratios (a paired comparison within a round),
 //! with the spread of those ratios (their lowest and highest). The status of
 //! every measured response is checked: the allowed variants must answer only 200, the
-//! rejecting ones only 429. The defaults take about two minutes (7 variants × 1.8 s × 10).
+//! rejecting ones only 429. The defaults take about three minutes (9 variants × 1.8 s × 10);
+//! BENCHMARKS.md uses `HTTP_BENCH_ROUNDS=30 HTTP_BENCH_MILLIS=300`.
 //!
 //! The binary does nothing unless run by `cargo bench` (which passes `--bench`), so
 //! `cargo test --benches` stays quick.
