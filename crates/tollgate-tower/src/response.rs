@@ -155,17 +155,19 @@ fn retry_after_body(secs: u64) -> Response<Bytes> {
     thread_local! {
         static LAST: RefCell<Option<(u64, Bytes)>> = const { RefCell::new(None) };
     }
-    let body = LAST.with(|last| {
-        let mut last = last.borrow_mut();
-        match &*last {
-            Some((n, body)) if *n == secs => body.clone(),
-            _ => {
-                let body = write_retry_after_body(secs);
-                *last = Some((secs, body.clone()));
-                body
+    let body = LAST
+        .try_with(|last| {
+            let mut last = last.borrow_mut();
+            match &*last {
+                Some((n, body)) if *n == secs => body.clone(),
+                _ => {
+                    let body = write_retry_after_body(secs);
+                    *last = Some((secs, body.clone()));
+                    body
+                }
             }
-        }
-    });
+        })
+        .unwrap_or_else(|_| write_retry_after_body(secs));
     json_body(StatusCode::TOO_MANY_REQUESTS, body)
 }
 
@@ -265,8 +267,12 @@ pub(crate) fn number(n: u64) -> HeaderValue {
 /// A header value for `n` that is cloned without touching a reference count, for the
 /// numbers a layer reports on every response (its policies' limits): made when the layer
 /// is built. Past the shared table, each distinct number is kept once for the life of the
-/// process, so building layers again and again adds nothing after the first.
+/// process (up to 1,024 of them), so building layers again and again adds nothing after
+/// the first.
 pub(crate) fn static_number(n: u64) -> HeaderValue {
+    // Past this many distinct numbers (layers rebuilt from ever-changing quotas), values
+    // are made per layer instead: cloned with a reference count, never leaked.
+    const MAX_INTERNED: usize = 1_024;
     static INTERNED: Mutex<Vec<(u64, &'static str)>> = Mutex::new(Vec::new());
     if n <= SHARED_NUMBERS {
         return number(n);
@@ -274,6 +280,7 @@ pub(crate) fn static_number(n: u64) -> HeaderValue {
     let mut interned = INTERNED.lock().unwrap_or_else(PoisonError::into_inner);
     let text = match interned.iter().find(|(m, _)| *m == n) {
         Some((_, text)) => *text,
+        None if interned.len() >= MAX_INTERNED => return HeaderValue::from(n),
         None => {
             let text: &'static str = Box::leak(n.to_string().into_boxed_str());
             interned.push((n, text));
@@ -295,17 +302,20 @@ fn recent(n: u64) -> HeaderValue {
     }
     // A multiplicative hash of `n` picks its one slot.
     let slot = (n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 61) as usize % SLOTS;
-    RECENT.with(|recent| {
-        let mut recent = recent.borrow_mut();
-        match &recent[slot] {
-            Some((m, value)) if *m == n => value.clone(),
-            _ => {
-                let value = HeaderValue::from(n);
-                recent[slot] = Some((n, value.clone()));
-                value
+    // `try_with`: while the thread's locals are torn down, make the value afresh.
+    RECENT
+        .try_with(|recent| {
+            let mut recent = recent.borrow_mut();
+            match &recent[slot] {
+                Some((m, value)) if *m == n => value.clone(),
+                _ => {
+                    let value = HeaderValue::from(n);
+                    recent[slot] = Some((n, value.clone()));
+                    value
+                }
             }
-        }
-    })
+        })
+        .unwrap_or_else(|_| HeaderValue::from(n))
 }
 
 /// The rate-limit headers an allowed response will carry, decided with the request so

@@ -25,14 +25,28 @@ pub struct State {
 }
 
 impl State {
-    /// Ticks missing from a full bucket at `now`, at most the capacity.
-    fn deficit(self, now: u64, quota: &Quota) -> u64 {
+    /// Ticks missing from a full bucket at `now` (at most the capacity), and the
+    /// microseconds until it is full again: `ceil(ticks / limit)`, found without a
+    /// division when it can be.
+    fn deficit(self, now: u64, quota: &Quota) -> (u64, u64) {
         if now >= self.full_at {
-            return 0;
+            return (0, 0);
         }
         let cap = quota.burst() * quota.period_micros();
         let ahead = (self.full_at - now).min(quota.fill_micros());
-        (ahead * quota.limit()).saturating_sub(self.frac).min(cap)
+        let ticks = (ahead * quota.limit()).saturating_sub(self.frac);
+        if ticks >= cap {
+            // `fill_micros` is `ceil(cap / limit)`.
+            return (cap, quota.fill_micros());
+        }
+        // Every state this module makes keeps `frac` below one microsecond's worth of
+        // ticks (`limit`), so `ticks` needs all `ahead` microseconds to refill, no fewer.
+        let us = if self.frac < quota.limit() {
+            ahead
+        } else {
+            quota.per_limit_ceil(ticks)
+        };
+        (ticks, us)
     }
 
     /// The state with `deficit` ticks missing at `now`, and how long until it is full.
@@ -63,16 +77,15 @@ impl SlotState for State {
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
     let period = quota.period_micros();
     let cap = quota.burst() * period;
-    let deficit = state.deficit(now, quota);
+    let (deficit, reset) = state.deficit(now, quota);
     let remaining = |deficit: u64| quota.per_period(cap - deficit);
-    let reset = |deficit: u64| quota.per_limit_ceil(deficit);
     let cost = u64::from(cost);
     if cost > quota.burst() {
         let d = Decision::refused(
             Denial::CostExceedsCapacity,
             quota.burst(),
             remaining(deficit),
-            reset(deficit),
+            reset,
         );
         return (d, state);
     }
@@ -83,7 +96,7 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
         (d, state)
     } else {
         let retry = quota.per_limit_ceil(after - cap);
-        let d = Decision::limited(quota.burst(), remaining(deficit), reset(deficit), retry);
+        let d = Decision::limited(quota.burst(), remaining(deficit), reset, retry);
         (d, state)
     }
 }

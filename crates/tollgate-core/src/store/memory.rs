@@ -43,9 +43,11 @@ const MIN_SWEEP: usize = 256;
 /// bucket refilled, its windows passed) is dropped when its shard next sweeps, so a flood
 /// of unique keys — a botnet rotating addresses — cannot grow memory without bound.
 ///
-/// Keys are stored as a 64-bit hash, seeded per store (callers cannot aim collisions at
-/// each other); two distinct keys share state only if their hashes collide, which for a
-/// million live keys happens with probability about 3 × 10⁻⁸. A fixed-size state costs 24
+/// Keys are stored as a 64-bit hash (foldhash's quality hasher, seeded at random per
+/// store, so which keys collide cannot be known without the seed, which no answer
+/// reveals; it is a fast hash, not a cryptographic one); two distinct keys share state
+/// only if their hashes collide, which for a million live keys happens with probability
+/// about 3 × 10⁻⁸. A fixed-size state costs 24
 /// bytes in its table; `BENCHMARKS.md` has the measured bytes per key.
 ///
 /// Clones share the same state.
@@ -89,8 +91,10 @@ struct Shared<C> {
 /// The lock is a spin lock whose release is a plain store: a decision holds it for a few
 /// tens of nanoseconds, and taking and releasing it then costs one atomic operation
 /// where a parking mutex costs two — measurably, at ~25 ns a decision (BENCHMARKS.md).
-/// A thread that finds it taken spins briefly, then yields its core, so a holder that was
-/// preempted gets to run.
+/// A sweep holds it longer, O(keys in the shard): tens of microseconds for the default
+/// bound's 16,384 keys a shard, once per doubling of the shard. A thread that finds it
+/// taken spins briefly, then yields its core until it is free, so a holder that was
+/// preempted gets to run; waiters do not sleep.
 #[repr(align(128))]
 struct Shard(SpinMutex<Table>);
 

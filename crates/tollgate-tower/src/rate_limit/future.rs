@@ -52,6 +52,9 @@ struct Pending<S, B, St> {
     cost: u32,
     grpc: bool,
     checked: Checked,
+    /// The headers, made when the last limit was decided (a shaping delay then runs before
+    /// the service is called, and must not move `X-RateLimit-Reset`).
+    added: Option<Added>,
 }
 
 pin_project! {
@@ -82,17 +85,21 @@ where
         service: S,
         request: Request<B>,
     ) -> Self {
+        let mut added = None;
         let state = match plan.get(checked.len()) {
             Some(&next) => State::Checking {
                 check: shared
                     .store
                     .check(key.as_bytes(), &shared.limits.policies[next], cost),
             },
-            None => State::Delaying {
-                sleep: Box::pin(tokio::time::sleep(Duration::from_micros(max_delay(
-                    &checked,
-                )))),
-            },
+            None => {
+                added = Some(Added::new(&shared, &checked));
+                State::Delaying {
+                    sleep: Box::pin(tokio::time::sleep(Duration::from_micros(max_delay(
+                        &checked,
+                    )))),
+                }
+            }
         };
         ResponseFuture {
             state,
@@ -104,6 +111,7 @@ where
                 cost,
                 grpc,
                 checked,
+                added,
             })),
         }
     }
@@ -176,7 +184,7 @@ where
                     // Checking is only ever entered with a pending request; were it not,
                     // answer rather than panic on a request path.
                     let Some(pending) = this.pending.as_mut() else {
-                        return Poll::Ready(Ok(lost().map(ResBody::from_bytes)));
+                        return Poll::Ready(Ok(lost(false).map(ResBody::from_bytes)));
                     };
                     let result = ready!(check.poll(cx));
                     let next = pending.decided(result);
@@ -187,7 +195,7 @@ where
                     let next = match this.pending.as_mut() {
                         Some(pending) => pending.call(),
                         None => State::Respond {
-                            response: Some(lost()),
+                            response: Some(lost(false)),
                         },
                     };
                     this.state.set(next);
@@ -198,7 +206,8 @@ where
                     return Poll::Ready(Ok(response));
                 }
                 StateProj::Respond { response } => {
-                    let response = response.take().unwrap_or_else(lost);
+                    // Taken once: polled again after completing, answer rather than panic.
+                    let response = response.take().unwrap_or_else(|| lost(false));
                     return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
                 }
             }
@@ -236,6 +245,7 @@ where
                 }
                 let delay = max_delay(&self.checked);
                 if delay > 0 {
+                    self.added = Some(Added::new(shared, &self.checked));
                     let sleep = Box::pin(tokio::time::sleep(Duration::from_micros(delay)));
                     return State::Delaying { sleep };
                 }
@@ -258,10 +268,13 @@ where
         match self.call.take() {
             Some((mut service, request)) => State::Calling {
                 future: service.call(request),
-                added: Added::new(&self.shared, &self.checked),
+                added: self
+                    .added
+                    .take()
+                    .unwrap_or_else(|| Added::new(&self.shared, &self.checked)),
             },
             None => State::Respond {
-                response: Some(lost()),
+                response: Some(lost(self.grpc)),
             },
         }
     }
@@ -269,11 +282,11 @@ where
 
 /// The answer to a future polled in a state it cannot be in (or after it completed):
 /// a 500 rather than a panic on a request path.
-fn lost() -> Response<Bytes> {
+fn lost(grpc: bool) -> Response<Bytes> {
     refusal(
         StatusCode::INTERNAL_SERVER_ERROR,
         "The rate limiter lost track of this request.",
-        false,
+        grpc,
     )
 }
 
