@@ -221,30 +221,30 @@ fn huge_quota() -> Result<Quota, BoxError> {
     Ok(Quota::per_second(1_000_000)?.with_burst(1_000_000_000)?)
 }
 
+/// tollgate over a memory store: GCRA at `quota`, peer-IP keys, `headers`.
+fn memory_layer(
+    quota: Quota,
+    headers: HeaderStyle,
+) -> Result<RateLimitLayer<MemoryStore>, BoxError> {
+    let policy = Policy::new("bench", Algorithm::Gcra, quota)?;
+    Ok(RateLimitLayer::builder(MemoryStore::new(), policy)
+        .headers(headers)
+        .build()?)
+}
+
 /// The router of one variant.
 fn app(variant: Variant, fleet: Option<&Fleet>) -> Result<Router, BoxError> {
     let router = Router::new().route("/", get(hello));
-    let huge = huge_quota;
     Ok(match variant {
         // tollgate-outside wraps this router where it is served.
         Variant::Axum | Variant::TollgateOutside => router,
         Variant::NoopLayer => router.layer(tower::util::MapRequestLayer::new(
             |request: axum::extract::Request| request,
         )),
-        Variant::Tollgate => {
-            let policy = Policy::new("bench", Algorithm::Gcra, huge()?)?;
-            router.layer(RateLimitLayer::builder(MemoryStore::new(), policy).build()?)
-        }
-        Variant::TollgateNoHeaders => {
-            let policy = Policy::new("bench", Algorithm::Gcra, huge()?)?;
-            let layer = RateLimitLayer::builder(MemoryStore::new(), policy)
-                .headers(HeaderStyle::None)
-                .build()?;
-            router.layer(layer)
-        }
+        Variant::Tollgate => router.layer(memory_layer(huge_quota()?, HeaderStyle::Legacy)?),
+        Variant::TollgateNoHeaders => router.layer(memory_layer(huge_quota()?, HeaderStyle::None)?),
         Variant::TollgateRejecting => {
-            let policy = Policy::new("bench", Algorithm::Gcra, Quota::per_hour(1)?)?;
-            router.layer(RateLimitLayer::builder(MemoryStore::new(), policy).build()?)
+            router.layer(memory_layer(Quota::per_hour(1)?, HeaderStyle::Legacy)?)
         }
         Variant::Governor => {
             let config = GovernorConfigBuilder::default()
@@ -276,7 +276,7 @@ fn app(variant: Variant, fleet: Option<&Fleet>) -> Result<Router, BoxError> {
         | Variant::RedisFloodCached
         | Variant::RedisFloodUncached => {
             let fleet = fleet.ok_or("the fleet variants need their Redis stores")?;
-            let allowed = Policy::new("bench", Algorithm::Gcra, huge()?)?;
+            let allowed = Policy::new("bench", Algorithm::Gcra, huge_quota()?)?;
             let flood = Policy::new("flood", Algorithm::Gcra, Quota::per_hour(1)?)?;
             match variant {
                 Variant::RedisHealthy => {
@@ -666,8 +666,7 @@ fn main() -> Result<(), BoxError> {
             if variant == Variant::TollgateOutside {
                 // The layer around the whole router (`ServiceBuilder` style) rather than
                 // through `Router::layer`, which clones a boxed route per request.
-                let policy = Policy::new("bench", Algorithm::Gcra, huge_quota()?)?;
-                let layer = RateLimitLayer::builder(MemoryStore::new(), policy).build()?;
+                let layer = memory_layer(huge_quota()?, HeaderStyle::Legacy)?;
                 let service = tower::Layer::layer(&layer, app);
                 let service = axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<SocketAddr>(service);
                 tokio::spawn(async move {

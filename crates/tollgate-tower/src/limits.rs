@@ -157,7 +157,7 @@ pub(crate) struct Limits {
     pub(crate) tiers: Option<Box<dyn Tiers>>,
     pub(crate) routes: Vec<Route>,
     /// `X-RateLimit-Limit` of each policy, made once.
-    pub(crate) limit_headers: Vec<(u64, HeaderValue)>,
+    pub(crate) limit_headers: Vec<HeaderValue>,
 }
 
 /// The policies one request is checked against, by index into [`Limits::policies`].
@@ -170,16 +170,11 @@ impl Limits {
         tiers: Option<Box<dyn Tiers>>,
         routes: Vec<Route>,
     ) -> Self {
+        // A decision's limit is its quota's burst (which window algorithms keep equal to
+        // their limit), so it is known for every policy before any request.
         let limit_headers = policies
             .iter()
-            .map(|p| {
-                let limit = if p.algorithm().uses_burst() {
-                    p.quota().burst()
-                } else {
-                    p.quota().limit()
-                };
-                (limit, static_number(limit))
-            })
+            .map(|p| static_number(p.quota().burst()))
             .collect();
         Limits {
             policies,
@@ -192,8 +187,8 @@ impl Limits {
 
     /// The `X-RateLimit-Limit` value for `limit`, reported by policy `index`.
     pub(crate) fn limit_header(&self, index: usize, limit: u64) -> HeaderValue {
-        match self.limit_headers.get(index) {
-            Some((n, value)) if *n == limit => value.clone(),
+        match (self.policies.get(index), self.limit_headers.get(index)) {
+            (Some(policy), Some(value)) if policy.quota().burst() == limit => value.clone(),
             _ => number(limit),
         }
     }

@@ -338,14 +338,8 @@ impl Added {
 }
 
 /// Of several decisions, the one the legacy headers report (as `most_restrictive`).
-fn most_restrictive_decision(checked: &[(usize, Decision)]) -> Option<(&usize, &Decision)> {
-    match checked {
-        [(index, only)] => Some((index, only)),
-        _ => checked
-            .iter()
-            .map(|(index, d)| (index, d))
-            .min_by_key(|(_, d)| restrictiveness(d)),
-    }
+fn most_restrictive_decision(checked: &[(usize, Decision)]) -> Option<&(usize, Decision)> {
+    checked.iter().min_by_key(|(_, d)| restrictiveness(d))
 }
 
 /// The response to a denied request: the handler's body (over gRPC, the status), our
