@@ -113,6 +113,10 @@ impl Clock for SystemClock {
     fn now_micros(&self) -> u64 {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+            .map_or(0, |d| {
+                d.as_secs()
+                    .saturating_mul(1_000_000)
+                    .saturating_add(u64::from(d.subsec_micros()))
+            })
     }
 }

@@ -7,10 +7,10 @@
 //! HTTP_BENCH_ONLY=tollgate,governor cargo bench -p tollgate-tower --bench http
 //! ```
 //!
-//! Nine variants of the same axum hello-world server, each on its own `127.0.0.1:0`
+//! Ten variants of the same axum hello-world server, each on its own `127.0.0.1:0`
 //! listener in this process: the five the performance goals are about, two that pair
-//! the allowed paths like for like, with and without rate-limit headers, and two that
-//! show what a layer costs at all and where it is applied.
+//! the allowed paths like for like, with and without rate-limit headers, and three that
+//! show what a layer costs at all, what its headers cost, and where it is applied.
 //!
 //! | variant            | layer                                                             |
 //! |--------------------|-------------------------------------------------------------------|
@@ -23,6 +23,7 @@
 //! | `governor-headers` | as `governor`, with `use_headers()` (limit, remaining): like `tollgate` |
 //! | `noop`             | `Router::layer` of a `MapRequestLayer` that returns the request: what any layer costs |
 //! | `tollgate-outside` | as `tollgate`, but the layer wraps the whole `Router` instead of `Router::layer` |
+//! | `headers-only`     | `Router::layer` of a `MapResponseLayer` adding tollgate's three `X-RateLimit-*` headers with constant values: the floor of any layer that sends them |
 //!
 //! Both limiters key callers by the peer IP (tollgate's `PeerIp`, tower_governor's
 //! `PeerIpKeyExtractor`, both from axum's `ConnectInfo`). All load comes from 127.0.0.1,
@@ -57,7 +58,7 @@
 //! about, each the median of the per-round ratios (a paired comparison within a round),
 //! with the spread of those ratios (their lowest and highest). The status of
 //! every measured response is checked: the allowed variants must answer only 200, the
-//! rejecting ones only 429. The defaults take about three minutes (9 variants × 1.8 s × 10);
+//! rejecting ones only 429. The defaults take about three minutes (10 variants × 1.8 s × 10);
 //! BENCHMARKS.md uses `HTTP_BENCH_ROUNDS=30 HTTP_BENCH_MILLIS=300`.
 //!
 //! The binary does nothing unless run by `cargo bench` (which passes `--bench`), so
@@ -108,11 +109,12 @@ enum Variant {
     RedisFloodUncached,
     NoopLayer,
     TollgateOutside,
+    HeadersOnly,
 }
 
 impl Variant {
-    /// Every variant; the first nine are the default suite.
-    const ALL: [Variant; 13] = [
+    /// Every variant; the first ten are the default suite.
+    const ALL: [Variant; 14] = [
         Variant::Axum,
         Variant::Tollgate,
         Variant::Governor,
@@ -122,6 +124,7 @@ impl Variant {
         Variant::GovernorHeaders,
         Variant::NoopLayer,
         Variant::TollgateOutside,
+        Variant::HeadersOnly,
         Variant::RedisHealthy,
         Variant::RedisDead,
         Variant::RedisFloodCached,
@@ -163,6 +166,7 @@ impl Variant {
             Variant::RedisFloodUncached => "Redis, flood, no cache",
             Variant::NoopLayer => "axum + a no-op layer",
             Variant::TollgateOutside => "tollgate around Router",
+            Variant::HeadersOnly => "axum + 3 constant headers",
         }
     }
 
@@ -192,6 +196,7 @@ impl Variant {
             Variant::RedisFloodUncached => "redis-flood-nocache",
             Variant::NoopLayer => "noop",
             Variant::TollgateOutside => "tollgate-outside",
+            Variant::HeadersOnly => "headers-only",
         }
     }
 
@@ -240,6 +245,26 @@ fn app(variant: Variant, fleet: Option<&Fleet>) -> Result<Router, BoxError> {
         Variant::Axum | Variant::TollgateOutside => router,
         Variant::NoopLayer => router.layer(tower::util::MapRequestLayer::new(
             |request: axum::extract::Request| request,
+        )),
+        // The floor of any layer that adds tollgate's three headers: no key, no decision,
+        // no clock, values made once.
+        Variant::HeadersOnly => router.layer(tower::util::MapResponseLayer::new(
+            |mut response: axum::response::Response| {
+                let headers = response.headers_mut();
+                headers.insert(
+                    tollgate_tower::X_RATELIMIT_LIMIT.clone(),
+                    http::HeaderValue::from_static("1000000000"),
+                );
+                headers.insert(
+                    tollgate_tower::X_RATELIMIT_REMAINING.clone(),
+                    http::HeaderValue::from_static("999999999"),
+                );
+                headers.insert(
+                    tollgate_tower::X_RATELIMIT_RESET.clone(),
+                    http::HeaderValue::from_static("1764583200"),
+                );
+                response
+            },
         )),
         Variant::Tollgate => router.layer(memory_layer(huge_quota()?, HeaderStyle::Legacy)?),
         Variant::TollgateNoHeaders => router.layer(memory_layer(huge_quota()?, HeaderStyle::None)?),
@@ -610,7 +635,7 @@ fn main() -> Result<(), BoxError> {
     let suite: &[Variant] = if fleet_suite {
         &Variant::FLEET
     } else {
-        &Variant::ALL[..9]
+        &Variant::ALL[..10]
     };
     // The fleet suite's servers: one healthy, one killed once its store has connected.
     let mut redis = Vec::new();
@@ -913,6 +938,24 @@ fn main() -> Result<(), BoxError> {
         "tollgate around Router / axum",
         Variant::TollgateOutside,
         Variant::Axum,
+        None,
+    );
+    line(
+        "axum + 3 constant headers / axum",
+        Variant::HeadersOnly,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "axum + 3 constant headers / tower_governor",
+        Variant::HeadersOnly,
+        Variant::Governor,
+        None,
+    );
+    line(
+        "tollgate allowed / axum + 3 constant headers",
+        Variant::Tollgate,
+        Variant::HeadersOnly,
         None,
     );
     println!("like for like, allowed path:");

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../../.."
 command -v valgrind >/dev/null || { echo "valgrind is not installed (apt-get install -y valgrind)" >&2; exit 1; }
 variants=("$@")
 if [ ${#variants[@]} -eq 0 ]; then
-  variants=(axum noop governor governor-headers tollgate-bare tollgate tollgate-outside governor-429 tollgate-429)
+  variants=(axum noop headers-only governor governor-headers tollgate-bare tollgate tollgate-outside governor-429 tollgate-429)
 fi
 
 bin=$(cargo bench -p tollgate-tower --bench http --no-run --message-format=json 2>/dev/null |

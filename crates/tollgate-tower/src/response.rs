@@ -4,7 +4,7 @@ use std::cell::RefCell;
 use std::fmt::Write as _;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use tollgate_core::{Decision, Denial, Policy};
@@ -237,8 +237,8 @@ fn escape_into(body: &mut String, message: &str) {
 const SHARED_NUMBERS: u64 = 4_096;
 
 /// A header value for `n`: small numbers (remaining counts, retry seconds, limits) come
-/// from a table made once, so the common case allocates nothing; larger ones from
-/// [`recent`].
+/// from a table made once, so the common case allocates nothing; larger ones are
+/// [`written`] into a block shared with other values.
 pub(crate) fn number(n: u64) -> HeaderValue {
     static TABLE: LazyLock<Box<[HeaderValue]>> = LazyLock::new(|| {
         let mut text = String::new();
@@ -260,7 +260,7 @@ pub(crate) fn number(n: u64) -> HeaderValue {
     });
     match usize::try_from(n).ok().and_then(|i| TABLE.get(i)) {
         Some(value) => value.clone(),
-        None => recent(n),
+        None => written(n),
     }
 }
 
@@ -290,32 +290,51 @@ pub(crate) fn static_number(n: u64) -> HeaderValue {
     HeaderValue::from_static(text)
 }
 
-/// A header value for a large number, from the few this thread made last. Large numbers
-/// repeat from one response to the next: the limit of a big quota, the remaining count
-/// of a bucket that stays near full, and `X-RateLimit-Reset`, the same second for many
-/// responses in a row.
-fn recent(n: u64) -> HeaderValue {
-    const SLOTS: usize = 8;
+/// The value of `X-RateLimit-Reset`, Unix seconds: the same for every response this
+/// thread answers within a second or so, so the last one is kept and shared.
+fn unix_seconds(n: u64) -> HeaderValue {
     thread_local! {
-        static RECENT: RefCell<[Option<(u64, HeaderValue)>; SLOTS]> =
-            const { RefCell::new([const { None }; SLOTS]) };
+        static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
     }
-    // A multiplicative hash of `n` picks its one slot.
-    let slot = (n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 61) as usize % SLOTS;
-    // `try_with`: while the thread's locals are torn down, make the value afresh.
-    RECENT
-        .try_with(|recent| {
-            let mut recent = recent.borrow_mut();
-            match &recent[slot] {
-                Some((m, value)) if *m == n => value.clone(),
-                _ => {
-                    let value = HeaderValue::from(n);
-                    recent[slot] = Some((n, value.clone()));
-                    value
-                }
+    LAST.try_with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((m, value)) if *m == n => value.clone(),
+            _ => {
+                let value = number(n);
+                *last = Some((n, value.clone()));
+                value
             }
+        }
+    })
+    .unwrap_or_else(|_| number(n))
+}
+
+/// A header value for a large number, written into a block this thread shares between
+/// the values it makes: a remaining count past the table (a big quota's, different on
+/// every response) then costs a reference count, not an allocation and a free. A block
+/// is 2 KiB, about two hundred values; it is freed when the last response holding one of
+/// its values has been written.
+fn written(n: u64) -> HeaderValue {
+    const BLOCK: usize = 2_048;
+    thread_local! {
+        static SPARE: RefCell<BytesMut> = RefCell::new(BytesMut::new());
+    }
+    let mut digits = itoa::Buffer::new();
+    let digits = digits.format(n).as_bytes();
+    // `try_with`: while the thread's locals are torn down, make the value on its own.
+    let bytes = SPARE
+        .try_with(|spare| {
+            let mut spare = spare.borrow_mut();
+            if spare.capacity() < digits.len() {
+                *spare = BytesMut::with_capacity(BLOCK);
+            }
+            spare.extend_from_slice(digits);
+            spare.split().freeze()
         })
-        .unwrap_or_else(|_| HeaderValue::from(n))
+        .unwrap_or_else(|_| Bytes::copy_from_slice(digits));
+    // Decimal digits are always a valid header value.
+    HeaderValue::from_maybe_shared(bytes).unwrap_or_else(|_| HeaderValue::from(n))
 }
 
 /// The rate-limit headers an allowed response will carry, decided with the request so
@@ -356,7 +375,7 @@ impl Added {
             } => {
                 headers.insert(X_RATELIMIT_LIMIT.clone(), limit);
                 headers.insert(X_RATELIMIT_REMAINING.clone(), number(remaining));
-                headers.insert(X_RATELIMIT_RESET.clone(), number(reset));
+                headers.insert(X_RATELIMIT_RESET.clone(), unix_seconds(reset));
             }
             Added::Built(built) => headers.extend(*built),
         }
@@ -424,4 +443,35 @@ pub(crate) fn restrictiveness(d: &Decision) -> (bool, u64, u64, u64) {
 /// Of several decisions, the one to report: the most restrictive.
 pub(crate) fn most_restrictive<'a, 'p>(verdicts: &'a [Verdict<'p>]) -> Option<&'a Verdict<'p>> {
     verdicts.iter().min_by_key(|v| restrictiveness(&v.decision))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_written_exactly_across_blocks() {
+        // Enough large values to fill several of a thread's 2 KiB blocks, all kept alive
+        // at once: each value stays its own digits while later ones are written.
+        let values: Vec<(u64, HeaderValue)> = (0..1_000u64)
+            .map(|i| {
+                let n = 4_097 + i * 7_919_113;
+                (n, number(n))
+            })
+            .collect();
+        for (n, value) in &values {
+            assert_eq!(value.to_str().unwrap(), n.to_string());
+        }
+        assert_eq!(number(u64::MAX).to_str().unwrap(), u64::MAX.to_string());
+        assert_eq!(number(4_096).to_str().unwrap(), "4096");
+        assert_eq!(number(0).to_str().unwrap(), "0");
+    }
+
+    #[test]
+    fn reset_seconds_follow_the_clock() {
+        assert_eq!(unix_seconds(1_764_583_200).to_str().unwrap(), "1764583200");
+        assert_eq!(unix_seconds(1_764_583_200).to_str().unwrap(), "1764583200");
+        assert_eq!(unix_seconds(1_764_583_201).to_str().unwrap(), "1764583201");
+        assert_eq!(unix_seconds(7).to_str().unwrap(), "7");
+    }
 }
