@@ -3,6 +3,7 @@
 use std::cell::RefCell;
 use std::fmt::Write as _;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::thread::LocalKey;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
@@ -155,20 +156,29 @@ fn retry_after_body(secs: u64) -> Response<Bytes> {
     thread_local! {
         static LAST: RefCell<Option<(u64, Bytes)>> = const { RefCell::new(None) };
     }
-    let body = LAST
-        .try_with(|last| {
-            let mut last = last.borrow_mut();
-            match &*last {
-                Some((n, body)) if *n == secs => body.clone(),
-                _ => {
-                    let body = write_retry_after_body(secs);
-                    *last = Some((secs, body.clone()));
-                    body
-                }
-            }
-        })
-        .unwrap_or_else(|_| write_retry_after_body(secs));
+    let body = last_made(&LAST, secs, write_retry_after_body);
     json_body(StatusCode::TOO_MANY_REQUESTS, body)
+}
+
+/// What `make(n)` gave, kept in this thread's `last` and made again only when `n`
+/// changes (and made afresh while the thread's locals are torn down).
+fn last_made<T: Clone + 'static>(
+    last: &'static LocalKey<RefCell<Option<(u64, T)>>>,
+    n: u64,
+    make: fn(u64) -> T,
+) -> T {
+    last.try_with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((m, value)) if *m == n => value.clone(),
+            _ => {
+                let value = make(n);
+                *last = Some((n, value.clone()));
+                value
+            }
+        }
+    })
+    .unwrap_or_else(|_| make(n))
 }
 
 fn write_retry_after_body(secs: u64) -> Bytes {
@@ -296,18 +306,7 @@ fn unix_seconds(n: u64) -> HeaderValue {
     thread_local! {
         static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
     }
-    LAST.try_with(|last| {
-        let mut last = last.borrow_mut();
-        match &*last {
-            Some((m, value)) if *m == n => value.clone(),
-            _ => {
-                let value = number(n);
-                *last = Some((n, value.clone()));
-                value
-            }
-        }
-    })
-    .unwrap_or_else(|_| number(n))
+    last_made(&LAST, n, number)
 }
 
 /// A header value for a large number, written into a block this thread shares between
