@@ -155,7 +155,15 @@ async fn the_deny_cache_answers_a_flood_locally_exactly_as_redis_would() {
 
 /// Waits until `done` holds, for at most `within`, checking it again whenever the load
 /// reports an answer (no polling interval: the load's own progress drives the wait).
-async fn wait_for(what: &str, within: Duration, load: &Load, mut done: impl FnMut() -> bool) {
+async fn wait_for(what: &str, within: Duration, load: &Load, done: impl FnMut() -> bool) {
+    assert!(
+        holds_within(within, load, done).await,
+        "waited {within:?} for {what}"
+    );
+}
+
+/// Whether `done` comes to hold within `within`; see [`wait_for`].
+async fn holds_within(within: Duration, load: &Load, mut done: impl FnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + within;
     loop {
         let answered = load.progress.notified();
@@ -163,12 +171,11 @@ async fn wait_for(what: &str, within: Duration, load: &Load, mut done: impl FnMu
         // Registered before `done` is read, so no answer between the two is missed.
         answered.as_mut().enable();
         if done() {
-            return;
+            return true;
         }
-        assert!(
-            tokio::time::timeout_at(deadline, answered).await.is_ok(),
-            "waited {within:?} for {what}"
-        );
+        if tokio::time::timeout_at(deadline, answered).await.is_err() {
+            return false;
+        }
     }
 }
 
@@ -641,13 +648,31 @@ async fn a_killed_cluster_master_is_replaced_and_the_limiter_carries_on() {
     let killed = load.now();
     let (promoted, failover) = cluster.kill_master(victim).await;
     let settled = load.now();
-    wait_for(
-        "decisions from Redis for every caller",
-        within,
-        &load,
-        || (0..callers.len()).all(|c| load.redis_answered_since(c, settled)),
-    )
+    let every_caller_back = holds_within(within, &load, || {
+        (0..callers.len()).all(|c| load.redis_answered_since(c, settled))
+    })
     .await;
+    if !every_caller_back {
+        // Say what the store answers those callers now, past the breaker.
+        let mut now = String::new();
+        for c in (0..callers.len()).filter(|&c| !load.redis_answered_since(c, settled)) {
+            let answer = store
+                .primary()
+                .check(callers[c].as_bytes(), &policy, 1)
+                .await;
+            let owner = if orphans.contains(&c) {
+                "the dead master's"
+            } else {
+                "a live master's"
+            };
+            now.push_str(&format!("\n  caller {c} ({owner}): {answer:?}"));
+        }
+        panic!(
+            "waited {within:?} after the cluster settled for decisions from Redis for every \
+             caller; breaker {:?}; none came for these, which Redis answers now:{now}",
+            store.state()
+        );
+    }
     let answers = load.finish().await;
 
     let slowest = slowest(&answers);

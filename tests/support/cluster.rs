@@ -5,13 +5,12 @@
 //! bench includes too.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
 
-use crate::support::RedisServer;
+use crate::support::{RedisServer, free_port};
 
 /// The longest the cluster may take to form, or a replica to take over.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -354,11 +353,4 @@ async fn connect(port: u16) -> redis::RedisResult<MultiplexedConnection> {
     redis::Client::open(format!("redis://127.0.0.1:{port}"))?
         .get_multiplexed_async_connection()
         .await
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
 }

@@ -1,10 +1,12 @@
 //! Shared test support: real `redis-server` processes on free loopback ports.
 #![allow(dead_code, unreachable_pub)]
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, PoisonError};
 
 /// A `redis-server` this test started, on a free loopback port; stopped on drop.
 #[derive(Debug)]
@@ -206,11 +208,21 @@ impl Drop for RedisServer {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+/// A loopback port nothing listens on, and never one this process handed out before:
+/// a server a test killed keeps its port, so another test's server cannot come up where
+/// a client still looks for the dead one (it would then answer in its place).
+pub(crate) fn free_port() -> u16 {
+    static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port");
+        if handed_out.insert(port) {
+            return port;
+        }
+    }
 }
 
 /// splitmix64: a small deterministic generator, so failures replay exactly.
