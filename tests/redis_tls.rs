@@ -1,10 +1,14 @@
 //! The Redis store over TLS (`rediss://`) and with credentials in the URL, against real
 //! `redis-server` processes: a test CA and a server certificate for 127.0.0.1 are made
-//! at test time, and the client verifies the server against that CA.
+//! at test time, and the client verifies the server against that CA; a Redis Cluster
+//! that speaks only TLS, the same way.
 
 #![allow(clippy::unwrap_used)]
 
 mod support;
+
+#[path = "support/cluster.rs"]
+mod cluster;
 
 use std::time::Duration;
 
@@ -16,6 +20,7 @@ use tollgate_core::{
     Algorithm, ManualClock, Policy, Quota, RedisStore, RedisStoreBuilder, Store, StoreError,
 };
 
+use crate::cluster::RedisCluster;
 use crate::support::{RedisServer, TlsFiles};
 
 /// About the Unix epoch in microseconds today.
@@ -50,7 +55,12 @@ impl TestCa {
             .distinguished_name
             .push(DnType::CommonName, "tollgate test redis");
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        // Client use too: cluster nodes present it to each other on the bus, where
+        // Redis always asks for a certificate.
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
         let cert = params.signed_by(&key, &self.issuer).unwrap();
         TlsFiles {
             ca_cert: self.pem.clone(),
@@ -223,4 +233,74 @@ async fn a_root_certificate_needs_a_rediss_url() {
     )
     .await;
     assert!(error.to_string().contains("rediss://"), "{error}");
+}
+
+/// A cluster that speaks only TLS (clients, replication, the cluster bus): the store
+/// learns the slot map over `rediss://`, verifies every node it is sent to against the
+/// given CA, and decides on all three masters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_is_verified_against_the_given_ca_on_every_node() {
+    let ca = TestCa::new("tollgate test CA");
+    let cluster = RedisCluster::start_tls(&ca.server_files()).await;
+    let urls = cluster.urls();
+    assert!(urls.iter().all(|u| u.starts_with("rediss://")), "{urls:?}");
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let clock = ManualClock::at_micros(EPOCH_US);
+    // Through one node: the others are learned from its slot map.
+    let store = builder(&clock)
+        .tls_root_certificate(ca.pem.as_bytes())
+        .connect_cluster(&urls[..1])
+        .await
+        .unwrap();
+    decides_exactly(&store, &clock).await;
+    let policy = Policy::new(
+        "spread",
+        Algorithm::TokenBucket,
+        Quota::per_minute(5).unwrap(),
+    )
+    .unwrap();
+    let callers: Vec<String> = (0..24).map(|c| format!("caller-{c}")).collect();
+    for caller in &callers {
+        let decision = store.check(caller.as_bytes(), &policy, 1).await.unwrap();
+        assert!(
+            decision.is_allowed() && decision.remaining() == 4,
+            "{decision:?}"
+        );
+    }
+    let keys: Vec<String> = callers
+        .iter()
+        .map(|c| store.keys_for(c.as_bytes(), &policy).remove(0))
+        .collect();
+    cluster.assert_on_every_master(&keys).await;
+
+    // A CA that did not sign the nodes' certificates is refused.
+    let other = TestCa::new("some other CA");
+    let error = builder(&clock)
+        .timeout(Duration::from_secs(5))
+        .tls_root_certificate(other.pem.as_bytes())
+        .connect_cluster(&urls)
+        .await
+        .expect_err("no node should be trusted");
+    let message = error.to_string();
+    assert!(
+        message.contains("could not connect to the Redis Cluster")
+            && message.contains("UnknownIssuer"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn a_root_certificate_needs_rediss_urls_for_every_cluster_node() {
+    let ca = TestCa::new("tollgate test CA");
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let error = builder(&clock)
+        .tls_root_certificate(ca.pem)
+        .connect_cluster(&["rediss://127.0.0.1:1", "redis://127.0.0.1:2"])
+        .await
+        .expect_err("a plain node URL with a root certificate");
+    let message = error.to_string();
+    assert!(
+        message.contains("rediss://") && message.contains("tls_root_certificate"),
+        "{message}"
+    );
 }

@@ -1,8 +1,12 @@
 //! A local Redis Cluster: six `redis-server` processes on free loopback ports, three
 //! masters with one replica each, joined by `redis-cli --cluster create`; stopped on drop.
 //!
-//! tests/fleet.rs includes this file by path: it is kept out of `support/mod.rs`, which a
-//! bench includes too.
+//! Or the same cluster speaking only TLS: to clients, between replicas and masters, and
+//! on the cluster bus.
+//!
+//! tests/fleet.rs and tests/redis_tls.rs include this file by path: it is kept out of
+//! `support/mod.rs`, which a bench includes too; each uses part of it.
+#![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::process::{Command, Stdio};
@@ -10,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
 
-use crate::support::{RedisServer, free_port};
+use crate::support::{RedisServer, TlsFiles, free_port};
 
 /// The longest the cluster may take to form, or a replica to take over.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -81,6 +85,8 @@ impl Node {
 pub(crate) struct RedisCluster {
     servers: Vec<RedisServer>,
     killed: HashSet<u16>,
+    /// The CA (PEM) of a TLS cluster's certificates.
+    tls_ca: Option<String>,
 }
 
 impl RedisCluster {
@@ -93,12 +99,23 @@ impl RedisCluster {
     /// When a server will not start, `redis-cli --cluster create` fails, or the cluster
     /// does not settle within 20 s.
     pub(crate) async fn start() -> Self {
-        let servers = tokio::task::spawn_blocking(|| {
+        Self::start_inner(None).await
+    }
+
+    /// [`RedisCluster::start`], every node speaking only TLS with `files`' certificate:
+    /// clients, replication and the cluster bus.
+    pub(crate) async fn start_tls(files: &TlsFiles) -> Self {
+        Self::start_inner(Some(files.clone())).await
+    }
+
+    async fn start_inner(tls: Option<TlsFiles>) -> Self {
+        let tls_ca = tls.as_ref().map(|files| files.ca_cert.clone());
+        let servers = tokio::task::spawn_blocking(move || {
             let servers: Vec<RedisServer> = (0..6)
                 .map(|_| {
                     // The bus port is named, not left at port + 10,000: that can pass 65,535.
                     let bus = free_port().to_string();
-                    RedisServer::start_with(&[
+                    let mut options = vec![
                         "--cluster-enabled",
                         "yes",
                         "--cluster-config-file",
@@ -111,23 +128,47 @@ impl RedisCluster {
                         // (5 s by default): there is nothing to wait for here.
                         "--repl-diskless-sync-delay",
                         "0",
-                    ])
+                    ];
+                    match &tls {
+                        Some(files) => {
+                            options.extend(["--tls-cluster", "yes", "--tls-replication", "yes"]);
+                            RedisServer::start_tls(files, &options)
+                        }
+                        None => RedisServer::start_with(&options),
+                    }
                 })
                 .collect();
             let addresses: Vec<String> = servers
                 .iter()
                 .map(|s| format!("127.0.0.1:{}", s.port()))
                 .collect();
-            let out = Command::new("redis-cli")
+            let mut cli = Command::new("redis-cli");
+            if let Some(ca) = servers[0].tls_ca_file() {
+                cli.arg("--tls").arg("--cacert").arg(ca);
+            }
+            let mut child = cli
                 .args(["--cluster", "create"])
                 .args(&addresses)
                 .args(["--cluster-replicas", "1", "--cluster-yes"])
                 .stdin(Stdio::null())
-                .output()
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
                 .expect("run redis-cli --cluster create (redis-tools)");
+            // It waits for the nodes to meet for as long as it takes; a bus the nodes
+            // cannot use would hang the test instead of failing it.
+            let deadline = Instant::now() + SETTLE;
+            while child.try_wait().expect("wait for redis-cli").is_none() {
+                if Instant::now() >= deadline {
+                    let _ = child.kill();
+                    break;
+                }
+                std::thread::sleep(POLL);
+            }
+            let out = child.wait_with_output().expect("read redis-cli's output");
             assert!(
                 out.status.success(),
-                "redis-cli --cluster create failed:\n{}{}",
+                "redis-cli --cluster create failed or took over {SETTLE:?}:\n{}{}",
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
             );
@@ -138,6 +179,7 @@ impl RedisCluster {
         let cluster = RedisCluster {
             servers,
             killed: HashSet::new(),
+            tls_ca,
         };
         cluster.wait_until_settled().await;
         cluster
@@ -159,7 +201,10 @@ impl RedisCluster {
 
     /// `CLUSTER NODES` as the node on `port` sees it.
     async fn view(&self, port: u16) -> Result<Vec<Node>, String> {
-        let mut con = connect(port).await.map_err(|e| format!("{port}: {e}"))?;
+        let mut con = self
+            .connect(port)
+            .await
+            .map_err(|e| format!("{port}: {e}"))?;
         let text: String = redis::cmd("CLUSTER")
             .arg("NODES")
             .query_async(&mut con)
@@ -186,7 +231,7 @@ impl RedisCluster {
     pub(crate) async fn masters_of(&self, keys: &[String]) -> BTreeMap<String, u16> {
         let port = self.live_ports()[0];
         let view = self.view(port).await.unwrap();
-        let mut con = connect(port).await.unwrap();
+        let mut con = self.connect(port).await.unwrap();
         let mut owners = BTreeMap::new();
         for key in keys {
             let slot: u32 = redis::cmd("CLUSTER")
@@ -285,7 +330,10 @@ impl RedisCluster {
         let live = self.live_ports();
         let mut agreed: Option<BTreeMap<u16, String>> = None;
         for &port in &live {
-            let mut con = connect(port).await.map_err(|e| format!("{port}: {e}"))?;
+            let mut con = self
+                .connect(port)
+                .await
+                .map_err(|e| format!("{port}: {e}"))?;
             let info: String = redis::cmd("CLUSTER")
                 .arg("INFO")
                 .query_async(&mut con)
@@ -347,10 +395,22 @@ impl RedisCluster {
         }
         Ok(())
     }
-}
 
-async fn connect(port: u16) -> redis::RedisResult<MultiplexedConnection> {
-    redis::Client::open(format!("redis://127.0.0.1:{port}"))?
-        .get_multiplexed_async_connection()
-        .await
+    /// An admin connection to the node on `port`, over TLS to a TLS cluster.
+    async fn connect(&self, port: u16) -> redis::RedisResult<MultiplexedConnection> {
+        let client = match &self.tls_ca {
+            Some(ca) => {
+                // redis-rs needs a process-wide rustls crypto provider; another test may
+                // have installed it first.
+                let _ = rustls::crypto::ring::default_provider().install_default();
+                let certificates = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(ca.as_bytes().to_vec()),
+                };
+                redis::Client::build_with_tls(format!("rediss://127.0.0.1:{port}"), certificates)?
+            }
+            None => redis::Client::open(format!("redis://127.0.0.1:{port}"))?,
+        };
+        client.get_multiplexed_async_connection().await
+    }
 }

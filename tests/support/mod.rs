@@ -184,6 +184,12 @@ impl RedisServer {
         self.spawn().expect("restart redis-server on the same port");
     }
 
+    /// The file holding the CA certificate a TLS server's certificate is signed by, for
+    /// `redis-cli --cacert`.
+    pub fn tls_ca_file(&self) -> Option<PathBuf> {
+        self.tls_ca.as_ref().map(|_| self.dir.join("ca.pem"))
+    }
+
     /// The CA certificate (PEM) a TLS server's certificate is signed by.
     pub fn tls_ca(&self) -> Option<&str> {
         self.tls_ca.as_deref()

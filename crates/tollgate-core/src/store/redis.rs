@@ -534,10 +534,12 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Trusts only the CA certificate(s) in `pem` (PEM text) for a `rediss://` URL passed
-    /// to [`RedisStoreBuilder::connect`], instead of the system's root certificates: for
-    /// a server whose certificate a private CA signed. The server's certificate must
-    /// still be valid for the URL's host; a URL that is not `rediss://` is refused.
+    /// Trusts only the CA certificate(s) in `pem` (PEM text) for the `rediss://` URLs
+    /// passed to [`RedisStoreBuilder::connect`] or [`RedisStoreBuilder::connect_cluster`]
+    /// (every node the cluster's slot map names, too), instead of the system's root
+    /// certificates: for servers whose certificates a private CA signed. A server's
+    /// certificate must still be valid for its host; a URL that is not `rediss://` is
+    /// refused.
     #[cfg(feature = "tls")]
     pub fn tls_root_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.tls_root = Some(pem.into());
@@ -646,19 +648,55 @@ impl RedisStoreBuilder {
     /// keys (one hash tag per key, so never `CROSSSLOT`), and follows `MOVED` and `ASK`
     /// during resharding and failover.
     ///
+    /// With the `tls` feature, `rediss://host:port` nodes are reached over TLS (every
+    /// node then, the ones the slot map names too), verified as for
+    /// [`RedisStoreBuilder::connect`].
+    ///
     /// # Errors
     ///
-    /// When the prefix or timeout is invalid, or no node can be reached within the
-    /// timeout.
+    /// When the prefix or timeout is invalid, the URLs mix `redis://` and `rediss://`,
+    /// or no node can be reached within the timeout.
     pub async fn connect_cluster(self, nodes: &[&str]) -> Result<RedisStore, StoreError> {
         self.validate()
             .map_err(|e| StoreError::with_source(e.to_string(), e))?;
-        let client = redis::cluster::ClusterClient::builder(nodes.iter().copied())
+        #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
+        let mut builder = redis::cluster::ClusterClient::builder(nodes.iter().copied())
             .connection_timeout(self.timeout)
             .response_timeout(self.timeout)
             .retries(2)
             .min_retry_wait(10)
-            .max_retry_wait(100)
+            .max_retry_wait(100);
+        #[cfg(feature = "tls")]
+        {
+            let (mut any_tls, mut all_tls) = (false, true);
+            for node in nodes {
+                let tls = matches!(
+                    redis::IntoConnectionInfo::into_connection_info(*node)
+                        .map_err(|e| StoreError::with_source(format!("bad Redis URL: {e}"), e))?
+                        .addr(),
+                    redis::ConnectionAddr::TcpTls { .. }
+                );
+                any_tls |= tls;
+                all_tls &= tls;
+            }
+            if any_tls {
+                ensure_crypto_provider();
+            }
+            if let Some(root) = &self.tls_root {
+                if !all_tls {
+                    return Err(StoreError::new(
+                        "a TLS root certificate was given, but not every Redis Cluster node \
+                         URL is rediss://: use rediss:// for all, or leave out \
+                         tls_root_certificate",
+                    ));
+                }
+                builder = builder.certs(redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(root.clone()),
+                });
+            }
+        }
+        let client = builder
             .build()
             .map_err(|e| StoreError::with_source(format!("bad Redis Cluster nodes: {e}"), e))?;
         let connection = tokio::time::timeout(self.timeout, client.get_async_connection())
