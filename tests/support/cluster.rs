@@ -9,7 +9,7 @@
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
@@ -110,8 +110,8 @@ impl RedisCluster {
 
     async fn start_inner(tls: Option<TlsFiles>) -> Self {
         let tls_ca = tls.as_ref().map(|files| files.ca_cert.clone());
-        let servers = tokio::task::spawn_blocking(move || {
-            let servers: Vec<RedisServer> = (0..6)
+        let servers: Vec<RedisServer> = tokio::task::spawn_blocking(move || {
+            (0..6)
                 .map(|_| {
                     // The bus port is named, not left at port + 10,000: that can pass 65,535.
                     let bus = free_port().to_string();
@@ -137,45 +137,43 @@ impl RedisCluster {
                         None => RedisServer::start_with(&options),
                     }
                 })
-                .collect();
-            let addresses: Vec<String> = servers
-                .iter()
-                .map(|s| format!("127.0.0.1:{}", s.port()))
-                .collect();
-            let mut cli = Command::new("redis-cli");
-            if let Some(ca) = servers[0].tls_ca_file() {
-                cli.arg("--tls").arg("--cacert").arg(ca);
-            }
-            let mut child = cli
-                .args(["--cluster", "create"])
-                .args(&addresses)
-                .args(["--cluster-replicas", "1", "--cluster-yes"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("run redis-cli --cluster create (redis-tools)");
-            // It waits for the nodes to meet for as long as it takes; a bus the nodes
-            // cannot use would hang the test instead of failing it.
-            let deadline = Instant::now() + SETTLE;
-            while child.try_wait().expect("wait for redis-cli").is_none() {
-                if Instant::now() >= deadline {
-                    let _ = child.kill();
-                    break;
-                }
-                std::thread::sleep(POLL);
-            }
-            let out = child.wait_with_output().expect("read redis-cli's output");
-            assert!(
-                out.status.success(),
-                "redis-cli --cluster create failed or took over {SETTLE:?}:\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            servers
+                .collect()
         })
         .await
         .unwrap();
+        let addresses: Vec<String> = servers
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .collect();
+        let mut cli = tokio::process::Command::new("redis-cli");
+        if let Some(ca) = servers[0].tls_ca_file() {
+            cli.arg("--tls").arg("--cacert").arg(ca);
+        }
+        let child = cli
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Killed if the deadline below drops it.
+            .kill_on_drop(true)
+            .spawn()
+            .expect("run redis-cli --cluster create (redis-tools)");
+        // It waits for the nodes to meet for as long as it takes; a bus the nodes cannot
+        // use would hang the test instead of failing it.
+        let out = tokio::time::timeout(SETTLE, child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("redis-cli --cluster create did not finish within {SETTLE:?}")
+            })
+            .expect("read redis-cli's output");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
         let cluster = RedisCluster {
             servers,
             killed: HashSet::new(),
