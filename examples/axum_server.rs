@@ -1,4 +1,4 @@
-//! An axum server behind tollgate: API-key tiers, a per-IP limit for anonymous callers,
+//! An axum server behind tollway: API-key tiers, a per-IP limit for anonymous callers,
 //! and a tighter limit on checkout.
 //!
 //! ```sh
@@ -33,8 +33,8 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tollgate_tower::core::{Algorithm, Policy, Quota, Store};
-use tollgate_tower::{HeaderStyle, RateLimitLayer};
+use tollway_tower::core::{Algorithm, Policy, Quota, Store};
+use tollway_tower::{HeaderStyle, RateLimitLayer};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -89,7 +89,7 @@ async fn serve<St: Store>(
 }
 
 async fn hello() -> &'static str {
-    "Hello from behind tollgate!\n"
+    "Hello from behind tollway!\n"
 }
 
 async fn checkout_status() -> &'static str {

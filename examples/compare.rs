@@ -12,10 +12,10 @@
 use std::mem::size_of;
 use std::time::Duration;
 
-use tollgate_core::algorithm::{
+use tollway_core::algorithm::{
     fixed_window, gcra, leaky_bucket, sliding_counter, sliding_log, token_bucket,
 };
-use tollgate_core::{Algorithm, Clock, ConfigError, Decision, ManualClock, Quota};
+use tollway_core::{Algorithm, Clock, ConfigError, Decision, ManualClock, Quota};
 
 /// One algorithm with one key's state.
 trait Limiter {

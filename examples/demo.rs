@@ -10,8 +10,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use tollgate_tower::core::{Algorithm, ConfigError, Policy, Quota, RedisStore};
-use tollgate_tower::{Header, Key, KeyExtractor};
+use tollway_tower::core::{Algorithm, ConfigError, Policy, Quota, RedisStore};
+use tollway_tower::{Header, Key, KeyExtractor};
 use tracing_subscriber::EnvFilter;
 
 /// The demo API keys and the tier each belongs to.
@@ -60,7 +60,7 @@ pub async fn listen(default: u16) -> Result<(TcpListener, SocketAddr), Box<dyn E
 /// The Redis store at `url`, or an error that says what to do.
 pub async fn redis_store(url: &str) -> Result<RedisStore, String> {
     RedisStore::builder()
-        .prefix("tollgate-demo")
+        .prefix("tollway-demo")
         .connect(url)
         .await
         .map_err(|e| {
@@ -83,7 +83,7 @@ macro_rules! serve_with_store_from_env {
             }
             Err(_) => {
                 println!("store: memory (this process only; set REDIS_URL to share limits)");
-                $serve(tollgate_tower::core::MemoryStore::new(), $($arg),*).await
+                $serve(tollway_tower::core::MemoryStore::new(), $($arg),*).await
             }
         }
     };

@@ -1,4 +1,4 @@
-//! A tonic client that meets tollgate's limit and honours it: it calls `Export` until the
+//! A tonic client that meets tollway's limit and honours it: it calls `Export` until the
 //! server answers `RESOURCE_EXHAUSTED`, reads the `google.rpc.RetryInfo` in the status
 //! details (and the `retry-after` / `grpc-retry-pushback-ms` metadata), waits exactly that
 //! long, and calls again — successfully.

@@ -1,4 +1,4 @@
-//! A tonic gRPC server behind tollgate: API-key tiers in metadata, a per-IP limit for
+//! A tonic gRPC server behind tollway: API-key tiers in metadata, a per-IP limit for
 //! anonymous callers, and a tighter limit on the expensive method.
 //!
 //! ```sh
@@ -37,8 +37,8 @@ use grpc_demo::{Catalog, EXPORT};
 use http::Method;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tollgate_tower::core::{Algorithm, Policy, Quota, Store};
-use tollgate_tower::{HeaderStyle, RateLimitLayer};
+use tollway_tower::core::{Algorithm, Policy, Quota, Store};
+use tollway_tower::{HeaderStyle, RateLimitLayer};
 use tonic::transport::Server;
 
 #[tokio::main]

@@ -1,4 +1,4 @@
--- Fixed window: the twin of crates/tollgate-core/src/algorithm/fixed_window.rs.
+-- Fixed window: the twin of crates/tollway-core/src/algorithm/fixed_window.rs.
 -- KEYS[1]: state string "a:b:c" { a = end of the window (µs), b = units admitted in it }.
 -- ARGV and reply: prelude.lua. Windows are aligned to multiples of PERIOD since the epoch.
 

@@ -1,4 +1,4 @@
--- GCRA: the twin of crates/tollgate-core/src/algorithm/gcra.rs.
+-- GCRA: the twin of crates/tollway-core/src/algorithm/gcra.rs.
 -- KEYS[1]: state string "a:b:c" { a = theoretical arrival time (µs) }. ARGV and reply: prelude.lua.
 
 local function gcra(tat)

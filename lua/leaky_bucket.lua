@@ -1,4 +1,4 @@
--- Leaky bucket: the twin of crates/tollgate-core/src/algorithm/leaky_bucket.rs.
+-- Leaky bucket: the twin of crates/tollway-core/src/algorithm/leaky_bucket.rs.
 -- Runs after token_bucket.lua and gcra.lua. KEYS[1]: state string, as theirs.
 -- ARGV and reply: prelude.lua; the shaper's reply carries the delay (µs) in field 6.
 

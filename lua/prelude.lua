@@ -1,4 +1,4 @@
--- tollgate prelude: shared by every script. The Redis store runs each algorithm as
+-- tollway prelude: shared by every script. The Redis store runs each algorithm as
 --   prelude.lua .. <the files it needs> .. "return run(<algorithm>)"   (or run_log)
 -- so a script is one atomic EVALSHA and the arithmetic lives once.
 --

@@ -1,4 +1,4 @@
--- Sliding window counter: the twin of crates/tollgate-core/src/algorithm/sliding_counter.rs.
+-- Sliding window counter: the twin of crates/tollway-core/src/algorithm/sliding_counter.rs.
 -- KEYS[1]: state string "a:b:c" { a = when both counts have slid out (µs), b = previous window's
 -- count, c = current window's count }. ARGV and reply: prelude.lua.
 -- The test prev × (P − e) + (cur + cost) × P ≤ limit × P compares integers: no division.

@@ -1,4 +1,4 @@
--- Sliding window log: the twin of crates/tollgate-core/src/algorithm/sliding_log.rs.
+-- Sliding window log: the twin of crates/tollway-core/src/algorithm/sliding_log.rs.
 -- KEYS[1]: sorted set of admitted requests, score = time (µs), member = "<seq>:<units>"
 --          (a sequence number keeps members unique when times are equal).
 -- KEYS[2]: hash { total = units in KEYS[1], seq = last sequence number }.

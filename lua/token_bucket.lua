@@ -1,4 +1,4 @@
--- Token bucket: the twin of crates/tollgate-core/src/algorithm/token_bucket.rs.
+-- Token bucket: the twin of crates/tollway-core/src/algorithm/token_bucket.rs.
 -- KEYS[1]: state string "a:b:c" { a = full_at (µs), b = frac (ticks) }. ARGV and reply: prelude.lua.
 -- Tokens are counted in ticks: a token is PERIOD ticks, a microsecond refills LIMIT.
 

@@ -27,7 +27,7 @@ use redis_store::{EPOCH_US, Target, builder, command_calls};
 use support::RedisServer;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use tollgate_core::{
+use tollway_core::{
     Algorithm, BreakerState, Decision, ManualClock, Policy, Quota, RedisStore, Resilient, Store,
     StoreError,
 };

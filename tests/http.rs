@@ -29,10 +29,10 @@ use bytes::Bytes;
 use support::RedisServer;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tollgate_core::{
+use tollway_core::{
     Algorithm, Decision, ManualClock, Policy, Quota, RedisStore, Store, StoreError,
 };
-use tollgate_tower::{
+use tollway_tower::{
     ClientIp, Header, HeaderStyle, KeyExtractor, MissingKey, OnStoreError, RateLimitLayer,
     Rejection,
 };

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 use std::time::Duration;
 
-use tollgate_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota};
+use tollway_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota};
 
 const THREADS: usize = 4;
 const PER_THREAD_PER_PHASE: usize = 2_000;

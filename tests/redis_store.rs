@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
-use tollgate_core::{
+use tollway_core::{
     Algorithm, Decision, ManualClock, MemoryStore, Policy, Quota, RedisStore, RedisStoreBuilder,
     Store,
 };
@@ -224,7 +224,7 @@ trait NowForTest {
 
 impl NowForTest for ManualClock {
     fn now_micros_for_test(&self) -> u64 {
-        tollgate_core::Clock::now_micros(self)
+        tollway_core::Clock::now_micros(self)
     }
 }
 

@@ -16,7 +16,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose,
 };
-use tollgate_core::{
+use tollway_core::{
     Algorithm, ManualClock, Policy, Quota, RedisStore, RedisStoreBuilder, Store, StoreError,
 };
 
@@ -53,7 +53,7 @@ impl TestCa {
             CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
         params
             .distinguished_name
-            .push(DnType::CommonName, "tollgate test redis");
+            .push(DnType::CommonName, "tollway test redis");
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         // Client use too: cluster nodes present it to each other on the bus, where
         // Redis always asks for a certificate.
@@ -149,7 +149,7 @@ async fn a_wrong_password_is_a_clear_connection_error() {
 
 #[tokio::test]
 async fn rediss_verifies_the_server_against_the_given_ca() {
-    let ca = TestCa::new("tollgate test CA");
+    let ca = TestCa::new("tollway test CA");
     let server = RedisServer::start_tls(&ca.server_files(), &[]);
     assert!(server.url().starts_with("rediss://127.0.0.1:"));
     let clock = ManualClock::at_micros(EPOCH_US);
@@ -183,7 +183,7 @@ async fn rediss_verifies_the_server_against_the_given_ca() {
 
 #[tokio::test]
 async fn rediss_refuses_a_server_signed_by_another_ca() {
-    let ca = TestCa::new("tollgate test CA");
+    let ca = TestCa::new("tollway test CA");
     let other = TestCa::new("some other CA");
     let server = RedisServer::start_tls(&ca.server_files(), &[]);
     let clock = ManualClock::at_micros(EPOCH_US);
@@ -201,7 +201,7 @@ async fn rediss_refuses_a_server_signed_by_another_ca() {
 
 #[tokio::test]
 async fn rediss_with_a_password() {
-    let ca = TestCa::new("tollgate test CA");
+    let ca = TestCa::new("tollway test CA");
     let server = RedisServer::start_tls(&ca.server_files(), &["--requirepass", "s3cret"]);
     let clock = ManualClock::at_micros(EPOCH_US);
     let url = format!("rediss://:s3cret@127.0.0.1:{}", server.port());
@@ -225,7 +225,7 @@ async fn rediss_with_a_password() {
 
 #[tokio::test]
 async fn a_root_certificate_needs_a_rediss_url() {
-    let ca = TestCa::new("tollgate test CA");
+    let ca = TestCa::new("tollway test CA");
     let clock = ManualClock::at_micros(EPOCH_US);
     let error = connect_error(
         builder(&clock).tls_root_certificate(ca.pem),
@@ -240,7 +240,7 @@ async fn a_root_certificate_needs_a_rediss_url() {
 /// given CA, and decides on all three masters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_cluster_is_verified_against_the_given_ca_on_every_node() {
-    let ca = TestCa::new("tollgate test CA");
+    let ca = TestCa::new("tollway test CA");
     let cluster = RedisCluster::start_tls(&ca.server_files()).await;
     let urls = cluster.urls();
     assert!(urls.iter().all(|u| u.starts_with("rediss://")), "{urls:?}");
@@ -291,7 +291,7 @@ async fn a_tls_cluster_is_verified_against_the_given_ca_on_every_node() {
 
 #[tokio::test]
 async fn a_root_certificate_needs_rediss_urls_for_every_cluster_node() {
-    let ca = TestCa::new("tollgate test CA");
+    let ca = TestCa::new("tollway test CA");
     let clock = ManualClock::at_micros(EPOCH_US);
     let error = builder(&clock)
         .tls_root_certificate(ca.pem)

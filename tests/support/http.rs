@@ -2,7 +2,7 @@
 //! hyper client that talks to it over TCP.
 //!
 //! Declared by the HTTP tests with `#[path]` rather than from `support/mod.rs`, which
-//! tollgate-core's Redis bench includes too and which must not need axum.
+//! tollway-core's Redis bench includes too and which must not need axum.
 #![allow(dead_code, unreachable_pub)]
 
 use std::net::SocketAddr;

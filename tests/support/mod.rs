@@ -73,7 +73,7 @@ impl RedisServer {
         for _ in 0..5 {
             let port = free_port();
             let dir =
-                std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
+                std::env::temp_dir().join(format!("tollway-redis-{}-{port}", std::process::id()));
             std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
             if let Some(files) = tls {
                 for (name, pem) in [

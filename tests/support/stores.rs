@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota, RedisStore};
+use tollway_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota, RedisStore};
 
 use super::support::RedisServer;
 

@@ -1,0 +1,62 @@
+//! The core of tollway: rate-limiting algorithms, quotas, decisions, clocks and stores.
+//!
+//! A [`Policy`] names an [`Algorithm`] at a [`Quota`]; a [`Store`] keeps per-key state
+//! and answers each request with a [`Decision`]. The algorithms are pure integer
+//! functions of `(state, now, quota, cost)` in [`algorithm`], so they are exact, cannot
+//! drift between implementations, and are tested on a manual clock.
+//!
+//! # Examples
+//!
+//! The default memory store on the process's monotonic clock:
+//!
+//! ```
+//! use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
+//!
+//! let store = MemoryStore::new();
+//! let free = Policy::new("free", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
+//!
+//! let decision = store.check_sync(b"user-42", &free, 1);
+//! assert!(decision.is_allowed());
+//! assert_eq!(decision.remaining(), 99);
+//! # Ok::<(), tollway_core::ConfigError>(())
+//! ```
+//!
+//! A customised one: a manual clock (as in tests), a bound on keys, a weighted request:
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollway_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota};
+//!
+//! let clock = ManualClock::new();
+//! let store = MemoryStore::builder().max_keys(50_000).clock(clock.clone()).build()?;
+//! let export = Policy::new("export", Algorithm::Gcra, Quota::per_second(10)?)?;
+//!
+//! assert!(store.check_sync(b"team-7", &export, 10).is_allowed()); // one heavy call
+//! let denied = store.check_sync(b"team-7", &export, 1);
+//! assert_eq!(denied.retry_after(), Some(Duration::from_millis(100)));
+//!
+//! clock.advance(Duration::from_millis(100));
+//! assert!(store.check_sync(b"team-7", &export, 1).is_allowed());
+//! # Ok::<(), tollway_core::ConfigError>(())
+//! ```
+
+pub mod algorithm;
+mod clock;
+mod decision;
+mod error;
+mod policy;
+mod quota;
+mod store;
+
+pub use algorithm::Algorithm;
+pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
+pub use decision::{Decision, Denial};
+pub use error::{ConfigError, StoreError};
+pub use policy::{MAX_POLICY_NAME, Policy};
+pub use quota::Quota;
+pub use store::{
+    BreakerState, MemoryStore, MemoryStoreBuilder, Resilient, ResilientBuilder, ResilientFuture,
+    Store, WhenFull,
+};
+#[cfg(feature = "redis")]
+pub use store::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};

@@ -1,0 +1,302 @@
+//! How much traffic a policy admits: a limit per period, plus a burst.
+
+use std::time::Duration;
+
+use strength_reduce::StrengthReducedU64;
+
+use crate::error::ConfigError;
+
+/// The largest product of two quota numbers that every algorithm keeps exact.
+///
+/// Redis runs our Lua twins with doubles, which hold integers exactly only below 2^53.
+/// The bucket algorithms multiply `burst × period` (in microseconds) and the sliding
+/// window counter multiplies `limit × period`; keeping both at or below 2^52 leaves one
+/// bit of headroom for the sums they form, so Rust and Lua never round differently.
+pub(crate) const MAX_EXACT: u64 = 1 << 52;
+
+/// A rate: `limit` units per `period`, with up to `burst` units at once.
+///
+/// The burst defaults to the limit. The bucket algorithms (token bucket, leaky bucket and
+/// GCRA) use it as their capacity; the window algorithms count at most `limit` per window
+/// and reject a quota whose burst differs from its limit when the policy is built.
+///
+/// Quotas are validated when they are made, so a zero limit, a zero period or numbers
+/// whose products would overflow exact arithmetic fail here, with a message that says
+/// what to change, rather than on a request later.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tollway_core::Quota;
+///
+/// // The Free tier: 100 requests a minute, all of them usable at once.
+/// let free = Quota::per_minute(100)?;
+/// assert_eq!(free.limit(), 100);
+/// assert_eq!(free.burst(), 100);
+/// assert_eq!(free.period(), Duration::from_secs(60));
+///
+/// // 10 per second on average, but never more than 5 back to back.
+/// let smooth = Quota::per_second(10)?.with_burst(5)?;
+/// assert_eq!(smooth.burst(), 5);
+///
+/// // Nonsense fails at construction with a sentence that says what to change.
+/// let err = Quota::per_minute(0).unwrap_err();
+/// assert!(err.to_string().contains("limit must be at least 1"));
+/// # Ok::<(), tollway_core::ConfigError>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct Quota {
+    limit: u64,
+    period_us: u64,
+    burst: u64,
+    /// Microseconds per unit for the algorithms that space requests (GCRA, the shaper):
+    /// `ceil(period / limit)`, rounded up so that they never admit faster than the quota.
+    emission_us: u64,
+    /// Microseconds for an empty token bucket to refill: `ceil(burst × period / limit)`.
+    fill_us: u64,
+    /// The divisors of the hot path, reduced to a multiplication once: a hardware
+    /// division costs more than the rest of a decision.
+    by_limit: StrengthReducedU64,
+    by_period: StrengthReducedU64,
+    by_emission: StrengthReducedU64,
+}
+
+impl PartialEq for Quota {
+    fn eq(&self, other: &Self) -> bool {
+        (self.limit, self.period_us, self.burst) == (other.limit, other.period_us, other.burst)
+    }
+}
+
+impl Eq for Quota {}
+
+impl std::hash::Hash for Quota {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (self.limit, self.period_us, self.burst).hash(state);
+    }
+}
+
+impl Quota {
+    /// `limit` units per second.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is zero.
+    pub fn per_second(limit: u32) -> Result<Self, ConfigError> {
+        Self::with_period(limit, Duration::from_secs(1))
+    }
+
+    /// `limit` units per minute.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is zero.
+    pub fn per_minute(limit: u32) -> Result<Self, ConfigError> {
+        Self::with_period(limit, Duration::from_secs(60))
+    }
+
+    /// `limit` units per hour.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is zero, or `limit × 3600 s` in microseconds passes 2^52.
+    pub fn per_hour(limit: u32) -> Result<Self, ConfigError> {
+        Self::with_period(limit, Duration::from_secs(3600))
+    }
+
+    /// `limit` units per `period`, which is counted in whole microseconds.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is zero, `period` is shorter than one microsecond or not a whole
+    /// number of microseconds, the period is shorter than `limit` microseconds (a rate
+    /// finer than one unit per microsecond), or `limit × period` passes 2^52 µs.
+    pub fn with_period(limit: u32, period: Duration) -> Result<Self, ConfigError> {
+        if limit == 0 {
+            return Err(ConfigError::new(
+                "quota limit must be at least 1: a policy that admits nothing is a block, not a rate limit",
+            ));
+        }
+        let nanos = period.as_nanos();
+        if nanos < 1_000 {
+            return Err(ConfigError::new(format!(
+                "quota period must be at least 1 microsecond (got {period:?})"
+            )));
+        }
+        if nanos % 1_000 != 0 {
+            return Err(ConfigError::new(format!(
+                "quota period must be a whole number of microseconds (got {period:?})"
+            )));
+        }
+        let Ok(period_us) = u64::try_from(nanos / 1_000) else {
+            return Err(ConfigError::new(format!(
+                "quota period {period:?} is too long"
+            )));
+        };
+        let limit = u64::from(limit);
+        if period_us < limit {
+            return Err(ConfigError::new(format!(
+                "quota of {limit} per {period:?} is finer than one unit per microsecond: \
+                 use a longer period with a proportionally larger limit"
+            )));
+        }
+        let emission_us = period_us.div_ceil(limit);
+        let quota = Quota {
+            limit,
+            period_us,
+            burst: limit,
+            emission_us,
+            fill_us: period_us,
+            by_limit: StrengthReducedU64::new(limit),
+            by_period: StrengthReducedU64::new(period_us),
+            by_emission: StrengthReducedU64::new(emission_us),
+        };
+        quota.check_exact("limit")?;
+        Ok(quota)
+    }
+
+    /// The same rate with a burst (bucket capacity) of `burst` units.
+    ///
+    /// # Errors
+    ///
+    /// When `burst` is zero, or `burst × period` passes 2^52 µs.
+    pub fn with_burst(self, burst: u32) -> Result<Self, ConfigError> {
+        if burst == 0 {
+            return Err(ConfigError::new(
+                "quota burst must be at least 1: a bucket that holds nothing admits nothing",
+            ));
+        }
+        let burst = u64::from(burst);
+        let quota = Quota {
+            burst,
+            // The product is checked below; saturating keeps a rejected quota harmless.
+            fill_us: burst.saturating_mul(self.period_us).div_ceil(self.limit),
+            ..self
+        };
+        quota.check_exact("burst")?;
+        Ok(quota)
+    }
+
+    fn check_exact(&self, what: &str) -> Result<(), ConfigError> {
+        let fits = |n: u64, per: u64| n.checked_mul(per).is_some_and(|p| p <= MAX_EXACT);
+        if !fits(self.limit, self.period_us)
+            || !fits(self.burst, self.period_us)
+            || !fits(self.burst, self.emission_us)
+        {
+            return Err(ConfigError::new(format!(
+                "quota {what} is too large for its period: limit × period and burst × period \
+                 must stay within 2^52 microseconds (got limit {}, burst {}, period {} µs); \
+                 use a shorter period with a proportionally smaller limit",
+                self.limit, self.burst, self.period_us
+            )));
+        }
+        Ok(())
+    }
+
+    /// Units admitted per period.
+    #[must_use]
+    pub const fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Units that may be used at once (the bucket capacity).
+    #[must_use]
+    pub const fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// The period over which `limit` units are admitted.
+    #[must_use]
+    pub const fn period(&self) -> Duration {
+        Duration::from_micros(self.period_us)
+    }
+
+    /// The period in microseconds.
+    #[must_use]
+    pub const fn period_micros(&self) -> u64 {
+        self.period_us
+    }
+
+    /// `ceil(n / limit)`.
+    #[inline]
+    pub(crate) fn per_limit_ceil(&self, n: u64) -> u64 {
+        let (q, r) = StrengthReducedU64::div_rem(n, self.by_limit);
+        q + u64::from(r != 0)
+    }
+
+    /// `n / period`.
+    #[inline]
+    pub(crate) fn per_period(&self, n: u64) -> u64 {
+        n / self.by_period
+    }
+
+    /// `n % period`.
+    #[inline]
+    pub(crate) fn rem_period(&self, n: u64) -> u64 {
+        n % self.by_period
+    }
+
+    /// `n / emission interval`.
+    #[inline]
+    pub(crate) fn per_emission(&self, n: u64) -> u64 {
+        n / self.by_emission
+    }
+
+    /// How long an empty token bucket takes to refill, in microseconds: `burst × period /
+    /// limit`, rounded up.
+    #[must_use]
+    pub const fn fill_micros(&self) -> u64 {
+        self.fill_us
+    }
+
+    /// The spacing between units for GCRA and the shaper, in microseconds: the period
+    /// divided by the limit, rounded up.
+    #[must_use]
+    pub const fn emission_micros(&self) -> u64 {
+        self.emission_us
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_limit_period_and_burst_are_rejected_with_a_reason() {
+        assert!(Quota::per_second(0).is_err());
+        assert!(Quota::with_period(1, Duration::ZERO).is_err());
+        assert!(Quota::with_period(1, Duration::from_nanos(1500)).is_err());
+        assert!(Quota::per_second(1).unwrap().with_burst(0).is_err());
+    }
+
+    #[test]
+    fn rates_finer_than_a_microsecond_are_rejected() {
+        let err = Quota::with_period(1001, Duration::from_millis(1)).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("finer than one unit per microsecond")
+        );
+        assert!(Quota::with_period(1000, Duration::from_millis(1)).is_ok());
+    }
+
+    #[test]
+    fn products_past_two_to_the_fifty_two_are_rejected() {
+        // 2^52 µs is about 142 years; a million per day is 8.64e16 > 2^52.
+        let day = Duration::from_secs(86_400);
+        let err = Quota::with_period(1_000_000, day).unwrap_err();
+        assert!(err.to_string().contains("2^52"), "{err}");
+        assert!(Quota::with_period(50_000, day).is_ok());
+        let err = Quota::per_hour(1)
+            .unwrap()
+            .with_burst(u32::MAX)
+            .unwrap_err();
+        assert!(err.to_string().contains("burst"), "{err}");
+    }
+
+    #[test]
+    fn emission_interval_rounds_up() {
+        let q = Quota::per_second(3).unwrap();
+        assert_eq!(q.emission_micros(), 333_334);
+        assert_eq!(Quota::per_minute(100).unwrap().emission_micros(), 600_000);
+    }
+}

@@ -1,0 +1,643 @@
+//! The in-process store: sharded, bounded, and quick to forget idle keys.
+
+use std::fmt;
+use std::future::{Ready, ready};
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+use hashbrown::HashTable;
+use spin::mutex::{SpinMutex, SpinMutexGuard};
+
+use crate::algorithm::sliding_log::{self, Log};
+use crate::algorithm::{
+    Algorithm, Slot, fixed_window, gcra, leaky_bucket, packed, sliding_counter, token_bucket,
+};
+use crate::clock::{Clock, MonotonicClock};
+use crate::error::ConfigError;
+use crate::{Decision, Denial, Policy, Store, StoreError};
+
+/// What the memory store does with a new key when it already holds `max_keys` keys and
+/// none of them is idle enough to drop.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WhenFull {
+    /// Deny the new key's request with [`Denial::StoreFull`]: callers already tracked
+    /// keep their limits, new callers wait until old ones go idle. The default.
+    #[default]
+    Deny,
+    /// Decide the request as if the key were fresh, without remembering it: nobody is
+    /// turned away, but such callers are not limited until room frees up.
+    AllowUntracked,
+}
+
+/// The default bound on tracked keys.
+const DEFAULT_MAX_KEYS: usize = 1 << 20;
+/// Below this many keys a shard never sweeps.
+const MIN_SWEEP: usize = 256;
+
+/// Limiter state in this process's memory.
+///
+/// Keys are arbitrary bytes. The store is split into shards, each behind its own lock, so
+/// threads deciding for different keys rarely meet. It is bounded: at most `max_keys`
+/// keys are tracked, and a key whose state has become equivalent to a fresh one (its
+/// bucket refilled, its windows passed) is dropped when its shard next sweeps, so a flood
+/// of unique keys — a botnet rotating addresses — cannot grow memory without bound.
+///
+/// Keys are stored as a 64-bit hash (foldhash's quality hasher, seeded at random per
+/// store, so which keys collide cannot be known without the seed, which no answer
+/// reveals; it is a fast hash, not a cryptographic one); two distinct keys share state
+/// only if their hashes collide, which for a million live keys happens with probability
+/// about 3 × 10⁻⁸. A fixed-size state costs 24
+/// bytes in its table; `BENCHMARKS.md` has the measured bytes per key.
+///
+/// Clones share the same state.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tollway_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota};
+///
+/// let clock = ManualClock::new();
+/// let store = MemoryStore::builder().max_keys(10_000).clock(clock.clone()).build()?;
+/// let policy = Policy::new("login", Algorithm::SlidingWindowLog, Quota::per_minute(3)?)?;
+///
+/// for _ in 0..3 {
+///     assert!(store.check_sync(b"203.0.113.9", &policy, 1).is_allowed());
+/// }
+/// let denied = store.check_sync(b"203.0.113.9", &policy, 1);
+/// assert_eq!(denied.retry_after(), Some(Duration::from_secs(60)));
+///
+/// clock.advance(Duration::from_secs(60));
+/// assert!(store.check_sync(b"203.0.113.9", &policy, 1).is_allowed());
+/// # Ok::<(), tollway_core::ConfigError>(())
+/// ```
+pub struct MemoryStore<C = MonotonicClock> {
+    shared: Arc<Shared<C>>,
+}
+
+struct Shared<C> {
+    clock: C,
+    hasher: foldhash::quality::RandomState,
+    shards: Box<[Shard]>,
+    shard_mask: u64,
+    max_per_shard: usize,
+    when_full: WhenFull,
+}
+
+/// One lock and its tables, on a cache line of its own so that two cores working on
+/// neighbouring shards do not contend.
+///
+/// The lock is a spin lock whose release is a plain store: a decision holds it for a few
+/// tens of nanoseconds, and taking and releasing it then costs one atomic operation
+/// where a parking mutex costs two — measurably, at ~25 ns a decision (BENCHMARKS.md).
+/// A sweep holds it longer, O(keys in the shard): tens of microseconds for the default
+/// bound's 16,384 keys a shard, once per doubling of the shard. A thread that finds it
+/// taken spins briefly, then yields its core until it is free, so a holder that was
+/// preempted gets to run; waiters do not sleep.
+#[repr(align(128))]
+struct Shard(SpinMutex<Table>);
+
+impl Shard {
+    #[inline]
+    fn lock(&self) -> SpinMutexGuard<'_, Table> {
+        match self.0.try_lock() {
+            Some(table) => table,
+            None => self.lock_contended(),
+        }
+    }
+
+    #[cold]
+    fn lock_contended(&self) -> SpinMutexGuard<'_, Table> {
+        let mut spins = 0u32;
+        loop {
+            while self.0.is_locked() {
+                if spins < 100 {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            if let Some(table) = self.0.try_lock() {
+                return table;
+            }
+        }
+    }
+}
+
+struct Table {
+    /// Fixed-size states: `(key hash, slot)`, 24 bytes an entry.
+    slots: HashTable<(u64, Slot)>,
+    /// Sliding window logs.
+    logs: HashTable<(u64, Log)>,
+    /// Sweep for idle keys when this many are held.
+    sweep_at: usize,
+    /// No held key becomes idle before this instant: sweeping sooner frees nothing.
+    earliest_expiry: u64,
+    /// New keys to turn away before sweeping a shard again that a sweep left nearly full,
+    /// so that a flood at the bound costs O(1) per request, not a sweep each.
+    sweep_credit: usize,
+}
+
+impl MemoryStore<MonotonicClock> {
+    /// A store with the default bounds (about a million keys) on the monotonic clock.
+    #[must_use]
+    pub fn new() -> Self {
+        MemoryStore::from_builder(MemoryStoreBuilder::default())
+    }
+
+    /// A builder for a store with other bounds or another clock.
+    pub fn builder() -> MemoryStoreBuilder<MonotonicClock> {
+        MemoryStoreBuilder::default()
+    }
+}
+
+impl Default for MemoryStore<MonotonicClock> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<C> Clone for MemoryStore<C> {
+    fn clone(&self) -> Self {
+        MemoryStore {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<C> fmt::Debug for MemoryStore<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.shared.shards.len())
+            .field(
+                "max_keys",
+                &(self.shared.max_per_shard * self.shared.shards.len()),
+            )
+            .field("when_full", &self.shared.when_full)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Clock> MemoryStore<C> {
+    fn from_builder(builder: MemoryStoreBuilder<C>) -> Self {
+        let shards = builder
+            .shards
+            .unwrap_or_else(|| default_shards(builder.max_keys));
+        let max_per_shard = builder.max_keys.div_ceil(shards);
+        let shards: Box<[Shard]> = (0..shards)
+            .map(|_| {
+                Shard(SpinMutex::new(Table {
+                    slots: HashTable::new(),
+                    logs: HashTable::new(),
+                    sweep_at: MIN_SWEEP.min(max_per_shard),
+                    earliest_expiry: 0,
+                    sweep_credit: 0,
+                }))
+            })
+            .collect();
+        MemoryStore {
+            shared: Arc::new(Shared {
+                clock: builder.clock,
+                hasher: foldhash::quality::RandomState::default(),
+                shard_mask: shards.len() as u64 - 1,
+                shards,
+                max_per_shard,
+                when_full: builder.when_full,
+            }),
+        }
+    }
+
+    /// Decides one request of `cost` units for `key` under `policy`, without awaiting.
+    ///
+    /// This never fails: a store that is full answers per its [`WhenFull`] setting.
+    pub fn check_sync(&self, key: &[u8], policy: &Policy, cost: u32) -> Decision {
+        let shared = &*self.shared;
+        let now = shared.clock.now_micros();
+        let hash = shared.hasher.hash_one((policy.id(), key));
+        let shard = &shared.shards[((hash >> 32) & shared.shard_mask) as usize];
+        let mut table = shard.lock();
+        table.check(
+            hash,
+            now,
+            policy,
+            cost,
+            shared.max_per_shard,
+            shared.when_full,
+        )
+    }
+
+    /// The number of keys held, idle ones not yet swept included.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.shared.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    /// Whether no key is held.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every key whose state is now equivalent to a fresh one, and returns how
+    /// many keys remain. The store also does this by itself as it fills; call it to
+    /// release memory after a flood without waiting for new keys.
+    pub fn sweep(&self) -> usize {
+        let now = self.shared.clock.now_micros();
+        self.shared
+            .shards
+            .iter()
+            .map(|s| {
+                let mut table = s.lock();
+                table.sweep(now, self.shared.max_per_shard);
+                table.len()
+            })
+            .sum()
+    }
+
+    /// The store's clock.
+    #[must_use]
+    pub fn clock(&self) -> &C {
+        &self.shared.clock
+    }
+}
+
+impl<C: Clock> Store for MemoryStore<C> {
+    type Future = Ready<Result<Decision, StoreError>>;
+
+    fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
+        ready(Ok(self.check_sync(key, policy, cost)))
+    }
+
+    fn check_now(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Result<Decision, StoreError>> {
+        Some(Ok(self.check_sync(key, policy, cost)))
+    }
+}
+
+impl Table {
+    fn len(&self) -> usize {
+        self.slots.len() + self.logs.len()
+    }
+
+    fn check(
+        &mut self,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+        cost: u32,
+        max: usize,
+        when_full: WhenFull,
+    ) -> Decision {
+        let (q, c) = (policy.quota(), cost);
+        // A direct call per algorithm (not a function pointer), so each is inlined.
+        match policy.algorithm() {
+            Algorithm::TokenBucket => self.check_slot(hash, now, max, when_full, |s| {
+                packed(token_bucket::check, s, now, q, c)
+            }),
+            Algorithm::LeakyBucket => self.check_slot(hash, now, max, when_full, |s| {
+                packed(leaky_bucket::meter, s, now, q, c)
+            }),
+            Algorithm::LeakyBucketShaper => self.check_slot(hash, now, max, when_full, |s| {
+                packed(leaky_bucket::shape, s, now, q, c)
+            }),
+            Algorithm::FixedWindow => self.check_slot(hash, now, max, when_full, |s| {
+                packed(fixed_window::check, s, now, q, c)
+            }),
+            Algorithm::SlidingWindowCounter => self.check_slot(hash, now, max, when_full, |s| {
+                packed(sliding_counter::check, s, now, q, c)
+            }),
+            Algorithm::Gcra => self.check_slot(hash, now, max, when_full, |s| {
+                packed(gcra::check, s, now, q, c)
+            }),
+            _ => self.check_log(hash, now, policy, cost, max, when_full),
+        }
+    }
+
+    #[inline(always)]
+    fn check_slot(
+        &mut self,
+        hash: u64,
+        now: u64,
+        max: usize,
+        when_full: WhenFull,
+        run: impl FnOnce(Slot) -> (Decision, Slot),
+    ) -> Decision {
+        let existing = self.slots.find_mut(hash, |e| e.0 == hash);
+        let slot = existing.as_ref().map_or([0, 0], |e| e.1);
+        let (decision, next) = run(slot);
+        if let Some(entry) = existing {
+            entry.1 = next;
+        } else if next[0] > now {
+            if !self.has_room(now, max) {
+                return full(decision, when_full);
+            }
+            self.earliest_expiry = self.earliest_expiry.min(next[0]);
+            self.slots.insert_unique(hash, (hash, next), |e| e.0);
+        }
+        decision
+    }
+
+    fn check_log(
+        &mut self,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+        cost: u32,
+        max: usize,
+        when_full: WhenFull,
+    ) -> Decision {
+        let quota = policy.quota();
+        if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
+            return sliding_log::check(log, now, quota, cost);
+        }
+        let mut log = Log::default();
+        let decision = sliding_log::check(&mut log, now, quota, cost);
+        let expires_at = log.expires_at();
+        if expires_at <= now {
+            return decision;
+        }
+        if !self.has_room(now, max) {
+            return full(decision, when_full);
+        }
+        self.earliest_expiry = self.earliest_expiry.min(expires_at);
+        self.logs.insert_unique(hash, (hash, log), |e| e.0);
+        decision
+    }
+
+    /// Whether one more key fits, sweeping idle keys first when that could help.
+    fn has_room(&mut self, now: u64, max: usize) -> bool {
+        if self.len() >= self.sweep_at {
+            if self.sweep_credit > 0 {
+                self.sweep_credit -= 1;
+            } else if now >= self.earliest_expiry {
+                self.sweep(now, max);
+            }
+        }
+        self.len() < max
+    }
+
+    /// Drops idle keys and sets when to sweep next: at twice what is left, so sweeping
+    /// costs O(1) per key inserted, and never past the bound.
+    fn sweep(&mut self, now: u64, max: usize) {
+        let mut earliest = u64::MAX;
+        self.slots.retain(|e| {
+            let keep = e.1[0] > now;
+            if keep {
+                earliest = earliest.min(e.1[0]);
+            }
+            keep
+        });
+        self.logs.retain(|e| {
+            let keep = e.1.expires_at() > now;
+            if keep {
+                earliest = earliest.min(e.1.expires_at());
+            }
+            keep
+        });
+        self.earliest_expiry = earliest;
+        self.sweep_at = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
+        // Nearly full after sweeping: the next sweep waits for an eighth of the bound in
+        // new keys, so its O(n) cost is spread over as many requests.
+        self.sweep_credit = if self.len() * 8 >= max * 7 {
+            max / 8
+        } else {
+            0
+        };
+        if self.len() < self.slots.capacity() / 4 {
+            self.slots.shrink_to_fit(|e| e.0);
+            self.logs.shrink_to_fit(|e| e.0);
+        }
+    }
+}
+
+fn full(decision: Decision, when_full: WhenFull) -> Decision {
+    match when_full {
+        WhenFull::AllowUntracked => decision,
+        WhenFull::Deny => Decision::refused(Denial::StoreFull, decision.limit(), 0, 0),
+    }
+}
+
+fn default_shards(max_keys: usize) -> usize {
+    (max_keys / 4096).next_power_of_two().clamp(1, 64)
+}
+
+/// Builds a [`MemoryStore`] with other bounds or another clock.
+///
+/// # Examples
+///
+/// ```
+/// use tollway_core::{ManualClock, MemoryStore, WhenFull};
+///
+/// let store = MemoryStore::builder()
+///     .max_keys(100_000)
+///     .when_full(WhenFull::AllowUntracked)
+///     .clock(ManualClock::new())
+///     .build()?;
+/// assert!(store.is_empty());
+///
+/// let err = MemoryStore::builder().max_keys(0).build().unwrap_err();
+/// assert!(err.to_string().contains("max_keys"));
+/// # Ok::<(), tollway_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct MemoryStoreBuilder<C = MonotonicClock> {
+    max_keys: usize,
+    shards: Option<usize>,
+    when_full: WhenFull,
+    clock: C,
+}
+
+impl Default for MemoryStoreBuilder<MonotonicClock> {
+    fn default() -> Self {
+        MemoryStoreBuilder {
+            max_keys: DEFAULT_MAX_KEYS,
+            shards: None,
+            when_full: WhenFull::Deny,
+            clock: MonotonicClock::new(),
+        }
+    }
+}
+
+impl<C: Clock> MemoryStoreBuilder<C> {
+    /// The most keys held at once (default 1,048,576). Each of the store's shards holds
+    /// an equal share, so a shard can fill a little before the store as a whole does.
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys;
+        self
+    }
+
+    /// The number of shards, a power of two from 1 to 1024 (default: one per 4,096 keys
+    /// of `max_keys`, at most 64).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = Some(shards);
+        self
+    }
+
+    /// What to do with a new key when the store is full (default [`WhenFull::Deny`]).
+    pub fn when_full(mut self, when_full: WhenFull) -> Self {
+        self.when_full = when_full;
+        self
+    }
+
+    /// Reads time from `clock` instead of the monotonic clock.
+    pub fn clock<D: Clock>(self, clock: D) -> MemoryStoreBuilder<D> {
+        MemoryStoreBuilder {
+            max_keys: self.max_keys,
+            shards: self.shards,
+            when_full: self.when_full,
+            clock,
+        }
+    }
+
+    /// Builds the store.
+    ///
+    /// # Errors
+    ///
+    /// When `max_keys` is zero, or `shards` is not a power of two from 1 to 1024 or is
+    /// more than `max_keys`.
+    pub fn build(self) -> Result<MemoryStore<C>, ConfigError> {
+        if self.max_keys == 0 {
+            return Err(ConfigError::new(
+                "memory store max_keys must be at least 1: a store that can hold no key limits nobody",
+            ));
+        }
+        if let Some(shards) = self.shards {
+            if !shards.is_power_of_two() || shards > 1024 || shards > self.max_keys {
+                return Err(ConfigError::new(format!(
+                    "memory store shards must be a power of two from 1 to 1024 and at most max_keys ({}); got {shards}",
+                    self.max_keys
+                )));
+            }
+        }
+        Ok(MemoryStore::from_builder(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{Algorithm, ManualClock, Quota};
+
+    fn store(max_keys: usize, when_full: WhenFull) -> (MemoryStore<ManualClock>, ManualClock) {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .max_keys(max_keys)
+            .shards(1)
+            .when_full(when_full)
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        (store, clock)
+    }
+
+    #[test]
+    fn a_full_store_denies_new_keys_and_keeps_limiting_known_ones() {
+        let (store, _clock) = store(300, WhenFull::Deny);
+        let policy =
+            Policy::new("p", Algorithm::TokenBucket, Quota::per_minute(2).unwrap()).unwrap();
+        for i in 0..300u32 {
+            assert!(store.check_sync(&i.to_le_bytes(), &policy, 1).is_allowed());
+        }
+        assert_eq!(store.len(), 300);
+        let stranger = store.check_sync(b"stranger", &policy, 1);
+        assert_eq!(stranger.denial(), Some(Denial::StoreFull));
+        // Known keys keep their state: key 0 has one token left, then none.
+        assert!(
+            store
+                .check_sync(&0u32.to_le_bytes(), &policy, 1)
+                .is_allowed()
+        );
+        assert!(
+            !store
+                .check_sync(&0u32.to_le_bytes(), &policy, 1)
+                .is_allowed()
+        );
+    }
+
+    #[test]
+    fn a_full_store_can_let_new_keys_through_untracked() {
+        let (store, _clock) = store(256, WhenFull::AllowUntracked);
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_minute(1).unwrap()).unwrap();
+        for i in 0..256u32 {
+            store.check_sync(&i.to_le_bytes(), &policy, 1);
+        }
+        for _ in 0..3 {
+            assert!(store.check_sync(b"stranger", &policy, 1).is_allowed());
+        }
+        assert_eq!(store.len(), 256);
+    }
+
+    #[test]
+    fn idle_keys_are_dropped_so_a_flood_of_unique_keys_stays_bounded() {
+        // Every key spends one token; a second later its bucket is full again and the
+        // key is equivalent to a fresh one, so the store may forget it.
+        let (store, clock) = store(1_000, WhenFull::Deny);
+        let policy =
+            Policy::new("p", Algorithm::TokenBucket, Quota::per_second(10).unwrap()).unwrap();
+        for i in 0..100_000u32 {
+            let d = store.check_sync(&i.to_le_bytes(), &policy, 1);
+            assert!(d.is_allowed(), "request {i} was denied: {d:?}");
+            clock.advance(Duration::from_micros(1_000));
+            assert!(store.len() <= 1_000);
+        }
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(store.sweep(), 0);
+    }
+
+    #[test]
+    fn a_request_that_changes_nothing_stores_nothing() {
+        let (store, _clock) = store(100, WhenFull::Deny);
+        let policy = Policy::new(
+            "p",
+            Algorithm::SlidingWindowLog,
+            Quota::per_second(1).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            store.check_sync(b"k", &policy, 2).denial(),
+            Some(Denial::CostExceedsCapacity)
+        );
+        assert!(store.check_sync(b"k", &policy, 0).is_allowed());
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn policies_do_not_share_state_for_the_same_key() {
+        let (store, _clock) = store(100, WhenFull::Deny);
+        let a = Policy::new("a", Algorithm::FixedWindow, Quota::per_minute(1).unwrap()).unwrap();
+        let b = Policy::new("b", Algorithm::FixedWindow, Quota::per_minute(1).unwrap()).unwrap();
+        assert!(store.check_sync(b"k", &a, 1).is_allowed());
+        assert!(store.check_sync(b"k", &b, 1).is_allowed());
+        assert!(!store.check_sync(b"k", &a, 1).is_allowed());
+    }
+
+    #[test]
+    fn clones_share_one_limit() {
+        let (store, _clock) = store(100, WhenFull::Deny);
+        let other = store.clone();
+        let p = Policy::new(
+            "p",
+            Algorithm::SlidingWindowCounter,
+            Quota::per_minute(1).unwrap(),
+        )
+        .unwrap();
+        assert!(store.check_sync(b"k", &p, 1).is_allowed());
+        assert!(!other.check_sync(b"k", &p, 1).is_allowed());
+    }
+
+    #[test]
+    fn bad_bounds_fail_when_the_store_is_built() {
+        let err = MemoryStore::builder().shards(3).build().unwrap_err();
+        assert!(err.to_string().contains("power of two"), "{err}");
+        assert!(MemoryStore::builder().max_keys(0).build().is_err());
+    }
+}

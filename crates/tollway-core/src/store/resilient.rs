@@ -1,0 +1,534 @@
+//! A store that survives its backend: a circuit breaker and an optional local fallback.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::clock::{Clock, MonotonicClock};
+use crate::error::ConfigError;
+use crate::{Decision, MemoryStore, Policy, Quota, Store, StoreError};
+
+/// Where a [`Resilient`] store's circuit breaker stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BreakerState {
+    /// The backend answers; every decision goes to it.
+    Closed,
+    /// The backend failed repeatedly; it is not called until the cool-down ends.
+    Open,
+    /// The cool-down ended; one probe decision goes to the backend, the rest do not.
+    HalfOpen,
+}
+
+type Listener = Arc<dyn Fn(BreakerState) + Send + Sync>;
+
+/// Wraps a remote store (Redis) so that its failure costs microseconds, not timeouts.
+///
+/// Each call goes to the primary store, whose own timeout bounds it. After `threshold`
+/// consecutive failures the breaker **opens**: for the cool-down the primary is not
+/// called at all, then one probe decision is sent (**half-open**); its success closes the
+/// breaker, its failure opens it again. While the primary cannot answer, a decision comes
+/// from the local fallback if one is configured — a memory store that gives this node
+/// `share` of each quota (with ten gateways, 0.1) — or else is the primary's error, which
+/// the caller turns into "let through" (fail open) or "reject" (fail closed). Every state
+/// change is logged with `tracing` and reported to [`ResilientBuilder::on_state_change`];
+/// [`Resilient::state`] reads it at any time.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tollway_core::{Algorithm, BreakerState, MemoryStore, Policy, Quota, Resilient};
+///
+/// // Any store can be wrapped; in production the primary is a RedisStore.
+/// let store = Resilient::builder(MemoryStore::new())
+///     .threshold(3)
+///     .cool_down(Duration::from_millis(250))
+///     .local_fallback(0.1)
+///     .build()?;
+/// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(100)?)?;
+/// assert_eq!(store.state(), BreakerState::Closed);
+/// # let _ = policy;
+/// # Ok::<(), tollway_core::ConfigError>(())
+/// ```
+pub struct Resilient<S, C = MonotonicClock> {
+    inner: Arc<Inner<S, C>>,
+}
+
+struct Inner<S, C> {
+    primary: S,
+    fallback: Option<Fallback<C>>,
+    clock: C,
+    threshold: u32,
+    cool_down_us: u64,
+    breaker: Mutex<Breaker>,
+    listener: Option<Listener>,
+}
+
+struct Fallback<C> {
+    store: MemoryStore<C>,
+    share: f64,
+    /// Each policy scaled to this node's share, made on first use.
+    scaled: Mutex<HashMap<u64, Policy>>,
+}
+
+#[derive(Debug)]
+struct Breaker {
+    state: BreakerState,
+    failures: u32,
+    open_until_us: u64,
+    probing: bool,
+}
+
+/// What the breaker lets one call do.
+enum Route {
+    Primary,
+    Probe,
+    Skip,
+}
+
+impl<S, C> Clone for Resilient<S, C> {
+    fn clone(&self) -> Self {
+        Resilient {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<S, C> fmt::Debug for Resilient<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Resilient")
+            .field("breaker", &*self.inner.breaker.lock())
+            .field("threshold", &self.inner.threshold)
+            .field("cool_down_us", &self.inner.cool_down_us)
+            .field(
+                "fallback_share",
+                &self.inner.fallback.as_ref().map(|f| f.share),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> Resilient<S, MonotonicClock> {
+    /// Wraps `primary`: 5 failures open the breaker for 250 ms; no local fallback.
+    pub fn builder(primary: S) -> ResilientBuilder<S, MonotonicClock> {
+        ResilientBuilder {
+            primary,
+            clock: MonotonicClock::new(),
+            threshold: 5,
+            cool_down: Duration::from_millis(250),
+            share: None,
+            listener: None,
+        }
+    }
+}
+
+impl<S: Store, C: Clock + Clone> Resilient<S, C> {
+    /// The breaker's state now.
+    #[must_use]
+    pub fn state(&self) -> BreakerState {
+        self.inner.breaker.lock().state
+    }
+
+    /// The wrapped store.
+    pub fn primary(&self) -> &S {
+        &self.inner.primary
+    }
+}
+
+impl<S, C: Clock> Inner<S, C> {
+    fn set(&self, breaker: &mut Breaker, state: BreakerState) {
+        if breaker.state == state {
+            return;
+        }
+        breaker.state = state;
+        match state {
+            BreakerState::Open => tracing::warn!(
+                failures = breaker.failures,
+                cool_down_ms = self.cool_down_us / 1_000,
+                "rate limit store failing: breaker open, decisions are local or per the failure policy"
+            ),
+            BreakerState::HalfOpen => {
+                tracing::info!("rate limit store breaker half-open: probing the store")
+            }
+            BreakerState::Closed => {
+                tracing::info!("rate limit store answering again: breaker closed")
+            }
+        }
+        if let Some(listener) = &self.listener {
+            listener(state);
+        }
+    }
+
+    fn route(&self) -> Route {
+        let mut b = self.breaker.lock();
+        match b.state {
+            BreakerState::Closed => Route::Primary,
+            BreakerState::Open if self.clock.now_micros() >= b.open_until_us => {
+                self.set(&mut b, BreakerState::HalfOpen);
+                b.probing = true;
+                Route::Probe
+            }
+            BreakerState::HalfOpen if !b.probing => {
+                b.probing = true;
+                Route::Probe
+            }
+            _ => Route::Skip,
+        }
+    }
+
+    fn record(&self, ok: bool, probe: bool) {
+        let mut b = self.breaker.lock();
+        if probe {
+            b.probing = false;
+        }
+        if ok {
+            b.failures = 0;
+            if probe || b.state == BreakerState::HalfOpen {
+                self.set(&mut b, BreakerState::Closed);
+            }
+            return;
+        }
+        b.failures = b.failures.saturating_add(1);
+        if probe || (b.state == BreakerState::Closed && b.failures >= self.threshold) {
+            b.open_until_us = self.clock.now_micros() + self.cool_down_us;
+            self.set(&mut b, BreakerState::Open);
+        }
+    }
+}
+
+impl<C: Clock> Fallback<C> {
+    fn decide(&self, key: &[u8], policy: &Policy, cost: u32) -> Result<Decision, StoreError> {
+        let scaled = {
+            let mut scaled = self.scaled.lock();
+            match scaled.get(&policy.id()) {
+                Some(p) => p.clone(),
+                None => {
+                    let p = scale(policy, self.share).map_err(|e| {
+                        StoreError::with_source("cannot scale the policy to this node's share", e)
+                    })?;
+                    scaled.insert(policy.id(), p.clone());
+                    p
+                }
+            }
+        };
+        Ok(self.store.check_sync(key, &scaled, cost))
+    }
+}
+
+/// `policy` with its limit and burst multiplied by `share`, rounded up, at least 1.
+fn scale(policy: &Policy, share: f64) -> Result<Policy, ConfigError> {
+    let q = policy.quota();
+    let part = |n: u64| ((n as f64 * share).ceil() as u64).clamp(1, u64::from(u32::MAX)) as u32;
+    let mut quota = Quota::with_period(part(q.limit()), q.period())?;
+    if q.burst() != q.limit() {
+        quota = quota.with_burst(part(q.burst()))?;
+    }
+    Policy::new(policy.name(), policy.algorithm(), quota)
+}
+
+/// The boxed future of a [`Resilient`] decision.
+pub type ResilientFuture = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+
+impl<S, C> Store for Resilient<S, C>
+where
+    S: Store,
+    C: Clock + Clone,
+{
+    type Future = ResilientFuture;
+
+    fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
+        let inner = Arc::clone(&self.inner);
+        let probe = match inner.route() {
+            Route::Primary => false,
+            Route::Probe => true,
+            Route::Skip => {
+                let answer = match &inner.fallback {
+                    Some(fallback) => fallback.decide(key, policy, cost),
+                    None => Err(StoreError::new(
+                        "rate limit store unavailable: breaker open, not calling it until the cool-down ends",
+                    )),
+                };
+                return Box::pin(std::future::ready(answer));
+            }
+        };
+        let call = inner.primary.check(key, policy, cost);
+        let (key, policy) = (key.to_vec(), policy.clone());
+        let mut abandoned = AbandonedProbe(probe.then(|| Arc::clone(&inner)));
+        Box::pin(async move {
+            let answer = call.await;
+            // Answered: `record` settles the probe.
+            abandoned.disarm();
+            match answer {
+                Ok(decision) => {
+                    inner.record(true, probe);
+                    Ok(decision)
+                }
+                Err(error) => {
+                    inner.record(false, probe);
+                    match &inner.fallback {
+                        Some(fallback) => {
+                            tracing::debug!(%error, "rate limit store failed; deciding locally");
+                            fallback.decide(&key, &policy, cost)
+                        }
+                        None => Err(error),
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// Ends a probe whose future is dropped before it answers (its caller gave up: a client
+/// disconnected, an outer timeout fired), so that the next call probes instead; without
+/// it the breaker would stay half-open, skipping the primary, for good.
+struct AbandonedProbe<S, C>(Option<Arc<Inner<S, C>>>);
+
+impl<S, C> AbandonedProbe<S, C> {
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl<S, C> Drop for AbandonedProbe<S, C> {
+    fn drop(&mut self) {
+        if let Some(inner) = &self.0 {
+            inner.breaker.lock().probing = false;
+        }
+    }
+}
+
+/// Builds a [`Resilient`] store.
+#[must_use]
+pub struct ResilientBuilder<S, C> {
+    primary: S,
+    clock: C,
+    threshold: u32,
+    cool_down: Duration,
+    share: Option<f64>,
+    listener: Option<Listener>,
+}
+
+impl<S, C> fmt::Debug for ResilientBuilder<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResilientBuilder")
+            .field("threshold", &self.threshold)
+            .field("cool_down", &self.cool_down)
+            .field("share", &self.share)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store, C: Clock + Clone> ResilientBuilder<S, C> {
+    /// Consecutive failures that open the breaker (default 5).
+    pub fn threshold(mut self, failures: u32) -> Self {
+        self.threshold = failures;
+        self
+    }
+
+    /// How long an open breaker keeps calls away from the primary (default 250 ms).
+    pub fn cool_down(mut self, cool_down: Duration) -> Self {
+        self.cool_down = cool_down;
+        self
+    }
+
+    /// Decides locally while the primary cannot, giving this node `share` (0 to 1] of
+    /// every quota: with ten gateways sharing a limit, 0.1.
+    pub fn local_fallback(mut self, share: f64) -> Self {
+        self.share = Some(share);
+        self
+    }
+
+    /// Called with every new breaker state (after it is logged).
+    pub fn on_state_change(
+        mut self,
+        listener: impl Fn(BreakerState) + Send + Sync + 'static,
+    ) -> Self {
+        self.listener = Some(Arc::new(listener));
+        self
+    }
+
+    /// Reads time from `clock` (the breaker's cool-down and the fallback's limits).
+    pub fn clock<D: Clock + Clone>(self, clock: D) -> ResilientBuilder<S, D> {
+        ResilientBuilder {
+            primary: self.primary,
+            clock,
+            threshold: self.threshold,
+            cool_down: self.cool_down,
+            share: self.share,
+            listener: self.listener,
+        }
+    }
+
+    /// Builds the store.
+    ///
+    /// # Errors
+    ///
+    /// When the threshold is zero, or the share is not in (0, 1].
+    pub fn build(self) -> Result<Resilient<S, C>, ConfigError> {
+        if self.threshold == 0 {
+            return Err(ConfigError::new(
+                "breaker threshold must be at least 1 failure: 0 would never call the store",
+            ));
+        }
+        let fallback = match self.share {
+            None => None,
+            Some(share) if share > 0.0 && share <= 1.0 => Some(Fallback {
+                store: MemoryStore::builder().clock(self.clock.clone()).build()?,
+                share,
+                scaled: Mutex::default(),
+            }),
+            Some(share) => {
+                return Err(ConfigError::new(format!(
+                    "local fallback share must be more than 0 and at most 1 (got {share}): \
+                     with N gateways sharing a limit, use 1/N"
+                )));
+            }
+        };
+        Ok(Resilient {
+            inner: Arc::new(Inner {
+                primary: self.primary,
+                fallback,
+                cool_down_us: u64::try_from(self.cool_down.as_micros()).unwrap_or(u64::MAX),
+                clock: self.clock,
+                threshold: self.threshold,
+                breaker: Mutex::new(Breaker {
+                    state: BreakerState::Closed,
+                    failures: 0,
+                    open_until_us: 0,
+                    probing: false,
+                }),
+                listener: self.listener,
+            }),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::{Ready, ready};
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+    use super::*;
+    use crate::{Algorithm, ManualClock};
+
+    /// A store that fails while told to, and counts its calls.
+    #[derive(Clone, Default)]
+    struct Flaky {
+        down: Arc<AtomicBool>,
+        calls: Arc<AtomicU32>,
+    }
+
+    impl Store for Flaky {
+        type Future = Ready<Result<Decision, StoreError>>;
+        fn check(&self, _: &[u8], policy: &Policy, _: u32) -> Self::Future {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if self.down.load(Ordering::SeqCst) {
+                ready(Err(StoreError::new("down")))
+            } else {
+                let limit = policy.quota().burst();
+                ready(Ok(Decision::allow(limit, limit, 0, 0)))
+            }
+        }
+    }
+
+    fn poll<F: Future>(f: F) -> F::Output {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut f = std::pin::pin!(f);
+        match f.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(v) => v,
+            std::task::Poll::Pending => panic!("the test stores answer at once"),
+        }
+    }
+
+    #[test]
+    fn the_breaker_opens_skips_the_store_probes_and_closes() {
+        let clock = ManualClock::new();
+        let flaky = Flaky::default();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        let store = Resilient::builder(flaky.clone())
+            .threshold(3)
+            .cool_down(Duration::from_millis(100))
+            .on_state_change(move |s| log.lock().push(s))
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_second(10).unwrap()).unwrap();
+        flaky.down.store(true, Ordering::SeqCst);
+        for _ in 0..3 {
+            assert!(poll(store.check(b"k", &policy, 1)).is_err());
+        }
+        assert_eq!(store.state(), BreakerState::Open);
+        // Open: the store is not called at all.
+        for _ in 0..100 {
+            assert!(poll(store.check(b"k", &policy, 1)).is_err());
+        }
+        assert_eq!(flaky.calls.load(Ordering::SeqCst), 3);
+        // After the cool-down one probe goes through; it fails, so open again.
+        clock.advance(Duration::from_millis(100));
+        assert!(poll(store.check(b"k", &policy, 1)).is_err());
+        assert_eq!(flaky.calls.load(Ordering::SeqCst), 4);
+        assert_eq!(store.state(), BreakerState::Open);
+        // The store recovers; the next probe closes the breaker.
+        flaky.down.store(false, Ordering::SeqCst);
+        clock.advance(Duration::from_millis(100));
+        assert!(poll(store.check(b"k", &policy, 1)).is_ok());
+        assert_eq!(store.state(), BreakerState::Closed);
+        assert_eq!(
+            *seen.lock(),
+            [
+                BreakerState::Open,
+                BreakerState::HalfOpen,
+                BreakerState::Open,
+                BreakerState::HalfOpen,
+                BreakerState::Closed
+            ]
+        );
+    }
+
+    #[test]
+    fn the_local_fallback_gives_this_node_its_share() {
+        let clock = ManualClock::new();
+        let flaky = Flaky::default();
+        flaky.down.store(true, Ordering::SeqCst);
+        let store = Resilient::builder(flaky)
+            .local_fallback(0.25)
+            .clock(clock)
+            .build()
+            .unwrap();
+        let policy =
+            Policy::new("p", Algorithm::TokenBucket, Quota::per_minute(100).unwrap()).unwrap();
+        let admitted = (0..100)
+            .filter(|_| poll(store.check(b"k", &policy, 1)).is_ok_and(|d| d.is_allowed()))
+            .count();
+        assert_eq!(admitted, 25);
+    }
+
+    #[test]
+    fn bad_settings_fail_when_built() {
+        assert!(
+            Resilient::builder(Flaky::default())
+                .threshold(0)
+                .build()
+                .is_err()
+        );
+        assert!(
+            Resilient::builder(Flaky::default())
+                .local_fallback(0.0)
+                .build()
+                .is_err()
+        );
+        assert!(
+            Resilient::builder(Flaky::default())
+                .local_fallback(1.5)
+                .build()
+                .is_err()
+        );
+    }
+}

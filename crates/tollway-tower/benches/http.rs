@@ -1,0 +1,1009 @@
+//! tollway against plain axum and tower_governor over real HTTP, side by side in one run.
+//!
+//! ```sh
+//! cargo bench -p tollway-tower --bench http
+//! HTTP_BENCH_ROUNDS=3 HTTP_BENCH_MILLIS=1000 cargo bench -p tollway-tower --bench http
+//! # only some variants (for a profiler), by the names in the table below
+//! HTTP_BENCH_ONLY=tollway,governor cargo bench -p tollway-tower --bench http
+//! ```
+//!
+//! Ten variants of the same axum hello-world server, each on its own `127.0.0.1:0`
+//! listener in this process: the five the performance goals are about, two that pair
+//! the allowed paths like for like, with and without rate-limit headers, and three that
+//! show what a layer costs at all, what its headers cost, and where it is applied.
+//!
+//! | variant            | layer                                                             |
+//! |--------------------|-------------------------------------------------------------------|
+//! | `axum`             | none                                                              |
+//! | `tollway`         | `RateLimitLayer`, `MemoryStore`, GCRA, a quota nothing reaches; defaults (`X-RateLimit-*` on every response) |
+//! | `governor`         | `GovernorLayer`, the same quota; defaults (no headers on allowed responses) |
+//! | `tollway-429`     | `RateLimitLayer`, 1 per hour: every measured request denied       |
+//! | `governor-429`     | `GovernorLayer`, 1 per hour: every measured request denied        |
+//! | `tollway-bare`    | as `tollway`, with `HeaderStyle::None`: like `governor`          |
+//! | `governor-headers` | as `governor`, with `use_headers()` (limit, remaining): like `tollway` |
+//! | `noop`             | `Router::layer` of a `MapRequestLayer` that returns the request: what any layer costs |
+//! | `tollway-outside` | as `tollway`, but the layer wraps the whole `Router` instead of `Router::layer` |
+//! | `headers-only`     | `Router::layer` of a `MapResponseLayer` adding tollway's three `X-RateLimit-*` headers with constant values: the floor of any layer that sends them |
+//!
+//! Both limiters key callers by the peer IP (tollway's `PeerIp`, tower_governor's
+//! `PeerIpKeyExtractor`, both from axum's `ConnectInfo`). All load comes from 127.0.0.1,
+//! so every request hits **one hot key**: the worst case for a keyed limiter's locking.
+//! On denials tollway answers `Retry-After`, `X-RateLimit-*` and a JSON body,
+//! tower_governor `Retry-After`, `X-RateLimit-After` and a text body.
+//!
+//! **Setup.** The machine this was written on has 2 vCPUs, shared by the server and the
+//! load generator. By default (`HTTP_BENCH_LAYOUT=pinned`) the servers run on a tokio
+//! runtime with one worker pinned to CPU 0 and the load generator is pinned to CPU 1, so
+//! the server's core is the bottleneck and requests/s is what one core of server
+//! achieves; `HTTP_BENCH_LAYOUT=shared` runs two unpinned workers beside the unpinned
+//! load generator instead (a hot key locked from two cores). The load generator is one
+//! thread (a current-thread runtime) driving 32 keep-alive HTTP/1.1 connections, each
+//! with one request in flight (closed loop), with a small hand-written client
+//! (`httparse` for the response head, no allocation per request). Each run also reports
+//! the CPU share of the server and of the client, and requests per second of server CPU
+//! time (from the threads' `schedstat`). Everything stays on loopback.
+//!
+//! **Instructions.** `HTTP_BENCH_COUNT=N` runs the selected variants for a fixed amount
+//! of work instead (20 warm-up requests, then `N` on each connection, untimed), for an
+//! instruction counter: `benches/instructions.sh` runs it under callgrind.
+//!
+//! **Method.** Rounds: each round runs every variant once, in an order rotated by one
+//! each round, so a slow phase of the machine (another build, a noisy neighbour) hits
+//! every variant alike; runs are short and rounds many, so that the variants compared
+//! within a round ran seconds apart. A run opens fresh connections, warms up for 0.3 s
+//! (which also spends the 1-per-hour variants' one allowed request), then measures for a
+//! bounded time (`HTTP_BENCH_MILLIS`, default 1500) and at most 1,000,000 requests per
+//! connection. Reported per variant: the median over rounds (`HTTP_BENCH_ROUNDS`,
+//! default 10) of requests/s, p50 and p99; and the ratios the performance goals are
+//! about, each the median of the per-round ratios (a paired comparison within a round),
+//! with the spread of those ratios (their lowest and highest). The status of
+//! every measured response is checked: the allowed variants must answer only 200, the
+//! rejecting ones only 429. The defaults take about three minutes (10 variants × 1.8 s × 10);
+//! BENCHMARKS.md uses `HTTP_BENCH_ROUNDS=30 HTTP_BENCH_MILLIS=300`.
+//!
+//! The binary does nothing unless run by `cargo bench` (which passes `--bench`), so
+//! `cargo test --benches` stays quick.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "../../../tests/support/mod.rs"]
+mod support;
+
+use std::error::Error;
+use std::io;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::get;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tollway_core::{
+    Algorithm, BreakerState, MemoryStore, Policy, Quota, RedisStore, Resilient, Store,
+};
+use tollway_tower::{HeaderStyle, OnStoreError, RateLimitLayer};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+type BoxError = Box<dyn Error + Send + Sync>;
+
+const CONNECTIONS: usize = 32;
+const WARMUP: Duration = Duration::from_millis(300);
+const MAX_REQUESTS_PER_CONNECTION: usize = 1_000_000;
+const REQUEST: &[u8] = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: tollway-bench\r\n\r\n";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Variant {
+    Axum,
+    Tollway,
+    Governor,
+    TollwayRejecting,
+    GovernorRejecting,
+    TollwayNoHeaders,
+    GovernorHeaders,
+    RedisHealthy,
+    RedisDead,
+    RedisFloodCached,
+    RedisFloodUncached,
+    NoopLayer,
+    TollwayOutside,
+    HeadersOnly,
+}
+
+impl Variant {
+    /// Every variant; the first ten are the default suite.
+    const ALL: [Variant; 14] = [
+        Variant::Axum,
+        Variant::Tollway,
+        Variant::Governor,
+        Variant::TollwayRejecting,
+        Variant::GovernorRejecting,
+        Variant::TollwayNoHeaders,
+        Variant::GovernorHeaders,
+        Variant::NoopLayer,
+        Variant::TollwayOutside,
+        Variant::HeadersOnly,
+        Variant::RedisHealthy,
+        Variant::RedisDead,
+        Variant::RedisFloodCached,
+        Variant::RedisFloodUncached,
+    ];
+
+    /// The variants of the fleet suite (`HTTP_BENCH_SUITE=fleet`).
+    const FLEET: [Variant; 6] = [
+        Variant::Axum,
+        Variant::Tollway,
+        Variant::RedisHealthy,
+        Variant::RedisDead,
+        Variant::RedisFloodCached,
+        Variant::RedisFloodUncached,
+    ];
+
+    fn needs_redis(self) -> bool {
+        matches!(
+            self,
+            Variant::RedisHealthy
+                | Variant::RedisDead
+                | Variant::RedisFloodCached
+                | Variant::RedisFloodUncached
+        )
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Axum => "axum (no limiter)",
+            Variant::Tollway => "tollway, allowed",
+            Variant::Governor => "tower_governor, allowed",
+            Variant::TollwayRejecting => "tollway, all 429",
+            Variant::GovernorRejecting => "tower_governor, all 429",
+            Variant::TollwayNoHeaders => "tollway, no headers",
+            Variant::GovernorHeaders => "tower_governor, headers",
+            Variant::RedisHealthy => "tollway+Redis, allowed",
+            Variant::RedisDead => "tollway+Redis dead, breaker",
+            Variant::RedisFloodCached => "Redis, flood, deny cache",
+            Variant::RedisFloodUncached => "Redis, flood, no cache",
+            Variant::NoopLayer => "axum + a no-op layer",
+            Variant::TollwayOutside => "tollway around Router",
+            Variant::HeadersOnly => "axum + 3 constant headers",
+        }
+    }
+
+    fn expected_status(self) -> u16 {
+        match self {
+            Variant::TollwayRejecting
+            | Variant::GovernorRejecting
+            | Variant::RedisFloodCached
+            | Variant::RedisFloodUncached => 429,
+            _ => 200,
+        }
+    }
+
+    /// The name `HTTP_BENCH_ONLY` selects it by.
+    fn short(self) -> &'static str {
+        match self {
+            Variant::Axum => "axum",
+            Variant::Tollway => "tollway",
+            Variant::Governor => "governor",
+            Variant::TollwayRejecting => "tollway-429",
+            Variant::GovernorRejecting => "governor-429",
+            Variant::TollwayNoHeaders => "tollway-bare",
+            Variant::GovernorHeaders => "governor-headers",
+            Variant::RedisHealthy => "redis",
+            Variant::RedisDead => "redis-dead",
+            Variant::RedisFloodCached => "redis-flood",
+            Variant::RedisFloodUncached => "redis-flood-nocache",
+            Variant::NoopLayer => "noop",
+            Variant::TollwayOutside => "tollway-outside",
+            Variant::HeadersOnly => "headers-only",
+        }
+    }
+
+    fn index(self) -> usize {
+        Variant::ALL.iter().position(|v| *v == self).unwrap_or(0)
+    }
+}
+
+async fn hello() -> &'static str {
+    "Hello, World!"
+}
+
+/// The Redis-backed stores of the fleet suite, connected on the server's runtime.
+struct Fleet {
+    /// Allowed traffic: every decision is a script call.
+    healthy: RedisStore,
+    /// One key over its limit, with the local deny cache (the default).
+    cached: RedisStore,
+    /// The same without the cache: every denial is a script call.
+    uncached: RedisStore,
+    /// A store whose server has been killed, behind a breaker that is open.
+    dead: Resilient<RedisStore>,
+}
+
+/// A quota nothing in this benchmark reaches: a million a second, a burst of a billion.
+fn huge_quota() -> Result<Quota, BoxError> {
+    Ok(Quota::per_second(1_000_000)?.with_burst(1_000_000_000)?)
+}
+
+/// tollway over a memory store: GCRA at `quota`, peer-IP keys, `headers`.
+fn memory_layer(
+    quota: Quota,
+    headers: HeaderStyle,
+) -> Result<RateLimitLayer<MemoryStore>, BoxError> {
+    let policy = Policy::new("bench", Algorithm::Gcra, quota)?;
+    Ok(RateLimitLayer::builder(MemoryStore::new(), policy)
+        .headers(headers)
+        .build()?)
+}
+
+/// The router of one variant.
+fn app(variant: Variant, fleet: Option<&Fleet>) -> Result<Router, BoxError> {
+    let router = Router::new().route("/", get(hello));
+    Ok(match variant {
+        // tollway-outside wraps this router where it is served.
+        Variant::Axum | Variant::TollwayOutside => router,
+        Variant::NoopLayer => router.layer(tower::util::MapRequestLayer::new(
+            |request: axum::extract::Request| request,
+        )),
+        // The floor of any layer that adds tollway's three headers: no key, no decision,
+        // no clock, values made once.
+        Variant::HeadersOnly => router.layer(tower::util::MapResponseLayer::new(
+            |mut response: axum::response::Response| {
+                let headers = response.headers_mut();
+                headers.insert(
+                    tollway_tower::X_RATELIMIT_LIMIT.clone(),
+                    http::HeaderValue::from_static("1000000000"),
+                );
+                headers.insert(
+                    tollway_tower::X_RATELIMIT_REMAINING.clone(),
+                    http::HeaderValue::from_static("999999999"),
+                );
+                headers.insert(
+                    tollway_tower::X_RATELIMIT_RESET.clone(),
+                    http::HeaderValue::from_static("1764583200"),
+                );
+                response
+            },
+        )),
+        Variant::Tollway => router.layer(memory_layer(huge_quota()?, HeaderStyle::Legacy)?),
+        Variant::TollwayNoHeaders => router.layer(memory_layer(huge_quota()?, HeaderStyle::None)?),
+        Variant::TollwayRejecting => {
+            router.layer(memory_layer(Quota::per_hour(1)?, HeaderStyle::Legacy)?)
+        }
+        Variant::Governor => {
+            let config = GovernorConfigBuilder::default()
+                .per_nanosecond(1_000)
+                .burst_size(1_000_000_000)
+                .finish()
+                .ok_or("tower_governor rejected the allowed-path quota")?;
+            router.layer(GovernorLayer::<_, _, Body>::new(config))
+        }
+        Variant::GovernorHeaders => {
+            let config = GovernorConfigBuilder::default()
+                .per_nanosecond(1_000)
+                .burst_size(1_000_000_000)
+                .use_headers()
+                .finish()
+                .ok_or("tower_governor rejected the allowed-path quota")?;
+            router.layer(GovernorLayer::<_, _, Body>::new(config))
+        }
+        Variant::GovernorRejecting => {
+            let config = GovernorConfigBuilder::default()
+                .per_second(3600)
+                .burst_size(1)
+                .finish()
+                .ok_or("tower_governor rejected the 1-per-hour quota")?;
+            router.layer(GovernorLayer::<_, _, Body>::new(config))
+        }
+        Variant::RedisHealthy
+        | Variant::RedisDead
+        | Variant::RedisFloodCached
+        | Variant::RedisFloodUncached => {
+            let fleet = fleet.ok_or("the fleet variants need their Redis stores")?;
+            let allowed = Policy::new("bench", Algorithm::Gcra, huge_quota()?)?;
+            let flood = Policy::new("flood", Algorithm::Gcra, Quota::per_hour(1)?)?;
+            match variant {
+                Variant::RedisHealthy => {
+                    router.layer(RateLimitLayer::builder(fleet.healthy.clone(), allowed).build()?)
+                }
+                Variant::RedisDead => router.layer(
+                    RateLimitLayer::builder(fleet.dead.clone(), allowed)
+                        .on_store_error(OnStoreError::Allow)
+                        .build()?,
+                ),
+                Variant::RedisFloodCached => {
+                    router.layer(RateLimitLayer::builder(fleet.cached.clone(), flood).build()?)
+                }
+                _ => router.layer(RateLimitLayer::builder(fleet.uncached.clone(), flood).build()?),
+            }
+        }
+    })
+}
+
+/// What one run of one variant measured.
+#[derive(Debug)]
+struct Run {
+    requests_per_sec: f64,
+    p50_us: f64,
+    p99_us: f64,
+    requests: usize,
+    unexpected: usize,
+    /// CPU time of the server's threads and of the load generator's, each as a share of
+    /// one core over the measured window.
+    server_cpu: f64,
+    client_cpu: f64,
+    /// Requests per second of server CPU time: the throughput of one fully busy server
+    /// core, unaffected by time the host takes from this guest.
+    per_server_cpu_sec: f64,
+}
+
+/// Where the server and the load generator run (`HTTP_BENCH_LAYOUT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// The default: the server on one tokio worker pinned to CPU 0, the load generator
+    /// pinned to CPU 1. The server's core is the bottleneck, so requests/s is what one
+    /// core of server achieves, and nothing of the client's own work (such as parsing
+    /// the longer responses that carry rate-limit headers) is charged to the server.
+    Pinned,
+    /// Two server workers and the load generator, unpinned, sharing both CPUs: the
+    /// layout of the earlier runs, with a hot key locked from two cores.
+    Shared,
+}
+
+/// The server's thread ids, for their CPU time.
+static SERVER_THREADS: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// This thread's id, from `/proc/thread-self` (`<pid>/task/<tid>`).
+fn thread_id() -> Option<u32> {
+    std::fs::read_link("/proc/thread-self")
+        .ok()?
+        .file_name()?
+        .to_str()?
+        .parse()
+        .ok()
+}
+
+/// CPU time of thread `tid` of this process, in nanoseconds: the first field of its
+/// `schedstat`, the scheduler's own account, which on a KVM guest with paravirtual time
+/// accounting leaves out the time the host stole.
+fn cpu_ns(tid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// (server ns, client ns) now.
+fn cpu_now(client: u32) -> (u64, u64) {
+    let server = SERVER_THREADS
+        .lock()
+        .map(|tids| tids.iter().map(|&t| cpu_ns(t)).sum())
+        .unwrap_or(0);
+    (server, cpu_ns(client))
+}
+
+/// What one connection saw during the measured window.
+#[derive(Debug, Default)]
+struct ConnectionResult {
+    latencies_ns: Vec<u32>,
+    unexpected: usize,
+    last_done: Option<Instant>,
+}
+
+/// A keep-alive HTTP/1.1 connection with one request in flight.
+struct Connection {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    filled: usize,
+}
+
+impl Connection {
+    async fn open(addr: SocketAddr) -> io::Result<Self> {
+        let stream = TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        Ok(Connection {
+            stream,
+            buf: vec![0; 16 * 1024],
+            filled: 0,
+        })
+    }
+
+    /// Sends `GET /` and reads the whole response; returns its status.
+    async fn get(&mut self) -> io::Result<u16> {
+        self.stream.write_all(REQUEST).await?;
+        loop {
+            if let Some((status, len)) = parse(&self.buf[..self.filled])? {
+                self.buf.copy_within(len..self.filled, 0);
+                self.filled -= len;
+                return Ok(status);
+            }
+            if self.filled == self.buf.len() {
+                return Err(io::Error::other("response larger than the client's buffer"));
+            }
+            let n = self.stream.read(&mut self.buf[self.filled..]).await?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            self.filled += n;
+        }
+    }
+}
+
+/// The status and total length of the complete response at the start of `bytes`, or
+/// `None` when more bytes are needed.
+fn parse(bytes: &[u8]) -> io::Result<Option<(u16, usize)>> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut response = httparse::Response::new(&mut headers);
+    let head = match response.parse(bytes) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
+    };
+    let status = response.code.unwrap_or(0);
+    let length = response
+        .headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+        .and_then(|h| {
+            std::str::from_utf8(h.value)
+                .ok()?
+                .trim()
+                .parse::<usize>()
+                .ok()
+        })
+        .ok_or_else(|| io::Error::other("response without Content-Length (chunked?)"))?;
+    Ok((bytes.len() >= head + length).then_some((status, head + length)))
+}
+
+/// Drives one connection: warm up until `start`, then measure until `end`.
+async fn drive(
+    mut conn: Connection,
+    expected: u16,
+    start: Instant,
+    end: Instant,
+) -> io::Result<ConnectionResult> {
+    let mut result = ConnectionResult {
+        latencies_ns: Vec::with_capacity(64 * 1024),
+        ..ConnectionResult::default()
+    };
+    loop {
+        let sent = Instant::now();
+        if sent >= end || result.latencies_ns.len() >= MAX_REQUESTS_PER_CONNECTION {
+            return Ok(result);
+        }
+        let status = conn.get().await?;
+        if sent < start {
+            continue;
+        }
+        let done = Instant::now();
+        let ns = done.duration_since(sent).as_nanos();
+        result
+            .latencies_ns
+            .push(u32::try_from(ns).unwrap_or(u32::MAX));
+        result.last_done = Some(done);
+        if status != expected {
+            result.unexpected += 1;
+        }
+    }
+}
+
+/// One run of `variant` at `addr`: fresh connections, warm-up, measurement.
+async fn run(variant: Variant, addr: SocketAddr, measure: Duration) -> Result<Run, BoxError> {
+    let mut conns = Vec::with_capacity(CONNECTIONS);
+    for _ in 0..CONNECTIONS {
+        conns.push(Connection::open(addr).await?);
+    }
+    let start = Instant::now() + WARMUP;
+    let end = start + measure;
+    let mut tasks = JoinSet::new();
+    for conn in conns {
+        tasks.spawn(drive(conn, variant.expected_status(), start, end));
+    }
+    // CPU time over the measured window, sampled by a task of the load generator's own
+    // thread when the window opens and closes.
+    let client = thread_id().unwrap_or(0);
+    let cpu = tokio::spawn(async move {
+        tokio::time::sleep_until(start.into()).await;
+        let ((s0, c0), t0) = (cpu_now(client), Instant::now());
+        tokio::time::sleep_until(end.into()).await;
+        let ((s1, c1), t1) = (cpu_now(client), Instant::now());
+        let wall = t1.duration_since(t0).as_nanos() as f64;
+        (s1 - s0, (s1 - s0) as f64 / wall, (c1 - c0) as f64 / wall)
+    });
+    let mut latencies = Vec::new();
+    let mut unexpected = 0;
+    let mut last = start;
+    while let Some(joined) = tasks.join_next().await {
+        let result = joined??;
+        latencies.extend_from_slice(&result.latencies_ns);
+        unexpected += result.unexpected;
+        last = last.max(result.last_done.unwrap_or(start));
+    }
+    if latencies.is_empty() {
+        return Err(format!("{}: no request completed", variant.name()).into());
+    }
+    let (server_ns, server_cpu, client_cpu) = cpu.await?;
+    let elapsed = last.duration_since(start).as_secs_f64();
+    let requests = latencies.len();
+    let p50 = percentile(&mut latencies, 0.50);
+    let p99 = percentile(&mut latencies, 0.99);
+    Ok(Run {
+        requests_per_sec: requests as f64 / elapsed,
+        p50_us: f64::from(p50) / 1_000.0,
+        p99_us: f64::from(p99) / 1_000.0,
+        requests,
+        unexpected,
+        server_cpu,
+        client_cpu,
+        // The requests counted are those sent inside the window, as the CPU time is.
+        per_server_cpu_sec: requests as f64 / (server_ns.max(1) as f64 / 1e9),
+    })
+}
+
+/// A fixed amount of work, for an instruction counter (`valgrind --tool=callgrind`):
+/// `warm` then `count` requests on each of `CONNECTIONS` connections, untimed.
+async fn run_count(
+    variant: Variant,
+    addr: SocketAddr,
+    warm: usize,
+    count: usize,
+) -> Result<usize, BoxError> {
+    let mut tasks = JoinSet::new();
+    for _ in 0..CONNECTIONS {
+        let mut conn = Connection::open(addr).await?;
+        let expected = variant.expected_status();
+        tasks.spawn(async move {
+            for i in 0..warm + count {
+                let status = conn.get().await?;
+                if i >= warm && status != expected {
+                    return Err(io::Error::other(format!(
+                        "status {status}, expected {expected}"
+                    )));
+                }
+            }
+            Ok::<_, io::Error>(count)
+        });
+    }
+    let mut done = 0;
+    while let Some(joined) = tasks.join_next().await {
+        done += joined??;
+    }
+    Ok(done)
+}
+
+fn percentile(samples: &mut [u32], q: f64) -> u32 {
+    let i = ((samples.len() as f64 * q) as usize).min(samples.len() - 1);
+    *samples.select_nth_unstable(i).1
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+fn env_number(name: &str, default: u64) -> Result<u64, BoxError> {
+    match std::env::var(name) {
+        Ok(text) => Ok(text
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("{name} must be a whole number above 0 (got {text:?})"))?),
+        Err(_) => Ok(default),
+    }
+}
+
+fn main() -> Result<(), BoxError> {
+    // `cargo bench` passes --bench; `cargo test --benches` does not: do nothing then.
+    if !std::env::args().any(|a| a == "--bench") {
+        return Ok(());
+    }
+    let rounds = usize::try_from(env_number("HTTP_BENCH_ROUNDS", 10)?)?;
+    let measure = Duration::from_millis(env_number("HTTP_BENCH_MILLIS", 1_500)?);
+
+    let layout = match std::env::var("HTTP_BENCH_LAYOUT").as_deref() {
+        Ok("shared") => Layout::Shared,
+        Ok("pinned") | Err(_) => Layout::Pinned,
+        Ok(other) => {
+            return Err(format!("HTTP_BENCH_LAYOUT is pinned or shared (got {other:?})").into());
+        }
+    };
+    let cores = core_affinity::get_core_ids().unwrap_or_default();
+    if layout == Layout::Pinned && cores.len() < 2 {
+        return Err("the pinned layout needs two CPUs; run with HTTP_BENCH_LAYOUT=shared".into());
+    }
+    let server_core = cores.first().copied();
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(if layout == Layout::Pinned { 1 } else { 2 })
+        .thread_name("server")
+        .on_thread_start(move || {
+            if let (Layout::Pinned, Some(core)) = (layout, server_core) {
+                core_affinity::set_for_current(core);
+            }
+            if let (Some(tid), Ok(mut tids)) = (thread_id(), SERVER_THREADS.lock()) {
+                tids.push(tid);
+            }
+        })
+        .enable_all()
+        .build()?;
+    let fleet_suite = std::env::var("HTTP_BENCH_SUITE").is_ok_and(|s| s == "fleet");
+    let suite: &[Variant] = if fleet_suite {
+        &Variant::FLEET
+    } else {
+        &Variant::ALL[..10]
+    };
+    // The fleet suite's servers: one healthy, one killed once its store has connected.
+    let mut redis = Vec::new();
+    let fleet = if suite.iter().any(|v| v.needs_redis()) {
+        let healthy = support::RedisServer::start();
+        let mut doomed = support::RedisServer::start();
+        let fleet = server.block_on(async {
+            let store = |url: String, cache: usize| async move {
+                RedisStore::builder()
+                    .timeout(Duration::from_millis(50))
+                    .deny_cache(cache)
+                    .connect(&url)
+                    .await
+            };
+            let dead = Resilient::builder(store(doomed.url(), 0).await?)
+                .threshold(3)
+                .cool_down(Duration::from_secs(1))
+                .build()?;
+            doomed.kill();
+            // Open the breaker before measuring: three failed decisions.
+            let probe = Policy::new("probe", Algorithm::Gcra, Quota::per_second(1)?)?;
+            for _ in 0..3 {
+                let _ = dead.check(b"probe", &probe, 1).await;
+            }
+            if dead.state() != BreakerState::Open {
+                return Err::<Fleet, BoxError>(
+                    "the breaker did not open after three failures".into(),
+                );
+            }
+            Ok(Fleet {
+                healthy: store(healthy.url(), 0).await?,
+                cached: store(healthy.url(), 65_536).await?,
+                uncached: store(healthy.url(), 0).await?,
+                dead,
+            })
+        })?;
+        redis.push(healthy);
+        redis.push(doomed);
+        Some(fleet)
+    } else {
+        None
+    };
+    let mut addrs = Vec::new();
+    for variant in Variant::ALL {
+        if !suite.contains(&variant) {
+            addrs.push(None);
+            continue;
+        }
+        let app = app(variant, fleet.as_ref())?;
+        let addr = server.block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await?;
+            let addr = listener.local_addr()?;
+            if variant == Variant::TollwayOutside {
+                // The layer around the whole router (`ServiceBuilder` style) rather than
+                // through `Router::layer`, which clones a boxed route per request.
+                let layer = memory_layer(huge_quota()?, HeaderStyle::Legacy)?;
+                let service = tower::Layer::layer(&layer, app);
+                let service = axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<SocketAddr>(service);
+                tokio::spawn(async move {
+                    if let Err(e) = axum::serve(listener, service).await {
+                        eprintln!("server error: {e}");
+                    }
+                });
+            } else {
+                tokio::spawn(async move {
+                    let service = app.into_make_service_with_connect_info::<SocketAddr>();
+                    if let Err(e) = axum::serve(listener, service).await {
+                        eprintln!("server error: {e}");
+                    }
+                });
+            }
+            Ok::<_, BoxError>(addr)
+        })?;
+        addrs.push(Some(addr));
+    }
+
+    if layout == Layout::Pinned {
+        if let Some(&core) = cores.get(1) {
+            core_affinity::set_for_current(core);
+        }
+    }
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+
+    println!(
+        "HTTP side by side: {CONNECTIONS} keep-alive connections, {} ms per run after {} ms warm-up, \
+         {rounds} rounds in rotating order",
+        measure.as_millis(),
+        WARMUP.as_millis()
+    );
+    println!(
+        "layout {layout:?}: server: tokio multi-thread runtime, {}; client: 1 thread{}; {} CPUs available",
+        if layout == Layout::Pinned {
+            "1 worker pinned to CPU 0"
+        } else {
+            "2 workers"
+        },
+        if layout == Layout::Pinned {
+            " pinned to CPU 1"
+        } else {
+            ""
+        },
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("keys: the peer IP for both limiters; all load comes from 127.0.0.1, so one hot key");
+    println!();
+
+    let only = std::env::var("HTTP_BENCH_ONLY").ok();
+    let selected: Vec<Variant> = suite
+        .iter()
+        .copied()
+        .filter(|v| {
+            only.as_deref()
+                .is_none_or(|only| only.split(',').any(|s| s.trim() == v.short()))
+        })
+        .collect();
+    if selected.is_empty() {
+        return Err("HTTP_BENCH_ONLY selects no variant: name some of \
+                    axum, tollway, governor, tollway-429, governor-429"
+            .into());
+    }
+
+    if let Ok(count) = std::env::var("HTTP_BENCH_COUNT") {
+        let count: usize = count
+            .parse()
+            .map_err(|_| format!("HTTP_BENCH_COUNT must be a whole number (got {count:?})"))?;
+        for &variant in &selected {
+            let addr = addrs[variant.index()].ok_or("a selected variant has no server")?;
+            let done = client.block_on(run_count(variant, addr, 20, count))?;
+            println!("{}: {done} requests after the warm-up", variant.name());
+        }
+        return Ok(());
+    }
+
+    let n = selected.len();
+    let mut runs: Vec<Vec<Run>> = (0..Variant::ALL.len()).map(|_| Vec::new()).collect();
+    for round in 0..rounds {
+        for k in 0..n {
+            let variant = selected[(round + k) % n];
+            let addr = addrs[variant.index()].ok_or("a selected variant has no server")?;
+            let result = client.block_on(run(variant, addr, measure))?;
+            println!(
+                "round {}  {:<24} {:>9.0} req/s  {:>9.0} per server cpu-s  p50 {:>7.1} µs  p99 {:>7.1} µs  cpu server {:>4.0}% client {:>4.0}%  ({} requests{})",
+                round + 1,
+                variant.name(),
+                result.requests_per_sec,
+                result.per_server_cpu_sec,
+                result.p50_us,
+                result.p99_us,
+                result.server_cpu * 100.0,
+                result.client_cpu * 100.0,
+                result.requests,
+                if result.unexpected > 0 {
+                    format!(", {} with an unexpected status!", result.unexpected)
+                } else {
+                    String::new()
+                }
+            );
+            runs[variant.index()].push(result);
+        }
+    }
+
+    println!();
+    println!("median over {rounds} rounds");
+    println!(
+        "{:<24} {:>10} {:>12} {:>10} {:>10} {:>11} {:>11} {:>12}",
+        "variant",
+        "req/s",
+        "per cpu-s",
+        "p50 µs",
+        "p99 µs",
+        "server cpu",
+        "client cpu",
+        "unexpected"
+    );
+    for &variant in &selected {
+        let rs = &runs[variant.index()];
+        let mut rps: Vec<f64> = rs.iter().map(|r| r.requests_per_sec).collect();
+        let mut p50: Vec<f64> = rs.iter().map(|r| r.p50_us).collect();
+        let mut p99: Vec<f64> = rs.iter().map(|r| r.p99_us).collect();
+        let mut per_cpu: Vec<f64> = rs.iter().map(|r| r.per_server_cpu_sec).collect();
+        let mut server_cpu: Vec<f64> = rs.iter().map(|r| r.server_cpu * 100.0).collect();
+        let mut client_cpu: Vec<f64> = rs.iter().map(|r| r.client_cpu * 100.0).collect();
+        let unexpected: usize = rs.iter().map(|r| r.unexpected).sum();
+        println!(
+            "{:<24} {:>10.0} {:>12.0} {:>10.1} {:>10.1} {:>10.0}% {:>10.0}% {:>12}",
+            variant.name(),
+            median(&mut rps),
+            median(&mut per_cpu),
+            median(&mut p50),
+            median(&mut p99),
+            median(&mut server_cpu),
+            median(&mut client_cpu),
+            unexpected
+        );
+    }
+
+    let total_unexpected: usize = runs.iter().flatten().map(|r| r.unexpected).sum();
+    if total_unexpected > 0 {
+        return Err(format!(
+            "{total_unexpected} measured responses had an unexpected status: the quotas are wrong"
+        )
+        .into());
+    }
+    if n < suite.len() {
+        return Ok(());
+    }
+
+    // Ratios of throughput, each the median of the per-round ratios, with their spread.
+    // Each ratio twice: of requests/s (wall clock), and of requests per second of server
+    // CPU time (what one busy server core achieves, whatever the host took meanwhile).
+    let line = |label: &str, a: Variant, b: Variant, goal: Option<f64>| {
+        let ratios = |metric: fn(&Run) -> f64| {
+            let mut r: Vec<f64> = runs[a.index()]
+                .iter()
+                .zip(&runs[b.index()])
+                .map(|(x, y)| metric(x) / metric(y) * 100.0)
+                .collect();
+            let mid = median(&mut r);
+            (
+                mid,
+                r.first().copied().unwrap_or(0.0),
+                r.last().copied().unwrap_or(0.0),
+            )
+        };
+        if runs[a.index()].is_empty() {
+            return;
+        }
+        let (wall, wall_low, wall_high) = ratios(|r| r.requests_per_sec);
+        let (cpu, cpu_low, cpu_high) = ratios(|r| r.per_server_cpu_sec);
+        let goal = goal.map_or(String::new(), |g| {
+            let verdict = |x: f64| if x >= g { "met" } else { "NOT met" };
+            format!("goal >= {g:.0}%: {} / {}", verdict(wall), verdict(cpu))
+        });
+        println!(
+            "  {label:<42} {wall:>6.1}% [{wall_low:>5.1} .. {wall_high:>5.1}]  {cpu:>6.1}% [{cpu_low:>5.1} .. {cpu_high:>5.1}]  {goal}"
+        );
+    };
+    println!();
+    println!(
+        "ratios, each the median of the per-round ratios [lowest .. highest]: of requests/s, \
+         then of requests per server CPU second"
+    );
+    line(
+        "tollway allowed / axum",
+        Variant::Tollway,
+        Variant::Axum,
+        Some(98.0),
+    );
+    line(
+        "tollway allowed / tower_governor allowed",
+        Variant::Tollway,
+        Variant::Governor,
+        Some(100.0),
+    );
+    line(
+        "tollway all-429 / axum",
+        Variant::TollwayRejecting,
+        Variant::Axum,
+        Some(90.0),
+    );
+    line(
+        "tower_governor allowed / axum",
+        Variant::Governor,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "tower_governor all-429 / axum",
+        Variant::GovernorRejecting,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "tollway all-429 / tower_governor all-429",
+        Variant::TollwayRejecting,
+        Variant::GovernorRejecting,
+        None,
+    );
+    line(
+        "tollway all-429 / tollway allowed",
+        Variant::TollwayRejecting,
+        Variant::Tollway,
+        None,
+    );
+    line(
+        "axum + a no-op layer / axum",
+        Variant::NoopLayer,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "tollway allowed / axum + a no-op layer",
+        Variant::Tollway,
+        Variant::NoopLayer,
+        None,
+    );
+    line(
+        "tollway around Router / axum",
+        Variant::TollwayOutside,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "axum + 3 constant headers / axum",
+        Variant::HeadersOnly,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "axum + 3 constant headers / tower_governor",
+        Variant::HeadersOnly,
+        Variant::Governor,
+        None,
+    );
+    line(
+        "tollway allowed / axum + 3 constant headers",
+        Variant::Tollway,
+        Variant::HeadersOnly,
+        None,
+    );
+    println!("like for like, allowed path:");
+    line(
+        "tollway no headers / axum",
+        Variant::TollwayNoHeaders,
+        Variant::Axum,
+        None,
+    );
+    line(
+        "tollway no headers / tower_governor",
+        Variant::TollwayNoHeaders,
+        Variant::Governor,
+        None,
+    );
+    line(
+        "tollway / tower_governor with headers",
+        Variant::Tollway,
+        Variant::GovernorHeaders,
+        None,
+    );
+    if fleet_suite {
+        println!("fleet:");
+        line(
+            "Redis allowed / memory allowed",
+            Variant::RedisHealthy,
+            Variant::Tollway,
+            None,
+        );
+        line(
+            "dead Redis, open breaker / axum",
+            Variant::RedisDead,
+            Variant::Axum,
+            None,
+        );
+        line(
+            "one-key flood, deny cache / no cache",
+            Variant::RedisFloodCached,
+            Variant::RedisFloodUncached,
+            None,
+        );
+        line(
+            "one-key flood, deny cache / axum",
+            Variant::RedisFloodCached,
+            Variant::Axum,
+            None,
+        );
+    }
+    drop(redis);
+    Ok(())
+}

@@ -1,0 +1,242 @@
+//! The layer and its builder.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Response, Uri};
+use tollway_core::{Clock, ConfigError, Policy, Store, SystemClock};
+use tower_layer::Layer;
+
+use super::{RateLimit, Shared};
+use crate::key::PeerIp;
+use crate::limits::{CostFn, HeaderStyle, Limits, MissingKey, OnStoreError, Route, Tiers};
+use crate::response::{Rejection, RejectionHandler, default_rejection};
+
+/// Applies rate limits to a service: see the [module docs](super) for a tour.
+///
+/// Built with [`RateLimitLayer::builder`]; cloning it (and every service it builds)
+/// shares one set of limits.
+pub struct RateLimitLayer<St, K = PeerIp> {
+    shared: Arc<Shared<St>>,
+    key: Arc<K>,
+}
+
+impl<St, K> Clone for RateLimitLayer<St, K> {
+    fn clone(&self) -> Self {
+        RateLimitLayer {
+            shared: Arc::clone(&self.shared),
+            key: Arc::clone(&self.key),
+        }
+    }
+}
+
+impl<St, K> fmt::Debug for RateLimitLayer<St, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("limits", &self.shared.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store> RateLimitLayer<St, PeerIp> {
+    /// Starts a layer over `store` whose callers without a tier get `default_policy`;
+    /// callers are keyed by peer address until [`RateLimitLayerBuilder::key`] says
+    /// otherwise.
+    pub fn builder(store: St, default_policy: Policy) -> RateLimitLayerBuilder<St, PeerIp> {
+        RateLimitLayerBuilder {
+            store,
+            key: PeerIp::new(),
+            policies: vec![default_policy],
+            tier_names: Vec::new(),
+            tiers: None,
+            routes: Vec::new(),
+            errors: Vec::new(),
+            cost: None,
+            missing: MissingKey::FallbackToIp,
+            on_error: OnStoreError::Allow,
+            headers: HeaderStyle::Legacy,
+            clock: Arc::new(SystemClock),
+            on_rejected: Arc::new(default_rejection),
+        }
+    }
+}
+
+impl<St, K> RateLimitLayer<St, K> {
+    /// The shared state and key extractor, for other front ends over the same limits.
+    #[cfg_attr(not(feature = "tonic"), allow(dead_code))]
+    pub(crate) fn parts(&self) -> (Arc<Shared<St>>, Arc<K>) {
+        (Arc::clone(&self.shared), Arc::clone(&self.key))
+    }
+}
+
+impl<S, St, K> Layer<S> for RateLimitLayer<St, K> {
+    type Service = RateLimit<S, St, K>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::new(inner, Arc::clone(&self.shared), Arc::clone(&self.key))
+    }
+}
+
+/// Builds a [`RateLimitLayer`]; every setting is checked by [`build`](Self::build).
+#[must_use]
+pub struct RateLimitLayerBuilder<St, K> {
+    store: St,
+    key: K,
+    policies: Vec<Policy>,
+    tier_names: Vec<(String, usize)>,
+    tiers: Option<Box<dyn Tiers>>,
+    routes: Vec<Route>,
+    errors: Vec<ConfigError>,
+    cost: Option<CostFn>,
+    missing: MissingKey,
+    on_error: OnStoreError,
+    headers: HeaderStyle,
+    clock: Arc<dyn Clock>,
+    on_rejected: RejectionHandler,
+}
+
+impl<St, K> fmt::Debug for RateLimitLayerBuilder<St, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayerBuilder")
+            .field(
+                "policies",
+                &self.policies.iter().map(Policy::name).collect::<Vec<_>>(),
+            )
+            .field("routes", &self.routes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store, K> RateLimitLayerBuilder<St, K> {
+    /// Keys callers with `key` (default: [`PeerIp`]).
+    pub fn key<K2>(self, key: K2) -> RateLimitLayerBuilder<St, K2> {
+        RateLimitLayerBuilder {
+            store: self.store,
+            key,
+            policies: self.policies,
+            tier_names: self.tier_names,
+            tiers: self.tiers,
+            routes: self.routes,
+            errors: self.errors,
+            cost: self.cost,
+            missing: self.missing,
+            on_error: self.on_error,
+            headers: self.headers,
+            clock: self.clock,
+            on_rejected: self.on_rejected,
+        }
+    }
+
+    /// Adds a tier: callers whose [`Tiers`] resolver names `policy.name()` are limited by
+    /// `policy` instead of the default.
+    pub fn tier(mut self, policy: Policy) -> Self {
+        self.tier_names
+            .push((policy.name().to_owned(), self.policies.len()));
+        self.policies.push(policy);
+        self
+    }
+
+    /// Resolves each caller's tier (by name) from its key.
+    pub fn tiers(mut self, tiers: impl Tiers) -> Self {
+        self.tiers = Some(Box::new(tiers));
+        self
+    }
+
+    /// Adds a limit for requests to `pattern` (an exact path, or a prefix ending in
+    /// `/*`) with `method` (`None`: any method), checked as well as the caller's own
+    /// limit, per caller. All of a request's limits must pass; the headers report the most
+    /// restrictive. Limits are checked in order — the caller's own, then the routes' —
+    /// and a denial by a later one does not give back the unit an earlier one took.
+    pub fn route(mut self, method: Option<Method>, pattern: &str, policy: Policy) -> Self {
+        match Route::new(method, pattern, self.policies.len()) {
+            Ok(route) => {
+                self.routes.push(route);
+                self.policies.push(policy);
+            }
+            Err(e) => self.errors.push(e),
+        }
+        self
+    }
+
+    /// How many units a request costs (default 1), from its method, URI and headers.
+    pub fn cost(
+        mut self,
+        cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
+    ) -> Self {
+        self.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// What to do when the key extractor finds no key (default
+    /// [`MissingKey::FallbackToIp`]).
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
+        self.missing = missing;
+        self
+    }
+
+    /// What to do when the store fails (default [`OnStoreError::Allow`]).
+    pub fn on_store_error(mut self, on_error: OnStoreError) -> Self {
+        self.on_error = on_error;
+        self
+    }
+
+    /// Which headers to send (default [`HeaderStyle::Legacy`]).
+    pub fn headers(mut self, headers: HeaderStyle) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// The wall clock for `X-RateLimit-Reset` (default [`SystemClock`]; tests pass a
+    /// manual clock counting from the Unix epoch).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Builds the body of a denial yourself; the rate-limit headers are added to it.
+    pub fn on_rejected(
+        mut self,
+        handler: impl Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,
+    ) -> Self {
+        self.on_rejected = Arc::new(handler);
+        self
+    }
+
+    /// Checks the settings and builds the layer.
+    ///
+    /// # Errors
+    ///
+    /// When a route pattern is malformed, or two of the layer's policies share a name
+    /// (the name keeps their state apart in the store).
+    pub fn build(mut self) -> Result<RateLimitLayer<St, K>, ConfigError> {
+        if !self.errors.is_empty() {
+            return Err(self.errors.swap_remove(0));
+        }
+        let mut seen = HashSet::new();
+        for policy in &self.policies {
+            if !seen.insert(policy.name()) {
+                return Err(ConfigError::new(format!(
+                    "two policies are named {:?}: give every tier and route policy its own name, \
+                     since the name keeps their counts apart",
+                    policy.name()
+                )));
+            }
+        }
+        let limits = Limits::new(self.policies, self.tier_names, self.tiers, self.routes);
+        Ok(RateLimitLayer {
+            shared: Arc::new(Shared {
+                store: self.store,
+                limits,
+                cost: self.cost,
+                missing: self.missing,
+                on_error: self.on_error,
+                headers: self.headers,
+                clock: self.clock,
+                on_rejected: self.on_rejected,
+            }),
+            key: Arc::new(self.key),
+        })
+    }
+}

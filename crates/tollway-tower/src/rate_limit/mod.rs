@@ -1,0 +1,104 @@
+//! Rate limiting for tower services.
+//!
+//! [`RateLimitLayer`] decides, per caller, whether a request may reach the service. It
+//! finds the caller's [`Key`](crate::Key) with a [`KeyExtractor`](crate::KeyExtractor),
+//! picks the caller's policies (a tier, or the default, plus any route limits), asks the
+//! [`Store`](tollway_core::Store) once per policy, and then either calls the service — adding
+//! `X-RateLimit-*` headers to its response — or answers `429 Too Many Requests` with
+//! `Retry-After` and a JSON body. A shaping policy holds the request for its delay first.
+//!
+//! A denial is a response, not an error, so the layer fits axum (which wants
+//! `Infallible`) and keeps connections open. Clones share their limits: the state lives in
+//! the store, never in a service instance.
+//!
+//! # Examples
+//!
+//! A default: every peer address at 2 requests a second.
+//!
+//! ```
+//! use std::net::SocketAddr;
+//! use bytes::Bytes;
+//! use http::{Request, Response, StatusCode};
+//! use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
+//! use tollway_tower::RateLimitLayer;
+//! use tower::{Service, ServiceBuilder, ServiceExt};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let policy = Policy::new("per-ip", Algorithm::TokenBucket, Quota::per_second(2)?)?;
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), policy).build()?;
+//! let mut service = ServiceBuilder::new().layer(layer).service_fn(|_req: Request<()>| async {
+//!     Ok::<_, std::convert::Infallible>(Response::new(Bytes::from("hello")))
+//! });
+//!
+//! let request = || {
+//!     let mut req = Request::new(());
+//!     req.extensions_mut().insert("198.51.100.7:50000".parse::<SocketAddr>().unwrap());
+//!     req
+//! };
+//! let first = service.ready().await?.call(request()).await?;
+//! assert_eq!(first.headers()["x-ratelimit-remaining"], "1");
+//! service.ready().await?.call(request()).await?;
+//! let third = service.ready().await?.call(request()).await?;
+//! assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+//! assert_eq!(third.headers()["retry-after"], "1");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Customised: API keys with Free and Pro tiers, anonymous callers by IP, a tighter limit
+//! on checkout, and the IETF headers beside the legacy ones.
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use http::Method;
+//! use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
+//! use tollway_tower::{Header, HeaderStyle, RateLimitLayer};
+//!
+//! # fn main() -> Result<(), tollway_core::ConfigError> {
+//! let anonymous = Policy::new("anonymous", Algorithm::TokenBucket, Quota::per_minute(20)?)?;
+//! let free = Policy::new("free", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
+//! let pro = Policy::new("pro", Algorithm::TokenBucket, Quota::per_minute(10_000)?)?;
+//! let checkout = Policy::new("checkout", Algorithm::SlidingWindowLog, Quota::per_minute(5)?)?;
+//! let keys = HashMap::from([
+//!     ("demo-free-key".to_owned(), "free".to_owned()),
+//!     ("demo-pro-key".to_owned(), "pro".to_owned()),
+//! ]);
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), anonymous)
+//!     .key(Header::new("x-api-key")?) // no header: falls back to the peer IP
+//!     .tier(free)
+//!     .tier(pro)
+//!     .tiers(keys)
+//!     .route(Some(Method::POST), "/api/v1/checkout", checkout)
+//!     .headers(HeaderStyle::Both)
+//!     .build()?;
+//! # let _ = layer;
+//! # Ok(())
+//! # }
+//! ```
+
+mod future;
+mod layer;
+mod service;
+
+use std::sync::Arc;
+
+pub use future::ResponseFuture;
+pub use layer::{RateLimitLayer, RateLimitLayerBuilder};
+pub use service::RateLimit;
+use tollway_core::Clock;
+
+use crate::limits::{CostFn, HeaderStyle, Limits, MissingKey, OnStoreError};
+use crate::response::RejectionHandler;
+
+/// What every clone of a layer and its services shares.
+pub(crate) struct Shared<St> {
+    pub(crate) store: St,
+    pub(crate) limits: Limits,
+    pub(crate) cost: Option<CostFn>,
+    pub(crate) missing: MissingKey,
+    pub(crate) on_error: OnStoreError,
+    pub(crate) headers: HeaderStyle,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) on_rejected: RejectionHandler,
+}
