@@ -55,8 +55,8 @@ pub use error::{ConfigError, StoreError};
 pub use policy::{MAX_POLICY_NAME, Policy};
 pub use quota::Quota;
 pub use store::{
-    BreakerState, MemoryStore, MemoryStoreBuilder, Resilient, ResilientBuilder, ResilientFuture,
-    Store, WhenFull,
+    BreakerState, CircuitBreaker, CircuitBreakerBuilder, CircuitBreakerFuture, MemoryStore,
+    MemoryStoreBuilder, Store, WhenFull,
 };
 #[cfg(feature = "redis")]
 pub use store::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};

@@ -6,7 +6,8 @@ use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use hashbrown::HashTable;
-use spin::mutex::{SpinMutex, SpinMutexGuard};
+use spin::mutex::SpinMutex;
+use spin::relax::Yield;
 
 use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::{
@@ -88,43 +89,15 @@ struct Shared<C> {
 /// One lock and its tables, on a cache line of its own so that two cores working on
 /// neighbouring shards do not contend.
 ///
-/// The lock is a spin lock whose release is a plain store: a decision holds it for a few
-/// tens of nanoseconds, and taking and releasing it then costs one atomic operation
-/// where a parking mutex costs two — measurably, at ~25 ns a decision (BENCHMARKS.md).
-/// A sweep holds it longer, O(keys in the shard): tens of microseconds for the default
-/// bound's 16,384 keys a shard, once per doubling of the shard. A thread that finds it
-/// taken spins briefly, then yields its core until it is free, so a holder that was
-/// preempted gets to run; waiters do not sleep.
+/// The lock is `spin`'s spin lock, whose release is a plain store, with its `Yield`
+/// strategy: a waiter yields its core until the lock is free, so a holder that was
+/// preempted gets to run. A decision holds it for a few tens of nanoseconds, and taking
+/// and releasing it costs one atomic operation where a parking mutex (`parking_lot`)
+/// costs two: 4–5 ns of a 22–25 ns decision in the interleaved bench (BENCHMARKS.md). A
+/// sweep holds it longer, O(keys in the shard): tens of microseconds for the default
+/// bound's 16,384 keys a shard, once per doubling of the shard.
 #[repr(align(128))]
-struct Shard(SpinMutex<Table>);
-
-impl Shard {
-    #[inline]
-    fn lock(&self) -> SpinMutexGuard<'_, Table> {
-        match self.0.try_lock() {
-            Some(table) => table,
-            None => self.lock_contended(),
-        }
-    }
-
-    #[cold]
-    fn lock_contended(&self) -> SpinMutexGuard<'_, Table> {
-        let mut spins = 0u32;
-        loop {
-            while self.0.is_locked() {
-                if spins < 100 {
-                    spins += 1;
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
-            }
-            if let Some(table) = self.0.try_lock() {
-                return table;
-            }
-        }
-    }
-}
+struct Shard(SpinMutex<Table, Yield>);
 
 struct Table {
     /// Fixed-size states: `(key hash, slot)`, 24 bytes an entry.
@@ -217,7 +190,7 @@ impl<C: Clock> MemoryStore<C> {
         let now = shared.clock.now_micros();
         let hash = shared.hasher.hash_one((policy.id(), key));
         let shard = &shared.shards[((hash >> 32) & shared.shard_mask) as usize];
-        let mut table = shard.lock();
+        let mut table = shard.0.lock();
         table.check(
             hash,
             now,
@@ -231,7 +204,7 @@ impl<C: Clock> MemoryStore<C> {
     /// The number of keys held, idle ones not yet swept included.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.shared.shards.iter().map(|s| s.lock().len()).sum()
+        self.shared.shards.iter().map(|s| s.0.lock().len()).sum()
     }
 
     /// Whether no key is held.
@@ -249,7 +222,7 @@ impl<C: Clock> MemoryStore<C> {
             .shards
             .iter()
             .map(|s| {
-                let mut table = s.lock();
+                let mut table = s.0.lock();
                 table.sweep(now, self.shared.max_per_shard);
                 table.len()
             })
@@ -315,7 +288,7 @@ impl Table {
             Algorithm::Gcra => self.check_slot(hash, now, max, when_full, |s| {
                 packed(gcra::check, s, now, q, c)
             }),
-            _ => self.check_log(hash, now, policy, cost, max, when_full),
+            Algorithm::SlidingWindowLog => self.check_log(hash, now, policy, cost, max, when_full),
         }
     }
 

@@ -4,17 +4,17 @@
 //! state in this process, for one node; the Redis store (feature `redis`) keeps it in
 //! Redis, for a fleet of nodes sharing one limit.
 
+mod breaker;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
-mod resilient;
 
 use std::future::Future;
 
 #[cfg(feature = "redis")]
 pub use self::redis::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};
+pub use breaker::{BreakerState, CircuitBreaker, CircuitBreakerBuilder, CircuitBreakerFuture};
 pub use memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
-pub use resilient::{BreakerState, Resilient, ResilientBuilder, ResilientFuture};
 
 use crate::{Decision, Policy, StoreError};
 

@@ -35,28 +35,62 @@ macro_rules! script {
     };
 }
 
-/// One composed script per algorithm, in [`Algorithm::ALL`] order: the prelude, the
-/// files it needs, its entry call.
-const SOURCES: [&str; 7] = [
-    script!("token_bucket.lua"; "return run(token_bucket)"),
-    script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_meter)"),
-    script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_shaper)"),
-    script!("fixed_window.lua"; "return run(fixed_window)"),
-    script!("sliding_window_log.lua"; "return run_log()"),
-    script!("sliding_window_counter.lua"; "return run(sliding_window_counter)"),
-    script!("gcra.lua"; "return run(gcra)"),
-];
+/// An algorithm's composed script: the prelude, the files it needs, its entry call.
+fn source(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::TokenBucket => script!("token_bucket.lua"; "return run(token_bucket)"),
+        Algorithm::LeakyBucket => {
+            script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_meter)")
+        }
+        Algorithm::LeakyBucketShaper => {
+            script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_shaper)")
+        }
+        Algorithm::FixedWindow => script!("fixed_window.lua"; "return run(fixed_window)"),
+        Algorithm::SlidingWindowLog => script!("sliding_window_log.lua"; "return run_log()"),
+        Algorithm::SlidingWindowCounter => {
+            script!("sliding_window_counter.lua"; "return run(sliding_window_counter)")
+        }
+        Algorithm::Gcra => script!("gcra.lua"; "return run(gcra)"),
+    }
+}
 
-/// The scripts with their SHA-1s, computed once.
-static SCRIPTS: LazyLock<[Script; 7]> = LazyLock::new(|| SOURCES.map(Script::new));
+/// Every algorithm's script with its SHA-1, computed once.
+struct Scripts {
+    token_bucket: Script,
+    leaky_meter: Script,
+    leaky_shaper: Script,
+    fixed_window: Script,
+    sliding_log: Script,
+    sliding_counter: Script,
+    gcra: Script,
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
+    let script = |algorithm| Script::new(source(algorithm));
+    Scripts {
+        token_bucket: script(Algorithm::TokenBucket),
+        leaky_meter: script(Algorithm::LeakyBucket),
+        leaky_shaper: script(Algorithm::LeakyBucketShaper),
+        fixed_window: script(Algorithm::FixedWindow),
+        sliding_log: script(Algorithm::SlidingWindowLog),
+        sliding_counter: script(Algorithm::SlidingWindowCounter),
+        gcra: script(Algorithm::Gcra),
+    }
+});
 
 /// An algorithm's script and its source.
 fn script(algorithm: Algorithm) -> (&'static Script, &'static str) {
-    let i = Algorithm::ALL
-        .iter()
-        .position(|a| *a == algorithm)
-        .unwrap_or(0);
-    (&SCRIPTS[i], SOURCES[i])
+    let scripts = &*SCRIPTS;
+    let script = match algorithm {
+        Algorithm::TokenBucket => &scripts.token_bucket,
+        Algorithm::LeakyBucket => &scripts.leaky_meter,
+        Algorithm::LeakyBucketShaper => &scripts.leaky_shaper,
+        Algorithm::FixedWindow => &scripts.fixed_window,
+        Algorithm::SlidingWindowLog => &scripts.sliding_log,
+        Algorithm::SlidingWindowCounter => &scripts.sliding_counter,
+        Algorithm::Gcra => &scripts.gcra,
+    };
+    (script, source(algorithm))
 }
 
 /// A short, stable suffix per algorithm, so that changing a policy's algorithm never

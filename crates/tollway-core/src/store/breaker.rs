@@ -13,7 +13,7 @@ use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
 use crate::{Decision, MemoryStore, Policy, Quota, Store, StoreError};
 
-/// Where a [`Resilient`] store's circuit breaker stands.
+/// Where a [`CircuitBreaker`] store's circuit breaker stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum BreakerState {
@@ -36,17 +36,17 @@ type Listener = Arc<dyn Fn(BreakerState) + Send + Sync>;
 /// from the local fallback if one is configured — a memory store that gives this node
 /// `share` of each quota (with ten gateways, 0.1) — or else is the primary's error, which
 /// the caller turns into "let through" (fail open) or "reject" (fail closed). Every state
-/// change is logged with `tracing` and reported to [`ResilientBuilder::on_state_change`];
-/// [`Resilient::state`] reads it at any time.
+/// change is logged with `tracing` and reported to [`CircuitBreakerBuilder::on_state_change`];
+/// [`CircuitBreaker::state`] reads it at any time.
 ///
 /// # Examples
 ///
 /// ```
 /// use std::time::Duration;
-/// use tollway_core::{Algorithm, BreakerState, MemoryStore, Policy, Quota, Resilient};
+/// use tollway_core::{Algorithm, BreakerState, MemoryStore, Policy, Quota, CircuitBreaker};
 ///
 /// // Any store can be wrapped; in production the primary is a RedisStore.
-/// let store = Resilient::builder(MemoryStore::new())
+/// let store = CircuitBreaker::builder(MemoryStore::new())
 ///     .threshold(3)
 ///     .cool_down(Duration::from_millis(250))
 ///     .local_fallback(0.1)
@@ -56,7 +56,7 @@ type Listener = Arc<dyn Fn(BreakerState) + Send + Sync>;
 /// # let _ = policy;
 /// # Ok::<(), tollway_core::ConfigError>(())
 /// ```
-pub struct Resilient<S, C = MonotonicClock> {
+pub struct CircuitBreaker<S, C = MonotonicClock> {
     inner: Arc<Inner<S, C>>,
 }
 
@@ -85,24 +85,27 @@ struct Breaker {
     probing: bool,
 }
 
-/// What the breaker lets one call do.
-enum Route {
-    Primary,
+/// What the breaker lets one decision do.
+enum Permit {
+    /// Go to the primary store (closed).
+    Call,
+    /// Go to the primary store as the one probe of a half-open breaker.
     Probe,
+    /// Not go to the primary store (open, or half-open with its probe under way).
     Skip,
 }
 
-impl<S, C> Clone for Resilient<S, C> {
+impl<S, C> Clone for CircuitBreaker<S, C> {
     fn clone(&self) -> Self {
-        Resilient {
+        CircuitBreaker {
             inner: Arc::clone(&self.inner),
         }
     }
 }
 
-impl<S, C> fmt::Debug for Resilient<S, C> {
+impl<S, C> fmt::Debug for CircuitBreaker<S, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Resilient")
+        f.debug_struct("CircuitBreaker")
             .field("breaker", &*self.inner.breaker.lock())
             .field("threshold", &self.inner.threshold)
             .field("cool_down_us", &self.inner.cool_down_us)
@@ -114,10 +117,10 @@ impl<S, C> fmt::Debug for Resilient<S, C> {
     }
 }
 
-impl<S: Store> Resilient<S, MonotonicClock> {
+impl<S: Store> CircuitBreaker<S, MonotonicClock> {
     /// Wraps `primary`: 5 failures open the breaker for 250 ms; no local fallback.
-    pub fn builder(primary: S) -> ResilientBuilder<S, MonotonicClock> {
-        ResilientBuilder {
+    pub fn builder(primary: S) -> CircuitBreakerBuilder<S, MonotonicClock> {
+        CircuitBreakerBuilder {
             primary,
             clock: MonotonicClock::new(),
             threshold: 5,
@@ -128,7 +131,7 @@ impl<S: Store> Resilient<S, MonotonicClock> {
     }
 }
 
-impl<S: Store, C: Clock + Clone> Resilient<S, C> {
+impl<S: Store, C: Clock + Clone> CircuitBreaker<S, C> {
     /// The breaker's state now.
     #[must_use]
     pub fn state(&self) -> BreakerState {
@@ -165,20 +168,20 @@ impl<S, C: Clock> Inner<S, C> {
         }
     }
 
-    fn route(&self) -> Route {
+    fn permit(&self) -> Permit {
         let mut b = self.breaker.lock();
         match b.state {
-            BreakerState::Closed => Route::Primary,
+            BreakerState::Closed => Permit::Call,
             BreakerState::Open if self.clock.now_micros() >= b.open_until_us => {
                 self.set(&mut b, BreakerState::HalfOpen);
                 b.probing = true;
-                Route::Probe
+                Permit::Probe
             }
             BreakerState::HalfOpen if !b.probing => {
                 b.probing = true;
-                Route::Probe
+                Permit::Probe
             }
-            _ => Route::Skip,
+            BreakerState::Open | BreakerState::HalfOpen => Permit::Skip,
         }
     }
 
@@ -232,22 +235,22 @@ fn scale(policy: &Policy, share: f64) -> Result<Policy, ConfigError> {
     Policy::new(policy.name(), policy.algorithm(), quota)
 }
 
-/// The boxed future of a [`Resilient`] decision.
-pub type ResilientFuture = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+/// The boxed future of a [`CircuitBreaker`] decision.
+pub type CircuitBreakerFuture = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
 
-impl<S, C> Store for Resilient<S, C>
+impl<S, C> Store for CircuitBreaker<S, C>
 where
     S: Store,
     C: Clock + Clone,
 {
-    type Future = ResilientFuture;
+    type Future = CircuitBreakerFuture;
 
     fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
         let inner = Arc::clone(&self.inner);
-        let probe = match inner.route() {
-            Route::Primary => false,
-            Route::Probe => true,
-            Route::Skip => {
+        let probe = match inner.permit() {
+            Permit::Call => false,
+            Permit::Probe => true,
+            Permit::Skip => {
                 let answer = match &inner.fallback {
                     Some(fallback) => fallback.decide(key, policy, cost),
                     None => Err(StoreError::new(
@@ -303,9 +306,9 @@ impl<S, C> Drop for AbandonedProbe<S, C> {
     }
 }
 
-/// Builds a [`Resilient`] store.
+/// Builds a [`CircuitBreaker`] store.
 #[must_use]
-pub struct ResilientBuilder<S, C> {
+pub struct CircuitBreakerBuilder<S, C> {
     primary: S,
     clock: C,
     threshold: u32,
@@ -314,9 +317,9 @@ pub struct ResilientBuilder<S, C> {
     listener: Option<Listener>,
 }
 
-impl<S, C> fmt::Debug for ResilientBuilder<S, C> {
+impl<S, C> fmt::Debug for CircuitBreakerBuilder<S, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResilientBuilder")
+        f.debug_struct("CircuitBreakerBuilder")
             .field("threshold", &self.threshold)
             .field("cool_down", &self.cool_down)
             .field("share", &self.share)
@@ -324,7 +327,7 @@ impl<S, C> fmt::Debug for ResilientBuilder<S, C> {
     }
 }
 
-impl<S: Store, C: Clock + Clone> ResilientBuilder<S, C> {
+impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
     /// Consecutive failures that open the breaker (default 5).
     pub fn threshold(mut self, failures: u32) -> Self {
         self.threshold = failures;
@@ -354,8 +357,8 @@ impl<S: Store, C: Clock + Clone> ResilientBuilder<S, C> {
     }
 
     /// Reads time from `clock` (the breaker's cool-down and the fallback's limits).
-    pub fn clock<D: Clock + Clone>(self, clock: D) -> ResilientBuilder<S, D> {
-        ResilientBuilder {
+    pub fn clock<D: Clock + Clone>(self, clock: D) -> CircuitBreakerBuilder<S, D> {
+        CircuitBreakerBuilder {
             primary: self.primary,
             clock,
             threshold: self.threshold,
@@ -370,7 +373,7 @@ impl<S: Store, C: Clock + Clone> ResilientBuilder<S, C> {
     /// # Errors
     ///
     /// When the threshold is zero, or the share is not in (0, 1].
-    pub fn build(self) -> Result<Resilient<S, C>, ConfigError> {
+    pub fn build(self) -> Result<CircuitBreaker<S, C>, ConfigError> {
         if self.threshold == 0 {
             return Err(ConfigError::new(
                 "breaker threshold must be at least 1 failure: 0 would never call the store",
@@ -390,7 +393,7 @@ impl<S: Store, C: Clock + Clone> ResilientBuilder<S, C> {
                 )));
             }
         };
-        Ok(Resilient {
+        Ok(CircuitBreaker {
             inner: Arc::new(Inner {
                 primary: self.primary,
                 fallback,
@@ -452,7 +455,7 @@ mod tests {
         let flaky = Flaky::default();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = Arc::clone(&seen);
-        let store = Resilient::builder(flaky.clone())
+        let store = CircuitBreaker::builder(flaky.clone())
             .threshold(3)
             .cool_down(Duration::from_millis(100))
             .on_state_change(move |s| log.lock().push(s))
@@ -497,7 +500,7 @@ mod tests {
         let clock = ManualClock::new();
         let flaky = Flaky::default();
         flaky.down.store(true, Ordering::SeqCst);
-        let store = Resilient::builder(flaky)
+        let store = CircuitBreaker::builder(flaky)
             .local_fallback(0.25)
             .clock(clock)
             .build()
@@ -513,19 +516,19 @@ mod tests {
     #[test]
     fn bad_settings_fail_when_built() {
         assert!(
-            Resilient::builder(Flaky::default())
+            CircuitBreaker::builder(Flaky::default())
                 .threshold(0)
                 .build()
                 .is_err()
         );
         assert!(
-            Resilient::builder(Flaky::default())
+            CircuitBreaker::builder(Flaky::default())
                 .local_fallback(0.0)
                 .build()
                 .is_err()
         );
         assert!(
-            Resilient::builder(Flaky::default())
+            CircuitBreaker::builder(Flaky::default())
                 .local_fallback(1.5)
                 .build()
                 .is_err()
