@@ -33,8 +33,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tollway_tower::core::{Algorithm, Policy, Quota, Store};
-use tollway_tower::{HeaderStyle, RateLimitLayer};
+use tollway_tower::{Algorithm, HeaderStyle, Policy, Quota, RateLimitLayer, Store};
 
 #[tokio::main]
 async fn main() -> ExitCode {

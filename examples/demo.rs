@@ -10,8 +10,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use tollway_tower::core::{Algorithm, ConfigError, Policy, Quota, RedisStore};
-use tollway_tower::{Header, Key, KeyExtractor};
+use tollway_tower::{Algorithm, ApiKey, ConfigError, Key, KeyExtractor, Policy, Quota, RedisStore};
 use tracing_subscriber::EnvFilter;
 
 /// The demo API keys and the tier each belongs to.
@@ -83,7 +82,7 @@ macro_rules! serve_with_store_from_env {
             }
             Err(_) => {
                 println!("store: memory (this process only; set REDIS_URL to share limits)");
-                $serve(tollway_tower::core::MemoryStore::new(), $($arg),*).await
+                $serve(tollway_tower::MemoryStore::new(), $($arg),*).await
             }
         }
     };
@@ -113,7 +112,7 @@ pub fn tiers() -> HashMap<String, String> {
 pub fn known_api_key<B>()
 -> Result<impl Fn(&http::Request<B>) -> Option<Key> + Send + Sync + 'static, ConfigError> {
     let known = Arc::new(tiers());
-    let api_key = Header::new("x-api-key")?;
+    let api_key = ApiKey::header("x-api-key")?;
     Ok(move |request: &http::Request<B>| {
         api_key.extract(request).filter(|key: &Key| {
             std::str::from_utf8(key.value()).is_ok_and(|value| known.contains_key(value))

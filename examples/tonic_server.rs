@@ -37,8 +37,7 @@ use grpc_demo::{Catalog, EXPORT};
 use http::Method;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tollway_tower::core::{Algorithm, Policy, Quota, Store};
-use tollway_tower::{HeaderStyle, RateLimitLayer};
+use tollway_tower::{Algorithm, HeaderStyle, Policy, Quota, RateLimitLayer, Store};
 use tonic::transport::Server;
 
 #[tokio::main]

@@ -1,7 +1,7 @@
 //! A fleet of gateways against real Redis processes: the store suite of
 //! tests/redis_store.rs on a local Redis Cluster, the deny cache's savings, and faults —
 //! a server killed and restarted under load, paused, its scripts flushed, a cluster
-//! master killed — through the `Resilient` wrapper.
+//! master killed — through the `CircuitBreaker` wrapper.
 //!
 //! Where the point is a decision's value, time is a manual clock. Where real processes
 //! fail, restart or fail over, real time passes: the tests then wait for the condition
@@ -28,8 +28,8 @@ use support::RedisServer;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tollway_core::{
-    Algorithm, BreakerState, Decision, ManualClock, Policy, Quota, RedisStore, Resilient, Store,
-    StoreError,
+    Algorithm, BreakerState, CircuitBreaker, Decision, ManualClock, Policy, Quota, RedisStore,
+    Store, StoreError,
 };
 
 /// Drops its items: tests/redis_store.rs keeps its one-server tests inside
@@ -331,7 +331,7 @@ async fn redis_dies_and_comes_back_under_load(fallback: bool) {
         .unwrap();
     let states = Arc::new(Mutex::new(Vec::new()));
     let log = Arc::clone(&states);
-    let mut resilient = Resilient::builder(redis)
+    let mut resilient = CircuitBreaker::builder(redis)
         .threshold(5)
         .cool_down(COOL_DOWN)
         .on_state_change(move |s| log.lock().unwrap().push(s));
@@ -610,7 +610,7 @@ async fn a_killed_cluster_master_is_replaced_and_the_limiter_carries_on() {
         .connect_cluster(&urls)
         .await
         .unwrap();
-    let store = Resilient::builder(redis)
+    let store = CircuitBreaker::builder(redis)
         .threshold(5)
         .cool_down(COOL_DOWN)
         .local_fallback(0.5)
@@ -715,7 +715,7 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
         .unwrap();
     // The breaker's cool-down runs on a manual clock: the test moves it, never waits.
     let clock = ManualClock::new();
-    let store = Resilient::builder(redis)
+    let store = CircuitBreaker::builder(redis)
         .threshold(1)
         .cool_down(COOL_DOWN)
         .clock(clock.clone())

@@ -35,7 +35,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
 use tollway_core::{Algorithm, ManualClock, Policy, Quota, RedisStore, Store};
-use tollway_tower::{Header, HeaderStyle, KeyExtractor, MissingKey, OnStoreError, RateLimitLayer};
+use tollway_tower::{ApiKey, HeaderStyle, KeyExtractor, MissingKey, OnStoreError, RateLimitLayer};
 use tonic::metadata::MetadataMap;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Server;
@@ -241,7 +241,7 @@ fn assert_exhausted<'a, T: std::fmt::Debug>(
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert_eq!(
         status.message(),
-        format!("rate limit exceeded; retry after {secs} seconds")
+        format!("API rate limit exceeded. Please retry after {secs} seconds.")
     );
     let details = status.get_error_details();
     assert_eq!(
@@ -287,7 +287,7 @@ both_stores! {
     async fn over_the_limit_is_resource_exhausted_with_exact_retry_info(store, clock) {
         let catalog = Catalog::new();
         let layer = RateLimitLayer::builder(store, per_minute("per-caller", 3))
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &catalog).await;
@@ -338,10 +338,10 @@ both_stores! {
     async fn export_is_limited_tighter_than_lookup(store, clock) {
         let catalog = Catalog::new();
         let layer = RateLimitLayer::builder(store, per_minute("per-caller", 20))
-            .key(Header::new("x-api-key").unwrap())
+            .key(ApiKey::header("x-api-key").unwrap())
             .route(Some(Method::POST), EXPORT, per_minute("export", 3))
             .headers(HeaderStyle::Both)
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &catalog).await;
@@ -402,11 +402,11 @@ both_stores! {
             ("pro-key-1".to_owned(), "pro".to_owned()),
         ]);
         let layer = RateLimitLayer::builder(store, per_minute("anonymous", 2))
-            .key(Header::new("x-api-key").unwrap())
+            .key(ApiKey::header("x-api-key").unwrap())
             .tier(per_minute("free", 5))
             .tier(per_minute("pro", 100))
             .tiers(tiers)
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &catalog).await;
@@ -447,9 +447,9 @@ async fn a_missing_key_rejected_is_unauthenticated() {
     let clock = ManualClock::at_micros(EPOCH_US);
     let catalog = Catalog::new();
     let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("keyed", 2))
-        .key(Header::new("x-api-key").unwrap())
+        .key(ApiKey::header("x-api-key").unwrap())
         .on_missing_key(MissingKey::Reject(StatusCode::UNAUTHORIZED))
-        .clock(clock.clone())
+        .wall_clock(clock.clone())
         .build()
         .unwrap();
     let server = serve(layer, &catalog).await;
@@ -480,8 +480,8 @@ async fn the_interceptor_denies_with_retry_info_and_shares_the_layers_limits() {
     let clock = ManualClock::at_micros(EPOCH_US);
     let catalog = Catalog::new();
     let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("per-key", 2))
-        .key(Header::new("x-api-key").unwrap())
-        .clock(clock.clone())
+        .key(ApiKey::header("x-api-key").unwrap())
+        .wall_clock(clock.clone())
         .build()
         .unwrap();
     let interceptor = layer.interceptor().unwrap();
@@ -546,7 +546,7 @@ fn the_interceptor_prices_a_call_as_a_post_to_its_method() {
 
     let clock = ManualClock::at_micros(EPOCH_US);
     let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("per-key", 10))
-        .key(Header::new("x-api-key").unwrap())
+        .key(ApiKey::header("x-api-key").unwrap())
         .route(Some(Method::POST), EXPORT, per_minute("export", 6))
         .cost(|method: &Method, uri: &http::Uri, _: &http::HeaderMap| {
             if method == Method::POST && uri.path() == EXPORT {
@@ -555,7 +555,7 @@ fn the_interceptor_prices_a_call_as_a_post_to_its_method() {
                 1
             }
         })
-        .clock(clock.clone())
+        .wall_clock(clock.clone())
         .build()
         .unwrap();
     let mut interceptor = layer.interceptor().unwrap();
@@ -634,12 +634,12 @@ async fn a_dead_redis_gets_the_configured_grpc_answer() {
     let catalog = Catalog::new();
     let closed = RateLimitLayer::builder(store.clone(), per_minute("fail-closed", 10))
         .on_store_error(OnStoreError::Reject)
-        .clock(clock.clone())
+        .wall_clock(clock.clone())
         .build()
         .unwrap();
     let open = RateLimitLayer::builder(store, per_minute("fail-open", 10))
         .on_store_error(OnStoreError::Allow)
-        .clock(clock.clone())
+        .wall_clock(clock.clone())
         .build()
         .unwrap();
     let closed_server = serve(closed, &catalog).await;
@@ -681,7 +681,7 @@ async fn plain_http_through_the_grpc_server_gets_a_json_429() {
     let clock = ManualClock::at_micros(EPOCH_US);
     let catalog = Catalog::new();
     let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("per-ip", 1))
-        .clock(clock.clone())
+        .wall_clock(clock.clone())
         .build()
         .unwrap();
     let server = serve(layer, &catalog).await;

@@ -33,7 +33,7 @@ use tollway_core::{
     Algorithm, Decision, ManualClock, Policy, Quota, RedisStore, Store, StoreError,
 };
 use tollway_tower::{
-    ClientIp, Header, HeaderStyle, KeyExtractor, MissingKey, OnStoreError, RateLimitLayer,
+    ApiKey, ClientIp, HeaderStyle, KeyExtractor, MissingKey, OnStoreError, RateLimitLayer,
     Rejection,
 };
 use web::{Reply, Server};
@@ -147,7 +147,7 @@ both_stores! {
     async fn exact_headers_and_body_on_a_manual_clock(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("per-ip", 3))
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -191,7 +191,7 @@ both_stores! {
         let hits = Hits::default();
         let ietf = RateLimitLayer::builder(store.clone(), per_minute("free", 100))
             .headers(HeaderStyle::Ietf)
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let ietf = serve(ietf, &hits).await;
@@ -206,7 +206,7 @@ both_stores! {
 
         let both = RateLimitLayer::builder(store, per_minute("tiny", 2))
             .headers(HeaderStyle::Both)
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let both_server = serve(both, &hits).await;
@@ -247,7 +247,7 @@ both_stores! {
                     .body(Bytes::from(body))
                     .unwrap()
             })
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -283,11 +283,11 @@ both_stores! {
             ("pro-key-1".to_owned(), "pro".to_owned()),
         ]);
         let layer = RateLimitLayer::builder(store, per_minute("anonymous", 20))
-            .key(Header::new("x-api-key").unwrap())
+            .key(ApiKey::header("x-api-key").unwrap())
             .tier(per_minute("free", 100))
             .tier(per_minute("pro", 10_000))
             .tiers(tiers)
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -328,7 +328,7 @@ both_stores! {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("per-client", 2))
             .key(ClientIp::trusting(["10.0.0.0/8"]).unwrap())
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -359,7 +359,7 @@ both_stores! {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("per-client", 2))
             .key(ClientIp::trusting(["127.0.0.1"]).unwrap())
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -398,7 +398,7 @@ both_stores! {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("per-host", 2))
             .key(ClientIp::trusting(["127.0.0.1"]).unwrap())
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -428,9 +428,9 @@ both_stores! {
     async fn missing_key_reject_answers_the_configured_status(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("keyed", 2))
-            .key(Header::new("x-api-key").unwrap())
+            .key(ApiKey::header("x-api-key").unwrap())
             .on_missing_key(MissingKey::Reject(StatusCode::UNAUTHORIZED))
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -459,8 +459,8 @@ both_stores! {
     async fn missing_key_falls_back_to_the_peer_ip(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("keyed", 2))
-            .key(Header::new("x-api-key").unwrap())
-            .clock(clock.clone())
+            .key(ApiKey::header("x-api-key").unwrap())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -485,9 +485,9 @@ both_stores! {
     async fn missing_key_allow_lets_the_request_through(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("keyed", 1))
-            .key(Header::new("x-api-key").unwrap())
+            .key(ApiKey::header("x-api-key").unwrap())
             .on_missing_key(MissingKey::Allow)
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -517,10 +517,10 @@ both_stores! {
     async fn a_route_limit_denies_while_the_user_limit_has_room(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("per-user", 10))
-            .key(Header::new("x-api-key").unwrap())
+            .key(ApiKey::header("x-api-key").unwrap())
             .route(Some(Method::POST), "/api/v1/checkout", per_minute("checkout", 2))
             .headers(HeaderStyle::Both)
-            .clock(clock.clone())
+            .wall_clock(clock.clone())
             .build()
             .unwrap();
         let server = serve(layer, &hits).await;
@@ -643,7 +643,7 @@ async fn shaping_delays_instead_of_rejecting<St: Store>(store: St, clock: Manual
     let quota = Quota::per_second(10).unwrap().with_burst(4).unwrap();
     let policy = Policy::new("shaped", Algorithm::LeakyBucketShaper, quota).unwrap();
     let layer = RateLimitLayer::builder(store, policy)
-        .clock(clock.clone())
+        .wall_clock(clock.clone())
         .build()
         .unwrap();
     let (called, mut calls) = watch::channel(Vec::<Instant>::new());
@@ -767,12 +767,12 @@ async fn a_dead_redis_gets_the_configured_answer() {
     let (open_hits, closed_hits) = (Hits::default(), Hits::default());
     let open = RateLimitLayer::builder(store.clone(), per_minute("fail-open", 10))
         .on_store_error(OnStoreError::Allow)
-        .clock(clock.clone())
+        .wall_clock(clock.clone())
         .build()
         .unwrap();
     let closed = RateLimitLayer::builder(store, per_minute("fail-closed", 10))
         .on_store_error(OnStoreError::Reject)
-        .clock(clock.clone())
+        .wall_clock(clock.clone())
         .build()
         .unwrap();
     let open_server = serve(open, &open_hits).await;
@@ -816,7 +816,7 @@ async fn two_servers_sharing_one_redis_enforce_one_limit() {
         let mut servers = Vec::new();
         for store in [a, b] {
             let layer = RateLimitLayer::builder(store, per_minute("shared", 10))
-                .clock(clock.clone())
+                .wall_clock(clock.clone())
                 .build()
                 .unwrap();
             servers.push(serve(layer, &hits).await);

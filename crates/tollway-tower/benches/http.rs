@@ -81,7 +81,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tollway_core::{
-    Algorithm, BreakerState, MemoryStore, Policy, Quota, RedisStore, Resilient, Store,
+    Algorithm, BreakerState, CircuitBreaker, MemoryStore, Policy, Quota, RedisStore, Store,
 };
 use tollway_tower::{HeaderStyle, OnStoreError, RateLimitLayer};
 use tower_governor::GovernorLayer;
@@ -218,7 +218,7 @@ struct Fleet {
     /// The same without the cache: every denial is a script call.
     uncached: RedisStore,
     /// A store whose server has been killed, behind a breaker that is open.
-    dead: Resilient<RedisStore>,
+    dead: CircuitBreaker<RedisStore>,
 }
 
 /// A quota nothing in this benchmark reaches: a million a second, a burst of a billion.
@@ -650,7 +650,7 @@ fn main() -> Result<(), BoxError> {
                     .connect(&url)
                     .await
             };
-            let dead = Resilient::builder(store(doomed.url(), 0).await?)
+            let dead = CircuitBreaker::builder(store(doomed.url(), 0).await?)
                 .threshold(3)
                 .cool_down(Duration::from_secs(1))
                 .build()?;
@@ -690,9 +690,13 @@ fn main() -> Result<(), BoxError> {
             let addr = listener.local_addr()?;
             if variant == Variant::TollwayOutside {
                 // The layer around the whole router (`ServiceBuilder` style) rather than
-                // through `Router::layer`, which clones a boxed route per request.
+                // through `Router::layer`, which clones a boxed route per request; its
+                // body is turned back into axum's for `axum::serve`.
                 let layer = memory_layer(huge_quota()?, HeaderStyle::Legacy)?;
-                let service = tower::Layer::layer(&layer, app);
+                let service = tower::ServiceBuilder::new()
+                    .map_response(axum::response::IntoResponse::into_response)
+                    .layer(layer)
+                    .service(app);
                 let service = axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<SocketAddr>(service);
                 tokio::spawn(async move {
                     if let Err(e) = axum::serve(listener, service).await {

@@ -2,28 +2,54 @@
 //! tower stack.
 //!
 //! Start at [`RateLimitLayer`] (the [`rate_limit`] module has a tour). The algorithms,
-//! quotas and stores come from [`tollway_core`], re-exported as [`core`].
+//! quotas and stores come from [`tollway_core`]; the ones a layer needs are re-exported
+//! here, and the whole crate is too.
+//!
+//! A request goes one way through the layer: its [`Key`] (from a [`KeyExtractor`]), its
+//! limits (the caller's tier or the default policy, and the routes it calls), its cost,
+//! the [`Store`]'s decisions, and then the answer: the inner service's response with the
+//! rate-limit headers ([`HeaderStyle`]), or the layer's own — a 429 with `Retry-After`
+//! and a JSON body ([`default_rejection`]), or over gRPC a `RESOURCE_EXHAUSTED` status.
 //!
 //! Features: `axum` reads peer addresses from axum's `ConnectInfo`; `tonic` answers gRPC
-//! requests with `RESOURCE_EXHAUSTED` and retry details, reads tonic's `TcpConnectInfo`,
-//! and adds a synchronous `Interceptor` (see `grpc`); `redis` re-exports the Redis store.
+//! requests with `RESOURCE_EXHAUSTED` and retry details ([`grpc`]), reads tonic's
+//! `TcpConnectInfo`, and adds a synchronous [`RateLimitInterceptor`]; `redis` re-exports
+//! the Redis store.
 //!
 //! When the store fails, [`OnStoreError`] lets requests through (the default) or answers
-//! 503 / `UNAVAILABLE`; wrap a remote store in [`core::Resilient`] for a circuit breaker
-//! and a local fallback limiter.
+//! 503 / `UNAVAILABLE`; wrap a remote store in a [`CircuitBreaker`] for a breaker and a
+//! local fallback limiter.
 
+mod body;
 #[cfg(feature = "tonic")]
 pub mod grpc;
+mod headers;
+#[cfg(feature = "tonic")]
+mod interceptor;
 mod key;
 mod limits;
+mod pipeline;
 pub mod rate_limit;
-mod response;
+mod rejection;
+mod verdict;
 
-pub use key::{ClientIp, Global, Header, IpNet, Key, KeyExtractor, PeerIp, UserId, peer_addr};
-pub use limits::{HeaderStyle, MissingKey, OnStoreError, Tiers};
-pub use rate_limit::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
-pub use response::{
-    RATELIMIT, RATELIMIT_POLICY, Rejection, RejectionBody, RejectionHandler, Verdict,
-    X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, default_rejection,
+pub use body::ResponseBody;
+pub use headers::{
+    HeaderStyle, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING,
+    X_RATELIMIT_RESET,
 };
-pub use tollway_core as core;
+#[cfg(feature = "tonic")]
+pub use interceptor::RateLimitInterceptor;
+pub use key::{ApiKey, ClientIp, GlobalKey, IpNet, Key, KeyExtractor, PeerIp, UserId, peer_addr};
+pub use limits::Tiers;
+pub use pipeline::{MissingKey, OnStoreError};
+pub use rate_limit::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
+pub use rejection::{Rejection, default_rejection};
+pub use tollway_core;
+#[cfg(feature = "redis")]
+pub use tollway_core::RedisStore;
+pub use tollway_core::{
+    Algorithm, CircuitBreaker, ConfigError, Decision, Denial, MemoryStore, Policy, Quota, Store,
+    StoreError,
+};
+pub use verdict::Verdict;

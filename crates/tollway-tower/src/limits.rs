@@ -1,15 +1,14 @@
-//! Which limits apply to a request: tiers, routes, cost, and what to do when things go
-//! wrong.
+//! Which limits apply to a request: the caller's tier (or the default), and the routes it
+//! calls.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
 
-use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use http::{HeaderValue, Method};
+use smallvec::SmallVec;
 use tollway_core::{ConfigError, Policy};
 
 use crate::Key;
-use crate::response::{number, static_number};
 
 /// Names the tier of a caller: the name of one of the layer's tier policies, or `None`
 /// for the default policy.
@@ -51,59 +50,18 @@ impl Tiers for HashMap<String, String> {
     }
 }
 
-/// What to do with a request for which the key extractor finds no key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum MissingKey {
-    /// Limit the caller by its peer address under the default policy (the default): an
-    /// anonymous caller is still limited.
-    FallbackToIp,
-    /// Answer with this status and a JSON error body, without calling the service.
-    Reject(StatusCode),
-    /// Let the request through unlimited.
-    Allow,
-}
-
-/// What to do when the store cannot decide (Redis down, a timeout).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum OnStoreError {
-    /// Let the request through (fail open), without rate-limit headers. The default:
-    /// an outage of the limiter's backend does not become an outage of the service.
-    Allow,
-    /// Answer 503 Service Unavailable (gRPC: `UNAVAILABLE`) (fail closed).
-    Reject,
-}
-
-/// Which rate-limit headers responses carry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum HeaderStyle {
-    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` (Unix seconds),
-    /// and `Retry-After` on denials. The default.
-    Legacy,
-    /// The IETF structured fields `RateLimit-Policy` and `RateLimit`
-    /// (draft-ietf-httpapi-ratelimit-headers-10), and `Retry-After` on denials.
-    Ietf,
-    /// Both.
-    Both,
-    /// None but `Retry-After` on denials.
-    None,
-}
-
-/// The cost of a request: how many units it takes from each of its limits.
-pub(crate) type CostFn = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync>;
-
-/// An extra limit for requests to one route.
+/// An extra limit for the requests to one route: a method (or any) and a path pattern.
 #[derive(Clone)]
-pub(crate) struct Route {
+pub(crate) struct RouteLimit {
     method: Option<Method>,
     path: String,
     prefix: bool,
-    pub(crate) policy: usize,
+    policy: usize,
 }
 
-impl Route {
+impl RouteLimit {
+    /// A limit by policy `policy` on `method` (`None`: any) and `pattern`: an exact path,
+    /// or a prefix ending in `/*`.
     pub(crate) fn new(
         method: Option<Method>,
         pattern: &str,
@@ -123,7 +81,7 @@ impl Route {
                 "route pattern {pattern:?}: '*' is only allowed as a final \"/*\" (every path below)"
             )));
         }
-        Ok(Route {
+        Ok(RouteLimit {
             method,
             path,
             prefix,
@@ -131,7 +89,7 @@ impl Route {
         })
     }
 
-    pub(crate) fn matches(&self, method: &Method, path: &str) -> bool {
+    fn matches(&self, method: &Method, path: &str) -> bool {
         self.method.as_ref().is_none_or(|m| m == method)
             && if self.prefix {
                 path.starts_with(&self.path) || path == &self.path[..self.path.len() - 1]
@@ -141,7 +99,7 @@ impl Route {
     }
 }
 
-impl fmt::Debug for Route {
+impl fmt::Debug for RouteLimit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let method = self.method.as_ref().map_or("*", Method::as_str);
         let star = if self.prefix { "*" } else { "" };
@@ -149,72 +107,82 @@ impl fmt::Debug for Route {
     }
 }
 
+/// The policies one request is checked against, by index into [`Limits`], the caller's
+/// own first.
+pub(crate) type Selected = SmallVec<[usize; 4]>;
+
 /// Every policy a layer knows, and how a request picks its own.
 pub(crate) struct Limits {
     /// Index 0 is the default policy; tiers and routes follow.
-    pub(crate) policies: Vec<Policy>,
-    pub(crate) tier_names: Vec<(String, usize)>,
-    pub(crate) tiers: Option<Box<dyn Tiers>>,
-    pub(crate) routes: Vec<Route>,
-    /// `X-RateLimit-Limit` of each policy, made once.
-    pub(crate) limit_headers: Vec<HeaderValue>,
+    policies: Vec<Policy>,
+    /// `X-RateLimit-Limit` of each policy (its burst), made when the layer is built.
+    limit_values: Vec<HeaderValue>,
+    tier_names: Vec<(String, usize)>,
+    tiers: Option<Box<dyn Tiers>>,
+    routes: Vec<RouteLimit>,
 }
 
-/// The policies one request is checked against, by index into [`Limits::policies`].
-pub(crate) type Plan = smallvec::SmallVec<[usize; 4]>;
-
 impl Limits {
+    /// The limits of a layer whose default policy is `policies[0]`.
     pub(crate) fn new(
         policies: Vec<Policy>,
         tier_names: Vec<(String, usize)>,
         tiers: Option<Box<dyn Tiers>>,
-        routes: Vec<Route>,
+        routes: Vec<RouteLimit>,
     ) -> Self {
-        // A decision's limit is its quota's burst (which window algorithms keep equal to
-        // their limit), so it is known for every policy before any request.
-        let limit_headers = policies
+        let limit_values = policies
             .iter()
-            .map(|p| static_number(p.quota().burst()))
+            .map(|p| HeaderValue::from(p.quota().burst()))
             .collect();
         Limits {
             policies,
+            limit_values,
             tier_names,
             tiers,
             routes,
-            limit_headers,
         }
     }
 
-    /// The `X-RateLimit-Limit` value for `limit`, reported by policy `index`.
-    pub(crate) fn limit_header(&self, index: usize, limit: u64) -> HeaderValue {
-        match (self.policies.get(index), self.limit_headers.get(index)) {
-            (Some(policy), Some(value)) if policy.quota().burst() == limit => value.clone(),
-            _ => number(limit),
+    /// The policy at `index`.
+    pub(crate) fn policy(&self, index: usize) -> &Policy {
+        &self.policies[index]
+    }
+
+    /// Every policy.
+    #[cfg(feature = "tonic")]
+    pub(crate) fn policies(&self) -> &[Policy] {
+        &self.policies
+    }
+
+    /// `X-RateLimit-Limit` for a decision of policy `index` whose limit is `limit`: the
+    /// value made with the layer, unless the store decided with another capacity (a
+    /// fallback limiter's share of the quota).
+    pub(crate) fn limit_value(&self, index: usize, limit: u64) -> HeaderValue {
+        if self.policies[index].quota().burst() == limit {
+            self.limit_values[index].clone()
+        } else {
+            HeaderValue::from(limit)
         }
     }
 
-    #[inline]
-    pub(crate) fn plan(&self, key: &Key, method: &Method, path: &str) -> Plan {
-        let mut plan = Plan::new();
-        if self.tiers.is_none() && self.routes.is_empty() {
-            // One policy for everyone: nothing to look up.
-            plan.push(0);
-            return plan;
+    /// The limits for a request from `key` to `method path`: the caller's tier (or the
+    /// default), then every matching route limit in the order they were added.
+    pub(crate) fn select(&self, key: &Key, method: &Method, path: &str) -> Selected {
+        let tier = match &self.tiers {
+            None => 0,
+            Some(tiers) => tiers
+                .tier(key)
+                .and_then(|name| self.tier_names.iter().find(|(n, _)| n == name))
+                .map_or(0, |(_, index)| *index),
+        };
+        let mut selected = Selected::new();
+        selected.push(tier);
+        for route in &self.routes {
+            if route.matches(method, path) {
+                selected.push(route.policy);
+            }
         }
-        let tier = self
-            .tiers
-            .as_ref()
-            .and_then(|t| t.tier(key))
-            .and_then(|name| self.tier_names.iter().find(|(n, _)| n == name))
-            .map_or(0, |(_, i)| *i);
-        plan.push(tier);
-        plan.extend(
-            self.routes
-                .iter()
-                .filter(|r| r.matches(method, path))
-                .map(|r| r.policy),
-        );
-        plan
+        selected
     }
 }
 
@@ -237,15 +205,15 @@ mod tests {
 
     #[test]
     fn routes_match_exactly_or_by_prefix() {
-        let exact = Route::new(Some(Method::POST), "/api/v1/checkout", 1).unwrap();
+        let exact = RouteLimit::new(Some(Method::POST), "/api/v1/checkout", 1).unwrap();
         assert!(exact.matches(&Method::POST, "/api/v1/checkout"));
         assert!(!exact.matches(&Method::GET, "/api/v1/checkout"));
         assert!(!exact.matches(&Method::POST, "/api/v1/checkout/x"));
-        let prefix = Route::new(None, "/api/*", 1).unwrap();
+        let prefix = RouteLimit::new(None, "/api/*", 1).unwrap();
         assert!(prefix.matches(&Method::GET, "/api/v1"));
         assert!(prefix.matches(&Method::GET, "/api"));
         assert!(!prefix.matches(&Method::GET, "/apix"));
-        assert!(Route::new(None, "api", 1).is_err());
-        assert!(Route::new(None, "/a*b", 1).is_err());
+        assert!(RouteLimit::new(None, "api", 1).is_err());
+        assert!(RouteLimit::new(None, "/a*b", 1).is_err());
     }
 }

@@ -9,24 +9,26 @@ use http::{HeaderMap, Method, Response, Uri};
 use tollway_core::{Clock, ConfigError, Policy, Store, SystemClock};
 use tower_layer::Layer;
 
-use super::{RateLimit, Shared};
+use super::RateLimit;
+use crate::headers::HeaderStyle;
 use crate::key::PeerIp;
-use crate::limits::{CostFn, HeaderStyle, Limits, MissingKey, OnStoreError, Route, Tiers};
-use crate::response::{Rejection, RejectionHandler, default_rejection};
+use crate::limits::{Limits, RouteLimit, Tiers};
+use crate::pipeline::{CostFn, Limiter, MissingKey, OnStoreError};
+use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 
 /// Applies rate limits to a service: see the [module docs](super) for a tour.
 ///
 /// Built with [`RateLimitLayer::builder`]; cloning it (and every service it builds)
 /// shares one set of limits.
 pub struct RateLimitLayer<St, K = PeerIp> {
-    shared: Arc<Shared<St>>,
+    limiter: Arc<Limiter<St>>,
     key: Arc<K>,
 }
 
 impl<St, K> Clone for RateLimitLayer<St, K> {
     fn clone(&self) -> Self {
         RateLimitLayer {
-            shared: Arc::clone(&self.shared),
+            limiter: Arc::clone(&self.limiter),
             key: Arc::clone(&self.key),
         }
     }
@@ -35,7 +37,7 @@ impl<St, K> Clone for RateLimitLayer<St, K> {
 impl<St, K> fmt::Debug for RateLimitLayer<St, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("limits", &self.shared.limits)
+            .field("limits", &self.limiter.limits)
             .finish_non_exhaustive()
     }
 }
@@ -57,17 +59,23 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
             missing: MissingKey::FallbackToIp,
             on_error: OnStoreError::Allow,
             headers: HeaderStyle::Legacy,
-            clock: Arc::new(SystemClock),
+            wall_clock: Arc::new(SystemClock),
             on_rejected: Arc::new(default_rejection),
         }
     }
 }
 
-impl<St, K> RateLimitLayer<St, K> {
-    /// The shared state and key extractor, for other front ends over the same limits.
-    #[cfg_attr(not(feature = "tonic"), allow(dead_code))]
-    pub(crate) fn parts(&self) -> (Arc<Shared<St>>, Arc<K>) {
-        (Arc::clone(&self.shared), Arc::clone(&self.key))
+#[cfg(feature = "tonic")]
+impl<C: tollway_core::Clock, K> RateLimitLayer<tollway_core::MemoryStore<C>, K> {
+    /// A tonic interceptor applying this layer's limits, sharing its state: see
+    /// [`RateLimitInterceptor`](crate::RateLimitInterceptor).
+    ///
+    /// # Errors
+    ///
+    /// When one of the layer's policies shapes (delays) requests: an interceptor cannot
+    /// hold a request, so it would admit them undelayed.
+    pub fn interceptor(&self) -> Result<crate::RateLimitInterceptor<C, K>, ConfigError> {
+        crate::RateLimitInterceptor::new(Arc::clone(&self.limiter), Arc::clone(&self.key))
     }
 }
 
@@ -75,7 +83,7 @@ impl<S, St, K> Layer<S> for RateLimitLayer<St, K> {
     type Service = RateLimit<S, St, K>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RateLimit::new(inner, Arc::clone(&self.shared), Arc::clone(&self.key))
+        RateLimit::new(inner, Arc::clone(&self.limiter), Arc::clone(&self.key))
     }
 }
 
@@ -87,13 +95,13 @@ pub struct RateLimitLayerBuilder<St, K> {
     policies: Vec<Policy>,
     tier_names: Vec<(String, usize)>,
     tiers: Option<Box<dyn Tiers>>,
-    routes: Vec<Route>,
+    routes: Vec<RouteLimit>,
     errors: Vec<ConfigError>,
     cost: Option<CostFn>,
     missing: MissingKey,
     on_error: OnStoreError,
     headers: HeaderStyle,
-    clock: Arc<dyn Clock>,
+    wall_clock: Arc<dyn Clock>,
     on_rejected: RejectionHandler,
 }
 
@@ -124,7 +132,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             missing: self.missing,
             on_error: self.on_error,
             headers: self.headers,
-            clock: self.clock,
+            wall_clock: self.wall_clock,
             on_rejected: self.on_rejected,
         }
     }
@@ -150,7 +158,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// restrictive. Limits are checked in order — the caller's own, then the routes' —
     /// and a denial by a later one does not give back the unit an earlier one took.
     pub fn route(mut self, method: Option<Method>, pattern: &str, policy: Policy) -> Self {
-        match Route::new(method, pattern, self.policies.len()) {
+        match RouteLimit::new(method, pattern, self.policies.len()) {
             Ok(route) => {
                 self.routes.push(route);
                 self.policies.push(policy);
@@ -188,10 +196,11 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
-    /// The wall clock for `X-RateLimit-Reset` (default [`SystemClock`]; tests pass a
-    /// manual clock counting from the Unix epoch).
-    pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Arc::new(clock);
+    /// The wall clock `X-RateLimit-Reset` counts from (default [`SystemClock`], Unix
+    /// time; tests pass a manual clock set to a Unix time). The stores keep their own
+    /// clocks for the limits themselves.
+    pub fn wall_clock(mut self, clock: impl Clock) -> Self {
+        self.wall_clock = Arc::new(clock);
         self
     }
 
@@ -226,14 +235,14 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         }
         let limits = Limits::new(self.policies, self.tier_names, self.tiers, self.routes);
         Ok(RateLimitLayer {
-            shared: Arc::new(Shared {
+            limiter: Arc::new(Limiter {
                 store: self.store,
                 limits,
                 cost: self.cost,
                 missing: self.missing,
                 on_error: self.on_error,
-                headers: self.headers,
-                clock: self.clock,
+                header_style: self.headers,
+                wall_clock: self.wall_clock,
                 on_rejected: self.on_rejected,
             }),
             key: Arc::new(self.key),

@@ -8,8 +8,13 @@
 //! `Retry-After` and a JSON body. A shaping policy holds the request for its delay first.
 //!
 //! A denial is a response, not an error, so the layer fits axum (which wants
-//! `Infallible`) and keeps connections open. Clones share their limits: the state lives in
-//! the store, never in a service instance.
+//! `Infallible`) and keeps connections open; the response body is a
+//! [`ResponseBody`](crate::ResponseBody): the service's own, or the layer's answer. Clones
+//! share their limits: the state lives in the store, never in a service instance.
+//!
+//! The service calls the ready inner service at once when the store answers without
+//! waiting (the memory store always does); otherwise the request and the ready service
+//! travel in the [`ResponseFuture`] until the store has answered.
 //!
 //! # Examples
 //!
@@ -53,7 +58,7 @@
 //! use std::collections::HashMap;
 //! use http::Method;
 //! use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
-//! use tollway_tower::{Header, HeaderStyle, RateLimitLayer};
+//! use tollway_tower::{ApiKey, HeaderStyle, RateLimitLayer};
 //!
 //! # fn main() -> Result<(), tollway_core::ConfigError> {
 //! let anonymous = Policy::new("anonymous", Algorithm::TokenBucket, Quota::per_minute(20)?)?;
@@ -65,7 +70,7 @@
 //!     ("demo-pro-key".to_owned(), "pro".to_owned()),
 //! ]);
 //! let layer = RateLimitLayer::builder(MemoryStore::new(), anonymous)
-//!     .key(Header::new("x-api-key")?) // no header: falls back to the peer IP
+//!     .key(ApiKey::header("x-api-key")?) // no header: falls back to the peer IP
 //!     .tier(free)
 //!     .tier(pro)
 //!     .tiers(keys)
@@ -81,24 +86,6 @@ mod future;
 mod layer;
 mod service;
 
-use std::sync::Arc;
-
 pub use future::ResponseFuture;
 pub use layer::{RateLimitLayer, RateLimitLayerBuilder};
 pub use service::RateLimit;
-use tollway_core::Clock;
-
-use crate::limits::{CostFn, HeaderStyle, Limits, MissingKey, OnStoreError};
-use crate::response::RejectionHandler;
-
-/// What every clone of a layer and its services shares.
-pub(crate) struct Shared<St> {
-    pub(crate) store: St,
-    pub(crate) limits: Limits,
-    pub(crate) cost: Option<CostFn>,
-    pub(crate) missing: MissingKey,
-    pub(crate) on_error: OnStoreError,
-    pub(crate) headers: HeaderStyle,
-    pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) on_rejected: RejectionHandler,
-}

@@ -8,23 +8,27 @@ use http::{Request, Response};
 use tollway_core::Store;
 use tower_service::Service;
 
-use super::future::{Checked, max_delay, reject, store_failed};
-use super::{ResponseFuture, Shared};
-use crate::key::{Key, KeyExtractor, PeerIp};
-use crate::limits::MissingKey;
-use crate::response::{Added, RejectionBody, refusal};
+use super::ResponseFuture;
+use super::future::Pending;
+use crate::body::ResponseBody;
+use crate::key::{KeyExtractor, PeerIp};
+use crate::pipeline::{Limiter, Next, Start, Step};
 
 /// Rate limits the requests to `S`. Built by [`RateLimitLayer`](super::RateLimitLayer);
 /// clones share their limits.
-pub struct RateLimit<S, St, K> {
+pub struct RateLimit<S, St, K = PeerIp> {
     inner: S,
-    shared: Arc<Shared<St>>,
+    limiter: Arc<Limiter<St>>,
     key: Arc<K>,
 }
 
 impl<S, St, K> RateLimit<S, St, K> {
-    pub(super) fn new(inner: S, shared: Arc<Shared<St>>, key: Arc<K>) -> Self {
-        RateLimit { inner, shared, key }
+    pub(super) fn new(inner: S, limiter: Arc<Limiter<St>>, key: Arc<K>) -> Self {
+        RateLimit {
+            inner,
+            limiter,
+            key,
+        }
     }
 
     /// The wrapped service.
@@ -47,7 +51,7 @@ impl<S: Clone, St, K> Clone for RateLimit<S, St, K> {
     fn clone(&self) -> Self {
         RateLimit {
             inner: self.inner.clone(),
-            shared: Arc::clone(&self.shared),
+            limiter: Arc::clone(&self.limiter),
             key: Arc::clone(&self.key),
         }
     }
@@ -57,7 +61,7 @@ impl<S: fmt::Debug, St, K> fmt::Debug for RateLimit<S, St, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("limits", &self.shared.limits)
+            .field("limits", &self.limiter.limits)
             .finish_non_exhaustive()
     }
 }
@@ -67,9 +71,8 @@ where
     S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     St: Store,
     K: KeyExtractor<B>,
-    ResBody: RejectionBody,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S, B, St>;
 
@@ -78,86 +81,104 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        // Borrowed, not cloned: a request decided at once never touches the `Arc`'s count.
-        let RateLimit { inner, shared, key } = self;
-        let key = match key.extract(&request) {
-            Some(key) => key,
-            None => match shared.missing {
-                MissingKey::FallbackToIp => {
-                    // Without a peer address every such caller shares one key: still limited.
-                    KeyExtractor::<B>::extract(&PeerIp::new(), &request)
-                        .unwrap_or_else(|| Key::new("ip", "unknown"))
-                }
-                MissingKey::Allow => {
-                    return ResponseFuture::calling(inner.call(request), Added::Nothing);
-                }
-                MissingKey::Reject(status) => {
-                    let response = refusal(
-                        status,
-                        "No rate-limit key could be determined for this request.",
-                        is_grpc(&request),
-                    );
-                    return ResponseFuture::respond(response);
+        let limiter = &*self.limiter;
+        let outcome = match limiter.start(&*self.key, &request) {
+            Start::Decided(outcome) => outcome,
+            Start::Evaluate(mut evaluation) => match evaluation.advance(limiter) {
+                Step::Done(outcome) => outcome,
+                Step::Wait(check) => {
+                    let limiter = Arc::clone(&self.limiter);
+                    let service = take_ready(&mut self.inner);
+                    let pending = Pending::new(limiter, evaluation, service, request);
+                    return ResponseFuture::checking(check, pending);
                 }
             },
         };
-        let plan = shared
-            .limits
-            .plan(&key, request.method(), request.uri().path());
-        let cost = shared.cost.as_ref().map_or(1, |cost| {
-            cost(request.method(), request.uri(), request.headers())
-        });
-        // Decide now what the store can decide without waiting: then the ready service is
-        // called at once, and nothing is held across an await.
-        let mut checked = Checked::new();
-        for &index in &plan {
-            let policy = &shared.limits.policies[index];
-            match shared.store.check_now(key.as_bytes(), policy, cost) {
-                Some(Ok(decision)) => {
-                    checked.push((index, decision));
-                    if !decision.is_allowed() {
-                        let response = reject(shared, &checked, is_grpc(&request));
-                        return ResponseFuture::respond(response);
-                    }
-                }
-                Some(Err(error)) => {
-                    return match store_failed(shared.on_error, &error, policy, is_grpc(&request)) {
-                        Some(response) => ResponseFuture::respond(response),
-                        None => ResponseFuture::calling(inner.call(request), Added::Nothing),
-                    };
-                }
-                None => break,
-            }
+        // Decided without waiting: the ready service is called now, or not at all.
+        match limiter.next(outcome, &request) {
+            Next::Call {
+                headers,
+                delay: None,
+            } => ResponseFuture::calling(self.inner.call(request), headers),
+            Next::Call {
+                headers,
+                delay: Some(delay),
+            } => ResponseFuture::delaying(delay, take_ready(&mut self.inner), request, headers),
+            Next::Answer(response) => ResponseFuture::answered(response),
         }
-        if checked.len() == plan.len() && max_delay(&checked) == 0 {
-            let added = Added::new(shared, &checked);
-            return ResponseFuture::calling(inner.call(request), added);
-        }
-        // The ready service goes with this request; its clone waits for the next
-        // poll_ready (tower-service's "be careful when cloning inner services").
-        let clone = inner.clone();
-        let ready = std::mem::replace(inner, clone);
-        let grpc = is_grpc(&request);
-        ResponseFuture::pending(
-            Arc::clone(shared),
-            key,
-            plan,
-            cost,
-            grpc,
-            checked,
-            ready,
-            request,
-        )
     }
 }
 
-/// Whether `request` is a gRPC call, answered with gRPC statuses instead of HTTP ones.
-fn is_grpc<B>(request: &Request<B>) -> bool {
-    #[cfg(feature = "tonic")]
-    return crate::grpc::is_grpc(request.headers());
-    #[cfg(not(feature = "tonic"))]
-    {
-        let _ = request;
-        false
+/// The ready service, for a request that will call it later; a clone takes its place and
+/// waits for the next `poll_ready` (tower-service's "be careful when cloning inner
+/// services").
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http::StatusCode;
+    use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
+    use tower::ServiceExt;
+
+    use super::*;
+    use crate::RateLimitLayer;
+
+    /// A service that counts its clones.
+    #[derive(Debug)]
+    struct Counted(Arc<AtomicUsize>);
+
+    impl Clone for Counted {
+        fn clone(&self) -> Self {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Counted(Arc::clone(&self.0))
+        }
+    }
+
+    impl Service<Request<()>> for Counted {
+        type Response = Response<String>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Response<String>, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: Request<()>) -> Self::Future {
+            std::future::ready(Ok(Response::new("hello".to_owned())))
+        }
+    }
+
+    fn request() -> Request<()> {
+        let mut request = Request::new(());
+        let peer: SocketAddr = "203.0.113.9:5000".parse().unwrap();
+        request.extensions_mut().insert(peer);
+        request
+    }
+
+    // tower-service's "be careful when cloning inner services": a request the store
+    // decides at once goes to the service that was made ready, and a refused one goes
+    // nowhere; neither needs a clone.
+    #[tokio::test]
+    async fn a_request_decided_at_once_calls_the_ready_service_without_cloning_it() {
+        let clones = Arc::new(AtomicUsize::new(0));
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_minute(1).unwrap()).unwrap();
+        let layer = RateLimitLayer::builder(MemoryStore::new(), policy)
+            .build()
+            .unwrap();
+        let mut service = tower_layer::Layer::layer(&layer, Counted(Arc::clone(&clones)));
+
+        let allowed = service.ready().await.unwrap().call(request()).await.unwrap();
+        assert_eq!(allowed.status(), StatusCode::OK);
+        assert_eq!(allowed.headers()["x-ratelimit-remaining"], "0");
+        let denied = service.ready().await.unwrap().call(request()).await.unwrap();
+        assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(clones.load(Ordering::SeqCst), 0);
     }
 }

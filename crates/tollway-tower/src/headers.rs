@@ -1,0 +1,143 @@
+//! The rate-limit headers: `X-RateLimit-*`, the IETF `RateLimit` fields, `Retry-After`.
+
+use std::fmt::Write as _;
+
+use http::header::RETRY_AFTER;
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::verdict::Verdict;
+
+/// `X-RateLimit-Limit`: the capacity of the most restrictive limit.
+pub static X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+/// `X-RateLimit-Remaining`: unit-cost requests that would pass now.
+pub static X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+/// `X-RateLimit-Reset`: Unix time, in seconds, at which the caller is back to full capacity.
+pub static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+/// `RateLimit-Policy` (IETF draft): each applied policy's quota and window.
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit` (IETF draft): each applied policy's remaining units and reset time.
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// Which rate-limit headers responses carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeaderStyle {
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` (Unix seconds),
+    /// and `Retry-After` on denials. The default.
+    Legacy,
+    /// The IETF structured fields `RateLimit-Policy` and `RateLimit`
+    /// (draft-ietf-httpapi-ratelimit-headers-10), and `Retry-After` on denials.
+    Ietf,
+    /// Both.
+    Both,
+    /// None but `Retry-After` on denials.
+    None,
+}
+
+impl HeaderStyle {
+    fn legacy(self) -> bool {
+        matches!(self, HeaderStyle::Legacy | HeaderStyle::Both)
+    }
+
+    fn ietf(self) -> bool {
+        matches!(self, HeaderStyle::Ietf | HeaderStyle::Both)
+    }
+}
+
+/// The rate-limit headers of one response, decided with its request (so that a shaping
+/// delay does not move `X-RateLimit-Reset`), written when the response is ready.
+#[derive(Debug, Default)]
+pub(crate) struct RateLimitHeaders {
+    /// `Retry-After`, seconds: denials only.
+    retry_after: Option<u64>,
+    legacy: Option<Legacy>,
+    /// `RateLimit-Policy` and `RateLimit`.
+    ietf: Option<Box<(HeaderValue, HeaderValue)>>,
+}
+
+/// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`.
+#[derive(Debug)]
+struct Legacy {
+    limit: HeaderValue,
+    remaining: u64,
+    reset: u64,
+}
+
+impl RateLimitHeaders {
+    /// No headers.
+    pub(crate) fn none() -> Self {
+        Self::default()
+    }
+
+    /// The headers of `style` for a request decided by `verdicts`, of which `most` is the
+    /// one to report and `limit` its `X-RateLimit-Limit` value, at wall time `now_us`
+    /// (microseconds since the Unix epoch). A denial carries `Retry-After` in every style.
+    pub(crate) fn new(
+        style: HeaderStyle,
+        verdicts: &[Verdict<'_>],
+        most: &Verdict<'_>,
+        limit: HeaderValue,
+        now_us: u64,
+    ) -> Self {
+        let legacy = style.legacy().then(|| {
+            let d = &most.decision;
+            Legacy {
+                limit,
+                remaining: d.remaining(),
+                reset: (now_us + d.reset_after_micros()).div_ceil(1_000_000),
+            }
+        });
+        RateLimitHeaders {
+            retry_after: most.retry_after_secs(),
+            legacy,
+            ietf: style.ietf().then(|| Box::new(ietf_fields(verdicts))),
+        }
+    }
+
+    /// Adds the headers to `map`, replacing any of the same name.
+    pub(crate) fn insert_into(self, map: &mut HeaderMap) {
+        if let Some(secs) = self.retry_after {
+            map.insert(RETRY_AFTER, number(secs));
+        }
+        if let Some(legacy) = self.legacy {
+            map.insert(X_RATELIMIT_LIMIT.clone(), legacy.limit);
+            map.insert(X_RATELIMIT_REMAINING.clone(), number(legacy.remaining));
+            map.insert(X_RATELIMIT_RESET.clone(), number(legacy.reset));
+        }
+        if let Some(ietf) = self.ietf {
+            let (policy, current) = *ietf;
+            map.insert(RATELIMIT_POLICY.clone(), policy);
+            map.insert(RATELIMIT.clone(), current);
+        }
+    }
+}
+
+/// A header value of `n`'s decimal digits, in one allocation of their size:
+/// `HeaderValue::from(u64)` makes two (a 20-byte buffer, then a handle to share it), which
+/// on a 429 (three numbers) costs 3.4% more instructions a request (BENCHMARKS.md).
+pub(crate) fn number(n: u64) -> HeaderValue {
+    let mut digits = itoa::Buffer::new();
+    // Decimal digits are always a valid header value.
+    HeaderValue::from_str(digits.format(n)).unwrap_or_else(|_| HeaderValue::from(n))
+}
+
+/// `RateLimit-Policy` and `RateLimit` for `verdicts`: each policy's quota and window, and
+/// its remaining units and seconds to reset.
+fn ietf_fields(verdicts: &[Verdict<'_>]) -> (HeaderValue, HeaderValue) {
+    let (mut policy, mut current) = (String::new(), String::new());
+    for (i, v) in verdicts.iter().enumerate() {
+        let sep = if i == 0 { "" } else { ", " };
+        let name = v.policy.name();
+        let d = &v.decision;
+        let window = v.policy.quota().period_micros().div_ceil(1_000_000);
+        let reset = d.reset_after_micros().div_ceil(1_000_000);
+        // Writing to a String cannot fail.
+        let _ = write!(policy, "{sep}\"{name}\";q={};w={window}", d.limit());
+        let _ = write!(current, "{sep}\"{name}\";r={};t={reset}", d.remaining());
+    }
+    // Policy names are A-Z a-z 0-9 _ - . and the rest are digits, quotes, `;`, `=`, `,`
+    // and spaces: always a valid value.
+    let value =
+        |text: String| HeaderValue::try_from(text).unwrap_or_else(|_| HeaderValue::from_static(""));
+    (value(policy), value(current))
+}

@@ -1,0 +1,111 @@
+//! A synchronous tonic `Interceptor` over a layer's limits.
+
+use std::fmt;
+use std::sync::Arc;
+
+use tollway_core::{Algorithm, Clock, ConfigError, MemoryStore};
+use tonic::Status;
+use tonic::metadata::MetadataMap;
+
+use crate::grpc::{denial_status, refusal_status};
+use crate::key::KeyExtractor;
+use crate::pipeline::{Limiter, Outcome, Start};
+
+/// A synchronous tonic `Interceptor` that applies a layer's limits, for users who wrap
+/// services with `InterceptedService` (or `Server::add_service(Svc::with_interceptor(..))`)
+/// rather than a layer. Made by [`RateLimitLayer::interceptor`](crate::RateLimitLayer::interceptor)
+/// from a layer over a [`MemoryStore`], whose decisions need no I/O; it shares that
+/// layer's state and decides exactly as the layer does.
+///
+/// An interceptor sees the request's metadata and extensions but not its path, so route
+/// (per-method) limits apply only where a `tonic::GrpcMethod` extension names the method;
+/// it cannot add headers to responses or hold a request, so shaping policies are refused
+/// when it is made. Denials are [`rejection_status`](crate::grpc::rejection_status):
+/// `RESOURCE_EXHAUSTED` with `RetryInfo`, `QuotaFailure`, `retry-after` and
+/// `grpc-retry-pushback-ms`, and the rate-limit headers as metadata.
+pub struct RateLimitInterceptor<C, K> {
+    limiter: Arc<Limiter<MemoryStore<C>>>,
+    key: Arc<K>,
+}
+
+impl<C, K> RateLimitInterceptor<C, K> {
+    pub(crate) fn new(
+        limiter: Arc<Limiter<MemoryStore<C>>>,
+        key: Arc<K>,
+    ) -> Result<Self, ConfigError> {
+        if let Some(p) = limiter
+            .limits
+            .policies()
+            .iter()
+            .find(|p| p.algorithm() == Algorithm::LeakyBucketShaper)
+        {
+            return Err(ConfigError::new(format!(
+                "policy {:?} shapes requests by delaying them, which an interceptor cannot do: \
+                 use the layer (Server::builder().layer(..)) for shaping",
+                p.name()
+            )));
+        }
+        Ok(RateLimitInterceptor { limiter, key })
+    }
+}
+
+impl<C, K> Clone for RateLimitInterceptor<C, K> {
+    fn clone(&self) -> Self {
+        RateLimitInterceptor {
+            limiter: Arc::clone(&self.limiter),
+            key: Arc::clone(&self.key),
+        }
+    }
+}
+
+impl<C, K> fmt::Debug for RateLimitInterceptor<C, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitInterceptor")
+            .field("limits", &self.limiter.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C, K> tonic::service::Interceptor for RateLimitInterceptor<C, K>
+where
+    C: Clock,
+    K: KeyExtractor<()>,
+{
+    fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        let limiter = &*self.limiter;
+        // The call as the layer sees it, for the key extractor and the cost function: a
+        // POST, to the method's path when a `GrpcMethod` extension names it.
+        let (metadata, extensions, ()) = request.into_parts();
+        let path = extensions
+            .get::<tonic::GrpcMethod<'static>>()
+            .map(|m| format!("/{}/{}", m.service(), m.method()))
+            .unwrap_or_default();
+        let mut http = http::Request::new(());
+        *http.method_mut() = http::Method::POST;
+        if let Ok(uri) = http::Uri::try_from(path.as_str()) {
+            *http.uri_mut() = uri;
+        }
+        *http.headers_mut() = metadata.into_headers();
+        *http.extensions_mut() = extensions;
+
+        let outcome = match limiter.start(&*self.key, &http) {
+            Start::Decided(outcome) => outcome,
+            Start::Evaluate(mut evaluation) => evaluation
+                .decide_all(limiter, |key, policy, cost| {
+                    limiter.store.check_sync(key, policy, cost)
+                }),
+        };
+        match outcome {
+            Outcome::Allow { .. } => {
+                let (parts, ()) = http.into_parts();
+                Ok(tonic::Request::from_parts(
+                    MetadataMap::from_headers(parts.headers),
+                    parts.extensions,
+                    (),
+                ))
+            }
+            Outcome::Deny { verdict, headers } => Err(denial_status(&verdict, headers)),
+            Outcome::Refuse(refusal) => Err(refusal_status(refusal)),
+        }
+    }
+}
