@@ -22,7 +22,6 @@
 //! (Redis down), requests are let through and the failure is logged.
 
 #[path = "demo.rs"]
-#[macro_use]
 mod demo;
 
 use std::error::Error;
@@ -33,7 +32,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tollway_tower::{Algorithm, HeaderStyle, Policy, Quota, RateLimitLayer, Store};
+use tollway_tower::{Algorithm, BoxStore, HeaderStyle, Policy, Quota, RateLimitLayer};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -43,12 +42,13 @@ async fn main() -> ExitCode {
 
 async fn run() -> Result<(), Box<dyn Error>> {
     let (listener, addr) = demo::listen(3000).await?;
-    serve_with_store_from_env!(serve(listener, addr))
+    let store = demo::store_from_env().await?;
+    serve(store, listener, addr).await
 }
 
 /// Builds the router with the rate limits over `store` and serves it until Ctrl-C.
-async fn serve<St: Store>(
-    store: St,
+async fn serve(
+    store: BoxStore,
     listener: TcpListener,
     addr: SocketAddr,
 ) -> Result<(), Box<dyn Error>> {

@@ -1,7 +1,7 @@
 //! What the demo servers and client share: logging, the port, the store chosen by
 //! `REDIS_URL`, and the demo API keys with their tiers. Included by the examples with
 //! `#[path = "demo.rs"] mod demo;`; not an example of its own.
-#![allow(dead_code, unused_macros, unreachable_pub)]
+#![allow(dead_code, unreachable_pub)]
 
 use std::collections::HashMap;
 use std::error::Error;
@@ -10,7 +10,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use tollway_tower::{Algorithm, ApiKey, ConfigError, Key, KeyExtractor, Policy, Quota, RedisStore};
+use tollway_tower::{
+    Algorithm, ApiKey, BoxStore, ConfigError, Key, KeyExtractor, MemoryStore, Policy, Quota,
+    RedisStore,
+};
 use tracing_subscriber::EnvFilter;
 
 /// The demo API keys and the tier each belongs to.
@@ -70,22 +73,20 @@ pub async fn redis_store(url: &str) -> Result<RedisStore, String> {
         })
 }
 
-/// Calls `$serve(store, args...)` with the Redis store when `REDIS_URL` is set, else the
-/// memory store.
-macro_rules! serve_with_store_from_env {
-    ($serve:ident($($arg:expr),* $(,)?)) => {
-        match std::env::var("REDIS_URL") {
-            Ok(url) => {
-                let store = demo::redis_store(&url).await?;
-                println!("store: Redis at {url} (limits shared by every server using it)");
-                $serve(store, $($arg),*).await
-            }
-            Err(_) => {
-                println!("store: memory (this process only; set REDIS_URL to share limits)");
-                $serve(tollway_tower::MemoryStore::new(), $($arg),*).await
-            }
+/// The store `REDIS_URL` names (limits shared by every server using it), else the
+/// memory store (this process only), as one type for the layer: a [`BoxStore`].
+pub async fn store_from_env() -> Result<BoxStore, String> {
+    match std::env::var("REDIS_URL") {
+        Ok(url) => {
+            let store = redis_store(&url).await?;
+            println!("store: Redis at {url} (limits shared by every server using it)");
+            Ok(BoxStore::new(store))
         }
-    };
+        Err(_) => {
+            println!("store: memory (this process only; set REDIS_URL to share limits)");
+            Ok(BoxStore::new(MemoryStore::new()))
+        }
+    }
 }
 
 /// The anonymous (20/min per IP), Free (100/min) and Pro (10,000/min) policies.

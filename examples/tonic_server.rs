@@ -24,10 +24,9 @@
 //! `x-ratelimit-*` and the IETF `ratelimit` / `ratelimit-policy` metadata. When the store
 //! fails (Redis down), calls are let through and the failure is logged.
 
-mod grpc_demo;
 #[path = "demo.rs"]
-#[macro_use]
 mod demo;
+mod grpc_demo;
 
 use std::error::Error;
 use std::net::SocketAddr;
@@ -37,7 +36,7 @@ use grpc_demo::{Catalog, EXPORT};
 use http::Method;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tollway_tower::{Algorithm, HeaderStyle, Policy, Quota, RateLimitLayer, Store};
+use tollway_tower::{Algorithm, BoxStore, HeaderStyle, Policy, Quota, RateLimitLayer};
 use tonic::transport::Server;
 
 #[tokio::main]
@@ -48,12 +47,13 @@ async fn main() -> ExitCode {
 
 async fn run() -> Result<(), Box<dyn Error>> {
     let (listener, addr) = demo::listen(50051).await?;
-    serve_with_store_from_env!(serve(listener, addr))
+    let store = demo::store_from_env().await?;
+    serve(store, listener, addr).await
 }
 
 /// Serves `demo.Catalog` with the rate limits over `store` until Ctrl-C.
-async fn serve<St: Store>(
-    store: St,
+async fn serve(
+    store: BoxStore,
     listener: TcpListener,
     addr: SocketAddr,
 ) -> Result<(), Box<dyn Error>> {

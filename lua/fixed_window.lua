@@ -1,20 +1,28 @@
 -- Fixed window: the twin of crates/tollway-core/src/algorithm/fixed_window.rs.
--- KEYS[1]: state string "a:b:c" { a = end of the window (µs), b = units admitted in it }.
--- ARGV and reply: prelude.lua. Windows are aligned to multiples of PERIOD since the epoch.
+-- State '<dd' { a = the end of the window (µs), b = units admitted in it }. Windows are
+-- aligned to multiples of the period since the epoch.
+-- Returns denial, remaining, reset, wait, and when allowed the new state and its `a`.
 
-local function fixed_window(stored_end, stored_count)
-  local window_end = NOW - (NOW - idiv(NOW, PERIOD) * PERIOD) + PERIOD
-  local count = 0
-  if stored_end == window_end then count = stored_count end
-  local function reset(n) if n > 0 then return window_end - NOW end return 0 end
-  if COST > LIMIT then
-    return refused(LIMIT, math.max(LIMIT - count, 0), reset(count))
+local fixed_window
+if not only or only == '4' then
+  function fixed_window(now, cost, limit, period, v)
+    local window_end = now / period
+    window_end = (window_end - window_end % 1) * period + period
+    local count = 0
+    if v then
+      local stored_end, stored_count = unpack('<dd', v)
+      if stored_end == window_end then count = stored_count end
+    end
+    if cost <= limit and count + cost <= limit then
+      count = count + cost
+      -- An empty window is a fresh key: keep nothing for it.
+      if count == 0 then return 0, limit, 0, 0, '', 0 end
+      return 0, limit - count, window_end - now, 0, pack('<dd', window_end, count), window_end
+    end
+    local left = limit - count
+    if left < 0 then left = 0 end
+    if cost <= limit then return 1, left, window_end - now, window_end - now end
+    if count > 0 then return 2, left, window_end - now, 0 end
+    return 2, left, 0, 0
   end
-  if count + COST <= LIMIT then
-    count = count + COST
-    -- An empty window is a fresh key: keep nothing for it.
-    if count == 0 then window_end = 0 end
-    return allow(LIMIT, LIMIT - count, reset(count), 0), window_end, count
-  end
-  return limited(LIMIT, math.max(LIMIT - count, 0), window_end - NOW, window_end - NOW)
 end

@@ -1,18 +1,24 @@
 -- GCRA: the twin of crates/tollway-core/src/algorithm/gcra.rs.
--- KEYS[1]: state string "a:b:c" { a = theoretical arrival time (µs) }. ARGV and reply: prelude.lua.
+-- State '<d' { a = the theoretical arrival time (µs) }. The leaky bucket shaper runs this.
+-- Returns denial, remaining, reset, wait, and when allowed the new state and its `a`.
 
-local function gcra(tat)
-  local window = BURST * EMISSION
-  local start = math.max(tat, NOW)
-  local function remaining(ahead) return idiv(math.max(window - ahead, 0), EMISSION) end
-  local ahead = start - NOW
-  if COST > BURST then
-    return refused(BURST, remaining(ahead), ahead)
+local gcra
+if not only or only == '7' or only == '3' then
+  function gcra(now, cost, burst, emission, v)
+    local window, ahead = burst * emission, 0
+    if v then
+      ahead = unpack('<d', v) - now
+      if ahead < 0 then ahead = 0 end
+    end
+    local after = ahead + cost * emission
+    if cost <= burst and after <= window then
+      local left = (window - after) / emission
+      return 0, left - left % 1, after, 0, pack('<d', now + after), now + after
+    end
+    local left = window - ahead
+    if left < 0 then left = 0 end
+    left = left / emission
+    if cost > burst then return 2, left - left % 1, ahead, 0 end
+    return 1, left - left % 1, ahead, after - window
   end
-  local new_tat = start + COST * EMISSION
-  local after = new_tat - NOW
-  if after <= window then
-    return allow(BURST, remaining(after), after, 0), new_tat
-  end
-  return limited(BURST, remaining(ahead), ahead, after - window)
 end

@@ -1,87 +1,46 @@
--- tollway prelude: shared by every script. The Redis store runs each algorithm as
---   prelude.lua .. <the files it needs> .. "return run(<algorithm>)"   (or run_log)
--- so a script is one atomic EVALSHA and the arithmetic lives once.
+-- tollway: ONE script decides all of a request's limits, all or nothing, in one EVALSHA.
+-- Composed, joined by "\n", in this order (crates/tollway-core/src/store/redis.rs and
+-- crates/tollway-core/benches/redis_scripts.sh must agree):
+--   prelude.lua, token_bucket.lua, gcra.lua, leaky_bucket.lua, fixed_window.lua,
+--   sliding_window_counter.lua, sliding_window_log.lua, check.lua
 --
--- ARGV (every script):
---   [1] now in microseconds, or "" to read the server's clock (redis TIME)
---   [2] limit   [3] period (µs)   [4] burst   [5] emission interval (µs, ceil(period/limit))
---   [6] cost    [7] extra time-to-live in ms added to every key (0 with server time)
--- Reply (every script), integers:
---   { denial, limit, remaining, reset_after_us, retry_after_us, delay_us }
---   denial: 0 allowed, 1 limited (retry_after_us > 0), 2 cost exceeds capacity.
+-- KEYS[i], i = 1..N (N >= 1): limit i's state, all of it in that one key (one hash tag).
+-- ARGV:
+--   [1] now in µs, or "" to read the server's clock (TIME)
+--   [2] cost in units, the same for every limit (may be 0)
+--   [3] grace in ms, added to every time-to-live (0 normally)
+--   then five per limit; limit i's are [b+1] .. [b+5] with b = 3 + 5 × (i − 1):
+--   [b+1] algorithm: 1 token bucket, 2 leaky bucket meter, 3 leaky bucket shaper,
+--         4 fixed window, 5 sliding window log, 6 sliding window counter, 7 GCRA
+--   [b+2] limit   [b+3] period (µs)   [b+4] burst   [b+5] emission interval (µs) = ceil(period / limit)
+-- Reply: four integers per limit, in KEYS order: { denial, remaining, reset_after_us, wait_us }
+--   denial 0: allowed, wait_us = the shaper's delay (0 for the others)
+--   denial 1: limited, wait_us = retry after (> 0)
+--   denial 2: the cost exceeds the limit's capacity, wait_us = 0
+-- All or nothing: every limit is decided at the cost first, writing nothing. If all allow,
+-- every new state is written; if one denies, no state changes (only entries that have
+-- slid out of a log are dropped), the denying limits reply their denials and the others
+-- what a request of cost 0 gets from their unchanged state.
 --
--- Lua numbers are doubles: every quantity here is an integer below 2^53 (the Rust side
--- validates quotas so), and division goes through idiv, which corrects the float quotient,
--- so the decisions equal the Rust functions' bit for bit.
+-- A state's first number `a` is the instant it becomes equivalent to a fresh key's: a
+-- state with a <= now is deleted (or never written), any other is written with a TTL of
+-- ceil((a − now) / 1000) + grace ms in the same SET. States are struct.pack'ed doubles
+-- ('<d', '<dd', '<ddd'): exact for integers below 2^53, nothing to format or parse.
+--
+-- Arithmetic: every quantity is an integer below 2^53 (the Rust side validates quotas so,
+-- and now is about 2^50.6 µs today; but see sliding_window_counter.lua for its periods).
+-- Divisions are written q = a / b; q - q % 1 (floor) or q + (-q) % 1 (ceil), without a
+-- function call: for integers 0 <= a < 2^53 and b > 0 the double quotient is exact or
+-- off by less than a / b × 2^-53 < 1 / b, so it never crosses the integer that a / b is
+-- at least 1 / b away from, and % 1 takes its fraction exactly.
+-- ARGV numbers are read with `+ 0` (strtod, exact), cheaper than tonumber. Numbers given
+-- to redis.call are sent as %.17g: exact below 1e17 (tostring's %.14g is not).
 
-if redis.replicate_commands then pcall(redis.replicate_commands) end
+local call, pack, unpack, unpack_list = redis.call, struct.pack, struct.unpack, unpack
+local argv, keys = ARGV, KEYS
+local n = #keys
 
--- floor(a / b) for integers 0 <= a < 2^53, 0 < b.
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  while q * b > a do q = q - 1 end
-  while (q + 1) * b <= a do q = q + 1 end
-  return q
-end
-
--- ceil(a / b) for integers 0 <= a, 0 < b.
-local function cdiv(a, b)
-  if a == 0 then return 0 end
-  return idiv(a - 1, b) + 1
-end
-
-local function num(s) return tonumber(s) or 0 end
-
-local NOW
-if ARGV[1] == '' then
-  local t = redis.call('TIME')
-  NOW = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  NOW = tonumber(ARGV[1])
-end
-local LIMIT, PERIOD, BURST = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local EMISSION, COST, GRACE_MS = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-
-local function allow(limit, remaining, reset, delay) return { 0, limit, remaining, reset, 0, delay } end
-local function limited(limit, remaining, reset, retry) return { 1, limit, remaining, reset, retry, 0 } end
-local function refused(limit, remaining, reset) return { 2, limit, remaining, reset, 0, 0 } end
-
--- Integers as Redis strings: tostring would print 1.7e+15.
-local function str(n) return string.format('%.0f', n) end
-
--- Keeps `keys` until the state they hold is equivalent to a fresh key's (expires_at, µs),
--- or deletes them if it already is.
-local function expire(keys, expires_at)
-  local ttl = expires_at - NOW
-  for _, key in ipairs(keys) do
-    if ttl <= 0 then
-      redis.call('DEL', key)
-    else
-      redis.call('PEXPIRE', key, cdiv(ttl, 1000) + GRACE_MS)
-    end
-  end
-end
-
--- The fixed-size algorithms keep their state in one string, KEYS[1] = "a:b:c", written
--- with its expiry in the same SET; `a` is always the instant the state becomes
--- equivalent to a fresh key. An algorithm is a function (a, b, c) -> reply [, new a,
--- new b, new c]; no new state means no change.
-local function run(algorithm)
-  local key = KEYS[1]
-  local a, b, c = 0, 0, 0
-  local v = redis.call('GET', key)
-  if v then
-    local x, y, z = string.match(v, '^(%d+):(%d+):(%d+)$')
-    a, b, c = num(x), num(y), num(z)
-  end
-  local reply, na, nb, nc = algorithm(a, b, c)
-  if na then
-    if na > NOW then
-      local state = str(na) .. ':' .. str(nb or 0) .. ':' .. str(nc or 0)
-      redis.call('SET', key, state, 'PX', cdiv(na - NOW, 1000) + GRACE_MS)
-    elseif v then
-      redis.call('DEL', key)
-    end
-  end
-  return reply
-end
+-- A function definition makes a new closure on every call (measured: ~500 instructions
+-- each, 7% of a request with all of them), so with one limit each algorithm file defines
+-- its function only if the limit uses it; with several, every file does.
+local only = n == 1 and argv[4]

@@ -1,50 +1,66 @@
 -- Sliding window counter: the twin of crates/tollway-core/src/algorithm/sliding_counter.rs.
--- KEYS[1]: state string "a:b:c" { a = when both counts have slid out (µs), b = previous window's
--- count, c = current window's count }. ARGV and reply: prelude.lua.
--- The test prev × (P − e) + (cur + cost) × P ≤ limit × P compares integers: no division.
+-- State '<ddd' { a = when both counts have slid out (µs), b = the previous window's count,
+-- c = the current window's count }; the window start follows from a (a − 2P while c > 0,
+-- else a − P). The test prev × (P − e) + (cur + cost) × P <= limit × P has no division.
+-- Exact while start + 2P < 2^53: periods up to (2^53 − now) / 2, 114 years today.
+-- Returns denial, remaining, reset, wait, and when allowed the new state and its `a`.
 
-local function sliding_window_counter(expires_at, stored_prev, stored_curr)
-  local start = NOW - (NOW - idiv(NOW, PERIOD) * PERIOD)
-  local elapsed = NOW - start
-  local own_start = nil
-  if stored_curr > 0 then
-    own_start = math.max(expires_at - 2 * PERIOD, 0)
-  elseif stored_prev > 0 then
-    own_start = math.max(expires_at - PERIOD, 0)
-  end
-  local prev, curr = 0, 0
-  if own_start == start then
-    prev, curr = stored_prev, stored_curr
-  elseif own_start and own_start + PERIOD == start then
-    prev = stored_curr
-  end
-  local function used(c) return prev * (PERIOD - elapsed) + c * PERIOD end
-  local function remaining(c) return idiv(math.max(LIMIT * PERIOD - used(c), 0), PERIOD) end
-  local function reset(c)
-    if c > 0 then return start + 2 * PERIOD - NOW end
-    if prev > 0 then return start + PERIOD - NOW end
-    return 0
-  end
-  if COST > LIMIT then
-    return refused(LIMIT, remaining(curr), reset(curr))
-  end
-  if used(curr + COST) <= LIMIT * PERIOD then
-    curr = curr + COST
-    local state_expires = 0
-    if curr > 0 then state_expires = start + 2 * PERIOD elseif prev > 0 then state_expires = start + PERIOD end
-    return allow(LIMIT, remaining(curr), reset(curr), 0), state_expires, prev, curr
-  end
-  -- The first instant at which COST more units fit: later in this window as the previous
-  -- window's weight shrinks, else in the next, where this window's count is weighed.
-  local retry_at = nil
-  if prev > 0 and curr + COST <= LIMIT then
-    local e = PERIOD - idiv((LIMIT - curr - COST) * PERIOD, prev)
-    if e < PERIOD then retry_at = start + e end
-  end
-  if not retry_at then
+local sliding_window_counter
+if not only or only == '6' then
+  function sliding_window_counter(now, cost, limit, period, v)
+    local start = now / period
+    start = (start - start % 1) * period
+    local prev, curr = 0, 0
+    if v then
+      local expires_at, stored_prev, stored_curr = unpack('<ddd', v)
+      local own_start = -1
+      if stored_curr > 0 then
+        own_start = expires_at - 2 * period
+        if own_start < 0 then own_start = 0 end
+      elseif stored_prev > 0 then
+        own_start = expires_at - period
+        if own_start < 0 then own_start = 0 end
+      end
+      if own_start == start then
+        prev, curr = stored_prev, stored_curr
+      elseif own_start >= 0 and own_start + period == start then
+        prev = stored_curr
+      end
+    end
+    local weighted, full = prev * (period - (now - start)), limit * period
+    if cost <= limit and weighted + (curr + cost) * period <= full then
+      curr = curr + cost
+      local left = (full - weighted - curr * period) / period
+      left = left - left % 1
+      if curr > 0 then
+        local a = start + 2 * period
+        return 0, left, a - now, 0, pack('<ddd', a, prev, curr), a
+      elseif prev > 0 then
+        local a = start + period
+        return 0, left, a - now, 0, pack('<ddd', a, prev, 0), a
+      end
+      return 0, left, 0, 0, '', 0
+    end
+    local left = full - weighted - curr * period
+    if left < 0 then left = 0 end
+    left = left / period
+    left = left - left % 1
+    local reset = 0
+    if curr > 0 then reset = start + 2 * period - now elseif prev > 0 then reset = start + period - now end
+    if cost > limit then return 2, left, reset, 0 end
+    -- The first instant at which `cost` more units fit: later in this window as the
+    -- previous window's weight shrinks, else in the next, where this window's count is weighed.
+    if prev > 0 and curr + cost <= limit then
+      local fits = (limit - curr - cost) * period / prev
+      local e = period - (fits - fits % 1)
+      if e < period then return 1, left, reset, start + e - now end
+    end
     local e = 0
-    if curr > 0 then e = PERIOD - math.min(idiv((LIMIT - COST) * PERIOD, curr), PERIOD) end
-    retry_at = start + PERIOD + e
+    if curr > 0 then
+      local fits = (limit - cost) * period / curr
+      fits = fits - fits % 1
+      if fits < period then e = period - fits end
+    end
+    return 1, left, reset, start + period + e - now
   end
-  return limited(LIMIT, remaining(curr), reset(curr), retry_at - NOW)
 end

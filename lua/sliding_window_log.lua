@@ -1,63 +1,60 @@
 -- Sliding window log: the twin of crates/tollway-core/src/algorithm/sliding_log.rs.
--- KEYS[1]: sorted set of admitted requests, score = time (µs), member = "<seq>:<units>"
---          (a sequence number keeps members unique when times are equal).
--- KEYS[2]: hash { total = units in KEYS[1], seq = last sequence number }.
--- Both share one hash tag, so the script never crosses slots. ARGV and reply: prelude.lua.
+-- State: a sorted set with one member per admitted unit, score = admission time (µs),
+-- member = a sequence number above 10^15 (16 digits, so that members of equal score sort
+-- by number). The last member in the set's order (newest time) always has the highest
+-- number, so the next numbers follow from it alone. Every command is O(log n) (the
+-- admission: O(cost × log n)); the log is never read whole. `a` = the newest time + period.
 
-local function units(member) return tonumber(string.match(member, ':(%d+)$')) end
+local sliding_window_log, sliding_window_log_admit
+if not only or only == '5' then
+  -- Drops what slid out, then decides. Returns denial, remaining, reset, wait, and the
+  -- newest entry's number and time (nil for an empty log) for sliding_window_log_admit.
+  function sliding_window_log(key, now, cost, limit, period)
+    if now >= period then call('ZREMRANGEBYSCORE', key, '-inf', now - period) end
+    local total, reset, seq, newest = call('ZCARD', key), 0, nil, nil
+    if total > 0 then
+      local last = call('ZRANGE', key, -1, -1, 'WITHSCORES')
+      seq, newest = last[1] + 0, last[2] + 0
+      reset = newest + period - now
+    end
+    if cost <= limit and total + cost <= limit then
+      -- Admitted now, the newest entry is now's, unless the request is free.
+      if cost > 0 then reset = period end
+      return 0, limit - total - cost, reset, 0, seq, newest
+    end
+    local left = limit - total
+    if left < 0 then left = 0 end
+    if cost > limit then return 2, left, reset, 0 end
+    -- Wait until enough of the oldest units have slid out: the (total + cost − limit)th.
+    local rank = total + cost - limit - 1
+    local at = call('ZRANGE', key, rank, rank, 'WITHSCORES')
+    return 1, left, reset, at[2] + period - now
+  end
 
-local function run_log()
-  local log, meta = KEYS[1], KEYS[2]
-  local total = num(redis.call('HGET', meta, 'total'))
-  local changed = false
-  -- Entries at or before NOW − PERIOD have slid out.
-  local cutoff = NOW - PERIOD
-  if cutoff >= 0 then
-    local old = redis.call('ZRANGEBYSCORE', log, '-inf', str(cutoff))
-    if #old > 0 then
-      for _, member in ipairs(old) do total = total - units(member) end
-      redis.call('ZREMRANGEBYSCORE', log, '-inf', str(cutoff))
-      changed = true
-    end
-  end
-  local function reset()
-    local newest = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
-    if #newest == 0 then return 0 end
-    return math.max(tonumber(newest[2]) + PERIOD - NOW, 0)
-  end
-  local function keep()
-    local newest = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
-    if #newest == 0 then
-      redis.call('DEL', log, meta)
-      return
-    end
-    redis.call('HSET', meta, 'total', str(total))
-    expire({ log, meta }, tonumber(newest[2]) + PERIOD)
-  end
-  local reply
-  if COST > LIMIT then
-    reply = refused(LIMIT, math.max(LIMIT - total, 0), reset())
-  elseif total + COST <= LIMIT then
-    if COST > 0 then
-      local seq = redis.call('HINCRBY', meta, 'seq', 1)
-      redis.call('ZADD', log, str(NOW), seq .. ':' .. str(COST))
-      total = total + COST
-      changed = true
-    end
-    reply = allow(LIMIT, LIMIT - total, reset(), 0)
-  else
-    -- Wait until enough of the oldest entries have slid out.
-    local left, retry = total, 0
-    local entries = redis.call('ZRANGE', log, 0, -1, 'WITHSCORES')
-    for i = 1, #entries, 2 do
-      left = left - units(entries[i])
-      if left + COST <= LIMIT then
-        retry = tonumber(entries[i + 1]) + PERIOD - NOW
-        break
+  -- Records `cost` (> 0) units at `now` that sliding_window_log allowed.
+  function sliding_window_log_admit(key, now, cost, period, grace, seq, newest)
+    seq = seq or 1e15
+    if cost == 1 then
+      call('ZADD', key, now, seq + 1)
+    else
+      -- At most 1,000 units a ZADD.
+      local args, m = { 'ZADD', key }, 2
+      for j = 1, cost do
+        args[m + 1], args[m + 2], m = now, seq + j, m + 2
+        if m >= 2002 or j == cost then
+          call(unpack_list(args, 1, m))
+          m = 2
+        end
       end
     end
-    reply = limited(LIMIT, math.max(LIMIT - total, 0), reset(), retry)
+    local ttl = period
+    if newest and newest > now then
+      -- A caller's clock behind the newest entry: renumber that entry past the new ones.
+      call('ZREM', key, seq)
+      call('ZADD', key, newest, seq + cost + 1)
+      ttl = newest + period - now
+    end
+    ttl = ttl / 1000
+    call('PEXPIRE', key, ttl + (-ttl) % 1 + grace)
   end
-  if changed then keep() end
-  return reply
 end

@@ -1,23 +1,32 @@
 -- Token bucket: the twin of crates/tollway-core/src/algorithm/token_bucket.rs.
--- KEYS[1]: state string "a:b:c" { a = full_at (µs), b = frac (ticks) }. ARGV and reply: prelude.lua.
--- Tokens are counted in ticks: a token is PERIOD ticks, a microsecond refills LIMIT.
+-- State '<dd' { a = full_at (µs), b = frac (ticks) }. Tokens are counted in ticks: a token
+-- is `period` ticks and a microsecond refills `limit`. The leaky bucket meter is this.
+-- Returns denial, remaining, reset, wait, and when allowed the new state and its `a`.
 
-local function token_bucket(full_at, frac)
-  local cap = BURST * PERIOD
-  local deficit = 0
-  if NOW < full_at then
-    local ahead = math.min(full_at - NOW, cdiv(cap, LIMIT))
-    deficit = math.min(math.max(ahead * LIMIT - frac, 0), cap)
+local token_bucket
+if not only or only == '1' or only == '2' then
+  function token_bucket(now, cost, limit, period, burst, v)
+    local cap, deficit = burst * period, 0
+    if v then
+      local full_at, frac = unpack('<dd', v)
+      if now < full_at then
+        local ahead, fill = full_at - now, cap / limit
+        fill = fill + (-fill) % 1
+        if ahead > fill then ahead = fill end
+        deficit = ahead * limit - frac
+        if deficit < 0 then deficit = 0 elseif deficit > cap then deficit = cap end
+      end
+    end
+    local after = deficit + cost * period
+    if cost <= burst and after <= cap then
+      local us, left = after / limit, (cap - after) / period
+      us = us + (-us) % 1
+      return 0, left - left % 1, us, 0, pack('<dd', now + us, us * limit - after), now + us
+    end
+    local left, reset = (cap - deficit) / period, deficit / limit
+    left, reset = left - left % 1, reset + (-reset) % 1
+    if cost > burst then return 2, left, reset, 0 end
+    local retry = (after - cap) / limit
+    return 1, left, reset, retry + (-retry) % 1
   end
-  local function remaining(d) return idiv(cap - d, PERIOD) end
-  local function reset(d) return cdiv(d, LIMIT) end
-  if COST > BURST then
-    return refused(BURST, remaining(deficit), reset(deficit))
-  end
-  local after = deficit + COST * PERIOD
-  if after <= cap then
-    local us = cdiv(after, LIMIT)
-    return allow(BURST, remaining(after), reset(after), 0), NOW + us, us * LIMIT - after
-  end
-  return limited(BURST, remaining(deficit), reset(deficit), cdiv(after - cap, LIMIT))
 end

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use cluster::RedisCluster;
 use redis::aio::MultiplexedConnection;
 use redis_store::{EPOCH_US, Target, builder, command_calls};
-use support::RedisServer;
+use support::{CheckOne, RedisServer};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tollway_core::{
@@ -57,6 +57,14 @@ async fn the_cluster_decides_exactly_like_the_rust_functions() {
     cluster.assert_on_every_master(&keys).await;
 }
 
+/// All of a caller's limits share its hash tag, so one script decides them on the master
+/// that owns the caller's slot: no `CROSSSLOT`, whatever limits a request has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_with_several_limits_decide_on_the_cluster_in_one_script() {
+    let cluster = RedisCluster::start().await;
+    redis_store::conformance_multi(&Target::Cluster(cluster.urls()), 1_500).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_on_the_cluster_never_admit_more_than_the_model() {
     let cluster = RedisCluster::start().await;
@@ -76,6 +84,12 @@ async fn cluster_keys_expire_when_their_state_is_fresh_again() {
     let cluster = RedisCluster::start().await;
     let keys = redis_store::expiry(&Target::Cluster(cluster.urls())).await;
     cluster.assert_on_every_master(&keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_quota_starts_afresh_on_the_cluster() {
+    let cluster = RedisCluster::start().await;
+    redis_store::a_changed_quota_starts_afresh(&Target::Cluster(cluster.urls())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,7 +131,12 @@ async fn flood(cache: bool) -> (Vec<Decision>, u64) {
     .unwrap();
     let mut decisions = Vec::with_capacity(10_000);
     for i in 0..10_000 {
-        decisions.push(nodes[i % 2].check(b"flooder", &policy, 1).await.unwrap());
+        decisions.push(
+            nodes[i % 2]
+                .check_one(b"flooder", &policy, 1)
+                .await
+                .unwrap(),
+        );
         clock.advance(Duration::from_micros(100));
     }
     let calls = script_calls(&mut server.connection().await).await;
@@ -248,7 +267,7 @@ impl Load {
                         }
                         let began = start.elapsed();
                         let result: Result<Decision, StoreError> =
-                            store.check(key.as_bytes(), &policy, 1).await;
+                            store.check_one(key.as_bytes(), &policy, 1).await;
                         let ended = start.elapsed();
                         let source = match result {
                             Ok(d) if d.limit() == redis_limit => Source::Redis,
@@ -345,7 +364,11 @@ async fn redis_dies_and_comes_back_under_load(fallback: bool) {
         Quota::per_second(1_000_000).unwrap(),
     )
     .unwrap();
-    let redis_limit = store.check(b"warm-up", &policy, 1).await.unwrap().limit();
+    let redis_limit = store
+        .check_one(b"warm-up", &policy, 1)
+        .await
+        .unwrap()
+        .limit();
     let callers: Vec<String> = (0..16).map(|c| format!("caller-{c}")).collect();
     let load = Load::start(&store, &policy, &callers, redis_limit);
     let within = Duration::from_secs(10);
@@ -364,7 +387,7 @@ async fn redis_dies_and_comes_back_under_load(fallback: bool) {
     let mut open = Vec::with_capacity(1_000);
     for _ in 0..1_000 {
         let began = Instant::now();
-        let answer = store.check(b"while-open", &policy, 1).await;
+        let answer = store.check_one(b"while-open", &policy, 1).await;
         open.push(began.elapsed());
         match answer {
             Ok(d) => assert!(fallback && d.limit() < redis_limit, "{d:?}"),
@@ -475,7 +498,13 @@ async fn a_client_pause_longer_than_the_timeout_is_answered_within_it() {
         Quota::per_minute(1_000).unwrap(),
     )
     .unwrap();
-    assert!(store.check(b"k", &policy, 1).await.unwrap().is_allowed());
+    assert!(
+        store
+            .check_one(b"k", &policy, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
 
     let mut admin = server.connection().await;
     let () = redis::cmd("CLIENT")
@@ -491,7 +520,7 @@ async fn a_client_pause_longer_than_the_timeout_is_answered_within_it() {
             let (store, policy) = (store.clone(), policy.clone());
             tokio::spawn(async move {
                 let began = Instant::now();
-                let answer = store.check(b"k", &policy, 1).await;
+                let answer = store.check_one(b"k", &policy, 1).await;
                 (began.elapsed(), answer)
             })
         })
@@ -508,7 +537,7 @@ async fn a_client_pause_longer_than_the_timeout_is_answered_within_it() {
     // Redis may still run them then, so a timeout is not a promise that nothing counted.)
     let mut back = None;
     for _ in 0..50 {
-        if let Ok(d) = store.check(b"k", &policy, 1).await {
+        if let Ok(d) = store.check_one(b"k", &policy, 1).await {
             back = Some((paused.elapsed(), d));
             break;
         }
@@ -558,7 +587,10 @@ async fn script_flush_mid_load_fails_no_decision() {
             tokio::spawn(async move {
                 let (mut admitted, mut errors) = (0, Vec::new());
                 for _ in 0..PER_TASK {
-                    match store.check(format!("k{key}").as_bytes(), &policy, 1).await {
+                    match store
+                        .check_one(format!("k{key}").as_bytes(), &policy, 1)
+                        .await
+                    {
                         Ok(d) => admitted += u64::from(d.is_allowed()),
                         Err(e) => errors.push(e),
                     }
@@ -626,7 +658,7 @@ async fn a_killed_cluster_master_is_replaced_and_the_limiter_carries_on() {
     // GCRA keeps one Redis key per caller.
     let keys: Vec<String> = callers
         .iter()
-        .map(|c| store.primary().keys_for(c.as_bytes(), &policy).remove(0))
+        .map(|c| store.primary().state_key(c.as_bytes(), &policy))
         .collect();
     cluster.assert_on_every_master(&keys).await;
     let owners = cluster.masters_of(&keys).await;
@@ -634,7 +666,11 @@ async fn a_killed_cluster_master_is_replaced_and_the_limiter_carries_on() {
     let orphans: Vec<usize> = (0..callers.len())
         .filter(|&c| owners[&keys[c]] == victim)
         .collect();
-    let redis_limit = store.check(b"warm-up", &policy, 1).await.unwrap().limit();
+    let redis_limit = store
+        .check_one(b"warm-up", &policy, 1)
+        .await
+        .unwrap()
+        .limit();
     let load = Load::start(&store, &policy, &callers, redis_limit);
     let within = Duration::from_secs(10);
     wait_for("answers from Redis", within, &load, || {
@@ -658,7 +694,7 @@ async fn a_killed_cluster_master_is_replaced_and_the_limiter_carries_on() {
         for c in (0..callers.len()).filter(|&c| !load.redis_answered_since(c, settled)) {
             let answer = store
                 .primary()
-                .check(callers[c].as_bytes(), &policy, 1)
+                .check_one(callers[c].as_bytes(), &policy, 1)
                 .await;
             let owner = if orphans.contains(&c) {
                 "the dead master's"
@@ -722,7 +758,7 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
         .build()
         .unwrap();
     let policy = Policy::new("probe", Algorithm::Gcra, Quota::per_second(100).unwrap()).unwrap();
-    assert!(store.check(b"k", &policy, 1).await.is_ok());
+    assert!(store.check_one(b"k", &policy, 1).await.is_ok());
 
     // Scripts wait (writes are paused) while the admin connection still works.
     let mut admin = server.connection().await;
@@ -731,14 +767,14 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
         .query_async(&mut admin)
         .await
         .unwrap();
-    assert!(store.check(b"k", &policy, 1).await.is_err());
+    assert!(store.check_one(b"k", &policy, 1).await.is_err());
     assert_eq!(store.state(), BreakerState::Open);
     // While open, calls skip Redis; after the cool-down the next call is the probe, and
     // its caller abandons it.
-    assert!(store.check(b"k", &policy, 1).await.is_err());
+    assert!(store.check_one(b"k", &policy, 1).await.is_err());
     assert_eq!(store.state(), BreakerState::Open);
     clock.advance(COOL_DOWN);
-    let probe = store.check(b"k", &policy, 1);
+    let probe = store.check_one(b"k", &policy, 1);
     assert_eq!(store.state(), BreakerState::HalfOpen);
     assert!(
         tokio::time::timeout(Duration::from_millis(20), probe)
@@ -752,7 +788,7 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
         .await
         .unwrap();
     // Redis answers again: the next call probes it and closes the breaker.
-    let answer = store.check(b"k", &policy, 1).await;
+    let answer = store.check_one(b"k", &policy, 1).await;
     assert!(
         answer.is_ok(),
         "still {:?} after Redis came back: {answer:?}",

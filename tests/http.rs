@@ -30,7 +30,7 @@ use support::RedisServer;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tollway_core::{
-    Algorithm, Decision, ManualClock, Policy, Quota, RedisStore, Store, StoreError,
+    Algorithm, Checked, Decisions, ManualClock, Policy, Quota, RedisStore, Store, StoreError,
 };
 use tollway_tower::{
     ApiKey, ClientIp, HeaderStyle, KeyExtractor, MissingKey, OnStoreError, RateLimitLayer,
@@ -512,8 +512,9 @@ both_stores! {
 
 both_stores! {
     /// A route limit (checkout, 2/min) on top of the user limit (10/min): the route limit
-    /// denies while the user limit still has room. The legacy headers report the most
-    /// restrictive limit; the IETF fields list every limit checked.
+    /// denies while the user limit still has room, and the refused requests cost the user
+    /// limit nothing (all or nothing). The legacy headers report the most restrictive
+    /// limit; the IETF fields list every limit checked.
     async fn a_route_limit_denies_while_the_user_limit_has_room(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("per-user", 10))
@@ -540,21 +541,23 @@ both_stores! {
         assert_limits(&reply, 2, 0, EPOCH_S + 60);
         assert_eq!(reply.header("ratelimit"), Some(r#""per-user";r=8;t=12, "checkout";r=0;t=60"#));
 
-        // Denied by the route, though the user limit has 7 left. The user limit is
-        // checked first, and the unit it granted this request is not given back when the
-        // route limit then denies: 10 - 3 = 7.
-        let denied = checkout().await;
-        assert_too_many(&denied, 30);
-        assert_limits(&denied, 2, 0, EPOCH_S + 60);
-        assert_eq!(denied.header("ratelimit-policy"), Some(both_policies));
-        assert_eq!(denied.header("ratelimit"), Some(r#""per-user";r=7;t=18, "checkout";r=0;t=60"#));
+        // Denied by the route, though the user limit has 8 left; and a refused request
+        // costs nothing: five refusals leave the user limit where it was (8 left, full
+        // again in 12 s), and the IETF field says so.
+        for _ in 0..5 {
+            let denied = checkout().await;
+            assert_too_many(&denied, 30);
+            assert_limits(&denied, 2, 0, EPOCH_S + 60);
+            assert_eq!(denied.header("ratelimit-policy"), Some(both_policies));
+            assert_eq!(denied.header("ratelimit"), Some(r#""per-user";r=8;t=12, "checkout";r=0;t=60"#));
+        }
 
-        // The user limit still lets the same user through elsewhere.
+        // The user limit still lets the same user through elsewhere, charged once more.
         let items = client.get_with("/api/v1/items", &user).await;
         assert_ok(&items);
-        assert_limits(&items, 10, 6, EPOCH_S + 24);
+        assert_limits(&items, 10, 7, EPOCH_S + 18);
         assert_eq!(items.header("ratelimit-policy"), Some(r#""per-user";q=10;w=60"#));
-        assert_eq!(items.header("ratelimit"), Some(r#""per-user";r=6;t=24"#));
+        assert_eq!(items.header("ratelimit"), Some(r#""per-user";r=7;t=18"#));
 
         // The route limit is per caller: another user may check out.
         let other = client
@@ -608,19 +611,20 @@ struct Observed<St> {
     decided: Arc<watch::Sender<usize>>,
 }
 
-type BoxedCheck = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+type BoxedCheck = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
 
+/// It always answers through a future, as a store that calls out does.
 impl<St: Store> Store for Observed<St> {
     type Future = BoxedCheck;
 
-    fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
-        let check = self.inner.check(key, policy, cost);
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxedCheck> {
+        let check = self.inner.check(key, policies, cost);
         let decided = Arc::clone(&self.decided);
-        Box::pin(async move {
-            let decision = check.await;
+        Checked::Pending(Box::pin(async move {
+            let decisions = check.await;
             decided.send_modify(|n| *n += 1);
-            decision
-        })
+            decisions
+        }))
     }
 }
 

@@ -11,6 +11,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
+use std::future::IntoFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -18,11 +19,11 @@ use std::time::Duration;
 use redis::AsyncCommands;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use tollway_core::{
-    Algorithm, Decision, ManualClock, MemoryStore, Policy, Quota, RedisStore, RedisStoreBuilder,
-    Store,
+    Algorithm, Decision, Denial, ManualClock, MemoryStore, Policy, Quota, RedisStore,
+    RedisStoreBuilder, Store,
 };
 
-use crate::support::Rng;
+use crate::support::{CheckOne, Rng};
 
 /// Keeps its items: here this file is the crate root of its own test binary. (Where it is
 /// a module of tests/fleet.rs, `crate::standalone_only` names that file's macro, which
@@ -257,8 +258,8 @@ pub(crate) async fn conformance(target: &Target, events: usize) -> Vec<String> {
             let caller = format!("caller-{}", rng.below(CALLERS));
             let expected = memory.check_sync(caller.as_bytes(), &policy, cost);
             let (script, local) = tokio::join!(
-                scripts.check(caller.as_bytes(), &policy, cost),
-                cached.check(caller.as_bytes(), &policy, cost),
+                scripts.check_one(caller.as_bytes(), &policy, cost),
+                cached.check_one(caller.as_bytes(), &policy, cost),
             );
             let context = || {
                 format!(
@@ -268,8 +269,12 @@ pub(crate) async fn conformance(target: &Target, events: usize) -> Vec<String> {
             };
             assert_eq!(script.unwrap(), expected, "script: {}", context());
             assert_eq!(local.unwrap(), expected, "deny cache: {}", context());
-            counts[usize::from(expected.denial_code().min(2))] += 1;
-            keys.extend(scripts.keys_for(caller.as_bytes(), &policy));
+            counts[match expected.denial() {
+                None => 0,
+                Some(Denial::Limited) => 1,
+                Some(_) => 2,
+            }] += 1;
+            keys.insert(scripts.state_key(caller.as_bytes(), &policy));
         }
         // The trace is not vacuous: it admits, limits and refuses (each at least 1%).
         assert!(
@@ -278,6 +283,178 @@ pub(crate) async fn conformance(target: &Target, events: usize) -> Vec<String> {
         );
     }
     keys.into_iter().collect()
+}
+
+/// Replays `events` random requests, each against one to four limits of different
+/// algorithms (chosen afresh for every request, so the limits' states interleave), through
+/// Redis and through the memory store on one pinned clock: every decision of every limit
+/// must be the same, and so must the all-or-nothing rule (a refused request charges no
+/// limit). The store with the deny cache may answer a repeated refusal locally; its
+/// denials must be exact, and the limits that did not deny may report fewer remaining
+/// units than they have (what Redis said at the refusal), never more. Returns the keys.
+pub(crate) async fn conformance_multi(target: &Target, events: usize) -> Vec<String> {
+    const CALLERS: u64 = 3;
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let scripts = target
+        .connect(builder(&clock).prefix("multi").deny_cache(0))
+        .await;
+    let cached = target.connect(builder(&clock).prefix("multi-cached")).await;
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let mut rng = Rng(0x0a11_0f0e);
+    let pool: Vec<Policy> = Algorithm::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, &algorithm)| {
+            let quota = quotas(algorithm)[i % 3];
+            Policy::new(format!("multi{i}"), algorithm, quota).unwrap()
+        })
+        .collect();
+    let mut keys = BTreeSet::new();
+    let (mut admitted, mut refused_with_room) = (0, 0);
+    for i in 0..events {
+        let n = 1 + rng.below(4) as usize;
+        let mut chosen: Vec<&Policy> = Vec::new();
+        while chosen.len() < n {
+            let p = &pool[rng.below(pool.len() as u64) as usize];
+            if !chosen.iter().any(|c| c.name() == p.name()) {
+                chosen.push(p);
+            }
+        }
+        let now = clock.now_micros_for_test();
+        clock.set_micros(now + gap(&mut rng, now, chosen[0].quota()));
+        let cost = cost(&mut rng, chosen[0].quota(), chosen[0].algorithm()).min(3);
+        let caller = format!("caller-{}", rng.below(CALLERS));
+        let expected = memory.decide(caller.as_bytes(), &chosen, cost);
+        let (script, local) = tokio::join!(
+            scripts
+                .check(caller.as_bytes(), &chosen, cost)
+                .into_future(),
+            cached.check(caller.as_bytes(), &chosen, cost).into_future(),
+        );
+        let names: Vec<&str> = chosen.iter().map(|p| p.name()).collect();
+        let context = || {
+            format!(
+                "event {i} {caller} at {} cost {cost} limits {names:?}",
+                clock.now_micros_for_test()
+            )
+        };
+        assert_eq!(script.unwrap(), expected, "script: {}", context());
+        let local = local.unwrap();
+        assert_eq!(local.len(), expected.len(), "deny cache: {}", context());
+        for (l, e) in local.iter().zip(expected.iter()) {
+            if e.is_allowed() && !expected.is_allowed() {
+                assert!(
+                    l.is_allowed() && l.remaining() <= e.remaining(),
+                    "deny cache: {}",
+                    context()
+                );
+                assert_eq!(
+                    l.reset_after(),
+                    e.reset_after(),
+                    "deny cache: {}",
+                    context()
+                );
+            } else {
+                assert_eq!(l, e, "deny cache: {}", context());
+            }
+        }
+        if expected.is_allowed() {
+            admitted += 1;
+        } else if expected.iter().any(Decision::is_allowed) {
+            refused_with_room += 1;
+        }
+        for p in &chosen {
+            keys.insert(scripts.state_key(caller.as_bytes(), p));
+        }
+    }
+    // The trace is not vacuous: requests pass, and requests are refused by one limit
+    // while another had room (the case all-or-nothing is about).
+    assert!(admitted >= events / 10, "{admitted} admitted");
+    assert!(
+        refused_with_room >= events / 20,
+        "{refused_with_room} refused with room"
+    );
+    keys.into_iter().collect()
+}
+
+/// A request against three limits is one script call, however many limits it has: the
+/// server's `INFO commandstats` counts one `EVALSHA` a request.
+#[allow(dead_code)] // one server's count: not in the cluster suite
+pub(crate) async fn one_round_trip(
+    target: &Target,
+    node: &mut MultiplexedConnection,
+) -> Vec<String> {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let store = target.connect(builder(&clock).prefix("trips")).await;
+    let policies: Vec<Policy> = [
+        Algorithm::TokenBucket,
+        Algorithm::SlidingWindowLog,
+        Algorithm::Gcra,
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, &a)| Policy::new(format!("trip{i}"), a, Quota::per_minute(100).unwrap()).unwrap())
+    .collect();
+    let policies: Vec<&Policy> = policies.iter().collect();
+    // Loads the script.
+    store.check(b"warm", &policies, 1).await.unwrap();
+    let before = command_calls(node, "evalsha").await;
+    for _ in 0..10 {
+        assert!(
+            store
+                .check(b"caller", &policies, 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    assert_eq!(command_calls(node, "evalsha").await - before, 10);
+    ["warm", "caller"]
+        .iter()
+        .flat_map(|k| policies.iter().map(|p| store.state_key(k.as_bytes(), p)))
+        .collect()
+}
+
+/// A policy whose quota changes (10/min to 1,000/min) starts its callers afresh: the
+/// state key names the quota.
+pub(crate) async fn a_changed_quota_starts_afresh(target: &Target) -> Vec<String> {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let store = target.connect(builder(&clock).prefix("requota")).await;
+    let before = Policy::new(
+        "api",
+        Algorithm::TokenBucket,
+        Quota::per_minute(10).unwrap(),
+    )
+    .unwrap();
+    let after = Policy::new(
+        "api",
+        Algorithm::TokenBucket,
+        Quota::per_minute(1_000).unwrap(),
+    )
+    .unwrap();
+    for _ in 0..10 {
+        assert!(
+            store
+                .check_one(b"k", &before, 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    assert!(
+        !store
+            .check_one(b"k", &before, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let first = store.check_one(b"k", &after, 1).await.unwrap();
+    assert!(first.is_allowed());
+    assert_eq!(first.remaining(), 999);
+    vec![
+        store.state_key(b"k", &before),
+        store.state_key(b"k", &after),
+    ]
 }
 
 /// Runs `tasks` concurrent tasks, task `t` on gateway `t % gateways` for key
@@ -301,7 +478,7 @@ async fn hammer(
         handles.push(tokio::spawn(async move {
             for _ in 0..per_task {
                 if store
-                    .check(key.as_bytes(), &policy, 1)
+                    .check_one(key.as_bytes(), &policy, 1)
                     .await
                     .unwrap()
                     .is_allowed()
@@ -366,7 +543,9 @@ pub(crate) async fn atomicity(target: &Target) -> Vec<String> {
         gateways.push(target.connect(builder(&clock).deny_cache(0)).await);
     }
     let quota = Quota::per_minute(100).unwrap();
-    let callers: Vec<String> = (0..3).map(|k| format!("hot-{k}")).collect();
+    // A caller's keys share its hash tag; these three callers' tags hash to slots 5356,
+    // 9359 and 13486: one on each master of a three-master cluster's default split.
+    let callers: Vec<String> = ["hot-0", "hot-3", "hot-2"].map(String::from).to_vec();
     let mut keys = Vec::new();
     for algorithm in [
         Algorithm::TokenBucket,
@@ -385,7 +564,7 @@ pub(crate) async fn atomicity(target: &Target) -> Vec<String> {
             TASKS * PER_TASK / callers.len()
         );
         for caller in &callers {
-            keys.extend(gateways[0].keys_for(caller.as_bytes(), &policy));
+            keys.push(gateways[0].state_key(caller.as_bytes(), &policy));
         }
     }
     // The same load through GET-then-SET over-admits: the race the scripts remove.
@@ -417,7 +596,10 @@ pub(crate) async fn script_flush(target: &Target) -> Vec<String> {
     .unwrap();
     let callers: Vec<String> = (0..CALLERS).map(|c| format!("caller-{c}")).collect();
     for caller in &callers {
-        let d = store.check(caller.as_bytes(), &policy, 1).await.unwrap();
+        let d = store
+            .check_one(caller.as_bytes(), &policy, 1)
+            .await
+            .unwrap();
         assert_eq!(d.remaining(), 9, "{caller}");
     }
 
@@ -435,7 +617,10 @@ pub(crate) async fn script_flush(target: &Target) -> Vec<String> {
             .unwrap();
     }
     for caller in &callers {
-        let d = store.check(caller.as_bytes(), &policy, 1).await.unwrap();
+        let d = store
+            .check_one(caller.as_bytes(), &policy, 1)
+            .await
+            .unwrap();
         assert_eq!(d.remaining(), 8, "{caller}: state kept, script reloaded");
     }
     let mut served = 0;
@@ -453,7 +638,7 @@ pub(crate) async fn script_flush(target: &Target) -> Vec<String> {
     assert!(served > 0);
     callers
         .iter()
-        .flat_map(|c| store.keys_for(c.as_bytes(), &policy))
+        .map(|c| store.state_key(c.as_bytes(), &policy))
         .collect()
 }
 
@@ -474,9 +659,12 @@ pub(crate) async fn expiry(target: &Target) -> Vec<String> {
     for algorithm in Algorithm::ALL {
         let policy = Policy::new("idle", algorithm, Quota::per_second(4).unwrap()).unwrap();
         for caller in &callers {
-            let d: Decision = store.check(caller.as_bytes(), &policy, 2).await.unwrap();
+            let d: Decision = store
+                .check_one(caller.as_bytes(), &policy, 2)
+                .await
+                .unwrap();
             assert!(d.is_allowed());
-            for key in store.keys_for(caller.as_bytes(), &policy) {
+            for key in [store.state_key(caller.as_bytes(), &policy)] {
                 let ttl: i64 = con.pttl(&key).await.unwrap();
                 // Never without an expiry, and never longer than the state needs: the
                 // reset time (rounded up to a millisecond), less what has passed since.
@@ -497,14 +685,20 @@ pub(crate) async fn expiry(target: &Target) -> Vec<String> {
     for algorithm in Algorithm::ALL {
         let policy = Policy::new("idle", algorithm, Quota::per_second(4).unwrap()).unwrap();
         for caller in &callers {
-            let d = store.check(caller.as_bytes(), &policy, 1).await.unwrap();
+            let d = store
+                .check_one(caller.as_bytes(), &policy, 1)
+                .await
+                .unwrap();
             assert!(d.is_allowed());
         }
         clock.advance(Duration::from_secs(3));
         for caller in &callers {
-            let d = store.check(caller.as_bytes(), &policy, 0).await.unwrap();
+            let d = store
+                .check_one(caller.as_bytes(), &policy, 0)
+                .await
+                .unwrap();
             assert!(d.is_allowed());
-            for key in store.keys_for(caller.as_bytes(), &policy) {
+            for key in [store.state_key(caller.as_bytes(), &policy)] {
                 let exists: bool = con.exists(&key).await.unwrap();
                 assert!(!exists, "{algorithm:?}: {key} outlived its state");
                 keys.push(key);
@@ -525,8 +719,8 @@ pub(crate) async fn hostile_keys(target: &Target) -> Vec<String> {
     for algorithm in [Algorithm::Gcra, Algorithm::SlidingWindowLog] {
         let policy = Policy::new("keys", algorithm, Quota::per_second(1).unwrap()).unwrap();
         for key in [&b"}{victim"[..], b"\x00\xff binary", &huge] {
-            assert!(store.check(key, &policy, 1).await.unwrap().is_allowed());
-            let names = store.keys_for(key, &policy);
+            assert!(store.check_one(key, &policy, 1).await.unwrap().is_allowed());
+            let names = [store.state_key(key, &policy)];
             for name in &names {
                 assert_eq!(name.matches('{').count(), 1, "{name}");
                 assert!(name.len() < 80, "{} bytes", name.len());
@@ -536,12 +730,12 @@ pub(crate) async fn hostile_keys(target: &Target) -> Vec<String> {
         // The escaped key does not collide with the victim's own key.
         assert!(
             store
-                .check(b"victim", &policy, 1)
+                .check_one(b"victim", &policy, 1)
                 .await
                 .unwrap()
                 .is_allowed()
         );
-        keys.extend(store.keys_for(b"victim", &policy));
+        keys.push(store.state_key(b"victim", &policy));
     }
     keys
 }
@@ -549,12 +743,34 @@ pub(crate) async fn hostile_keys(target: &Target) -> Vec<String> {
 crate::standalone_only! {
     mod support;
 
+    use tollway_core::StoreErrorKind;
+
     use crate::support::RedisServer;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lua_scripts_decide_exactly_like_the_rust_functions() {
         let server = RedisServer::start();
         conformance(&Target::Server(server.url()), 10_000).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_with_several_limits_decide_exactly_like_the_memory_store() {
+        let server = RedisServer::start();
+        conformance_multi(&Target::Server(server.url()), 5_000).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_with_three_limits_is_one_script_call() {
+        let server = RedisServer::start();
+        let client = redis::Client::open(server.url()).unwrap();
+        let mut node = client.get_multiplexed_async_connection().await.unwrap();
+        one_round_trip(&Target::Server(server.url()), &mut node).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_changed_quota_starts_its_callers_afresh() {
+        let server = RedisServer::start();
+        a_changed_quota_starts_afresh(&Target::Server(server.url())).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -579,10 +795,10 @@ crate::standalone_only! {
             Quota::per_minute(10).unwrap(),
         )
         .unwrap();
-        assert_eq!(store.check(b"k", &policy, 1).await.unwrap().remaining(), 9);
-        assert_eq!(store.check(b"k", &policy, 1).await.unwrap().remaining(), 8);
+        assert_eq!(store.check_one(b"k", &policy, 1).await.unwrap().remaining(), 9);
+        assert_eq!(store.check_one(b"k", &policy, 1).await.unwrap().remaining(), 8);
         server.restart();
-        let after_restart = store.check(b"k", &policy, 1).await.unwrap();
+        let after_restart = store.check_one(b"k", &policy, 1).await.unwrap();
         assert!(after_restart.is_allowed());
         assert_eq!(
             after_restart.remaining(),
@@ -620,9 +836,9 @@ crate::standalone_only! {
             Quota::per_minute(2).unwrap(),
         )
         .unwrap();
-        assert!(pooled.check(b"k", &policy, 1).await.unwrap().is_allowed());
-        assert!(pooled.check(b"k", &policy, 1).await.unwrap().is_allowed());
-        let third = pooled.check(b"k", &policy, 1).await.unwrap();
+        assert!(pooled.check_one(b"k", &policy, 1).await.unwrap().is_allowed());
+        assert!(pooled.check_one(b"k", &policy, 1).await.unwrap().is_allowed());
+        let third = pooled.check_one(b"k", &policy, 1).await.unwrap();
         assert_eq!(third.retry_after(), Some(Duration::from_secs(60)));
     }
 
@@ -637,12 +853,44 @@ crate::standalone_only! {
         server.kill();
         let policy = Policy::new("dead", Algorithm::Gcra, Quota::per_second(1).unwrap()).unwrap();
         let started = std::time::Instant::now();
-        let err = store.check(b"k", &policy, 1).await.unwrap_err();
+        let err = store.check_one(b"k", &policy, 1).await.unwrap_err();
         assert!(
             started.elapsed() < Duration::from_secs(2),
             "took {:?}",
             started.elapsed()
         );
-        println!("dead server: {err}");
+        assert!(
+            matches!(err.kind(), StoreErrorKind::Connection | StoreErrorKind::Timeout),
+            "{:?}: {err}",
+            err.kind()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_server_is_a_timeout_and_a_bad_reply_a_script_error() {
+        let server = RedisServer::start();
+        let store = RedisStore::builder()
+            .timeout(Duration::from_millis(200))
+            .prefix("kinds")
+            .connect(&server.url())
+            .await
+            .unwrap();
+        let policy = Policy::new("kinds", Algorithm::Gcra, Quota::per_second(1).unwrap()).unwrap();
+        let mut admin = server.connection().await;
+        // Another tollway's state under the same key: not a decision's shape.
+        let key = store.state_key(b"k", &policy);
+        let _: () = admin.set(&key, "not a state").await.unwrap();
+        let _: () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut admin).await.unwrap();
+        let err = store.check_one(b"k", &policy, 1).await.unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Script, "{err}");
+
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(2_000)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let err = store.check_one(b"other", &policy, 1).await.unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Timeout, "{err}");
     }
 }

@@ -17,11 +17,11 @@ use rcgen::{
     KeyUsagePurpose,
 };
 use tollway_core::{
-    Algorithm, ManualClock, Policy, Quota, RedisStore, RedisStoreBuilder, Store, StoreError,
+    Algorithm, ManualClock, Policy, Quota, RedisStore, RedisStoreBuilder, StoreError,
 };
 
 use crate::cluster::RedisCluster;
-use crate::support::{RedisServer, TlsFiles};
+use crate::support::{CheckOne, RedisServer, TlsFiles};
 
 /// About the Unix epoch in microseconds today.
 const EPOCH_US: u64 = 1_764_480_000_000_000;
@@ -83,19 +83,25 @@ fn builder(clock: &ManualClock) -> RedisStoreBuilder {
 /// Two a minute: allowed, allowed, denied for 30 s, then allowed again.
 async fn decides_exactly(store: &RedisStore, clock: &ManualClock) {
     let policy = Policy::new("two", Algorithm::Gcra, Quota::per_minute(2).unwrap()).unwrap();
-    let first = store.check(b"alice", &policy, 1).await.unwrap();
+    let first = store.check_one(b"alice", &policy, 1).await.unwrap();
     assert!(first.is_allowed(), "{first:?}");
     assert_eq!(first.remaining(), 1, "{first:?}");
-    let second = store.check(b"alice", &policy, 1).await.unwrap();
+    let second = store.check_one(b"alice", &policy, 1).await.unwrap();
     assert!(second.is_allowed(), "{second:?}");
     assert_eq!(second.remaining(), 0, "{second:?}");
-    let third = store.check(b"alice", &policy, 1).await.unwrap();
+    let third = store.check_one(b"alice", &policy, 1).await.unwrap();
     assert!(!third.is_allowed(), "{third:?}");
     assert_eq!(third.retry_after_micros(), 30_000_000, "{third:?}");
     // Another key has its own state.
-    assert!(store.check(b"bob", &policy, 1).await.unwrap().is_allowed());
+    assert!(
+        store
+            .check_one(b"bob", &policy, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
     clock.advance(Duration::from_secs(30));
-    let later = store.check(b"alice", &policy, 1).await.unwrap();
+    let later = store.check_one(b"alice", &policy, 1).await.unwrap();
     assert!(later.is_allowed(), "{later:?}");
 }
 
@@ -162,7 +168,7 @@ async fn rediss_verifies_the_server_against_the_given_ca() {
 
     // The state is in that server, read over another TLS connection.
     let policy = Policy::new("two", Algorithm::Gcra, Quota::per_minute(2).unwrap()).unwrap();
-    let key = store.keys_for(b"alice", &policy).remove(0);
+    let key = store.state_key(b"alice", &policy);
     let ca_pem = server.tls_ca().unwrap().as_bytes().to_vec();
     let certificates = redis::TlsCertificates {
         client_tls: None,
@@ -261,7 +267,10 @@ async fn a_tls_cluster_is_verified_against_the_given_ca_on_every_node() {
     .unwrap();
     let callers: Vec<String> = (0..24).map(|c| format!("caller-{c}")).collect();
     for caller in &callers {
-        let decision = store.check(caller.as_bytes(), &policy, 1).await.unwrap();
+        let decision = store
+            .check_one(caller.as_bytes(), &policy, 1)
+            .await
+            .unwrap();
         assert!(
             decision.is_allowed() && decision.remaining() == 4,
             "{decision:?}"
@@ -269,7 +278,7 @@ async fn a_tls_cluster_is_verified_against_the_given_ca_on_every_node() {
     }
     let keys: Vec<String> = callers
         .iter()
-        .map(|c| store.keys_for(c.as_bytes(), &policy).remove(0))
+        .map(|c| store.state_key(c.as_bytes(), &policy))
         .collect();
     cluster.assert_on_every_master(&keys).await;
 

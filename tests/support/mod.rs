@@ -249,3 +249,21 @@ impl Rng {
         self.next() % n
     }
 }
+
+/// One policy's decision, which is what most store tests ask.
+pub trait CheckOne: tollway_core::Store {
+    /// [`Store::check`](tollway_core::Store::check) of one policy: its decision.
+    fn check_one(
+        &self,
+        key: &[u8],
+        policy: &tollway_core::Policy,
+        cost: u32,
+    ) -> impl std::future::Future<Output = Result<tollway_core::Decision, tollway_core::StoreError>>
+    + Send
+    + 'static {
+        let checked = self.check(key, &[policy], cost);
+        async move { checked.await.map(|decisions| decisions[0]) }
+    }
+}
+
+impl<S: tollway_core::Store> CheckOne for S {}

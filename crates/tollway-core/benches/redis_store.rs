@@ -20,8 +20,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::{RedisServer, Rng};
-use tollway_core::{Algorithm, Policy, Quota, RedisStore, Store};
+use support::{CheckOne, RedisServer, Rng};
+use tollway_core::{Algorithm, Policy, Quota, RedisStore};
 
 const TASKS: usize = 64;
 const KEYS: u64 = 10_000;
@@ -50,21 +50,16 @@ fn redis_benchmark(port: u16) -> Run {
             "-r",
             &KEYS.to_string(),
         ])
-        .args([
-            "--csv",
-            "EVALSHA",
-            RedisStore::script_sha(Algorithm::TokenBucket),
-            "1",
-        ])
-        .arg("tollway:{bench:__rand_int__}:tb")
-        .arg("")
+        .args(["--csv", "EVALSHA", RedisStore::script_sha(), "1"])
+        .arg("tollway:{bench:__rand_int__}:bench:0")
+        // ARGV (lua/prelude.lua): the server's time, cost 1, no grace, then the token
+        // bucket (code 1) at the quota.
+        .args(["", "1", "0", "1"])
         .args([
             quota.limit().to_string(),
             quota.period_micros().to_string(),
             quota.burst().to_string(),
             quota.emission_micros().to_string(),
-            "1".to_owned(),
-            "0".to_owned(),
         ])
         .output()
         .expect("redis-benchmark is installed with redis-server");
@@ -99,7 +94,7 @@ async fn tollway(store: &RedisStore, policy: &Policy) -> Run {
             for _ in 0..per_task {
                 let key = rng.below(KEYS).to_string();
                 let sent = Instant::now();
-                let d = store.check(key.as_bytes(), &policy, 1).await.unwrap();
+                let d = store.check_one(key.as_bytes(), &policy, 1).await.unwrap();
                 latencies.push(sent.elapsed());
                 assert!(d.is_allowed());
             }
@@ -142,7 +137,7 @@ fn main() {
     let quota = Quota::per_second(LIMIT).unwrap().with_burst(BURST).unwrap();
     let policy = Policy::new("bench", Algorithm::TokenBucket, quota).unwrap();
     // Loads the script, so that redis-benchmark's EVALSHA finds it.
-    rt.block_on(store.check(b"warm", &policy, 1)).unwrap();
+    rt.block_on(store.check_one(b"warm", &policy, 1)).unwrap();
     let store = Arc::new(store);
     let pooled = deadpool_redis::Config::from_url(server.url())
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))

@@ -1,6 +1,9 @@
 //! What a limiter answers for one request.
 
+use std::ops::Deref;
 use std::time::Duration;
+
+use smallvec::SmallVec;
 
 /// Why a request was denied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,6 +61,7 @@ pub struct Decision {
 
 impl Decision {
     /// An admitted request, to be served after `delay_us` (zero unless shaping).
+    #[inline]
     pub(crate) const fn allow(
         limit: u64,
         remaining: u64,
@@ -108,38 +112,64 @@ impl Decision {
         }
     }
 
-    /// Rebuilds a decision from its wire fields (a store's reply); `None` when the fields
-    /// contradict each other.
+    /// An admitted request: `limit` is the policy's capacity, `remaining` how many more
+    /// unit-cost requests would pass now, `reset_after` how long until the caller is
+    /// back to full capacity (whole microseconds; the rest is dropped).
     ///
-    /// `denial` is 0 for allowed, 1 for [`Denial::Limited`], 2 for
-    /// [`Denial::CostExceedsCapacity`], 3 for [`Denial::StoreFull`]: the same codes
-    /// [`Decision::denial_code`] gives.
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollway_core::{Decision, Denial};
+    ///
+    /// // What a store of your own answers.
+    /// let ok = Decision::allowed(100, 41, Duration::from_secs(35));
+    /// assert!(ok.is_allowed() && ok.remaining() == 41);
+    /// let shaped = ok.with_delay(Duration::from_millis(20));
+    /// assert_eq!(shaped.delay(), Duration::from_millis(20));
+    ///
+    /// let no = Decision::denied(Denial::Limited, 100, 0, Duration::from_secs(60), Duration::from_secs(2));
+    /// assert_eq!(no.retry_after(), Some(Duration::from_secs(2)));
+    /// let never = Decision::denied(Denial::CostExceedsCapacity, 100, 7, Duration::ZERO, Duration::from_secs(2));
+    /// assert_eq!(never.retry_after(), None); // no wait can help: the retry is dropped
+    /// ```
     #[must_use]
-    pub fn from_parts(
-        denial: u8,
+    pub const fn allowed(limit: u64, remaining: u64, reset_after: Duration) -> Self {
+        Decision::allow(limit, remaining, micros(reset_after), 0)
+    }
+
+    /// This decision with a shaping delay: the request passes after `delay`. A denial
+    /// is returned unchanged (a denied request is never delayed).
+    #[must_use]
+    pub const fn with_delay(mut self, delay: Duration) -> Self {
+        if self.denial.is_none() {
+            self.delay_us = micros(delay);
+        }
+        self
+    }
+
+    /// A request denied for `denial`. `retry_after` is kept for [`Denial::Limited`] (at
+    /// least one microsecond: a limited request can pass later) and dropped for the
+    /// denials no wait can cure.
+    #[must_use]
+    pub const fn denied(
+        denial: Denial,
         limit: u64,
         remaining: u64,
-        reset_after_us: u64,
-        retry_after_us: u64,
-        delay_us: u64,
-    ) -> Option<Self> {
-        let denial = match denial {
-            0 => None,
-            1 => Some(Denial::Limited),
-            2 => Some(Denial::CostExceedsCapacity),
-            3 => Some(Denial::StoreFull),
-            _ => return None,
-        };
-        let retry_ok = (denial == Some(Denial::Limited)) == (retry_after_us > 0);
-        let delay_ok = denial.is_none() || delay_us == 0;
-        (retry_ok && delay_ok).then_some(Decision {
-            denial,
-            limit,
-            remaining,
-            reset_after_us,
-            retry_after_us,
-            delay_us,
-        })
+        reset_after: Duration,
+        retry_after: Duration,
+    ) -> Self {
+        let reset_after_us = micros(reset_after);
+        match denial {
+            Denial::Limited => {
+                let retry = micros(retry_after);
+                let retry = if retry == 0 { 1 } else { retry };
+                Decision::limited(limit, remaining, reset_after_us, retry)
+            }
+            Denial::CostExceedsCapacity | Denial::StoreFull => {
+                Decision::refused(denial, limit, remaining, reset_after_us)
+            }
+        }
     }
 
     /// Whether the request may pass (perhaps after [`Decision::delay`]).
@@ -152,18 +182,6 @@ impl Decision {
     #[must_use]
     pub const fn denial(&self) -> Option<Denial> {
         self.denial
-    }
-
-    /// The wire code of [`Decision::denial`]: 0 allowed, 1 limited, 2 cost exceeds
-    /// capacity, 3 store full.
-    #[must_use]
-    pub const fn denial_code(&self) -> u8 {
-        match self.denial {
-            None => 0,
-            Some(Denial::Limited) => 1,
-            Some(Denial::CostExceedsCapacity) => 2,
-            Some(Denial::StoreFull) => 3,
-        }
     }
 
     /// The policy's capacity: the most units that can pass at once.
@@ -219,5 +237,101 @@ impl Decision {
     #[must_use]
     pub const fn delay_micros(&self) -> u64 {
         self.delay_us
+    }
+}
+
+/// Whole microseconds of `d`, saturating.
+const fn micros(d: Duration) -> u64 {
+    let us = d.as_micros();
+    if us > u64::MAX as u128 {
+        u64::MAX
+    } else {
+        us as u64
+    }
+}
+
+/// The decisions of one request's limits, in the order the limits were given to the
+/// store: all allowed (the request passes, every limit charged), or at least one denied
+/// (the request is refused and no limit charged).
+///
+/// Derefs to `[Decision]`; build one with `collect()` or `From<Decision>`.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tollway_core::{Decision, Decisions, Denial};
+///
+/// let decisions: Decisions = [
+///     Decision::allowed(100, 99, Duration::from_secs(1)),
+///     Decision::denied(Denial::Limited, 3, 0, Duration::from_secs(60), Duration::from_secs(20)),
+/// ]
+/// .into_iter()
+/// .collect();
+/// assert!(!decisions.is_allowed());
+/// assert_eq!(decisions.len(), 2);
+/// assert_eq!(decisions[1].retry_after(), Some(Duration::from_secs(20)));
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Decisions {
+    decisions: SmallVec<[Decision; 2]>,
+}
+
+impl Decisions {
+    /// No decisions yet.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds the decision of the next limit.
+    pub fn push(&mut self, decision: Decision) {
+        self.decisions.push(decision);
+    }
+
+    /// Replaces the decision at `index` (which must be in bounds).
+    pub(crate) fn replace(&mut self, index: usize, decision: Decision) {
+        if let Some(slot) = self.decisions.get_mut(index) {
+            *slot = decision;
+        }
+    }
+
+    /// Whether every limit allowed the request.
+    #[must_use]
+    pub fn is_allowed(&self) -> bool {
+        self.decisions.iter().all(Decision::is_allowed)
+    }
+}
+
+impl Deref for Decisions {
+    type Target = [Decision];
+
+    fn deref(&self) -> &[Decision] {
+        &self.decisions
+    }
+}
+
+impl From<Decision> for Decisions {
+    fn from(decision: Decision) -> Self {
+        let mut decisions = Decisions::new();
+        decisions.push(decision);
+        decisions
+    }
+}
+
+impl FromIterator<Decision> for Decisions {
+    fn from_iter<I: IntoIterator<Item = Decision>>(iter: I) -> Self {
+        Decisions {
+            decisions: iter.into_iter().collect(),
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Decisions {
+    type Item = &'a Decision;
+    type IntoIter = std::slice::Iter<'a, Decision>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.decisions.iter()
     }
 }

@@ -30,34 +30,60 @@ impl fmt::Display for ConfigError {
 
 impl Error for ConfigError {}
 
+/// What kind of failure a [`StoreError`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The store did not answer within its timeout.
+    Timeout,
+    /// No connection: refused, reset, closed, or none to be had from a pool.
+    Connection,
+    /// The store answered, but not with a decision: a script error, a protocol error, a
+    /// reply of the wrong shape.
+    Script,
+    /// Anything else (a breaker that is open, a configuration a store refused at run time).
+    Other,
+}
+
 /// A store could not decide: the backend failed, timed out or answered nonsense.
 ///
 /// What a caller does with it (let the request through, reject it, ask a local limiter)
-/// is the caller's policy; the store only reports.
+/// is the caller's policy; the store only reports, with the [`kind`](Self::kind) of
+/// failure.
 #[derive(Debug)]
 pub struct StoreError {
+    kind: StoreErrorKind,
     message: Cow<'static, str>,
     source: Option<Box<dyn Error + Send + Sync>>,
 }
 
 impl StoreError {
-    /// A store error with a message.
-    pub fn new(message: impl Into<Cow<'static, str>>) -> Self {
+    /// A store error of `kind` with a message.
+    pub fn new(kind: StoreErrorKind, message: impl Into<Cow<'static, str>>) -> Self {
         StoreError {
+            kind,
             message: message.into(),
             source: None,
         }
     }
 
-    /// A store error with a message and the error that caused it.
+    /// A store error of `kind` with a message and the error that caused it.
     pub fn with_source(
+        kind: StoreErrorKind,
         message: impl Into<Cow<'static, str>>,
         source: impl Into<Box<dyn Error + Send + Sync>>,
     ) -> Self {
         StoreError {
+            kind,
             message: message.into(),
             source: Some(source.into()),
         }
+    }
+
+    /// What kind of failure this is.
+    #[must_use]
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
     }
 }
 

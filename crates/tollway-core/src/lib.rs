@@ -50,13 +50,13 @@ mod store;
 
 pub use algorithm::Algorithm;
 pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
-pub use decision::{Decision, Denial};
-pub use error::{ConfigError, StoreError};
+pub use decision::{Decision, Decisions, Denial};
+pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use policy::{MAX_POLICY_NAME, Policy};
 pub use quota::Quota;
 pub use store::{
-    BreakerState, CircuitBreaker, CircuitBreakerBuilder, CircuitBreakerFuture, MemoryStore,
-    MemoryStoreBuilder, Store, WhenFull,
+    BoxStore, BoxStoreFuture, BreakerState, Checked, CheckedFuture, CircuitBreaker,
+    CircuitBreakerBuilder, CircuitBreakerFuture, MemoryStore, MemoryStoreBuilder, Store, WhenFull,
 };
 #[cfg(feature = "redis")]
 pub use store::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};

@@ -14,6 +14,11 @@ use crate::error::ConfigError;
 /// bit of headroom for the sums they form, so Rust and Lua never round differently.
 pub(crate) const MAX_EXACT: u64 = 1 << 52;
 
+/// The longest period, in microseconds (about 35.7 years): a window algorithm reaches two
+/// periods past now, and today's Unix time plus that stays below 2^53 (exact in Lua's
+/// doubles) until about 2170.
+const MAX_PERIOD_US: u64 = 1 << 50;
+
 /// A rate: `limit` units per `period`, with up to `burst` units at once.
 ///
 /// The burst defaults to the limit. The bucket algorithms (token bucket, leaky bucket and
@@ -109,8 +114,9 @@ impl Quota {
     /// # Errors
     ///
     /// When `limit` is zero, `period` is shorter than one microsecond or not a whole
-    /// number of microseconds, the period is shorter than `limit` microseconds (a rate
-    /// finer than one unit per microsecond), or `limit × period` passes 2^52 µs.
+    /// number of microseconds, longer than 2^50 µs (about 35 years), the period is
+    /// shorter than `limit` microseconds (a rate finer than one unit per microsecond), or
+    /// `limit × period` passes 2^52 µs.
     pub fn with_period(limit: u32, period: Duration) -> Result<Self, ConfigError> {
         if limit == 0 {
             return Err(ConfigError::new(
@@ -128,11 +134,13 @@ impl Quota {
                 "quota period must be a whole number of microseconds (got {period:?})"
             )));
         }
-        let Ok(period_us) = u64::try_from(nanos / 1_000) else {
+        let period_us = u64::try_from(nanos / 1_000).unwrap_or(u64::MAX);
+        if period_us > MAX_PERIOD_US {
             return Err(ConfigError::new(format!(
-                "quota period {period:?} is too long"
+                "quota period {period:?} is longer than 2^50 microseconds (about 35 years): \
+                 times a window reaches must stay exact in every store"
             )));
-        };
+        }
         let limit = u64::from(limit);
         if period_us < limit {
             return Err(ConfigError::new(format!(
@@ -291,6 +299,14 @@ mod tests {
             .with_burst(u32::MAX)
             .unwrap_err();
         assert!(err.to_string().contains("burst"), "{err}");
+    }
+
+    #[test]
+    fn periods_past_two_to_the_fifty_are_rejected() {
+        assert!(Quota::with_period(1, Duration::from_micros(1 << 50)).is_ok());
+        let err = Quota::with_period(1, Duration::from_micros((1 << 50) + 1)).unwrap_err();
+        assert!(err.to_string().contains("35 years"), "{err}");
+        assert!(Quota::with_period(1, Duration::MAX).is_err());
     }
 
     #[test]

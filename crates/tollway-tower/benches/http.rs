@@ -658,7 +658,7 @@ fn main() -> Result<(), BoxError> {
             // Open the breaker before measuring: three failed decisions.
             let probe = Policy::new("probe", Algorithm::Gcra, Quota::per_second(1)?)?;
             for _ in 0..3 {
-                let _ = dead.check(b"probe", &probe, 1).await;
+                let _ = dead.check(b"probe", &[&probe], 1).await;
             }
             if dead.state() != BreakerState::Open {
                 return Err::<Fleet, BoxError>(

@@ -90,10 +90,7 @@ where
 
         let outcome = match limiter.start(&*self.key, &http) {
             Start::Decided(outcome) => outcome,
-            Start::Evaluate(mut evaluation) => evaluation
-                .decide_all(limiter, |key, policy, cost| {
-                    limiter.store.check_sync(key, policy, cost)
-                }),
+            Start::Evaluate(evaluation) => evaluation.decide_now(limiter),
         };
         match outcome {
             Outcome::Allow { .. } => {

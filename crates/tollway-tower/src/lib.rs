@@ -49,7 +49,7 @@ pub use tollway_core;
 #[cfg(feature = "redis")]
 pub use tollway_core::RedisStore;
 pub use tollway_core::{
-    Algorithm, CircuitBreaker, ConfigError, Decision, Denial, MemoryStore, Policy, Quota, Store,
-    StoreError,
+    Algorithm, BoxStore, CircuitBreaker, ConfigError, Decision, Decisions, Denial, MemoryStore,
+    Policy, Quota, Store, StoreError,
 };
 pub use verdict::Verdict;

@@ -2,11 +2,12 @@
 //!
 //! The tower service, its response future and the gRPC interceptor all drive this
 //! module and nothing else decides: [`Limiter::start`] reads a request and either decides
-//! it at once (no key) or starts an [`Evaluation`]; the evaluation asks the store for each
-//! of the request's limits in turn ([`Evaluation::advance`], [`Evaluation::resume`] when
-//! the store had to wait) and ends in an [`Outcome`]; [`Limiter::next`] turns an outcome
-//! into what the service does next: call the inner service with headers to add (perhaps
-//! after a shaping delay), or answer in its place.
+//! it at once (no key) or starts an [`Evaluation`]; the evaluation asks the store about
+//! all of the request's limits in one call ([`Evaluation::check`]; the store answers at
+//! once, or with a future whose answer goes to [`Evaluation::decided`]) and ends in an
+//! [`Outcome`]; [`Limiter::next`] turns an outcome into what the service does next: call
+//! the inner service with headers to add (perhaps after a shaping delay), or answer in
+//! its place.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +15,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use smallvec::SmallVec;
-use tollway_core::{Clock, Decision, Policy, Store, StoreError};
+use tollway_core::{
+    Checked, Clock, Decision, Decisions, Policy, Store, StoreError, StoreErrorKind,
+};
 
 use crate::headers::{HeaderStyle, RateLimitHeaders};
 use crate::key::{Key, KeyExtractor, PeerIp};
@@ -69,16 +72,12 @@ pub(crate) enum Start<'l> {
     Evaluate(Evaluation),
 }
 
-/// A request being checked against its limits, one store decision at a time.
+/// A request to check against its limits: who, which limits, how many units.
 #[derive(Debug)]
 pub(crate) struct Evaluation {
     key: Key,
     selected: Selected,
     cost: u32,
-    /// `(policy index, decision)` of the limits decided so far, in `selected` order.
-    decided: SmallVec<[(usize, Decision); 2]>,
-    /// The policy whose decision the store's future will bring.
-    waiting: usize,
 }
 
 /// Where an evaluation got to: decided, or waiting for the store's future.
@@ -147,8 +146,6 @@ impl<St: Store> Limiter<St> {
             key,
             selected,
             cost,
-            decided: SmallVec::new(),
-            waiting: 0,
         })
     }
 
@@ -178,25 +175,20 @@ impl<St: Store> Limiter<St> {
         response
     }
 
-    /// The rate-limit headers for `decided` (every limit asked so far, a denial last),
-    /// reporting the most restrictive decision.
-    fn rate_limit_headers(&self, decided: &[(usize, Decision)]) -> RateLimitHeaders {
-        let verdicts: SmallVec<[Verdict<'_>; 2]> = decided
-            .iter()
-            .map(|&(index, decision)| Verdict {
-                policy: self.limits.policy(index),
-                decision,
-            })
-            .collect();
-        let Some(most) = most_restrictive(&verdicts) else {
-            return RateLimitHeaders::none();
-        };
+    /// The rate-limit headers for `verdicts` (of the policies `selected`), reporting the
+    /// one at `most`.
+    fn rate_limit_headers(
+        &self,
+        selected: &[usize],
+        verdicts: &[Verdict<'_>],
+        most: usize,
+    ) -> RateLimitHeaders {
         let verdict = &verdicts[most];
         let limit = self
             .limits
-            .limit_value(decided[most].0, verdict.decision.limit());
+            .limit_value(selected[most], verdict.decision.limit());
         let now = self.wall_clock.now_micros();
-        RateLimitHeaders::new(self.header_style, &verdicts, verdict, limit, now)
+        RateLimitHeaders::new(self.header_style, verdicts, verdict, limit, now)
     }
 }
 
@@ -232,119 +224,113 @@ impl Outcome<'_> {
 }
 
 impl Evaluation {
-    /// Asks the store for each limit not yet decided, as long as it answers without
-    /// waiting; returns the store's future for the first one it cannot.
+    /// Asks the store about every limit of the request at once: decided now, or the
+    /// store's future, whose answer goes to [`Evaluation::decided`].
     #[inline]
-    pub(crate) fn advance<'l, St: Store>(
-        &mut self,
-        limiter: &'l Limiter<St>,
-    ) -> Step<'l, St::Future> {
-        while let Some(&index) = self.selected.get(self.decided.len()) {
-            let policy = limiter.limits.policy(index);
-            match limiter
-                .store
-                .check_now(self.key.as_bytes(), policy, self.cost)
-            {
-                Some(result) => {
-                    if let Some(outcome) = self.record(limiter, index, result) {
-                        return Step::Done(outcome);
-                    }
-                }
-                None => {
-                    self.waiting = index;
-                    return Step::Wait(limiter.store.check(self.key.as_bytes(), policy, self.cost));
-                }
-            }
-        }
-        Step::Done(self.allowed(limiter))
-    }
-
-    /// Takes the store's answer to the future [`Evaluation::advance`] returned, and
-    /// advances.
-    pub(crate) fn resume<'l, St: Store>(
-        &mut self,
-        limiter: &'l Limiter<St>,
-        result: Result<Decision, StoreError>,
-    ) -> Step<'l, St::Future> {
-        match self.record(limiter, self.waiting, result) {
-            Some(outcome) => Step::Done(outcome),
-            None => self.advance(limiter),
+    pub(crate) fn check<'l, St: Store>(&self, limiter: &'l Limiter<St>) -> Step<'l, St::Future> {
+        let policies = self.policies(limiter);
+        match limiter
+            .store
+            .check(self.key.as_bytes(), &policies, self.cost)
+        {
+            Checked::Ready(answer) => Step::Done(self.decided(limiter, answer)),
+            Checked::Pending(future) => Step::Wait(future),
         }
     }
 
-    /// Decides every limit with `decide`, which answers at once (the interceptor's
-    /// memory store).
+    /// Decides every limit with a memory store, which answers at once (the
+    /// interceptor's).
     #[cfg(feature = "tonic")]
-    pub(crate) fn decide_all<'l, St: Store>(
-        &mut self,
-        limiter: &'l Limiter<St>,
-        mut decide: impl FnMut(&[u8], &Policy, u32) -> Decision,
+    pub(crate) fn decide_now<'l, C: Clock>(
+        &self,
+        limiter: &'l Limiter<tollway_core::MemoryStore<C>>,
     ) -> Outcome<'l> {
-        while let Some(&index) = self.selected.get(self.decided.len()) {
-            let decision = decide(self.key.as_bytes(), limiter.limits.policy(index), self.cost);
-            if let Some(outcome) = self.record(limiter, index, Ok(decision)) {
-                return outcome;
-            }
-        }
-        self.allowed(limiter)
+        let policies = self.policies(limiter);
+        let decisions = limiter
+            .store
+            .decide(self.key.as_bytes(), &policies, self.cost);
+        self.decided(limiter, Ok(decisions))
     }
 
-    /// Records the decision of policy `index`: the outcome when it ends the evaluation (a
-    /// denial, a failed store), `None` when the next limit is to be asked.
-    #[inline]
-    fn record<'l, St: Store>(
-        &mut self,
+    fn policies<'l, St>(&self, limiter: &'l Limiter<St>) -> SmallVec<[&'l Policy; 4]> {
+        self.selected
+            .iter()
+            .map(|&index| limiter.limits.policy(index))
+            .collect()
+    }
+
+    /// The outcome of the store's `answer`: let through with the headers when every
+    /// limit allowed, denied with the most restrictive denial when one did not.
+    pub(crate) fn decided<'l, St: Store>(
+        &self,
         limiter: &'l Limiter<St>,
-        index: usize,
-        result: Result<Decision, StoreError>,
-    ) -> Option<Outcome<'l>> {
-        match result {
-            Ok(decision) => {
-                self.decided.push((index, decision));
-                if decision.is_allowed() {
-                    return None;
-                }
-                // Evaluation stops at the first denial, so it is the most restrictive
-                // decision: the one the answer reports.
-                let verdict = Verdict {
-                    policy: limiter.limits.policy(index),
-                    decision,
-                };
-                let headers = limiter.rate_limit_headers(&self.decided);
-                Some(Outcome::Deny { verdict, headers })
+        answer: Result<Decisions, StoreError>,
+    ) -> Outcome<'l> {
+        let decisions = match answer {
+            Ok(decisions) if decisions.len() == self.selected.len() => decisions,
+            Ok(decisions) => {
+                let error = StoreError::new(
+                    StoreErrorKind::Script,
+                    format!(
+                        "the store answered {} decisions for {} limits",
+                        decisions.len(),
+                        self.selected.len()
+                    ),
+                );
+                return store_failed(limiter, &error);
             }
-            Err(error) => Some(store_failed(limiter, limiter.limits.policy(index), &error)),
-        }
-    }
-
-    /// The outcome once every limit allowed the request.
-    #[inline]
-    fn allowed<St: Store>(&self, limiter: &Limiter<St>) -> Outcome<'static> {
-        let headers = match limiter.header_style {
-            HeaderStyle::None => RateLimitHeaders::none(),
-            HeaderStyle::Legacy | HeaderStyle::Ietf | HeaderStyle::Both => {
-                limiter.rate_limit_headers(&self.decided)
-            }
+            Err(error) => return store_failed(limiter, &error),
         };
-        let delay_us = self.decided.iter().map(|(_, d)| d.delay_micros()).max();
-        let delay = delay_us.filter(|&us| us > 0).map(Duration::from_micros);
-        Outcome::Allow { headers, delay }
+        let allowed = decisions.is_allowed();
+        if allowed && limiter.header_style == HeaderStyle::None {
+            return Outcome::Allow {
+                headers: RateLimitHeaders::none(),
+                delay: max_delay(&decisions),
+            };
+        }
+        let verdicts: SmallVec<[Verdict<'l>; 2]> = self
+            .selected
+            .iter()
+            .zip(decisions.iter())
+            .map(|(&index, &decision)| Verdict {
+                policy: limiter.limits.policy(index),
+                decision,
+            })
+            .collect();
+        // One verdict a selected policy, and at least the caller's own.
+        let Some(most) = most_restrictive(&verdicts) else {
+            return Outcome::pass();
+        };
+        let headers = limiter.rate_limit_headers(&self.selected, &verdicts, most);
+        if allowed {
+            Outcome::Allow {
+                headers,
+                delay: max_delay(&decisions),
+            }
+        } else {
+            Outcome::Deny {
+                verdict: verdicts[most],
+                headers,
+            }
+        }
     }
 }
 
-/// The outcome when the store failed to decide for `policy`.
-fn store_failed<St>(
-    limiter: &Limiter<St>,
-    policy: &Policy,
-    error: &StoreError,
-) -> Outcome<'static> {
+/// The longest shaping delay among `decisions`, if any.
+fn max_delay(decisions: &Decisions) -> Option<Duration> {
+    let delay_us = decisions.iter().map(Decision::delay_micros).max();
+    delay_us.filter(|&us| us > 0).map(Duration::from_micros)
+}
+
+/// The outcome when the store failed to decide.
+fn store_failed<St>(limiter: &Limiter<St>, error: &StoreError) -> Outcome<'static> {
     match limiter.on_error {
         OnStoreError::Allow => {
-            tracing::warn!(%error, policy = policy.name(), "rate limit store failed; letting the request through");
+            tracing::warn!(%error, "rate limit store failed; letting the request through");
             Outcome::pass()
         }
         OnStoreError::Reject => {
-            tracing::warn!(%error, policy = policy.name(), "rate limit store failed; answering 503");
+            tracing::warn!(%error, "rate limit store failed; answering 503");
             Outcome::Refuse(Refusal::StoreFailed)
         }
     }

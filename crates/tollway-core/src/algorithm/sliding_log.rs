@@ -47,32 +47,37 @@ impl Log {
 /// Decides one request of `cost` units at `now` (microseconds), updating `log` in place
 /// (a log can be long, so it is not copied the way the fixed-size states are).
 pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
+    let decision = decide(log, now, quota, cost);
+    if decision.is_allowed() {
+        admit(log, now, quota, cost);
+    }
+    decision
+}
+
+/// Decides one request of `cost` units at `now` without admitting it: the decision an
+/// admission would give (so an allowed one counts the request as admitted), while `log`
+/// only loses the entries that have slid out. [`admit`] then records it; a store that
+/// decides several limits at once admits into each log only when all of them allow.
+pub fn decide(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
     let (limit, period) = (quota.limit(), quota.period_micros());
     log.trim(now, period);
-    let reset = |log: &Log| {
-        log.entries
-            .back()
-            .map_or(0, |&(at, _)| (at + period).saturating_sub(now))
-    };
+    let reset = log
+        .entries
+        .back()
+        .map_or(0, |&(at, _)| (at + period).saturating_sub(now));
     let cost = u64::from(cost);
     if cost > limit {
         return Decision::refused(
             Denial::CostExceedsCapacity,
             limit,
             limit.saturating_sub(log.total),
-            reset(log),
+            reset,
         );
     }
     if log.total + cost <= limit {
-        if cost > 0 {
-            match log.entries.back_mut() {
-                Some((at, units)) if *at == now => *units += cost,
-                _ => log.entries.push_back((now, cost)),
-            }
-            log.total += cost;
-            log.expires_at = log.expires_at.max(now + period);
-        }
-        return Decision::allow(limit, limit - log.total, reset(log), 0);
+        // Admitted now, the newest entry is now's, unless the request is free.
+        let reset = if cost > 0 { period } else { reset };
+        return Decision::allow(limit, limit - log.total - cost, reset, 0);
     }
     // Wait until enough of the oldest entries have slid out.
     let mut left = log.total;
@@ -84,7 +89,21 @@ pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
             break;
         }
     }
-    Decision::limited(limit, limit.saturating_sub(log.total), reset(log), retry)
+    Decision::limited(limit, limit.saturating_sub(log.total), reset, retry)
+}
+
+/// Records a request of `cost` units at `now` that [`decide`] allowed.
+pub fn admit(log: &mut Log, now: u64, quota: &Quota, cost: u32) {
+    let cost = u64::from(cost);
+    if cost == 0 {
+        return;
+    }
+    match log.entries.back_mut() {
+        Some((at, units)) if *at == now => *units += cost,
+        _ => log.entries.push_back((now, cost)),
+    }
+    log.total += cost;
+    log.expires_at = log.expires_at.max(now + quota.period_micros());
 }
 
 #[cfg(test)]

@@ -8,10 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
+use super::{Checked, Store};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
-use crate::{Decision, MemoryStore, Policy, Quota, Store, StoreError};
+use crate::{Decisions, MemoryStore, Policy, Quota, StoreError, StoreErrorKind};
 
 /// Where a [`CircuitBreaker`] store's circuit breaker stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -205,22 +207,76 @@ impl<S, C: Clock> Inner<S, C> {
     }
 }
 
-impl<C: Clock> Fallback<C> {
-    fn decide(&self, key: &[u8], policy: &Policy, cost: u32) -> Result<Decision, StoreError> {
-        let scaled = {
-            let mut scaled = self.scaled.lock();
-            match scaled.get(&policy.id()) {
-                Some(p) => p.clone(),
-                None => {
-                    let p = scale(policy, self.share).map_err(|e| {
-                        StoreError::with_source("cannot scale the policy to this node's share", e)
-                    })?;
-                    scaled.insert(policy.id(), p.clone());
-                    p
+impl<S: Store, C: Clock> Inner<S, C> {
+    /// The primary's `answer`, recorded by the breaker; a failure is answered by the
+    /// fallback when there is one.
+    fn settle(
+        &self,
+        answer: Result<Decisions, StoreError>,
+        probe: bool,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: u32,
+    ) -> Result<Decisions, StoreError> {
+        match answer {
+            Ok(decisions) => {
+                self.record(true, probe);
+                Ok(decisions)
+            }
+            Err(error) => {
+                self.record(false, probe);
+                match &self.fallback {
+                    Some(fallback) => {
+                        tracing::debug!(%error, "rate limit store failed; deciding locally");
+                        fallback.decide(key, policies, cost)
+                    }
+                    None => Err(error),
                 }
             }
+        }
+    }
+
+    /// The answer while the primary is not called: the fallback's, or an error.
+    fn unavailable(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: u32,
+    ) -> Result<Decisions, StoreError> {
+        match &self.fallback {
+            Some(fallback) => fallback.decide(key, policies, cost),
+            None => Err(StoreError::new(
+                StoreErrorKind::Other,
+                "rate limit store unavailable: breaker open, not calling it until the cool-down ends",
+            )),
+        }
+    }
+}
+
+impl<C: Clock> Fallback<C> {
+    fn decide(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Result<Decisions, StoreError> {
+        let scaled: SmallVec<[Policy; 4]> = {
+            let mut scaled = self.scaled.lock();
+            policies
+                .iter()
+                .map(|policy| match scaled.get(&policy.id()) {
+                    Some(p) => Ok(p.clone()),
+                    None => {
+                        let p = scale(policy, self.share).map_err(|e| {
+                            StoreError::with_source(
+                                StoreErrorKind::Other,
+                                "cannot scale the policy to this node's share",
+                                e,
+                            )
+                        })?;
+                        scaled.insert(policy.id(), p.clone());
+                        Ok(p)
+                    }
+                })
+                .collect::<Result<_, StoreError>>()?
         };
-        Ok(self.store.check_sync(key, &scaled, cost))
+        let scaled: SmallVec<[&Policy; 4]> = scaled.iter().collect();
+        Ok(self.store.decide(key, &scaled, cost))
     }
 }
 
@@ -235,8 +291,8 @@ fn scale(policy: &Policy, share: f64) -> Result<Policy, ConfigError> {
     Policy::new(policy.name(), policy.algorithm(), quota)
 }
 
-/// The boxed future of a [`CircuitBreaker`] decision.
-pub type CircuitBreakerFuture = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+/// The boxed future of a [`CircuitBreaker`] decision that waits for the primary.
+pub type CircuitBreakerFuture = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
 
 impl<S, C> Store for CircuitBreaker<S, C>
 where
@@ -245,45 +301,41 @@ where
 {
     type Future = CircuitBreakerFuture;
 
-    fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
-        let inner = Arc::clone(&self.inner);
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+        let inner = &self.inner;
         let probe = match inner.permit() {
             Permit::Call => false,
             Permit::Probe => true,
-            Permit::Skip => {
-                let answer = match &inner.fallback {
-                    Some(fallback) => fallback.decide(key, policy, cost),
-                    None => Err(StoreError::new(
-                        "rate limit store unavailable: breaker open, not calling it until the cool-down ends",
-                    )),
-                };
-                return Box::pin(std::future::ready(answer));
-            }
+            Permit::Skip => return Checked::Ready(inner.unavailable(key, policies, cost)),
         };
-        let call = inner.primary.check(key, policy, cost);
-        let (key, policy) = (key.to_vec(), policy.clone());
-        let mut abandoned = AbandonedProbe(probe.then(|| Arc::clone(&inner)));
-        Box::pin(async move {
-            let answer = call.await;
-            // Answered: `record` settles the probe.
-            abandoned.disarm();
-            match answer {
-                Ok(decision) => {
-                    inner.record(true, probe);
-                    Ok(decision)
+        match inner.primary.check(key, policies, cost) {
+            // Decided without calling out (the Redis store's deny cache): nothing was
+            // learned about the primary's health, so it is not recorded, and a probe
+            // is left to the next decision that calls out.
+            Checked::Ready(Ok(decisions)) => {
+                if probe {
+                    inner.breaker.lock().probing = false;
                 }
-                Err(error) => {
-                    inner.record(false, probe);
-                    match &inner.fallback {
-                        Some(fallback) => {
-                            tracing::debug!(%error, "rate limit store failed; deciding locally");
-                            fallback.decide(&key, &policy, cost)
-                        }
-                        None => Err(error),
-                    }
-                }
+                Checked::Ready(Ok(decisions))
             }
-        })
+            Checked::Ready(Err(error)) => {
+                Checked::Ready(inner.settle(Err(error), probe, key, policies, cost))
+            }
+            Checked::Pending(call) => {
+                let inner = Arc::clone(&self.inner);
+                let key = key.to_vec();
+                let policies: SmallVec<[Policy; 4]> =
+                    policies.iter().map(|p| (*p).clone()).collect();
+                let mut abandoned = AbandonedProbe(probe.then(|| Arc::clone(&inner)));
+                Checked::Pending(Box::pin(async move {
+                    let answer = call.await;
+                    // Answered: `settle` settles the probe.
+                    abandoned.disarm();
+                    let policies: SmallVec<[&Policy; 4]> = policies.iter().collect();
+                    inner.settle(answer, probe, &key, &policies, cost)
+                }))
+            }
+        }
     }
 }
 
@@ -414,7 +466,7 @@ impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
 
 #[cfg(test)]
 mod tests {
-    use std::future::{Ready, ready};
+    use std::future::{IntoFuture, Ready, ready};
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
     use super::*;
@@ -427,15 +479,22 @@ mod tests {
         calls: Arc<AtomicU32>,
     }
 
+    /// It answers through a future, as a store that calls out does.
     impl Store for Flaky {
-        type Future = Ready<Result<Decision, StoreError>>;
-        fn check(&self, _: &[u8], policy: &Policy, _: u32) -> Self::Future {
+        type Future = Ready<Result<Decisions, StoreError>>;
+        fn check(&self, _: &[u8], policies: &[&Policy], _: u32) -> Checked<Self::Future> {
             self.calls.fetch_add(1, Ordering::SeqCst);
             if self.down.load(Ordering::SeqCst) {
-                ready(Err(StoreError::new("down")))
+                Checked::Pending(ready(Err(StoreError::new(
+                    StoreErrorKind::Connection,
+                    "down",
+                ))))
             } else {
-                let limit = policy.quota().burst();
-                ready(Ok(Decision::allow(limit, limit, 0, 0)))
+                let allowed = policies.iter().map(|p| {
+                    let limit = p.quota().burst();
+                    crate::Decision::allow(limit, limit, 0, 0)
+                });
+                Checked::Pending(ready(Ok(allowed.collect())))
             }
         }
     }
@@ -465,23 +524,23 @@ mod tests {
         let policy = Policy::new("p", Algorithm::Gcra, Quota::per_second(10).unwrap()).unwrap();
         flaky.down.store(true, Ordering::SeqCst);
         for _ in 0..3 {
-            assert!(poll(store.check(b"k", &policy, 1)).is_err());
+            assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_err());
         }
         assert_eq!(store.state(), BreakerState::Open);
         // Open: the store is not called at all.
         for _ in 0..100 {
-            assert!(poll(store.check(b"k", &policy, 1)).is_err());
+            assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_err());
         }
         assert_eq!(flaky.calls.load(Ordering::SeqCst), 3);
         // After the cool-down one probe goes through; it fails, so open again.
         clock.advance(Duration::from_millis(100));
-        assert!(poll(store.check(b"k", &policy, 1)).is_err());
+        assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_err());
         assert_eq!(flaky.calls.load(Ordering::SeqCst), 4);
         assert_eq!(store.state(), BreakerState::Open);
         // The store recovers; the next probe closes the breaker.
         flaky.down.store(false, Ordering::SeqCst);
         clock.advance(Duration::from_millis(100));
-        assert!(poll(store.check(b"k", &policy, 1)).is_ok());
+        assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_ok());
         assert_eq!(store.state(), BreakerState::Closed);
         assert_eq!(
             *seen.lock(),
@@ -508,9 +567,24 @@ mod tests {
         let policy =
             Policy::new("p", Algorithm::TokenBucket, Quota::per_minute(100).unwrap()).unwrap();
         let admitted = (0..100)
-            .filter(|_| poll(store.check(b"k", &policy, 1)).is_ok_and(|d| d.is_allowed()))
+            .filter(|_| {
+                poll(store.check(b"k", &[&policy], 1).into_future()).is_ok_and(|d| d.is_allowed())
+            })
             .count();
         assert_eq!(admitted, 25);
+    }
+
+    // A primary that answers without waiting keeps answering so through the breaker:
+    // wrapping a store must not cost its fast path.
+    #[test]
+    fn a_ready_answer_stays_ready_through_the_breaker() {
+        let store = CircuitBreaker::builder(MemoryStore::new()).build().unwrap();
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_second(1).unwrap()).unwrap();
+        match store.check(b"k", &[&policy], 1) {
+            Checked::Ready(Ok(decisions)) => assert!(decisions.is_allowed()),
+            Checked::Ready(Err(error)) => panic!("the memory store failed: {error}"),
+            Checked::Pending(_) => panic!("a decision the memory store made at once waits"),
+        }
     }
 
     #[test]

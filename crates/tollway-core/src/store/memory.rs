@@ -1,21 +1,23 @@
 //! The in-process store: sharded, bounded, and quick to forget idle keys.
 
 use std::fmt;
-use std::future::{Ready, ready};
+use std::future::Ready;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use hashbrown::HashTable;
+use smallvec::SmallVec;
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
+use super::{Checked, Store};
 use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::{
     Algorithm, Slot, fixed_window, gcra, leaky_bucket, packed, sliding_counter, token_bucket,
 };
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
-use crate::{Decision, Denial, Policy, Store, StoreError};
+use crate::{Decision, Decisions, Denial, Policy, StoreError};
 
 /// What the memory store does with a new key when it already holds `max_keys` keys and
 /// none of them is idle enough to drop.
@@ -182,23 +184,39 @@ impl<C: Clock> MemoryStore<C> {
         }
     }
 
-    /// Decides one request of `cost` units for `key` under `policy`, without awaiting.
+    /// Decides one request of `cost` units for `key` against every policy in
+    /// `policies`, all or nothing, without awaiting: what [`Store::check`] answers.
     ///
     /// This never fails: a store that is full answers per its [`WhenFull`] setting.
-    pub fn check_sync(&self, key: &[u8], policy: &Policy, cost: u32) -> Decision {
+    pub fn decide(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Decisions {
         let shared = &*self.shared;
         let now = shared.clock.now_micros();
-        let hash = shared.hasher.hash_one((policy.id(), key));
-        let shard = &shared.shards[((hash >> 32) & shared.shard_mask) as usize];
+        // Every state of one key lives in the key's shard, so one lock covers all of a
+        // request's limits.
+        let key_hash = shared.hasher.hash_one(key);
+        let shard = &shared.shards[((key_hash >> 32) & shared.shard_mask) as usize];
         let mut table = shard.0.lock();
-        table.check(
-            hash,
+        table.decide(
+            key_hash,
             now,
-            policy,
+            policies,
             cost,
             shared.max_per_shard,
             shared.when_full,
         )
+    }
+
+    /// Decides one request of `cost` units for `key` under one `policy`, without
+    /// awaiting.
+    ///
+    /// This never fails: a store that is full answers per its [`WhenFull`] setting.
+    pub fn check_sync(&self, key: &[u8], policy: &Policy, cost: u32) -> Decision {
+        let decisions = self.decide(key, &[policy], cost);
+        // One policy, one decision.
+        decisions
+            .first()
+            .copied()
+            .unwrap_or(Decision::allow(0, 0, 0, 0))
     }
 
     /// The number of keys held, idle ones not yet swept included.
@@ -237,122 +255,202 @@ impl<C: Clock> MemoryStore<C> {
 }
 
 impl<C: Clock> Store for MemoryStore<C> {
-    type Future = Ready<Result<Decision, StoreError>>;
+    /// Never made: the memory store always answers at once.
+    type Future = Ready<Result<Decisions, StoreError>>;
 
-    fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
-        ready(Ok(self.check_sync(key, policy, cost)))
-    }
-
-    fn check_now(
-        &self,
-        key: &[u8],
-        policy: &Policy,
-        cost: u32,
-    ) -> Option<Result<Decision, StoreError>> {
-        Some(Ok(self.check_sync(key, policy, cost)))
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+        Checked::Ready(Ok(self.decide(key, policies, cost)))
     }
 }
+
+/// The state one limit of a request would leave, to be written once every limit allowed.
+enum Change {
+    /// Nothing to write: the state is unchanged, or a fresh state that need not be kept.
+    None,
+    /// A fixed-size state, kept under `hash`.
+    Slot { hash: u64, next: Slot, known: bool },
+    /// An admission into the log kept under `hash` (`known`: the log exists).
+    Log { hash: u64, known: bool },
+}
+
+/// The fixed-size state of a key no request has changed.
+const FRESH: Slot = [0, 0];
 
 impl Table {
     fn len(&self) -> usize {
         self.slots.len() + self.logs.len()
     }
 
-    fn check(
+    /// Decides a request against every policy (see [`MemoryStore::decide`]): each limit
+    /// is decided first and nothing is written; then either every limit's new state is
+    /// written, or, when one denied, none is, and the limits that allowed report their
+    /// state unchanged (a request of cost 0).
+    fn decide(
         &mut self,
-        hash: u64,
+        key_hash: u64,
         now: u64,
-        policy: &Policy,
+        policies: &[&Policy],
         cost: u32,
         max: usize,
         when_full: WhenFull,
-    ) -> Decision {
+    ) -> Decisions {
+        let mut decisions = Decisions::new();
+        let mut changes: SmallVec<[Change; 2]> = SmallVec::new();
+        let mut new_keys = 0;
+        for policy in policies {
+            // A policy's entries are the key's hash moved by the policy's id, which
+            // covers its name, algorithm and quota: a changed quota starts afresh.
+            let hash = key_hash ^ policy.id();
+            let (mut decision, change) = self.read(hash, now, policy, cost);
+            let new_key = matches!(
+                change,
+                Change::Slot { known: false, .. } | Change::Log { known: false, .. }
+            );
+            if new_key && decision.is_allowed() {
+                new_keys += 1;
+                if !self.has_room(now, max, new_keys) {
+                    decision = full(decision, when_full);
+                }
+            }
+            decisions.push(decision);
+            changes.push(change);
+        }
+        if decisions.is_allowed() {
+            let room = self.len() + new_keys <= max;
+            for (policy, change) in policies.iter().zip(changes) {
+                self.write(change, now, policy, cost, room);
+            }
+        } else {
+            for (i, policy) in policies.iter().enumerate() {
+                if decisions[i].is_allowed() {
+                    let hash = key_hash ^ policy.id();
+                    decisions.replace(i, self.read(hash, now, policy, 0).0);
+                }
+            }
+        }
+        decisions
+    }
+
+    /// The decision of one limit at `cost`, and what admitting it would change.
+    fn read(&mut self, hash: u64, now: u64, policy: &Policy, cost: u32) -> (Decision, Change) {
         let (q, c) = (policy.quota(), cost);
         // A direct call per algorithm (not a function pointer), so each is inlined.
         match policy.algorithm() {
-            Algorithm::TokenBucket => self.check_slot(hash, now, max, when_full, |s| {
-                packed(token_bucket::check, s, now, q, c)
-            }),
-            Algorithm::LeakyBucket => self.check_slot(hash, now, max, when_full, |s| {
-                packed(leaky_bucket::meter, s, now, q, c)
-            }),
-            Algorithm::LeakyBucketShaper => self.check_slot(hash, now, max, when_full, |s| {
-                packed(leaky_bucket::shape, s, now, q, c)
-            }),
-            Algorithm::FixedWindow => self.check_slot(hash, now, max, when_full, |s| {
-                packed(fixed_window::check, s, now, q, c)
-            }),
-            Algorithm::SlidingWindowCounter => self.check_slot(hash, now, max, when_full, |s| {
-                packed(sliding_counter::check, s, now, q, c)
-            }),
-            Algorithm::Gcra => self.check_slot(hash, now, max, when_full, |s| {
-                packed(gcra::check, s, now, q, c)
-            }),
-            Algorithm::SlidingWindowLog => self.check_log(hash, now, policy, cost, max, when_full),
+            Algorithm::TokenBucket => {
+                self.read_slot(hash, now, |s| packed(token_bucket::check, s, now, q, c))
+            }
+            Algorithm::LeakyBucket => {
+                self.read_slot(hash, now, |s| packed(leaky_bucket::meter, s, now, q, c))
+            }
+            Algorithm::LeakyBucketShaper => {
+                self.read_slot(hash, now, |s| packed(leaky_bucket::shape, s, now, q, c))
+            }
+            Algorithm::FixedWindow => {
+                self.read_slot(hash, now, |s| packed(fixed_window::check, s, now, q, c))
+            }
+            Algorithm::SlidingWindowCounter => {
+                self.read_slot(hash, now, |s| packed(sliding_counter::check, s, now, q, c))
+            }
+            Algorithm::Gcra => self.read_slot(hash, now, |s| packed(gcra::check, s, now, q, c)),
+            Algorithm::SlidingWindowLog => self.read_log(hash, now, policy, cost),
         }
     }
 
     #[inline(always)]
-    fn check_slot(
-        &mut self,
+    fn read_slot(
+        &self,
         hash: u64,
         now: u64,
-        max: usize,
-        when_full: WhenFull,
         run: impl FnOnce(Slot) -> (Decision, Slot),
-    ) -> Decision {
-        let existing = self.slots.find_mut(hash, |e| e.0 == hash);
-        let slot = existing.as_ref().map_or([0, 0], |e| e.1);
-        let (decision, next) = run(slot);
-        if let Some(entry) = existing {
-            entry.1 = next;
-        } else if next[0] > now {
-            if !self.has_room(now, max) {
-                return full(decision, when_full);
-            }
-            self.earliest_expiry = self.earliest_expiry.min(next[0]);
-            self.slots.insert_unique(hash, (hash, next), |e| e.0);
-        }
-        decision
+    ) -> (Decision, Change) {
+        let existing = self.slots.find(hash, |e| e.0 == hash).map(|e| e.1);
+        let (decision, next) = run(existing.unwrap_or(FRESH));
+        let change = match existing {
+            Some(_) => Change::Slot {
+                hash,
+                next,
+                known: true,
+            },
+            // A fresh state that the request leaves fresh is not worth keeping.
+            None if next[0] > now => Change::Slot {
+                hash,
+                next,
+                known: false,
+            },
+            None => Change::None,
+        };
+        (decision, change)
     }
 
-    fn check_log(
-        &mut self,
-        hash: u64,
-        now: u64,
-        policy: &Policy,
-        cost: u32,
-        max: usize,
-        when_full: WhenFull,
-    ) -> Decision {
+    fn read_log(&mut self, hash: u64, now: u64, policy: &Policy, cost: u32) -> (Decision, Change) {
         let quota = policy.quota();
-        if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
-            return sliding_log::check(log, now, quota, cost);
+        match self.logs.find_mut(hash, |e| e.0 == hash) {
+            Some((_, log)) => {
+                let d = sliding_log::decide(log, now, quota, cost);
+                (d, Change::Log { hash, known: true })
+            }
+            None => {
+                let d = sliding_log::decide(&mut Log::default(), now, quota, cost);
+                let change = if cost > 0 {
+                    Change::Log { hash, known: false }
+                } else {
+                    Change::None
+                };
+                (d, change)
+            }
         }
-        let mut log = Log::default();
-        let decision = sliding_log::check(&mut log, now, quota, cost);
-        let expires_at = log.expires_at();
-        if expires_at <= now {
-            return decision;
-        }
-        if !self.has_room(now, max) {
-            return full(decision, when_full);
-        }
-        self.earliest_expiry = self.earliest_expiry.min(expires_at);
-        self.logs.insert_unique(hash, (hash, log), |e| e.0);
-        decision
     }
 
-    /// Whether one more key fits, sweeping idle keys first when that could help.
-    fn has_room(&mut self, now: u64, max: usize) -> bool {
-        if self.len() >= self.sweep_at {
+    /// Writes one limit's change; a new key only if `room` (else it goes untracked, as
+    /// [`WhenFull::AllowUntracked`] asks).
+    fn write(&mut self, change: Change, now: u64, policy: &Policy, cost: u32, room: bool) {
+        match change {
+            Change::None => {}
+            Change::Slot {
+                hash,
+                next,
+                known: true,
+            } => {
+                if let Some(entry) = self.slots.find_mut(hash, |e| e.0 == hash) {
+                    entry.1 = next;
+                }
+            }
+            Change::Slot {
+                hash,
+                next,
+                known: false,
+            } => {
+                if room {
+                    self.earliest_expiry = self.earliest_expiry.min(next[0]);
+                    self.slots.insert_unique(hash, (hash, next), |e| e.0);
+                }
+            }
+            Change::Log { hash, known: true } => {
+                if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
+                    sliding_log::admit(log, now, policy.quota(), cost);
+                }
+            }
+            Change::Log { hash, known: false } => {
+                if room {
+                    let mut log = Log::default();
+                    sliding_log::admit(&mut log, now, policy.quota(), cost);
+                    self.earliest_expiry = self.earliest_expiry.min(log.expires_at());
+                    self.logs.insert_unique(hash, (hash, log), |e| e.0);
+                }
+            }
+        }
+    }
+
+    /// Whether `needed` more keys fit, sweeping idle keys first when that could help.
+    fn has_room(&mut self, now: u64, max: usize, needed: usize) -> bool {
+        if self.len() + needed > self.sweep_at {
             if self.sweep_credit > 0 {
                 self.sweep_credit -= 1;
             } else if now >= self.earliest_expiry {
                 self.sweep(now, max);
             }
         }
-        self.len() < max
+        self.len() + needed <= max
     }
 
     /// Drops idle keys and sets when to sweep next: at twice what is left, so sweeping
@@ -605,6 +703,62 @@ mod tests {
         .unwrap();
         assert!(store.check_sync(b"k", &p, 1).is_allowed());
         assert!(!other.check_sync(b"k", &p, 1).is_allowed());
+    }
+
+    #[test]
+    fn a_request_refused_by_one_limit_is_charged_by_none() {
+        let (store, _clock) = store(100, WhenFull::Deny);
+        let tier = Policy::new(
+            "tier",
+            Algorithm::TokenBucket,
+            Quota::per_minute(10).unwrap(),
+        )
+        .unwrap();
+        let route = Policy::new(
+            "route",
+            Algorithm::SlidingWindowLog,
+            Quota::per_minute(1).unwrap(),
+        )
+        .unwrap();
+        let first = store.decide(b"k", &[&tier, &route], 1);
+        assert!(first.is_allowed());
+        assert_eq!((first[0].remaining(), first[1].remaining()), (9, 0));
+        for _ in 0..5 {
+            let refused = store.decide(b"k", &[&tier, &route], 1);
+            assert_eq!(refused[1].denial(), Some(Denial::Limited));
+            // The tier reports its state as it is: not charged.
+            assert!(refused[0].is_allowed());
+            assert_eq!(refused[0].remaining(), 9);
+        }
+        assert_eq!(store.check_sync(b"k", &tier, 1).remaining(), 8);
+    }
+
+    #[test]
+    fn a_new_key_that_does_not_fit_refuses_the_whole_request() {
+        let (store, _clock) = store(1, WhenFull::Deny);
+        let a = Policy::new("a", Algorithm::Gcra, Quota::per_minute(5).unwrap()).unwrap();
+        let b = Policy::new("b", Algorithm::Gcra, Quota::per_minute(5).unwrap()).unwrap();
+        let refused = store.decide(b"k", &[&a, &b], 1);
+        assert_eq!(refused[1].denial(), Some(Denial::StoreFull));
+        assert!(store.is_empty(), "nothing was charged");
+        assert!(store.decide(b"k", &[&a], 1).is_allowed());
+        assert_eq!(store.len(), 1);
+    }
+
+    #[test]
+    fn a_changed_quota_starts_afresh() {
+        let (store, _clock) = store(100, WhenFull::Deny);
+        let before =
+            Policy::new("api", Algorithm::FixedWindow, Quota::per_minute(1).unwrap()).unwrap();
+        let after = Policy::new(
+            "api",
+            Algorithm::FixedWindow,
+            Quota::per_minute(100).unwrap(),
+        )
+        .unwrap();
+        assert!(store.check_sync(b"k", &before, 1).is_allowed());
+        assert!(!store.check_sync(b"k", &before, 1).is_allowed());
+        assert_eq!(store.check_sync(b"k", &after, 1).remaining(), 99);
     }
 
     #[test]

@@ -1,65 +1,149 @@
 //! Where limiter state lives.
 //!
-//! A [`Store`] decides a request for a key under a [`Policy`]. [`MemoryStore`] keeps
-//! state in this process, for one node; the Redis store (feature `redis`) keeps it in
-//! Redis, for a fleet of nodes sharing one limit.
+//! A [`Store`] decides a request for a key against each of its [`Policy`]s, all or
+//! nothing. [`MemoryStore`] keeps state in this process, for one node; the Redis store
+//! (feature `redis`) keeps it in Redis, for a fleet of nodes sharing one limit;
+//! [`CircuitBreaker`] wraps a remote store; [`BoxStore`] is any of them, chosen at run
+//! time.
 
+mod boxed;
 mod breaker;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 
-use std::future::Future;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
+use pin_project_lite::pin_project;
+
+pub use self::boxed::{BoxStore, BoxStoreFuture};
+pub use self::breaker::{
+    BreakerState, CircuitBreaker, CircuitBreakerBuilder, CircuitBreakerFuture,
+};
+pub use self::memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 #[cfg(feature = "redis")]
 pub use self::redis::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};
-pub use breaker::{BreakerState, CircuitBreaker, CircuitBreakerBuilder, CircuitBreakerFuture};
-pub use memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 
-use crate::{Decision, Policy, StoreError};
+use crate::{Decisions, Policy, StoreError};
 
 /// Decides requests against limiter state kept somewhere.
 ///
-/// `check` takes what it needs from its arguments before it returns, so the future owns
-/// everything and can be held by a response future across an await.
+/// One method, [`Store::check`], decides a request of `cost` units for a caller's `key`
+/// against every one of the request's policies (a tier and a route, a per-second and a
+/// per-hour band), **all or nothing**: when every policy allows it, each is charged;
+/// when any denies it, none is, and the policies that did not deny report their state
+/// unchanged (what a request of cost 0 would get). A refused request costs the caller
+/// nothing.
+///
+/// The answer is [`Checked::Ready`] when the store decided without waiting (the memory
+/// store always; the Redis store when its local deny cache knows), else
+/// [`Checked::Pending`] with a future that owns everything it needs. Either way it can be
+/// awaited.
+///
+/// **State** is kept per caller key and per policy, and the policy part includes the
+/// policy's quota and algorithm ([`Policy::id`]): when a policy's quota changes (10/min
+/// to 1,000/min, or another algorithm), its callers start afresh under the new rules,
+/// in every store, rather than inherit counts made under the old ones.
 ///
 /// # Examples
 ///
 /// ```
 /// use tollway_core::{Algorithm, MemoryStore, Policy, Quota, Store};
 ///
-/// async fn admit<S: Store>(store: &S, user: &str, policy: &Policy) -> bool {
-///     match store.check(user.as_bytes(), policy, 1).await {
-///         Ok(decision) => decision.is_allowed(),
-///         Err(_) => true, // this caller fails open
-///     }
-/// }
-///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = MemoryStore::new();
-/// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(1)?)?;
-/// let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-/// let mut first = std::pin::pin!(admit(&store, "carol", &policy));
-/// assert_eq!(first.as_mut().poll(&mut cx), std::task::Poll::Ready(true));
-/// # Ok::<(), tollway_core::ConfigError>(())
+/// let free = Policy::new("free", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
+/// let export = Policy::new("export", Algorithm::FixedWindow, Quota::per_minute(1)?)?;
+///
+/// let first = store.check(b"carol", &[&free, &export], 1).await?;
+/// assert!(first.is_allowed());
+/// assert_eq!((first[0].remaining(), first[1].remaining()), (99, 0));
+///
+/// // The export limit refuses the second call, and the tier is not charged for it.
+/// let second = store.check(b"carol", &[&free, &export], 1).await?;
+/// assert!(!second.is_allowed());
+/// assert_eq!(second[0].remaining(), 99);
+/// # Ok(())
+/// # }
 /// ```
 pub trait Store: Send + Sync + 'static {
-    /// The future of one decision.
-    type Future: Future<Output = Result<Decision, StoreError>> + Send + 'static;
+    /// The future of a decision the store could not make at once.
+    type Future: Future<Output = Result<Decisions, StoreError>> + Send + 'static;
 
-    /// Decides one request of `cost` units for `key` under `policy`.
-    fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future;
+    /// Decides one request of `cost` units for `key` against every policy in
+    /// `policies`, all or nothing; the decisions come in the order of `policies`.
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future>;
+}
 
-    /// Decides at once when this store can without waiting (no I/O), else `None` — then
-    /// the caller uses [`Store::check`]. The memory store always can; the Redis store can
-    /// when its local deny cache holds the answer. A middleware that gets an answer here
-    /// calls its service directly instead of holding it across an await.
-    fn check_now(
-        &self,
-        key: &[u8],
-        policy: &Policy,
-        cost: u32,
-    ) -> Option<Result<Decision, StoreError>> {
-        let _ = (key, policy, cost);
-        None
+/// A store's answer: ready now, or a future to wait for.
+///
+/// It can be awaited either way (it is [`IntoFuture`]); a caller that can act at once
+/// on a ready answer matches on it instead.
+#[derive(Debug)]
+pub enum Checked<F> {
+    /// Decided without waiting.
+    Ready(Result<Decisions, StoreError>),
+    /// Decided when the future completes.
+    Pending(F),
+}
+
+impl<F> IntoFuture for Checked<F>
+where
+    F: Future<Output = Result<Decisions, StoreError>>,
+{
+    type Output = Result<Decisions, StoreError>;
+    type IntoFuture = CheckedFuture<F>;
+
+    fn into_future(self) -> CheckedFuture<F> {
+        let state = match self {
+            Checked::Ready(answer) => State::Ready {
+                answer: Some(answer),
+            },
+            Checked::Pending(future) => State::Pending { future },
+        };
+        CheckedFuture { state }
+    }
+}
+
+pin_project! {
+    /// A [`Checked`] answer as a future.
+    ///
+    /// # Panics
+    ///
+    /// When a ready answer is polled again after it was returned.
+    #[derive(Debug)]
+    pub struct CheckedFuture<F> {
+        #[pin]
+        state: State<F>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    #[derive(Debug)]
+    enum State<F> {
+        Ready { answer: Option<Result<Decisions, StoreError>> },
+        Pending { #[pin] future: F },
+    }
+}
+
+impl<F> Future for CheckedFuture<F>
+where
+    F: Future<Output = Result<Decisions, StoreError>>,
+{
+    type Output = Result<Decisions, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            StateProj::Ready { answer } => Poll::Ready(
+                answer
+                    .take()
+                    .expect("CheckedFuture polled after it completed"),
+            ),
+            StateProj::Pending { future } => future.poll(cx),
+        }
     }
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -12,11 +12,13 @@ use parking_lot::Mutex;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 use sha2::{Digest, Sha256};
+use smallvec::SmallVec;
 
+use super::{Checked, Store};
 use crate::algorithm::Algorithm;
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
-use crate::{Decision, Denial, Policy, Store, StoreError};
+use crate::{Decision, Decisions, Denial, Policy, StoreError, StoreErrorKind};
 
 /// The default per-call timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
@@ -25,104 +27,61 @@ const DEFAULT_DENY_CACHE: usize = 65_536;
 /// The longest user key stored as it is; longer (or unusual) keys are hashed.
 pub const MAX_LITERAL_KEY: usize = 96;
 
-macro_rules! script {
-    ($($file:literal),+ ; $entry:literal) => {
-        concat!(
-            include_str!("../../../../lua/prelude.lua"),
-            $("\n", include_str!(concat!("../../../../lua/", $file)),)+
-            "\n", $entry, "\n"
-        )
-    };
-}
+/// The one script: the prelude, every algorithm, and the entry that decides all of a
+/// request's limits (see `lua/prelude.lua` for its keys, arguments and reply).
+const SOURCE: &str = concat!(
+    include_str!("../../../../lua/prelude.lua"),
+    "\n",
+    include_str!("../../../../lua/token_bucket.lua"),
+    "\n",
+    include_str!("../../../../lua/gcra.lua"),
+    "\n",
+    include_str!("../../../../lua/leaky_bucket.lua"),
+    "\n",
+    include_str!("../../../../lua/fixed_window.lua"),
+    "\n",
+    include_str!("../../../../lua/sliding_window_counter.lua"),
+    "\n",
+    include_str!("../../../../lua/sliding_window_log.lua"),
+    "\n",
+    include_str!("../../../../lua/check.lua"),
+);
 
-/// An algorithm's composed script: the prelude, the files it needs, its entry call.
-fn source(algorithm: Algorithm) -> &'static str {
+/// The script with its SHA-1, computed once.
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SOURCE));
+
+/// The script's code for an algorithm (`ARGV` of each limit).
+fn code(algorithm: Algorithm) -> u64 {
     match algorithm {
-        Algorithm::TokenBucket => script!("token_bucket.lua"; "return run(token_bucket)"),
-        Algorithm::LeakyBucket => {
-            script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_meter)")
-        }
-        Algorithm::LeakyBucketShaper => {
-            script!("token_bucket.lua", "gcra.lua", "leaky_bucket.lua"; "return run(leaky_shaper)")
-        }
-        Algorithm::FixedWindow => script!("fixed_window.lua"; "return run(fixed_window)"),
-        Algorithm::SlidingWindowLog => script!("sliding_window_log.lua"; "return run_log()"),
-        Algorithm::SlidingWindowCounter => {
-            script!("sliding_window_counter.lua"; "return run(sliding_window_counter)")
-        }
-        Algorithm::Gcra => script!("gcra.lua"; "return run(gcra)"),
-    }
-}
-
-/// Every algorithm's script with its SHA-1, computed once.
-struct Scripts {
-    token_bucket: Script,
-    leaky_meter: Script,
-    leaky_shaper: Script,
-    fixed_window: Script,
-    sliding_log: Script,
-    sliding_counter: Script,
-    gcra: Script,
-}
-
-static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
-    let script = |algorithm| Script::new(source(algorithm));
-    Scripts {
-        token_bucket: script(Algorithm::TokenBucket),
-        leaky_meter: script(Algorithm::LeakyBucket),
-        leaky_shaper: script(Algorithm::LeakyBucketShaper),
-        fixed_window: script(Algorithm::FixedWindow),
-        sliding_log: script(Algorithm::SlidingWindowLog),
-        sliding_counter: script(Algorithm::SlidingWindowCounter),
-        gcra: script(Algorithm::Gcra),
-    }
-});
-
-/// An algorithm's script and its source.
-fn script(algorithm: Algorithm) -> (&'static Script, &'static str) {
-    let scripts = &*SCRIPTS;
-    let script = match algorithm {
-        Algorithm::TokenBucket => &scripts.token_bucket,
-        Algorithm::LeakyBucket => &scripts.leaky_meter,
-        Algorithm::LeakyBucketShaper => &scripts.leaky_shaper,
-        Algorithm::FixedWindow => &scripts.fixed_window,
-        Algorithm::SlidingWindowLog => &scripts.sliding_log,
-        Algorithm::SlidingWindowCounter => &scripts.sliding_counter,
-        Algorithm::Gcra => &scripts.gcra,
-    };
-    (script, source(algorithm))
-}
-
-/// A short, stable suffix per algorithm, so that changing a policy's algorithm never
-/// reads state written by another.
-fn suffix(algorithm: Algorithm) -> &'static str {
-    match algorithm {
-        Algorithm::TokenBucket => "tb",
-        Algorithm::LeakyBucket => "lb",
-        Algorithm::LeakyBucketShaper => "ls",
-        Algorithm::FixedWindow => "fw",
-        Algorithm::SlidingWindowLog => "sl",
-        Algorithm::SlidingWindowCounter => "sc",
-        Algorithm::Gcra => "gc",
+        Algorithm::TokenBucket => 1,
+        Algorithm::LeakyBucket => 2,
+        Algorithm::LeakyBucketShaper => 3,
+        Algorithm::FixedWindow => 4,
+        Algorithm::SlidingWindowLog => 5,
+        Algorithm::SlidingWindowCounter => 6,
+        Algorithm::Gcra => 7,
     }
 }
 
 /// Limiter state in Redis, shared by every process that uses the same server and prefix.
 ///
-/// Each decision is one `EVALSHA` of the policy's algorithm as a Lua script (the twins of
-/// the Rust functions, in `lua/`), so concurrent requests from any number of nodes are
-/// decided one at a time and can never over-admit. Scripts are loaded on first use and
-/// reloaded transparently after `SCRIPT FLUSH`, a restart or a failover (`NOSCRIPT`).
+/// Each request is one `EVALSHA` of one Lua script (the twins of the Rust functions, in
+/// `lua/`) that decides all of the request's limits at once, all or nothing, so
+/// concurrent requests from any number of nodes are decided one at a time and can never
+/// over-admit, and a request refused by one limit is charged by none. The script is
+/// loaded on first use and reloaded transparently after `SCRIPT FLUSH`, a restart or a
+/// failover (`NOSCRIPT`).
 ///
 /// **Time** comes from the server (`redis.call('TIME')`) by default, so clock skew
 /// between gateways cannot widen a limit; [`RedisStoreBuilder::caller_time`] passes the
 /// caller's clock instead, for services that reject `TIME` in scripts, and for tests.
 ///
-/// **Keys** are `prefix:{policy:key}:alg`: the braces are a hash tag, so a script's keys
-/// share a cluster slot. User keys of up to 96 bytes of `A-Z a-z 0-9 . : _ - @ + = /` are
-/// kept readable; any other key (braces, spaces, binary, long) is replaced by `#` and 32
-/// hex digits of its SHA-256, so a caller can neither move its key to another slot nor
-/// bloat Redis with a huge key.
+/// **Keys** are `prefix:{key}:policy:id`, one per limit: the braces are a hash tag, so
+/// all of a caller's limits share a cluster slot and one script decides them; `id` is
+/// [`Policy::id`] in hex, so a changed quota or algorithm starts afresh. User keys of up
+/// to 96 bytes of `A-Z a-z 0-9 . : _ - @ + = /` are kept readable; any other key
+/// (braces, spaces, binary, long) is replaced by `#` and 32 hex digits of its SHA-256,
+/// so a caller can neither move its key to another slot nor bloat Redis with a huge key.
 ///
 /// **Connections**: by default one multiplexed connection (a redis-rs
 /// `ConnectionManager`, which reconnects by itself) pipelines every concurrent call; on
@@ -143,8 +102,8 @@ fn suffix(algorithm: Algorithm) -> &'static str {
 ///     .connect("redis://127.0.0.1:6379")
 ///     .await?;
 /// let policy = Policy::new("free", Algorithm::Gcra, Quota::per_minute(100)?)?;
-/// let decision = store.check(b"user-42", &policy, 1).await?;
-/// println!("allowed: {}, remaining: {}", decision.is_allowed(), decision.remaining());
+/// let decisions = store.check(b"user-42", &[&policy], 1).await?;
+/// println!("allowed: {}, remaining: {}", decisions.is_allowed(), decisions[0].remaining());
 /// # Ok(())
 /// # }
 /// ```
@@ -162,29 +121,42 @@ struct Inner {
     deny_cache: Option<DenyCache>,
 }
 
-/// Unit-cost denials Redis gave, answered locally until they expire.
+/// Refusals of unit-cost requests that Redis gave, answered locally while they hold.
 ///
-/// Once Redis denies a one-unit request for a key until `T`, the key has less than one
-/// unit until `T`: time only refills it, and no request of any cost can be admitted by
-/// any node before then, so the key's state cannot change. Each node may therefore answer
-/// the key's one-unit requests itself until `T`, and its answer is the one Redis would
-/// give, field by field: remaining 0, the retry and reset times counted down. It never
+/// Once Redis refuses a one-unit request because a limit is out of units until `T`, that
+/// limit has less than one unit until `T`: time only refills it, and a request of any
+/// cost can only make it emptier. The same request (same key, same limits) is therefore
+/// refused until the earliest such `T` among its denying limits, by every node, and each
+/// node may answer it itself until then: the denying limits' decisions are the ones Redis
+/// would give, field by field (remaining 0, the retry and reset times counted down); the
+/// limits that did not deny report what Redis said of them at the refusal (their reset
+/// counted down, their remaining as it was then: a little low, never high). It never
 /// admits anything. A flood from one key then costs Redis about one call per node per
 /// retry period instead of one per request. (Counting down uses this node's clock: with
 /// the server's `TIME`, local and server time differ by the call's latency, so a local
-/// denial can outlast Redis's by that much.)
+/// refusal can outlast Redis's by that much.)
 struct DenyCache {
     clock: Arc<dyn Clock>,
     hasher: foldhash::quality::RandomState,
-    shards: Box<[Mutex<HashMap<u64, Denied>>]>,
+    shards: Box<[Mutex<HashMap<u64, Refused>>]>,
     per_shard: usize,
 }
 
-#[derive(Clone, Copy)]
-struct Denied {
+/// A refusal, kept until `until_us`.
+#[derive(Clone)]
+struct Refused {
     until_us: u64,
-    reset_at_us: u64,
+    /// Each limit's decision, its times as instants of this node's clock.
+    limits: SmallVec<[Remembered; 2]>,
+}
+
+#[derive(Clone, Copy)]
+struct Remembered {
+    denial: Option<Denial>,
     limit: u64,
+    remaining: u64,
+    reset_at_us: u64,
+    retry_at_us: u64,
 }
 
 impl DenyCache {
@@ -199,53 +171,87 @@ impl DenyCache {
         }
     }
 
-    fn slot(&self, key: &[u8], policy: &Policy) -> (u64, &Mutex<HashMap<u64, Denied>>) {
-        let hash = self.hasher.hash_one((policy.id(), key));
+    /// The entry of a request: its key and every limit's policy (which covers its quota).
+    fn slot(&self, key: &[u8], policies: &[&Policy]) -> (u64, &Mutex<HashMap<u64, Refused>>) {
+        let mut hasher = self.hasher.build_hasher();
+        for policy in policies {
+            hasher.write_u64(policy.id());
+        }
+        hasher.write(key);
+        let hash = hasher.finish();
         (hash, &self.shards[(hash as usize) % Self::SHARDS])
     }
 
-    /// The local answer for a request, if a denial still covers it.
-    fn lookup(&self, key: &[u8], policy: &Policy, cost: u32) -> Option<Decision> {
+    /// The local answer for a request, if a refusal still covers it.
+    fn lookup(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Option<Decisions> {
         if cost != 1 {
             return None;
         }
-        let (hash, shard) = self.slot(key, policy);
+        let (hash, shard) = self.slot(key, policies);
         let now = self.clock.now_micros();
         let mut map = shard.lock();
-        let denied = *map.get(&hash)?;
-        if now >= denied.until_us {
+        let refused = map.get(&hash)?;
+        if now >= refused.until_us {
             map.remove(&hash);
             return None;
         }
-        Some(Decision::limited(
-            denied.limit,
-            0,
-            denied.reset_at_us.saturating_sub(now),
-            denied.until_us - now,
-        ))
+        let decisions = refused
+            .limits
+            .iter()
+            .map(|r| {
+                let reset = r.reset_at_us.saturating_sub(now);
+                match r.denial {
+                    None => Decision::allow(r.limit, r.remaining, reset, 0),
+                    Some(Denial::Limited) => {
+                        Decision::limited(r.limit, 0, reset, r.retry_at_us - now)
+                    }
+                    Some(denial) => Decision::refused(denial, r.limit, r.remaining, reset),
+                }
+            })
+            .collect();
+        Some(decisions)
     }
 
-    fn remember(&self, key: &[u8], policy: &Policy, cost: u32, decision: &Decision) {
-        if cost != 1 || decision.denial() != Some(Denial::Limited) {
+    /// Remembers a refusal of a unit-cost request by limits out of units.
+    fn remember(&self, key: &[u8], policies: &[&Policy], cost: u32, decisions: &Decisions) {
+        let limited = || {
+            decisions
+                .iter()
+                .filter(|d| d.denial() == Some(Denial::Limited))
+        };
+        let Some(retry_us) = limited().map(Decision::retry_after_micros).min() else {
+            return;
+        };
+        if cost != 1
+            || decisions
+                .iter()
+                .any(|d| d.denial() == Some(Denial::CostExceedsCapacity))
+        {
             return;
         }
-        let (hash, shard) = self.slot(key, policy);
+        let (hash, shard) = self.slot(key, policies);
         let now = self.clock.now_micros();
+        let refused = Refused {
+            until_us: now + retry_us,
+            limits: decisions
+                .iter()
+                .map(|d| Remembered {
+                    denial: d.denial(),
+                    limit: d.limit(),
+                    remaining: d.remaining(),
+                    reset_at_us: now + d.reset_after_micros(),
+                    retry_at_us: now + d.retry_after_micros(),
+                })
+                .collect(),
+        };
         let mut map = shard.lock();
         if map.len() >= self.per_shard && !map.contains_key(&hash) {
-            map.retain(|_, d| d.until_us > now);
+            map.retain(|_, r| r.until_us > now);
             if map.len() >= self.per_shard {
                 return;
             }
         }
-        map.insert(
-            hash,
-            Denied {
-                until_us: now + decision.retry_after_micros(),
-                reset_at_us: now + decision.reset_after_micros(),
-                limit: decision.limit(),
-            },
-        );
+        map.insert(hash, refused);
     }
 }
 
@@ -294,88 +300,98 @@ impl RedisStore {
         }
     }
 
-    /// The SHA-1 under which `algorithm`'s script is loaded (`EVALSHA <sha> ...`), for
-    /// driving it from other tools such as `redis-benchmark`. Its `KEYS` and `ARGV` are
+    /// The SHA-1 under which the script is loaded (`EVALSHA <sha> ...`), for driving it
+    /// from other tools such as `redis-benchmark`. Its `KEYS`, `ARGV` and reply are
     /// described at the top of `lua/prelude.lua`.
     #[must_use]
-    pub fn script_sha(algorithm: Algorithm) -> &'static str {
-        script(algorithm).0.get_hash()
+    pub fn script_sha() -> &'static str {
+        SCRIPT.get_hash()
     }
 
-    /// The Redis keys holding `key`'s state under `policy`: one for every algorithm but
-    /// the sliding window log, which keeps its entries and a small hash beside them.
+    /// The Redis key holding `key`'s state under `policy`:
+    /// `prefix:{key}:policy:id`, the user key escaped or hashed.
     #[must_use]
-    pub fn keys_for(&self, key: &[u8], policy: &Policy) -> Vec<String> {
-        let base = format!(
-            "{}:{{{}:{}}}:{}",
+    pub fn state_key(&self, key: &[u8], policy: &Policy) -> String {
+        format!(
+            "{}:{{{}}}:{}:{:016x}",
             self.inner.prefix,
-            policy.name(),
             escape_key(key),
-            suffix(policy.algorithm())
-        );
-        if policy.algorithm() == Algorithm::SlidingWindowLog {
-            vec![format!("{base}:log"), format!("{base}:meta")]
-        } else {
-            vec![base]
-        }
+            policy.name(),
+            policy.id()
+        )
     }
 
-    async fn eval(
-        &self,
-        script: (&'static Script, &'static str),
-        keys: Vec<String>,
-        args: [String; 7],
-    ) -> Result<Vec<i64>, StoreError> {
+    async fn eval(&self, call: &Call) -> Result<Vec<i64>, StoreError> {
         match &self.inner.backend {
             Backend::Manager(manager) => {
                 let mut con = manager.clone();
-                match invoke(script, &keys, &args, &mut con).await {
+                match call.invoke(&mut con).await {
                     // A connection that broke (a restart, a failover) is reopened by the
                     // manager: one retry, within the same timeout.
                     Err(e) if e.is_connection_dropped() || e.is_io_error() => {
-                        invoke(script, &keys, &args, &mut con)
-                            .await
-                            .map_err(redis_error)
+                        call.invoke(&mut con).await.map_err(redis_error)
                     }
                     other => other.map_err(redis_error),
                 }
             }
-            Backend::Cluster(cluster) => invoke(script, &keys, &args, &mut cluster.clone())
-                .await
-                .map_err(redis_error),
+            Backend::Cluster(cluster) => {
+                call.invoke(&mut cluster.clone()).await.map_err(redis_error)
+            }
             #[cfg(feature = "deadpool")]
             Backend::Pool(pool) => {
-                let mut con = pool
-                    .get()
-                    .await
-                    .map_err(|e| StoreError::with_source("no Redis connection from the pool", e))?;
-                invoke(script, &keys, &args, &mut con)
-                    .await
-                    .map_err(redis_error)
+                let mut con = pool.get().await.map_err(|e| {
+                    StoreError::with_source(
+                        StoreErrorKind::Connection,
+                        "no Redis connection from the pool",
+                        e,
+                    )
+                })?;
+                call.invoke(&mut con).await.map_err(redis_error)
             }
         }
     }
 }
 
-/// `EVALSHA`, and on `NOSCRIPT` (after `SCRIPT FLUSH`, a restart, a failover, or a
-/// cluster node that never saw the script) `EVAL` of the source, which also caches it on
-/// that node: the call goes to the node that owns the keys either way.
-async fn invoke(
-    (script, source): (&'static Script, &'static str),
-    keys: &[String],
-    args: &[String; 7],
-    con: &mut impl ConnectionLike,
-) -> Result<Vec<i64>, RedisError> {
-    let call = |command: &str, first: &str| {
-        let mut cmd = redis::cmd(command);
-        cmd.arg(first).arg(keys.len()).arg(keys).arg(&args[..]);
-        cmd
-    };
-    match call("EVALSHA", script.get_hash()).query_async(con).await {
-        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-            call("EVAL", source).query_async(con).await
+/// One script call: its keys and arguments (see `lua/prelude.lua`).
+struct Call {
+    keys: SmallVec<[String; 2]>,
+    /// The caller's time, or `None` for the server's.
+    now: Option<u64>,
+    cost: u32,
+    grace_ms: u64,
+    /// Per limit: algorithm code, limit, period (µs), burst, emission interval (µs).
+    limits: SmallVec<[[u64; 5]; 2]>,
+}
+
+impl Call {
+    /// `EVALSHA`, and on `NOSCRIPT` (after `SCRIPT FLUSH`, a restart, a failover, or a
+    /// cluster node that never saw the script) `EVAL` of the source, which also caches
+    /// it on that node: the call goes to the node that owns the keys either way.
+    async fn invoke(&self, con: &mut impl ConnectionLike) -> Result<Vec<i64>, RedisError> {
+        match self
+            .command("EVALSHA", SCRIPT.get_hash())
+            .query_async(con)
+            .await
+        {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                self.command("EVAL", SOURCE).query_async(con).await
+            }
+            other => other,
         }
-        other => other,
+    }
+
+    fn command(&self, name: &str, script: &str) -> redis::Cmd {
+        let mut cmd = redis::cmd(name);
+        cmd.arg(script).arg(self.keys.len()).arg(&self.keys[..]);
+        match self.now {
+            Some(now) => cmd.arg(now),
+            None => cmd.arg(""),
+        };
+        cmd.arg(self.cost).arg(self.grace_ms);
+        for limit in &self.limits {
+            cmd.arg(&limit[..]);
+        }
+        cmd
     }
 }
 
@@ -392,93 +408,115 @@ fn ensure_crypto_provider() {
 }
 
 fn redis_error(e: RedisError) -> StoreError {
-    StoreError::with_source(format!("Redis call failed: {e}"), e)
+    let kind = if e.is_timeout() {
+        StoreErrorKind::Timeout
+    } else if e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error() {
+        StoreErrorKind::Connection
+    } else {
+        StoreErrorKind::Script
+    };
+    StoreError::with_source(kind, format!("Redis call failed: {e}"), e)
 }
 
-/// The boxed future of one Redis decision.
-pub type RedisFuture = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+/// The boxed future of a Redis decision.
+pub type RedisFuture = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
 
 impl Store for RedisStore {
     type Future = RedisFuture;
 
-    fn check_now(
-        &self,
-        key: &[u8],
-        policy: &Policy,
-        cost: u32,
-    ) -> Option<Result<Decision, StoreError>> {
-        let cache = self.inner.deny_cache.as_ref()?;
-        cache.lookup(key, policy, cost).map(Ok)
-    }
-
-    fn check(&self, key: &[u8], policy: &Policy, cost: u32) -> Self::Future {
-        if let Some(decision) = self
-            .inner
-            .deny_cache
-            .as_ref()
-            .and_then(|cache| cache.lookup(key, policy, cost))
-        {
-            return Box::pin(std::future::ready(Ok(decision)));
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<RedisFuture> {
+        let cache = self.inner.deny_cache.as_ref();
+        if let Some(decisions) = cache.and_then(|cache| cache.lookup(key, policies, cost)) {
+            return Checked::Ready(Ok(decisions));
         }
+        let call = Call {
+            keys: policies.iter().map(|p| self.state_key(key, p)).collect(),
+            now: self.inner.clock.as_ref().map(|c| c.now_micros()),
+            cost,
+            grace_ms: self.inner.grace_ms,
+            limits: policies
+                .iter()
+                .map(|p| {
+                    let q = p.quota();
+                    let code = code(p.algorithm());
+                    [
+                        code,
+                        q.limit(),
+                        q.period_micros(),
+                        q.burst(),
+                        q.emission_micros(),
+                    ]
+                })
+                .collect(),
+        };
+        let capacities: SmallVec<[u64; 2]> = policies.iter().map(|p| p.quota().burst()).collect();
+        // Only a unit-cost request's refusal is remembered: copy what that needs, only then.
+        let remember = (cost == 1 && cache.is_some()).then(|| {
+            (
+                key.to_vec(),
+                policies
+                    .iter()
+                    .map(|p| (*p).clone())
+                    .collect::<SmallVec<[Policy; 2]>>(),
+            )
+        });
         let this = self.clone();
-        // Only a unit-cost request's denial is remembered: copy what that needs, only then.
-        let remember =
-            (cost == 1 && self.inner.deny_cache.is_some()).then(|| (key.to_vec(), policy.clone()));
-        let keys = self.keys_for(key, policy);
-        let quota = policy.quota();
-        let now = self
-            .inner
-            .clock
-            .as_ref()
-            .map_or_else(String::new, |c| c.now_micros().to_string());
-        let args = [
-            now,
-            quota.limit().to_string(),
-            quota.period_micros().to_string(),
-            quota.burst().to_string(),
-            quota.emission_micros().to_string(),
-            cost.to_string(),
-            self.inner.grace_ms.to_string(),
-        ];
-        let script = script(policy.algorithm());
         let timeout = self.inner.timeout;
-        Box::pin(async move {
-            let reply = tokio::time::timeout(timeout, this.eval(script, keys, args))
+        Checked::Pending(Box::pin(async move {
+            let reply = tokio::time::timeout(timeout, this.eval(&call))
                 .await
                 .map_err(|_| {
-                    StoreError::new(format!("Redis call timed out after {timeout:?}"))
+                    StoreError::new(
+                        StoreErrorKind::Timeout,
+                        format!("Redis call timed out after {timeout:?}"),
+                    )
                 })??;
-            let decision = parse(&reply)?;
-            if let (Some(cache), Some((key, policy))) = (&this.inner.deny_cache, &remember) {
-                cache.remember(key, policy, cost, &decision);
+            let decisions = parse(&reply, &capacities)?;
+            if let (Some(cache), Some((key, policies))) = (&this.inner.deny_cache, &remember) {
+                if !decisions.is_allowed() {
+                    let policies: SmallVec<[&Policy; 2]> = policies.iter().collect();
+                    cache.remember(key, &policies, cost, &decisions);
+                }
             }
-            Ok(decision)
-        })
+            Ok(decisions)
+        }))
     }
 }
 
-fn parse(reply: &[i64]) -> Result<Decision, StoreError> {
-    let field = |i: usize| reply.get(i).and_then(|&v| u64::try_from(v).ok());
-    let parts = (
-        field(0).and_then(|d| u8::try_from(d).ok()),
-        field(1),
-        field(2),
-        field(3),
-        field(4),
-        field(5),
-    );
-    if let (Some(denial), Some(limit), Some(remaining), Some(reset), Some(retry), Some(delay)) =
-        parts
-    {
-        if reply.len() == 6 {
-            if let Some(d) = Decision::from_parts(denial, limit, remaining, reset, retry, delay) {
-                return Ok(d);
-            }
-        }
+/// The decisions in a script's reply: four integers a limit, `{ denial, remaining,
+/// reset_after_us, wait_us }`, for limits of the given capacities.
+fn parse(reply: &[i64], capacities: &[u64]) -> Result<Decisions, StoreError> {
+    let bad = || {
+        StoreError::new(
+            StoreErrorKind::Script,
+            format!(
+                "Redis script replied {reply:?}, not {} decisions: is another version of tollway using the same prefix?",
+                capacities.len()
+            ),
+        )
+    };
+    if reply.len() != 4 * capacities.len() {
+        return Err(bad());
     }
-    Err(StoreError::new(format!(
-        "Redis script replied {reply:?}, not a decision: is another version of tollway using the same prefix?"
-    )))
+    reply
+        .chunks_exact(4)
+        .zip(capacities)
+        .map(|(fields, &limit)| {
+            let field = |i: usize| u64::try_from(fields[i]).map_err(|_| bad());
+            let (remaining, reset, wait) = (field(1)?, field(2)?, field(3)?);
+            match fields[0] {
+                0 => Ok(Decision::allow(limit, remaining, reset, wait)),
+                1 if wait > 0 => Ok(Decision::limited(limit, remaining, reset, wait)),
+                2 if wait == 0 => Ok(Decision::refused(
+                    Denial::CostExceedsCapacity,
+                    limit,
+                    remaining,
+                    reset,
+                )),
+                _ => Err(bad()),
+            }
+        })
+        .collect()
 }
 
 /// The user key as it appears inside the hash tag: itself when short and plain, else
@@ -590,11 +628,16 @@ impl RedisStoreBuilder {
                 root_cert: Some(root.clone()),
             };
             return redis::Client::build_with_tls(url, certificates).map_err(|e| {
-                StoreError::with_source(format!("bad Redis URL or TLS root certificate: {e}"), e)
+                StoreError::with_source(
+                    StoreErrorKind::Other,
+                    format!("bad Redis URL or TLS root certificate: {e}"),
+                    e,
+                )
             });
         }
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::with_source(format!("bad Redis URL: {e}"), e))?;
+        let client = redis::Client::open(url).map_err(|e| {
+            StoreError::with_source(StoreErrorKind::Other, format!("bad Redis URL: {e}"), e)
+        })?;
         #[cfg(feature = "tls")]
         if matches!(
             client.get_connection_info().addr(),
@@ -656,7 +699,7 @@ impl RedisStoreBuilder {
     /// certificate that does not verify.
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
         self.validate()
-            .map_err(|e| StoreError::with_source(e.to_string(), e))?;
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e.to_string(), e))?;
         let client = self.client(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
@@ -668,12 +711,18 @@ impl RedisStoreBuilder {
         )
         .await
         .map_err(|_| {
-            StoreError::new(format!(
-                "could not connect to Redis within {:?}",
-                self.timeout
-            ))
+            StoreError::new(
+                StoreErrorKind::Timeout,
+                format!("could not connect to Redis within {:?}", self.timeout),
+            )
         })?
-        .map_err(|e| StoreError::with_source(format!("could not connect to Redis: {e}"), e))?;
+        .map_err(|e| {
+            StoreError::with_source(
+                StoreErrorKind::Connection,
+                format!("could not connect to Redis: {e}"),
+                e,
+            )
+        })?;
         Ok(self.build(Backend::Manager(manager)))
     }
 
@@ -692,7 +741,7 @@ impl RedisStoreBuilder {
     /// or no node can be reached within the timeout.
     pub async fn connect_cluster(self, nodes: &[&str]) -> Result<RedisStore, StoreError> {
         self.validate()
-            .map_err(|e| StoreError::with_source(e.to_string(), e))?;
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e.to_string(), e))?;
         #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
         let mut builder = redis::cluster::ClusterClient::builder(nodes.iter().copied())
             .connection_timeout(self.timeout)
@@ -706,7 +755,11 @@ impl RedisStoreBuilder {
             for node in nodes {
                 let tls = matches!(
                     redis::IntoConnectionInfo::into_connection_info(*node)
-                        .map_err(|e| StoreError::with_source(format!("bad Redis URL: {e}"), e))?
+                        .map_err(|e| StoreError::with_source(
+                            StoreErrorKind::Other,
+                            format!("bad Redis URL: {e}"),
+                            e
+                        ))?
                         .addr(),
                     redis::ConnectionAddr::TcpTls { .. }
                 );
@@ -719,6 +772,7 @@ impl RedisStoreBuilder {
             if let Some(root) = &self.tls_root {
                 if !all_tls {
                     return Err(StoreError::new(
+                        StoreErrorKind::Other,
                         "a TLS root certificate was given, but not every Redis Cluster node \
                          URL is rediss://: use rediss:// for all, or leave out \
                          tls_root_certificate",
@@ -730,19 +784,30 @@ impl RedisStoreBuilder {
                 });
             }
         }
-        let client = builder
-            .build()
-            .map_err(|e| StoreError::with_source(format!("bad Redis Cluster nodes: {e}"), e))?;
+        let client = builder.build().map_err(|e| {
+            StoreError::with_source(
+                StoreErrorKind::Other,
+                format!("bad Redis Cluster nodes: {e}"),
+                e,
+            )
+        })?;
         let connection = tokio::time::timeout(self.timeout, client.get_async_connection())
             .await
             .map_err(|_| {
-                StoreError::new(format!(
-                    "could not connect to the Redis Cluster within {:?}",
-                    self.timeout
-                ))
+                StoreError::new(
+                    StoreErrorKind::Timeout,
+                    format!(
+                        "could not connect to the Redis Cluster within {:?}",
+                        self.timeout
+                    ),
+                )
             })?
             .map_err(|e| {
-                StoreError::with_source(format!("could not connect to the Redis Cluster: {e}"), e)
+                StoreError::with_source(
+                    StoreErrorKind::Connection,
+                    format!("could not connect to the Redis Cluster: {e}"),
+                    e,
+                )
             })?;
         Ok(self.build(Backend::Cluster(connection)))
     }
@@ -788,11 +853,29 @@ mod tests {
     }
 
     #[test]
-    fn every_algorithm_has_its_own_script() {
-        let shas: std::collections::HashSet<_> = Algorithm::ALL
-            .iter()
-            .map(|a| script(*a).0.get_hash())
-            .collect();
-        assert_eq!(shas.len(), Algorithm::ALL.len());
+    fn every_algorithm_has_its_own_code() {
+        let codes: std::collections::HashSet<_> = Algorithm::ALL.iter().map(|a| code(*a)).collect();
+        assert_eq!(codes.len(), Algorithm::ALL.len());
+    }
+
+    #[test]
+    fn replies_parse_into_decisions_or_are_refused() {
+        let d = parse(&[0, 4, 100, 0, 1, 0, 60, 20, 2, 7, 0, 0], &[5, 1, 9]).unwrap();
+        assert!(d[0].is_allowed() && d[0].remaining() == 4 && d[0].limit() == 5);
+        assert_eq!(d[1].denial(), Some(Denial::Limited));
+        assert_eq!(d[1].retry_after_micros(), 20);
+        assert_eq!(d[2].denial(), Some(Denial::CostExceedsCapacity));
+        // Wrong length, a negative field, a limited decision without a wait, a
+        // refusal with one, an unknown code.
+        for (reply, limits) in [
+            (&[0, 1, 2][..], &[1][..]),
+            (&[0, -1, 0, 0], &[1]),
+            (&[1, 0, 5, 0], &[1]),
+            (&[2, 0, 5, 3], &[1]),
+            (&[9, 0, 0, 0], &[1]),
+        ] {
+            let err = parse(reply, limits).unwrap_err();
+            assert_eq!(err.kind(), StoreErrorKind::Script, "{reply:?}");
+        }
     }
 }

@@ -11,12 +11,12 @@ use bytes::Bytes;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
-use tollway_core::{Decision, Store, StoreError};
+use tollway_core::{Decisions, Store, StoreError};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::headers::RateLimitHeaders;
-use crate::pipeline::{Evaluation, Limiter, Next, Step};
+use crate::pipeline::{Evaluation, Limiter, Next};
 
 pin_project! {
     /// The future of a [`RateLimit`](super::RateLimit) service's response.
@@ -43,7 +43,7 @@ pin_project! {
     #[project = StateProj]
     #[project_replace = StateOwned]
     enum State<C, F, S, B, St> {
-        // The store is deciding one of the request's limits. The request waits in a box:
+        // The store is deciding the request's limits. The request waits in a box:
         // it waits for I/O anyway, and the future of a request decided at once stays small.
         Checking { #[pin] check: C, pending: Box<Pending<S, B, St>> },
         // The request is admitted and held for its shaping delay, boxed likewise.
@@ -153,20 +153,12 @@ where
     S: Service<Request<B>>,
     St: Store,
 {
-    /// The next state once the store answered `result`.
+    /// The next state once the store answered.
     fn resume(
-        mut self: Box<Self>,
-        result: Result<Decision, StoreError>,
+        self,
+        answer: Result<Decisions, StoreError>,
     ) -> State<St::Future, S::Future, S, B, St> {
-        let outcome = match self.evaluation.resume(&self.limiter, result) {
-            Step::Done(outcome) => outcome,
-            Step::Wait(check) => {
-                return State::Checking {
-                    check,
-                    pending: self,
-                };
-            }
-        };
+        let outcome = self.evaluation.decided(&self.limiter, answer);
         let Held {
             mut service,
             request,
@@ -227,7 +219,7 @@ where
                     else {
                         unreachable!("the state was Checking")
                     };
-                    state.set(pending.resume(result));
+                    state.set((*pending).resume(result));
                 }
                 StateProj::Delaying { sleep, .. } => {
                     ready!(sleep.as_mut().poll(cx));

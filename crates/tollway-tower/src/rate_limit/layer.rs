@@ -154,9 +154,9 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
 
     /// Adds a limit for requests to `pattern` (an exact path, or a prefix ending in
     /// `/*`) with `method` (`None`: any method), checked as well as the caller's own
-    /// limit, per caller. All of a request's limits must pass; the headers report the most
-    /// restrictive. Limits are checked in order — the caller's own, then the routes' —
-    /// and a denial by a later one does not give back the unit an earlier one took.
+    /// limit, per caller. All of a request's limits are decided at once by the store, all
+    /// or nothing: the request passes when every one allows it, and a request one of
+    /// them refuses is charged by none. The headers report the most restrictive.
     pub fn route(mut self, method: Option<Method>, pattern: &str, policy: Policy) -> Self {
         match RouteLimit::new(method, pattern, self.policies.len()) {
             Ok(route) => {

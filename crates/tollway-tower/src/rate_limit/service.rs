@@ -84,7 +84,7 @@ where
         let limiter = &*self.limiter;
         let outcome = match limiter.start(&*self.key, &request) {
             Start::Decided(outcome) => outcome,
-            Start::Evaluate(mut evaluation) => match evaluation.advance(limiter) {
+            Start::Evaluate(evaluation) => match evaluation.check(limiter) {
                 Step::Done(outcome) => outcome,
                 Step::Wait(check) => {
                     let limiter = Arc::clone(&self.limiter);
@@ -174,10 +174,22 @@ mod tests {
             .unwrap();
         let mut service = tower_layer::Layer::layer(&layer, Counted(Arc::clone(&clones)));
 
-        let allowed = service.ready().await.unwrap().call(request()).await.unwrap();
+        let allowed = service
+            .ready()
+            .await
+            .unwrap()
+            .call(request())
+            .await
+            .unwrap();
         assert_eq!(allowed.status(), StatusCode::OK);
         assert_eq!(allowed.headers()["x-ratelimit-remaining"], "0");
-        let denied = service.ready().await.unwrap().call(request()).await.unwrap();
+        let denied = service
+            .ready()
+            .await
+            .unwrap()
+            .call(request())
+            .await
+            .unwrap();
         assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(clones.load(Ordering::SeqCst), 0);
     }

@@ -1,0 +1,79 @@
+//! A store chosen at run time.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use super::{Checked, Store};
+use crate::{Decisions, Policy, StoreError};
+
+/// The future of a [`BoxStore`] decision that waits.
+pub type BoxStoreFuture = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
+
+/// Any [`Store`], its type erased: for choosing the store when the program runs (memory
+/// or Redis, from the environment or a configuration file) with one layer type.
+///
+/// A ready answer passes through as it is; only a waiting decision's future is boxed.
+/// Clones share the store.
+///
+/// # Examples
+///
+/// ```
+/// use tollway_core::{Algorithm, BoxStore, CircuitBreaker, MemoryStore, Policy, Quota, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let shared = std::env::var("TOLLWAY_SHARED").is_ok();
+/// let store = if shared {
+///     // In production: BoxStore::new(CircuitBreaker::builder(redis).build()?)
+///     BoxStore::new(CircuitBreaker::builder(MemoryStore::new()).build()?)
+/// } else {
+///     BoxStore::new(MemoryStore::new())
+/// };
+/// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(5)?)?;
+/// assert!(store.check(b"dave", &[&policy], 1).await?.is_allowed());
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct BoxStore {
+    inner: Arc<dyn ErasedStore>,
+}
+
+impl BoxStore {
+    /// Erases `store`'s type.
+    pub fn new<S: Store>(store: S) -> Self {
+        BoxStore {
+            inner: Arc::new(store),
+        }
+    }
+}
+
+impl fmt::Debug for BoxStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BoxStore").finish_non_exhaustive()
+    }
+}
+
+/// [`Store`] as a trait object: the same method, with the waiting future boxed.
+trait ErasedStore: Send + Sync {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture>;
+}
+
+impl<S: Store> ErasedStore for S {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
+        match Store::check(self, key, policies, cost) {
+            Checked::Ready(answer) => Checked::Ready(answer),
+            Checked::Pending(future) => Checked::Pending(Box::pin(future)),
+        }
+    }
+}
+
+impl Store for BoxStore {
+    type Future = BoxStoreFuture;
+
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
+        self.inner.check(key, policies, cost)
+    }
+}

@@ -1,0 +1,114 @@
+-- The entry: decides the request of ARGV against the limits of KEYS, all or nothing, and
+-- replies four integers per limit (see prelude.lua).
+
+local now = argv[1]
+if now == '' then
+  local t = call('TIME')
+  now = t[1] * 1000000 + t[2]
+else
+  now = now + 0
+end
+local cost, grace = argv[2] + 0, argv[3] + 0
+if n == 0 then return {} end
+
+-- One limit (most requests): the loop below without its bookkeeping, measured 5% faster
+-- end to end. The two dispatch on the code and write alike: keep them in step. (Shared
+-- as local functions instead, they cost a closure each on every call: measured, GCRA
+-- fell from 1.02x to 0.88x of the minimal script.)
+if n == 1 then
+  local key, code, v = keys[1], argv[4], false
+  if code ~= '5' then v = call('GET', key) end
+  local denial, remaining, reset, wait, x, y
+  if code == '7' then
+    denial, remaining, reset, wait, x, y = gcra(now, cost, argv[7] + 0, argv[8] + 0, v)
+  elseif code == '1' or code == '2' then
+    denial, remaining, reset, wait, x, y = token_bucket(now, cost, argv[5] + 0, argv[6] + 0, argv[7] + 0, v)
+  elseif code == '3' then
+    denial, remaining, reset, wait, x, y = leaky_shaper(now, cost, argv[7] + 0, argv[8] + 0, v)
+  elseif code == '4' then
+    denial, remaining, reset, wait, x, y = fixed_window(now, cost, argv[5] + 0, argv[6] + 0, v)
+  elseif code == '6' then
+    denial, remaining, reset, wait, x, y = sliding_window_counter(now, cost, argv[5] + 0, argv[6] + 0, v)
+  elseif code == '5' then
+    denial, remaining, reset, wait, x, y = sliding_window_log(key, now, cost, argv[5] + 0, argv[6] + 0)
+  else
+    return error('tollway: unknown algorithm code ' .. tostring(code))
+  end
+  if denial == 0 then
+    if code == '5' then
+      if cost > 0 then sliding_window_log_admit(key, now, cost, argv[6] + 0, grace, x, y) end
+    elseif y > now then
+      if x ~= v then
+        local ttl = (y - now) / 1000
+        call('SET', key, x, 'PX', ttl + (-ttl) % 1 + grace)
+      end
+    elseif v then
+      call('DEL', key)
+    end
+  end
+  return { denial, remaining, reset, wait }
+end
+
+-- Several limits. `held`, per limit: the value it read (false if none), and its new state
+-- and `a` (the log: its newest number and time). Both tables are sized for two limits.
+local reply, held, c, denied = { 0, 0, 0, 0, 0, 0, 0, 0 }, { 0, 0, 0, 0, 0, 0 }, cost, false
+
+-- Pass 1 decides every limit at the cost; pass 2, only when one denied, decides the others
+-- again at cost 0 from the values pass 1 read.
+for pass = 1, 2 do
+  for i = 1, n do
+    local r, j = 4 * i, 5 * i
+    if pass == 1 or reply[r - 3] == 0 then
+      local key, code, v = keys[i], argv[j - 1], false
+      if pass == 2 then
+        v = held[3 * i - 2]
+      elseif code ~= '5' then
+        v = call('GET', key)
+      end
+      local denial, remaining, reset, wait, x, y
+      if code == '7' then
+        denial, remaining, reset, wait, x, y = gcra(now, c, argv[j + 2] + 0, argv[j + 3] + 0, v)
+      elseif code == '1' or code == '2' then
+        denial, remaining, reset, wait, x, y =
+          token_bucket(now, c, argv[j] + 0, argv[j + 1] + 0, argv[j + 2] + 0, v)
+      elseif code == '3' then
+        denial, remaining, reset, wait, x, y = leaky_shaper(now, c, argv[j + 2] + 0, argv[j + 3] + 0, v)
+      elseif code == '4' then
+        denial, remaining, reset, wait, x, y = fixed_window(now, c, argv[j] + 0, argv[j + 1] + 0, v)
+      elseif code == '6' then
+        denial, remaining, reset, wait, x, y =
+          sliding_window_counter(now, c, argv[j] + 0, argv[j + 1] + 0, v)
+      elseif code == '5' then
+        denial, remaining, reset, wait, x, y =
+          sliding_window_log(key, now, c, argv[j] + 0, argv[j + 1] + 0)
+      else
+        return error('tollway: unknown algorithm code ' .. tostring(code))
+      end
+      reply[r - 3], reply[r - 2], reply[r - 1], reply[r] = denial, remaining, reset, wait
+      if pass == 1 then
+        if denial ~= 0 then denied = true end
+        held[3 * i - 2], held[3 * i - 1], held[3 * i] = v, x, y
+      end
+    end
+  end
+  if not denied then break end
+  c = 0
+end
+
+if not denied then
+  for i = 1, n do
+    local key, code, r = keys[i], argv[5 * i - 1], 3 * i
+    local v, x, y = held[r - 2], held[r - 1], held[r]
+    if code == '5' then
+      if cost > 0 then sliding_window_log_admit(key, now, cost, argv[5 * i + 1] + 0, grace, x, y) end
+    elseif y > now then
+      if x ~= v then
+        local ttl = (y - now) / 1000
+        call('SET', key, x, 'PX', ttl + (-ttl) % 1 + grace)
+      end
+    elseif v then
+      call('DEL', key)
+    end
+  end
+end
+return reply
