@@ -21,9 +21,6 @@
 //! headers; a denial is a `429` with `Retry-After` and a JSON body. When the store fails
 //! (Redis down), requests are let through and the failure is logged.
 
-#[path = "demo.rs"]
-mod demo;
-
 use std::error::Error;
 use std::net::SocketAddr;
 use std::process::ExitCode;

@@ -1,7 +1,6 @@
 //! What the demo servers and client share: logging, the port, the store chosen by
-//! `REDIS_URL`, and the demo API keys with their tiers. Included by the examples with
-//! `#[path = "demo.rs"] mod demo;`; not an example of its own.
-#![allow(dead_code, unreachable_pub)]
+//! `REDIS_URL`, and the demo API keys with their tiers. The examples package's library,
+//! `demo`: not an example of its own.
 
 use std::collections::HashMap;
 use std::error::Error;

@@ -13,15 +13,11 @@
 //! It exits non-zero when anything is not as the server promises: no denial, a denial
 //! without `RetryInfo`, metadata that disagrees with it, or a refused call after the wait.
 
-#[path = "demo.rs"]
-mod demo;
-mod grpc_demo;
-
 use std::error::Error;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use grpc_demo::{CatalogClient, ExportRequest, LookupRequest};
+use support::demo::{CatalogClient, ExportRequest, LookupRequest};
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Status};
 use tonic_types::StatusExt;

@@ -8,7 +8,7 @@
 //! cargo run --example tonic_client                                # in another terminal
 //! ```
 //!
-//! It serves `demo.Catalog` (see `grpc_demo.rs`), written by hand so that no `protoc` is
+//! It serves `demo.Catalog` (the support crate's `demo`), written by hand so that no `protoc` is
 //! needed. Policies:
 //!
 //! | caller                                    | limit                   |
@@ -24,16 +24,12 @@
 //! `x-ratelimit-*` and the IETF `ratelimit` / `ratelimit-policy` metadata. When the store
 //! fails (Redis down), calls are let through and the failure is logged.
 
-#[path = "demo.rs"]
-mod demo;
-mod grpc_demo;
-
 use std::error::Error;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use grpc_demo::{Catalog, EXPORT};
 use http::Method;
+use support::demo::{Catalog, EXPORT};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tollway_tower::{Algorithm, BoxStore, HeaderStyle, Policy, Quota, RateLimitLayer};

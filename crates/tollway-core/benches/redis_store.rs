@@ -13,9 +13,6 @@
 
 #![allow(clippy::unwrap_used, missing_docs)]
 
-#[path = "../../../tests/support/mod.rs"]
-mod support;
-
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -3,18 +3,34 @@
 //!
 //! Or the same cluster speaking only TLS: to clients, between replicas and masters, and
 //! on the cluster bus.
-//!
-//! tests/fleet.rs and tests/redis_tls.rs include this file by path: it is kept out of
-//! `support/mod.rs`, which a bench includes too; each uses part of it.
-#![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::process::Stdio;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
 
-use crate::support::{RedisServer, TlsFiles, free_port};
+use crate::redis::{RedisServer, TlsFiles, free_port};
+
+/// The one cluster of this test binary, started by the first test that asks, for the
+/// tests about the cluster that leave its nodes alone (each keeps to its own key prefix).
+/// It stops when the binary ends.
+pub fn shared_cluster() -> &'static RedisCluster {
+    static SHARED: OnceLock<RedisCluster> = OnceLock::new();
+    SHARED.get_or_init(|| {
+        // Its own runtime on its own thread: the first test's runtime may be running this.
+        std::thread::spawn(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime to start the shared cluster")
+                .block_on(RedisCluster::start())
+        })
+        .join()
+        .expect("start the shared cluster")
+    })
+}
 
 /// The longest the cluster may take to form, or a replica to take over.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -82,7 +98,7 @@ impl Node {
 
 /// Three masters and three replicas on loopback, every one a [`RedisServer`].
 #[derive(Debug)]
-pub(crate) struct RedisCluster {
+pub struct RedisCluster {
     servers: Vec<RedisServer>,
     killed: HashSet<u16>,
     /// The CA (PEM) of a TLS cluster's certificates.
@@ -98,13 +114,13 @@ impl RedisCluster {
     ///
     /// When a server will not start, `redis-cli --cluster create` fails, or the cluster
     /// does not settle within 20 s.
-    pub(crate) async fn start() -> Self {
+    pub async fn start() -> Self {
         Self::start_inner(None).await
     }
 
     /// [`RedisCluster::start`], every node speaking only TLS with `files`' certificate:
     /// clients, replication and the cluster bus.
-    pub(crate) async fn start_tls(files: &TlsFiles) -> Self {
+    pub async fn start_tls(files: &TlsFiles) -> Self {
         Self::start_inner(Some(files.clone())).await
     }
 
@@ -185,7 +201,7 @@ impl RedisCluster {
 
     /// `redis://127.0.0.1:<port>` for every node, killed ones included (as a client
     /// configured with the original node list would have).
-    pub(crate) fn urls(&self) -> Vec<String> {
+    pub fn urls(&self) -> Vec<String> {
         self.servers.iter().map(RedisServer::url).collect()
     }
 
@@ -212,7 +228,7 @@ impl RedisCluster {
     }
 
     /// The ports of the masters that serve slots now.
-    pub(crate) async fn masters(&self) -> Vec<u16> {
+    pub async fn masters(&self) -> Vec<u16> {
         let port = self.live_ports()[0];
         let view = self.view(port).await.unwrap();
         let mut masters: Vec<u16> = view
@@ -226,7 +242,7 @@ impl RedisCluster {
 
     /// For each Redis key, the port of the master that owns its slot (`CLUSTER KEYSLOT`,
     /// then the slot ranges of `CLUSTER NODES`).
-    pub(crate) async fn masters_of(&self, keys: &[String]) -> BTreeMap<String, u16> {
+    pub async fn masters_of(&self, keys: &[String]) -> BTreeMap<String, u16> {
         let port = self.live_ports()[0];
         let view = self.view(port).await.unwrap();
         let mut con = self.connect(port).await.unwrap();
@@ -249,7 +265,7 @@ impl RedisCluster {
 
     /// Panics unless `keys` land on every master: a test that meant to spread its
     /// callers over the cluster did.
-    pub(crate) async fn assert_on_every_master(&self, keys: &[String]) {
+    pub async fn assert_on_every_master(&self, keys: &[String]) {
         let masters = self.masters().await;
         assert_eq!(masters.len(), 3, "three masters serve slots: {masters:?}");
         let owners = self.masters_of(keys).await;
@@ -271,7 +287,7 @@ impl RedisCluster {
     /// # Panics
     ///
     /// When `port` is not a master with a replica, or no replica takes over within 20 s.
-    pub(crate) async fn kill_master(&mut self, port: u16) -> (u16, Duration) {
+    pub async fn kill_master(&mut self, port: u16) -> (u16, Duration) {
         let view = self.view(port).await.unwrap();
         let master = view
             .iter()

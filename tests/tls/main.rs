@@ -5,11 +5,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
-#[path = "support/cluster.rs"]
-mod cluster;
-
 use std::time::Duration;
 
 use rcgen::{
@@ -20,11 +15,9 @@ use tollway_core::{
     Algorithm, ManualClock, Policy, Quota, RedisStore, RedisStoreBuilder, StoreError,
 };
 
-use crate::cluster::RedisCluster;
-use crate::support::{CheckOne, RedisServer, TlsFiles};
-
-/// About the Unix epoch in microseconds today.
-const EPOCH_US: u64 = 1_764_480_000_000_000;
+use support::cluster::RedisCluster;
+use support::stores::EPOCH_US;
+use support::{CheckOne, RedisServer, TlsFiles};
 
 /// A certificate authority made for one test.
 struct TestCa {

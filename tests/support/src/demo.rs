@@ -14,8 +14,7 @@
 //! `tower::Service` that routes on the request path and hands each method to
 //! `tonic::server::Grpc::unary`, and the client calls `tonic::client::Grpc::unary` with the
 //! method's path. The `tonic_server` and `tonic_client` examples and the gRPC end-to-end
-//! tests (`tests/grpc.rs`) share it.
-#![allow(dead_code)]
+//! tests share it.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -33,51 +32,51 @@ use tonic_prost::ProstCodec;
 use tower_service::Service;
 
 /// The service's full name.
-pub(crate) const SERVICE: &str = "demo.Catalog";
+pub const SERVICE: &str = "demo.Catalog";
 /// The path of `Lookup`.
-pub(crate) const LOOKUP: &str = "/demo.Catalog/Lookup";
+pub const LOOKUP: &str = "/demo.Catalog/Lookup";
 /// The path of `Export`.
-pub(crate) const EXPORT: &str = "/demo.Catalog/Export";
+pub const EXPORT: &str = "/demo.Catalog/Export";
 
 /// `demo.LookupRequest`: one item, by SKU.
 #[derive(Clone, PartialEq, prost::Message)]
-pub(crate) struct LookupRequest {
+pub struct LookupRequest {
     /// The item's stock-keeping unit.
     #[prost(string, tag = "1")]
-    pub(crate) sku: String,
+    pub sku: String,
 }
 
 /// `demo.LookupReply`: the item.
 #[derive(Clone, PartialEq, prost::Message)]
-pub(crate) struct LookupReply {
+pub struct LookupReply {
     /// The item's stock-keeping unit.
     #[prost(string, tag = "1")]
-    pub(crate) sku: String,
+    pub sku: String,
     /// What it is called.
     #[prost(string, tag = "2")]
-    pub(crate) name: String,
+    pub name: String,
     /// How many are in stock.
     #[prost(uint32, tag = "3")]
-    pub(crate) in_stock: u32,
+    pub in_stock: u32,
 }
 
 /// `demo.ExportRequest`: the whole catalog, in `format` (`csv` or `json`).
 #[derive(Clone, PartialEq, prost::Message)]
-pub(crate) struct ExportRequest {
+pub struct ExportRequest {
     /// `csv` or `json`.
     #[prost(string, tag = "1")]
-    pub(crate) format: String,
+    pub format: String,
 }
 
 /// `demo.ExportReply`: the catalog, rendered.
 #[derive(Clone, PartialEq, prost::Message)]
-pub(crate) struct ExportReply {
+pub struct ExportReply {
     /// How many items it holds.
     #[prost(uint32, tag = "1")]
-    pub(crate) rows: u32,
+    pub rows: u32,
     /// The rendered catalog.
     #[prost(string, tag = "2")]
-    pub(crate) data: String,
+    pub data: String,
 }
 
 /// The catalog itself: SKU, name, stock.
@@ -90,7 +89,7 @@ const ITEMS: [(&str, &str, u32); 3] = [
 /// The `demo.Catalog` server. Clones share their call counters, which tell a test how
 /// many calls reached a method: a call the rate limiter denies must never get here.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Catalog {
+pub struct Catalog {
     calls: Arc<Calls>,
 }
 
@@ -102,17 +101,17 @@ struct Calls {
 
 impl Catalog {
     /// A catalog whose counters start at zero.
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         Self::default()
     }
 
     /// How many `Lookup` calls reached the service.
-    pub(crate) fn lookups(&self) -> usize {
+    pub fn lookups(&self) -> usize {
         self.calls.lookup.load(Ordering::SeqCst)
     }
 
     /// How many `Export` calls reached the service.
-    pub(crate) fn exports(&self) -> usize {
+    pub fn exports(&self) -> usize {
         self.calls.export.load(Ordering::SeqCst)
     }
 
@@ -221,7 +220,7 @@ impl NamedService for Catalog {
 
 /// A `demo.Catalog` client over one tonic `Channel`; clones share the connection.
 #[derive(Clone, Debug)]
-pub(crate) struct CatalogClient {
+pub struct CatalogClient {
     grpc: tonic::client::Grpc<Channel>,
 }
 
@@ -231,13 +230,13 @@ impl CatalogClient {
     /// # Errors
     ///
     /// When `uri` is not a URI or the server cannot be reached.
-    pub(crate) async fn connect(uri: String) -> Result<Self, tonic::transport::Error> {
+    pub async fn connect(uri: String) -> Result<Self, tonic::transport::Error> {
         let channel = Endpoint::from_shared(uri)?.connect().await?;
         Ok(Self::new(channel))
     }
 
     /// A client over `channel`.
-    pub(crate) fn new(channel: Channel) -> Self {
+    pub fn new(channel: Channel) -> Self {
         CatalogClient {
             grpc: tonic::client::Grpc::new(channel),
         }
@@ -248,7 +247,7 @@ impl CatalogClient {
     /// # Errors
     ///
     /// The call's status when it is not OK.
-    pub(crate) async fn lookup(
+    pub async fn lookup(
         &mut self,
         request: impl IntoRequest<LookupRequest>,
     ) -> Result<tonic::Response<LookupReply>, Status> {
@@ -260,7 +259,7 @@ impl CatalogClient {
     /// # Errors
     ///
     /// The call's status when it is not OK.
-    pub(crate) async fn export(
+    pub async fn export(
         &mut self,
         request: impl IntoRequest<ExportRequest>,
     ) -> Result<tonic::Response<ExportReply>, Status> {

@@ -1,14 +1,14 @@
-//! Real HTTP for the end-to-end tests: an axum server on a free loopback port, and a
-//! hyper client that talks to it over TCP.
-//!
-//! Declared by the HTTP tests with `#[path]` rather than from `support/mod.rs`, which
-//! tollway-core's Redis bench includes too and which must not need axum.
-#![allow(dead_code, unreachable_pub)]
+//! Real HTTP for the end-to-end tests: an axum server on a free loopback port, a hyper
+//! client that talks to it over TCP, the application the tests limit, and assertions on
+//! what comes back.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::Router;
 use axum::http::{HeaderMap, Method, Request, StatusCode};
+use axum::routing::{get, post};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client as HyperClient;
@@ -16,6 +16,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+use tollway_core::Store;
+use tollway_tower::{KeyExtractor, RateLimitLayer};
 
 /// An axum server on `127.0.0.1:<free port>`, serving with `ConnectInfo<SocketAddr>` as a
 /// deployment would, so the layer sees the real peer address; stopped on drop.
@@ -125,8 +127,11 @@ impl Client {
 /// A response as the client received it.
 #[derive(Debug)]
 pub struct Reply {
+    /// The status.
     pub status: StatusCode,
+    /// The headers.
     pub headers: HeaderMap,
+    /// The body, as text.
     pub body: String,
 }
 
@@ -140,5 +145,99 @@ impl Reply {
         self.headers
             .get(name)
             .map(|v| v.to_str().expect("a visible-ASCII header value"))
+    }
+}
+
+/// How many requests reached a handler: a denied request must never get there.
+#[derive(Clone, Debug, Default)]
+pub struct Hits(Arc<AtomicUsize>);
+
+impl Hits {
+    /// Requests the handlers answered.
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// The application behind the layer: `GET /`, `GET /api/v1/items` and
+/// `POST /api/v1/checkout`, which answer `ok` and count their hits.
+pub fn routes(hits: &Hits) -> Router {
+    let handler = |hits: Hits| {
+        move || {
+            hits.0.fetch_add(1, Ordering::SeqCst);
+            async { "ok" }
+        }
+    };
+    Router::new()
+        .route("/", get(handler(hits.clone())))
+        .route("/api/v1/items", get(handler(hits.clone())))
+        .route("/api/v1/checkout", post(handler(hits.clone())))
+}
+
+/// Serves [`routes`] behind `layer` on a fresh loopback port.
+pub async fn serve<St, K>(layer: RateLimitLayer<St, K>, hits: &Hits) -> Server
+where
+    St: Store,
+    K: KeyExtractor<axum::body::Body>,
+{
+    Server::start(routes(hits).layer(layer)).await
+}
+
+/// A 200 from the handler.
+#[track_caller]
+pub fn assert_ok(reply: &Reply) {
+    assert_eq!(reply.status, StatusCode::OK, "{reply:#?}");
+    assert_eq!(reply.body, "ok", "{reply:#?}");
+}
+
+/// The legacy headers, exactly.
+#[track_caller]
+pub fn assert_limits(reply: &Reply, limit: u64, remaining: u64, reset: u64) {
+    let header = |name| reply.header(name).map(str::to_owned);
+    assert_eq!(
+        (
+            header("x-ratelimit-limit"),
+            header("x-ratelimit-remaining"),
+            header("x-ratelimit-reset"),
+        ),
+        (
+            Some(limit.to_string()),
+            Some(remaining.to_string()),
+            Some(reset.to_string()),
+        ),
+        "{reply:#?}"
+    );
+}
+
+/// The default denial: 429, `Retry-After` and the JSON body, exactly.
+#[track_caller]
+pub fn assert_too_many(reply: &Reply, retry_after: u64) {
+    assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS, "{reply:#?}");
+    assert_eq!(
+        reply.header("retry-after"),
+        Some(retry_after.to_string().as_str()),
+        "{reply:#?}"
+    );
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    assert_eq!(
+        reply.body,
+        format!(
+            r#"{{"error":"Too Many Requests","message":"API rate limit exceeded. Please retry after {retry_after} seconds."}}"#
+        )
+    );
+}
+
+/// No rate-limit header of any style.
+#[track_caller]
+pub fn assert_no_limit_headers(reply: &Reply) {
+    for name in [
+        "x-ratelimit-limit",
+        "x-ratelimit-remaining",
+        "x-ratelimit-reset",
+        "ratelimit",
+        "ratelimit-policy",
+        "retry-after",
+    ] {
+        assert_eq!(reply.header(name), None, "{name} in {reply:#?}");
     }
 }

@@ -1,0 +1,56 @@
+//! The Redis store against a local Redis Cluster (three masters, three replicas, all
+//! real `redis-server` processes): the same store suites as on one server, now spread
+//! over the masters, each script sent to the master that owns its caller's slot.
+//!
+//! The tests share one cluster, each under key prefixes of its own. The failover test,
+//! which kills a master, is in the faults binary with a cluster of its own.
+
+#![allow(clippy::unwrap_used)]
+
+use support::cluster::shared_cluster;
+use support::suites::{self, Target};
+
+fn cluster() -> Target {
+    Target::Cluster(shared_cluster().urls())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_decides_exactly_like_the_rust_functions() {
+    let keys = suites::conformance(&cluster(), 2_500).await;
+    shared_cluster().assert_on_every_master(&keys).await;
+}
+
+/// All of a caller's limits share its hash tag, so one script decides them on the master
+/// that owns the caller's slot: no `CROSSSLOT`, whatever limits a request has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_with_several_limits_decide_on_the_cluster_in_one_script() {
+    suites::conformance_multi(&cluster(), 1_500).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_gateways_on_the_cluster_never_admit_more_than_the_model() {
+    let keys = suites::atomicity(&cluster()).await;
+    shared_cluster().assert_on_every_master(&keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_survive_script_flush_on_every_cluster_node() {
+    let keys = suites::script_flush(&cluster()).await;
+    shared_cluster().assert_on_every_master(&keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_keys_expire_when_their_state_is_fresh_again() {
+    let keys = suites::expiry(&cluster()).await;
+    shared_cluster().assert_on_every_master(&keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_quota_starts_afresh_on_the_cluster() {
+    suites::a_changed_quota_starts_afresh(&cluster()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_keys_cannot_choose_their_cluster_slot() {
+    suites::hostile_keys(&cluster()).await;
+}

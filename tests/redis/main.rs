@@ -1,0 +1,251 @@
+//! The Redis store against one real `redis-server`: the store suites (the script decides
+//! exactly like the Rust functions, atomically across gateways, survives `SCRIPT FLUSH`;
+//! keys expire, include the quota, and cannot be steered), and what only one server shows
+//! (a restart, a deadpool pool, a request's script calls counted, the deny cache's
+//! savings, the kinds of failure).
+//!
+//! The suites share this binary's server, each under key prefixes of its own; the tests
+//! that count a server's calls, pause it or restart it start their own.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use redis::AsyncCommands;
+use support::stores::EPOCH_US;
+use support::suites::{self, Target, builder};
+use support::{CheckOne, RedisServer, command_calls, shared_server};
+use tollway_core::{Algorithm, Decision, ManualClock, Policy, Quota, RedisStore, StoreErrorKind};
+
+fn shared() -> Target {
+    Target::Server(shared_server().url())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_script_decides_exactly_like_the_rust_functions() {
+    suites::conformance(&shared(), 10_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_with_several_limits_decide_exactly_like_the_memory_store() {
+    suites::conformance_multi(&shared(), 5_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_gateways_and_66_tasks_never_admit_more_than_the_model() {
+    suites::atomicity(&shared()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_survive_script_flush() {
+    suites::script_flush(&shared()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_expire_when_their_state_is_fresh_again() {
+    suites::expiry(&shared()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_keys_cannot_choose_their_slot_or_bloat_redis() {
+    suites::hostile_keys(&shared()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_quota_starts_its_callers_afresh() {
+    suites::a_changed_quota_starts_afresh(&shared()).await;
+}
+
+/// Counts the server's `EVALSHA`s: a server of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_with_three_limits_is_one_script_call() {
+    let server = RedisServer::start();
+    let mut node = server.connection().await;
+    suites::one_round_trip(&Target::Server(server.url()), &mut node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadpool_pool_is_accepted_and_decides_the_same() {
+    let pool = deadpool_redis::Config::from_url(shared_server().url())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let pooled = RedisStore::builder()
+        .caller_time(clock.clone())
+        .prefix(support::unique_prefix("pool"))
+        .with_pool(pool)
+        .unwrap();
+    let policy = Policy::new(
+        "pool",
+        Algorithm::SlidingWindowLog,
+        Quota::per_minute(2).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        pooled
+            .check_one(b"k", &policy, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert!(
+        pooled
+            .check_one(b"k", &policy, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let third = pooled.check_one(b"k", &policy, 1).await.unwrap();
+    assert_eq!(third.retry_after(), Some(Duration::from_secs(60)));
+}
+
+/// Restarts its server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_go_on_after_a_restart_from_an_empty_server() {
+    let mut server = RedisServer::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_secs(5))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let policy = Policy::new(
+        "restart",
+        Algorithm::TokenBucket,
+        Quota::per_minute(10).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        store.check_one(b"k", &policy, 1).await.unwrap().remaining(),
+        9
+    );
+    assert_eq!(
+        store.check_one(b"k", &policy, 1).await.unwrap().remaining(),
+        8
+    );
+    server.restart();
+    let after_restart = store.check_one(b"k", &policy, 1).await.unwrap();
+    assert!(after_restart.is_allowed());
+    assert_eq!(
+        after_restart.remaining(),
+        9,
+        "a restarted server starts empty"
+    );
+}
+
+/// Kills its server. The store's timeout is 300 ms; the bound, 5 s, is what a loaded
+/// machine always meets while a hang would not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_server_is_an_error_within_the_timeout_not_a_hang() {
+    let mut server = RedisServer::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(300))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    server.kill();
+    let policy = Policy::new("dead", Algorithm::Gcra, Quota::per_second(1).unwrap()).unwrap();
+    let err = support::within("a decision from a dead server", 5, async {
+        store.check_one(b"k", &policy, 1).await.unwrap_err()
+    })
+    .await;
+    assert!(
+        matches!(
+            err.kind(),
+            StoreErrorKind::Connection | StoreErrorKind::Timeout
+        ),
+        "{:?}: {err}",
+        err.kind()
+    );
+}
+
+/// Pauses its server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_server_is_a_timeout_and_a_bad_reply_a_script_error() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder()
+        .timeout(Duration::from_millis(200))
+        .prefix("kinds")
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let policy = Policy::new("kinds", Algorithm::Gcra, Quota::per_second(1).unwrap()).unwrap();
+    let mut admin = server.connection().await;
+    // Another tollway's state under the same key: not a decision's shape.
+    let key = store.state_key(b"k", &policy);
+    let _: () = admin.set(&key, "not a state").await.unwrap();
+    let err = store.check_one(b"k", &policy, 1).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Script, "{err}");
+
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(2_000)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let err = store.check_one(b"other", &policy, 1).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Timeout, "{err}");
+}
+
+/// One key floods two nodes (two stores, each on its own connection) with 10,000
+/// unit-cost requests, a 100 µs step of a shared manual clock apart: a second in all,
+/// three retry periods of a 3-per-second token bucket. Returns every decision and the
+/// script calls it cost the server.
+async fn flood(server: &RedisServer, cache: bool) -> (Vec<Decision>, u64) {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let prefix = support::unique_prefix("flood");
+    let mut nodes = Vec::new();
+    for _ in 0..2 {
+        let node = builder(&clock).prefix(prefix.clone());
+        let node = if cache { node } else { node.deny_cache(0) };
+        nodes.push(node.connect(&server.url()).await.unwrap());
+    }
+    let policy = Policy::new(
+        "flood",
+        Algorithm::TokenBucket,
+        Quota::per_second(3).unwrap(),
+    )
+    .unwrap();
+    let mut admin = server.connection().await;
+    let before =
+        command_calls(&mut admin, "evalsha").await + command_calls(&mut admin, "eval").await;
+    let mut decisions = Vec::with_capacity(10_000);
+    for i in 0..10_000 {
+        decisions.push(
+            nodes[i % 2]
+                .check_one(b"flooder", &policy, 1)
+                .await
+                .unwrap(),
+        );
+        clock.advance(Duration::from_micros(100));
+    }
+    let after =
+        command_calls(&mut admin, "evalsha").await + command_calls(&mut admin, "eval").await;
+    (decisions, after - before)
+}
+
+/// Counts the server's script calls: a server of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deny_cache_answers_a_flood_locally_exactly_as_redis_would() {
+    let server = RedisServer::start();
+    let (uncached, calls_without) = flood(&server, false).await;
+    let (cached, calls_with) = flood(&server, true).await;
+    println!(
+        "10,000 requests from one key through two nodes: {calls_without} script calls \
+         without the deny cache, {calls_with} with it"
+    );
+    // The trace spans three retry periods: the bucket admits 3 at once, then one more
+    // at 333 ms and at 667 ms.
+    let allowed = uncached.iter().filter(|d| d.is_allowed()).count();
+    assert_eq!(allowed, 5);
+    // Field by field, the same answers.
+    if let Some(i) = (0..uncached.len()).find(|&i| cached[i] != uncached[i]) {
+        panic!(
+            "request {i}: Redis said {:?}, the deny cache {:?}",
+            uncached[i], cached[i]
+        );
+    }
+    // Every request reached Redis without the cache (plus the one NOSCRIPT that loaded
+    // the script on the fresh server); with it, a handful did.
+    assert_eq!(calls_without, 10_001);
+    assert!(calls_with <= 20, "{calls_with} script calls with the cache");
+}

@@ -1,0 +1,73 @@
+//! tollway's test harness, shared by the end-to-end tests, the benches and the examples.
+//!
+//! Real things only: `redis-server` processes on free loopback ports ([`redis`]), a local
+//! Redis Cluster of six of them ([`cluster`]), axum and tonic servers on `127.0.0.1:0`
+//! with real clients ([`http`], [`grpc`]), the demo gRPC service ([`demo`]), stores on a
+//! manual clock ([`stores`]), and the store suites — conformance with the Rust
+//! functions, atomicity across gateways, expiry, hostile keys — as functions of a
+//! [`suites::Target`], run against one server and against a cluster.
+//!
+//! A test binary shares one Redis server ([`shared_server`]) and, where it is about the
+//! cluster, one cluster ([`cluster::shared_cluster`]); each test keeps to its own key
+//! prefix ([`unique_prefix`]). Tests that kill, pause or restart Redis start their own.
+
+#![allow(clippy::unwrap_used)]
+
+pub mod cluster;
+pub mod demo;
+pub mod grpc;
+pub mod http;
+pub mod redis;
+pub mod stores;
+pub mod suites;
+
+pub use redis::{
+    RedisServer, TlsFiles, command_calls, free_port, servers_started, shared_server, unique_prefix,
+};
+
+use std::future::Future;
+
+use tollway_core::{Decision, Policy, Store, StoreError};
+
+/// splitmix64: a small deterministic generator, so failures replay exactly.
+#[derive(Debug, Clone)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next number.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// One policy's decision, which is what most store tests ask.
+pub trait CheckOne: Store {
+    /// [`Store::check`] of one policy: its decision.
+    fn check_one(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        cost: u32,
+    ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'static {
+        let checked = self.check(key, &[policy], cost);
+        async move { checked.await.map(|decisions| decisions[0]) }
+    }
+}
+
+impl<S: Store> CheckOne for S {}
+
+/// `future`, or a panic naming `what` after `seconds`: a test that would hang fails.
+pub async fn within<F: Future>(what: &str, seconds: u64, future: F) -> F::Output {
+    tokio::time::timeout(std::time::Duration::from_secs(seconds), future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} took more than {seconds} s"))
+}
