@@ -26,10 +26,9 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use axum::Router;
-use axum::body::Body;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tollway_tower::{Algorithm, BoxStore, HeaderStyle, Policy, Quota, RateLimitLayer};
+use tollway_tower::{Algorithm, BoxStore, HeaderStyle, Policy, Protocol, Quota, RateLimitLayer};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -56,12 +55,14 @@ async fn serve(
         Quota::per_minute(5)?,
     )?;
     let limits = RateLimitLayer::builder(store, anonymous)
-        .key(demo::known_api_key::<Body>()?)
+        .key(demo::known_api_key()?)
         .tier(free)
         .tier(pro)
         .tiers(demo::tiers())
         .route(None, "/api/v1/checkout", checkout)
         .headers(HeaderStyle::Both)
+        // An HTTP service: a request dressed as gRPC still gets its 429.
+        .protocol(Protocol::Http)
         .build()?;
 
     let app = Router::new()

@@ -6,11 +6,10 @@ use std::collections::HashMap;
 use std::error::Error;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tollway_tower::{
-    Algorithm, ApiKey, BoxStore, ConfigError, Key, KeyExtractor, MemoryStore, Policy, Quota,
+    Algorithm, ApiKey, BoxStore, ConfigError, Fallback, MemoryStore, Or, PeerIp, Policy, Quota,
     RedisStore,
 };
 use tracing_subscriber::EnvFilter;
@@ -59,9 +58,22 @@ pub async fn listen(default: u16) -> Result<(TcpListener, SocketAddr), Box<dyn E
 }
 
 /// The Redis store at `url`, or an error that says what to do.
+///
+/// Its breaker and local fallback are the store's defaults: when Redis stalls or dies,
+/// decisions come from this process's memory within microseconds, each gateway allowed
+/// its share of the quota — one in `GATEWAYS` (default 1: this gateway alone).
 pub async fn redis_store(url: &str) -> Result<RedisStore, String> {
+    let gateways = match std::env::var("GATEWAYS") {
+        Ok(text) => text
+            .parse::<u32>()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("GATEWAYS must be a whole number above 0 (got {text:?})"))?,
+        Err(_) => 1,
+    };
     RedisStore::builder()
         .prefix("tollway-demo")
+        .local_fallback(1.0 / f64::from(gateways))
         .connect(url)
         .await
         .map_err(|e| {
@@ -105,17 +117,11 @@ pub fn tiers() -> HashMap<String, String> {
         .collect()
 }
 
-/// Keys callers by `X-API-Key`, but only keys we know: an unknown key counts as no key,
-/// so the caller is limited by its IP address (`MissingKey::FallbackToIp`, the default).
-/// Otherwise anyone could mint a fresh limit by sending a new random key with every
-/// request. A real service checks its keys in an authentication layer before this one.
-pub fn known_api_key<B>()
--> Result<impl Fn(&http::Request<B>) -> Option<Key> + Send + Sync + 'static, ConfigError> {
-    let known = Arc::new(tiers());
-    let api_key = ApiKey::header("x-api-key")?;
-    Ok(move |request: &http::Request<B>| {
-        api_key.extract(request).filter(|key: &Key| {
-            std::str::from_utf8(key.value()).is_ok_and(|value| known.contains_key(value))
-        })
-    })
+/// Keys callers by `X-API-Key`, but only keys we issued: any other value is no key, and
+/// the caller is limited by its address instead. Otherwise anyone could mint a fresh
+/// limit by sending a new random key with every request.
+pub fn known_api_key() -> Result<Or<ApiKey<HashMap<String, String>>, PeerIp>, ConfigError> {
+    Ok(ApiKey::header("x-api-key")?
+        .known(tiers())
+        .or(PeerIp::new()))
 }

@@ -28,11 +28,10 @@ use std::error::Error;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use http::Method;
 use support::demo::{Catalog, EXPORT};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
-use tollway_tower::{Algorithm, BoxStore, HeaderStyle, Policy, Quota, RateLimitLayer};
+use tollway_tower::{Algorithm, BoxStore, HeaderStyle, Policy, Protocol, Quota, RateLimitLayer};
 use tonic::transport::Server;
 
 #[tokio::main]
@@ -56,18 +55,19 @@ async fn serve(
     let [anonymous, free, pro] = demo::tier_policies()?;
     let export = Policy::new("export", Algorithm::TokenBucket, Quota::per_minute(3)?)?;
     // Anonymous callers are keyed by their IP address from tonic's TcpConnectInfo.
-    let key = demo::known_api_key::<tonic::body::Body>()?;
+    let key = demo::known_api_key()?;
     let tiers = demo::tiers();
 
-    // gRPC calls are HTTP/2 POSTs to /<package>.<Service>/<Method>: a route limit on one
-    // method is a route limit on its path.
+    // A gRPC method's limit is on its path (/<package>.<Service>/<Method>), whatever the
+    // HTTP method: gRPC calls are POSTs, but tonic serves a method however it is called.
     let limits = RateLimitLayer::builder(store, anonymous)
         .key(key)
         .tier(free)
         .tier(pro)
         .tiers(tiers)
-        .route(Some(Method::POST), EXPORT, export)
+        .grpc_method(EXPORT, export)
         .headers(HeaderStyle::Both)
+        .protocol(Protocol::Grpc)
         .build()?;
 
     print_usage(addr);

@@ -9,6 +9,7 @@ async fn a_dead_redis_gets_the_configured_http_answer() {
     let mut redis = RedisServer::start();
     let clock = ManualClock::at_micros(EPOCH_US);
     let store = RedisStore::builder()
+        .without_local_fallback()
         .timeout(Duration::from_millis(250))
         .caller_time(clock.clone())
         .connect(&redis.url())
@@ -63,6 +64,7 @@ async fn a_dead_redis_gets_the_configured_grpc_answer() {
     let mut redis = RedisServer::start();
     let clock = ManualClock::at_micros(EPOCH_US);
     let store = RedisStore::builder()
+        .without_local_fallback()
         .timeout(Duration::from_millis(250))
         .caller_time(clock.clone())
         .connect(&redis.url())

@@ -11,6 +11,9 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
     let redis = RedisStore::builder()
         .timeout(TIMEOUT)
         .deny_cache(0)
+        // The breaker under test wraps the store: none inside it.
+        .without_breaker()
+        .without_local_fallback()
         .connect(&server.url())
         .await
         .unwrap();
@@ -27,11 +30,7 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
 
     // Scripts wait (writes are paused) while the admin connection still works.
     let mut admin = server.connection().await;
-    let () = redis::cmd("CLIENT")
-        .arg(&["PAUSE", "60000", "WRITE"])
-        .query_async(&mut admin)
-        .await
-        .unwrap();
+    support::redis::pause_writes(&mut admin).await;
     assert!(store.check_one(b"k", &policy, 1).await.is_err());
     assert_eq!(store.state(), BreakerState::Open);
     // While open, calls skip Redis; after the cool-down the next call is the probe, and
@@ -47,11 +46,7 @@ async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
             .is_err(),
         "the probe cannot answer while Redis is paused"
     );
-    let () = redis::cmd("CLIENT")
-        .arg("UNPAUSE")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
+    support::redis::unpause(&mut admin).await;
     // Redis answers again: the next call probes it and closes the breaker.
     let answer = store.check_one(b"k", &policy, 1).await;
     assert!(

@@ -10,6 +10,9 @@ async fn a_killed_cluster_master_is_replaced_and_the_limiter_carries_on() {
     let redis = RedisStore::builder()
         .timeout(TIMEOUT)
         .deny_cache(0)
+        // The breaker under test wraps the store: none inside it.
+        .without_breaker()
+        .without_local_fallback()
         .connect_cluster(&urls)
         .await
         .unwrap();

@@ -11,6 +11,9 @@ async fn redis_dies_and_comes_back_under_load(fallback: bool) {
     let redis = RedisStore::builder()
         .timeout(TIMEOUT)
         .deny_cache(0)
+        // The breaker under test wraps the store: none inside it.
+        .without_breaker()
+        .without_local_fallback()
         .connect(&server.url())
         .await
         .unwrap();
@@ -155,9 +158,12 @@ async fn a_client_pause_longer_than_the_timeout_is_answered_within_it() {
     // answering during the pause.
     const PAUSE: Duration = Duration::from_secs(5);
     let server = RedisServer::start();
+    // Every call waits for Redis: no breaker to stop calling it, no fallback to answer.
     let store = RedisStore::builder()
         .timeout(TIMEOUT)
         .deny_cache(0)
+        .without_breaker()
+        .without_local_fallback()
         .connect(&server.url())
         .await
         .unwrap();

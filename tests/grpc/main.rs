@@ -19,7 +19,7 @@ mod interceptor;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use http::{Method, StatusCode};
+use http::StatusCode;
 use support::both_stores;
 use support::demo::{Catalog, EXPORT};
 use support::grpc::{
@@ -91,7 +91,7 @@ both_stores! {
         let catalog = Catalog::new();
         let layer = RateLimitLayer::builder(store, per_minute("per-caller", 20))
             .key(ApiKey::header("x-api-key").unwrap())
-            .route(Some(Method::POST), EXPORT, per_minute("export", 3))
+            .grpc_method(EXPORT, per_minute("export", 3))
             .headers(HeaderStyle::Both)
             .wall_clock(clock.clone())
             .build()

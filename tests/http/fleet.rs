@@ -56,6 +56,7 @@ async fn two_servers_sharing_one_redis_enforce_one_limit() {
     let url = shared_server().url();
     let gateway = || {
         RedisStore::builder()
+            .without_local_fallback()
             .timeout(Duration::from_secs(5))
             .prefix(prefix.clone())
             .caller_time(clock.clone())

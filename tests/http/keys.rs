@@ -9,11 +9,14 @@ use support::http::{
     Hits, assert_limits, assert_no_limit_headers, assert_ok, assert_too_many, serve,
 };
 use support::stores::{EPOCH_S, per_minute};
-use tollway_tower::{ApiKey, ClientIp, MissingKey, RateLimitLayer};
+use tollway_tower::{
+    ApiKey, ClientIp, Fallback, ForwardedHeader, MissingKey, PeerIp, RateLimitLayer,
+};
 
 both_stores! {
     /// Free (100/min) and Pro (10,000/min) by `X-API-Key`: the 101st Free request in the
-    /// minute gets 429 while Pro goes on; an unknown key gets the default policy.
+    /// minute gets 429 while Pro goes on; an unknown key is no key, and the caller's
+    /// address gets the default policy.
     async fn free_and_pro_tiers_by_api_key(store, clock) {
         let hits = Hits::default();
         let tiers = HashMap::from([
@@ -21,7 +24,7 @@ both_stores! {
             ("pro-key-1".to_owned(), "pro".to_owned()),
         ]);
         let layer = RateLimitLayer::builder(store, per_minute("anonymous", 20))
-            .key(ApiKey::header("x-api-key").unwrap())
+            .key(ApiKey::header("x-api-key").unwrap().known(tiers.clone()).or(PeerIp::new()))
             .tier(per_minute("free", 100))
             .tier(per_minute("pro", 10_000))
             .tiers(tiers)
@@ -65,7 +68,7 @@ both_stores! {
     async fn spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("per-client", 2))
-            .key(ClientIp::trusting(["10.0.0.0/8"]).unwrap())
+            .key(ClientIp::new(ForwardedHeader::XForwardedFor, ["10.0.0.0/8"]).unwrap())
             .wall_clock(clock.clone())
             .build()
             .unwrap();
@@ -96,7 +99,7 @@ both_stores! {
     async fn forwarded_for_from_a_trusted_proxy_names_the_client(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("per-client", 2))
-            .key(ClientIp::trusting(["127.0.0.1"]).unwrap())
+            .key(ClientIp::new(ForwardedHeader::XForwardedFor, ["127.0.0.1"]).unwrap())
             .wall_clock(clock.clone())
             .build()
             .unwrap();
@@ -135,7 +138,7 @@ both_stores! {
     async fn ipv6_addresses_in_one_slash_64_share_a_limit(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("per-host", 2))
-            .key(ClientIp::trusting(["127.0.0.1"]).unwrap())
+            .key(ClientIp::new(ForwardedHeader::XForwardedFor, ["127.0.0.1"]).unwrap())
             .wall_clock(clock.clone())
             .build()
             .unwrap();
@@ -192,12 +195,12 @@ both_stores! {
 }
 
 both_stores! {
-    /// The default, `MissingKey::FallbackToIp`: callers without the header are limited
-    /// together by their IP address, apart from callers with a key.
+    /// `api_key.or(PeerIp::new())`: callers without the header are limited together by
+    /// their IP address, apart from callers with a key.
     async fn missing_key_falls_back_to_the_peer_ip(store, clock) {
         let hits = Hits::default();
         let layer = RateLimitLayer::builder(store, per_minute("keyed", 2))
-            .key(ApiKey::header("x-api-key").unwrap())
+            .key(ApiKey::header("x-api-key").unwrap().or(PeerIp::new()))
             .wall_clock(clock.clone())
             .build()
             .unwrap();

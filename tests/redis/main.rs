@@ -71,6 +71,7 @@ async fn a_deadpool_pool_is_accepted_and_decides_the_same() {
         .unwrap();
     let clock = ManualClock::at_micros(EPOCH_US);
     let pooled = RedisStore::builder()
+        .without_local_fallback()
         .caller_time(clock.clone())
         .prefix(support::unique_prefix("pool"))
         .with_pool(pool)
@@ -104,6 +105,7 @@ async fn a_deadpool_pool_is_accepted_and_decides_the_same() {
 async fn decisions_go_on_after_a_restart_from_an_empty_server() {
     let mut server = RedisServer::start();
     let store = RedisStore::builder()
+        .without_local_fallback()
         .timeout(Duration::from_secs(5))
         .connect(&server.url())
         .await
@@ -138,6 +140,7 @@ async fn decisions_go_on_after_a_restart_from_an_empty_server() {
 async fn a_dead_server_is_an_error_within_the_timeout_not_a_hang() {
     let mut server = RedisServer::start();
     let store = RedisStore::builder()
+        .without_local_fallback()
         .timeout(Duration::from_millis(300))
         .connect(&server.url())
         .await
@@ -163,6 +166,7 @@ async fn a_dead_server_is_an_error_within_the_timeout_not_a_hang() {
 async fn a_paused_server_is_a_timeout_and_a_bad_reply_a_script_error() {
     let server = RedisServer::start();
     let store = RedisStore::builder()
+        .without_local_fallback()
         .timeout(Duration::from_millis(200))
         .prefix("kinds")
         .connect(&server.url())
@@ -248,4 +252,23 @@ async fn the_deny_cache_answers_a_flood_locally_exactly_as_redis_would() {
     // the script on the fresh server); with it, a handful did.
     assert_eq!(calls_without, 10_001);
     assert!(calls_with <= 20, "{calls_with} script calls with the cache");
+}
+
+/// A bad breaker or fallback setting fails before anything connects, and says what to
+/// write instead.
+#[tokio::test]
+async fn bad_breaker_and_fallback_settings_fail_before_connecting() {
+    for (builder, says) in [
+        (RedisStore::builder().local_fallback(0.0), "use 1/N"),
+        (RedisStore::builder().local_fallback(1.5), "use 1/N"),
+        (
+            RedisStore::builder().breaker(0, Duration::from_millis(250)),
+            "at least 1 failure",
+        ),
+    ] {
+        // Nothing listens on port 1: an answer in these words comes from validation.
+        let error = builder.connect("redis://127.0.0.1:1").await.unwrap_err();
+        assert_eq!(error.kind(), StoreErrorKind::Other, "{error}");
+        assert!(error.to_string().contains(says), "{error}");
+    }
 }

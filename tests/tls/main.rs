@@ -67,6 +67,7 @@ impl TestCa {
 /// machine's handshakes.
 fn builder(clock: &ManualClock) -> RedisStoreBuilder {
     RedisStore::builder()
+        .without_local_fallback()
         .prefix("tls-test")
         .timeout(Duration::from_secs(5))
         .caller_time(clock.clone())

@@ -33,37 +33,9 @@ for tool in redis-server redis-cli redis-benchmark sha1sum; do
   command -v "$tool" >/dev/null || { echo "needs $tool" >&2; exit 1; }
 done
 
-free_port() {
-  if command -v python3 >/dev/null; then
-    python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
-    return
-  fi
-  local p
-  while :; do
-    p=$((20000 + RANDOM % 40000))
-    (: </dev/tcp/127.0.0.1/$p) 2>/dev/null || { echo "$p"; return; }
-  done
-}
-
-TMP=$(mktemp -d)
-PORT=$(free_port)
-redis-server --port "$PORT" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
-  --dir "$TMP" >"$TMP/redis.log" 2>&1 &
-SERVER=$!
-trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; rm -rf "$TMP"' EXIT
-cli() { redis-cli -h 127.0.0.1 -p "$PORT" "$@"; }
-for _ in $(seq 100); do cli ping >/dev/null 2>&1 && break; sleep 0.05; done
-cli ping >/dev/null
-
-# Compose: the files joined by "\n", nothing after the last (Rust's concat! of include_str!s).
-ORDER=(prelude token_bucket gcra leaky_bucket fixed_window sliding_window_counter
-  sliding_window_log check)
-first=1
-for f in "${ORDER[@]}"; do
-  if [ $first = 0 ]; then printf '\n'; fi
-  cat "$LUA/$f.lua"
-  first=0
-done >"$TMP/tollway.lua"
+# shellcheck source=redis_server.sh
+source "$(dirname "${BASH_SOURCE[0]}")/redis_server.sh"
+compose "$TMP/tollway.lua"
 
 load() {
   local sha

@@ -126,6 +126,7 @@ fn main() {
         .unwrap();
     let store = rt.block_on(async {
         RedisStore::builder()
+            .without_local_fallback()
             .timeout(Duration::from_secs(5))
             .connect(&server.url())
             .await
@@ -140,6 +141,7 @@ fn main() {
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .unwrap();
     let pooled = RedisStore::builder()
+        .without_local_fallback()
         .timeout(Duration::from_secs(5))
         .with_pool(pooled)
         .unwrap();

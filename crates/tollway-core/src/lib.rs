@@ -52,11 +52,11 @@ pub use algorithm::Algorithm;
 pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
 pub use decision::{Decision, Decisions, Denial};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
-pub use policy::{MAX_POLICY_NAME, Policy};
+pub use policy::{MAX_POLICY_NAME, MAX_SLIDING_LOG_LIMIT, Policy};
 pub use quota::Quota;
 pub use store::{
     BoxStore, BoxStoreFuture, BreakerState, Checked, CheckedFuture, CircuitBreaker,
     CircuitBreakerBuilder, CircuitBreakerFuture, MemoryStore, MemoryStoreBuilder, Store, WhenFull,
 };
 #[cfg(feature = "redis")]
-pub use store::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};
+pub use store::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};

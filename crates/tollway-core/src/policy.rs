@@ -39,14 +39,21 @@ pub struct Policy {
 /// The longest policy name accepted, in bytes.
 pub const MAX_POLICY_NAME: usize = 64;
 
+/// The highest limit a sliding window log serves, in units a period: it keeps one entry a
+/// unit (in Redis, a sorted-set member of about 120 bytes: 1.2 MB for a caller at this
+/// limit), and admits a request of cost `n` with `n` of them. For higher limits the
+/// sliding window counter estimates it in two counters.
+pub const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
+
 impl Policy {
     /// A policy named `name` (1 to 64 characters of `A-Z a-z 0-9 _ - .`).
     ///
     /// # Errors
     ///
     /// When the name is empty, too long or has other characters (it becomes part of
-    /// store keys), or when the quota sets a burst for a window algorithm, which counts
-    /// `limit` per window and has no use for one.
+    /// store keys), when the quota sets a burst for a window algorithm, which counts
+    /// `limit` per window and has no use for one, or when a sliding window log's limit
+    /// passes [`MAX_SLIDING_LOG_LIMIT`].
     pub fn new(
         name: impl Into<String>,
         algorithm: Algorithm,
@@ -65,6 +72,14 @@ impl Policy {
         {
             return Err(ConfigError::new(format!(
                 "policy name {name:?} has the character {bad:?}: use only A-Z, a-z, 0-9, '_', '-' and '.'"
+            )));
+        }
+        if algorithm == Algorithm::SlidingWindowLog && quota.limit() > MAX_SLIDING_LOG_LIMIT {
+            return Err(ConfigError::new(format!(
+                "policy {name:?}: a sliding window log keeps an entry for every unit, so it \
+                 serves at most {MAX_SLIDING_LOG_LIMIT} a period (got {}); use the sliding \
+                 window counter, or a token bucket or GCRA, for higher limits",
+                quota.limit()
             )));
         }
         if !algorithm.uses_burst() && quota.burst() != quota.limit() {

@@ -12,7 +12,7 @@
 //! The same statuses come from the layer (`Server::builder().layer(..)`) and from the
 //! synchronous [`RateLimitInterceptor`](crate::RateLimitInterceptor).
 
-use http::{HeaderMap, StatusCode};
+use http::StatusCode;
 use tollway_core::Denial;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
@@ -25,14 +25,6 @@ use crate::verdict::Verdict;
 /// `grpc-retry-pushback-ms` (gRFC A6).
 pub static GRPC_RETRY_PUSHBACK_MS: http::HeaderName =
     http::HeaderName::from_static("grpc-retry-pushback-ms");
-
-/// Whether a request is gRPC: its `content-type` is `application/grpc` or a subtype.
-#[must_use]
-pub fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
-}
 
 /// The status for a request denied by `verdict`: `RESOURCE_EXHAUSTED` with `RetryInfo`
 /// (when a wait helps) and `QuotaFailure` details, and the `retry-after` and

@@ -16,9 +16,15 @@
 //! `TcpConnectInfo`, and adds a synchronous [`RateLimitInterceptor`]; `redis` re-exports
 //! the Redis store.
 //!
-//! When the store fails, [`OnStoreError`] lets requests through (the default) or answers
-//! 503 / `UNAVAILABLE`; wrap a remote store in a [`CircuitBreaker`] for a breaker and a
-//! local fallback limiter.
+//! A Redis store has a circuit breaker and a local fallback limiter by default, so a slow
+//! or gone Redis costs a few timeouts and then decisions in this node's memory. A store
+//! without a fallback that fails is answered per [`OnStoreError`]: the request goes
+//! through (the default) or gets 503 / `UNAVAILABLE`; [`CircuitBreaker`] adds the breaker
+//! and fallback to any store.
+//!
+//! Who a caller is, which routes a request is on, and what a client can or cannot
+//! influence: see the README's "Security model", and [`ClientIp`], [`ApiKey::known`],
+//! [`Fallback::or`] and [`MissingKey`].
 
 mod body;
 #[cfg(feature = "tonic")]
@@ -40,9 +46,12 @@ pub use headers::{
 };
 #[cfg(feature = "tonic")]
 pub use interceptor::RateLimitInterceptor;
-pub use key::{ApiKey, ClientIp, GlobalKey, IpNet, Key, KeyExtractor, PeerIp, UserId, peer_addr};
+pub use key::{
+    AnyValue, ApiKey, ClientIp, Fallback, ForwardedHeader, GlobalKey, Key, KeyExtractor, KnownKeys,
+    Or, PeerIp, UserId, peer_addr,
+};
 pub use limits::Tiers;
-pub use pipeline::{MissingKey, OnStoreError};
+pub use pipeline::{MissingKey, OnStoreError, Protocol};
 pub use rate_limit::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
 pub use rejection::{Rejection, default_rejection};
 pub use tollway_core;

@@ -54,55 +54,174 @@ impl Tiers for HashMap<String, String> {
 #[derive(Clone)]
 pub(crate) struct RouteLimit {
     method: Option<Method>,
+    /// The pattern without its `/*`.
     path: String,
+    /// Whether every path below `path` is on the route too.
     prefix: bool,
     policy: usize,
 }
 
 impl RouteLimit {
     /// A limit by policy `policy` on `method` (`None`: any) and `pattern`: an exact path,
-    /// or a prefix ending in `/*`.
+    /// an axum route template (`/users/{id}`, `/files/{*path}`), or either followed by
+    /// `/*` for everything below.
     pub(crate) fn new(
         method: Option<Method>,
         pattern: &str,
         policy: usize,
     ) -> Result<Self, ConfigError> {
+        let bad = |why: &str| {
+            Err(ConfigError::new(format!(
+                "route pattern {pattern:?}: {why}; write \"/api/v1/checkout\", \"/users/{{id}}\" \
+                 or \"/api/*\""
+            )))
+        };
         if !pattern.starts_with('/') {
-            return Err(ConfigError::new(format!(
-                "route pattern {pattern:?} must start with '/': write \"/api/v1/checkout\" or \"/api/*\""
-            )));
+            return bad("it must start with '/'");
         }
         let (path, prefix) = match pattern.strip_suffix("/*") {
-            Some(p) => (format!("{p}/"), true),
-            None => (pattern.to_owned(), false),
+            Some(p) => (p, true),
+            None => (pattern, false),
         };
-        if path.contains('*') {
-            return Err(ConfigError::new(format!(
-                "route pattern {pattern:?}: '*' is only allowed as a final \"/*\" (every path below)"
-            )));
+        let segments = path.split('/').collect::<Vec<_>>();
+        for (i, segment) in segments.iter().enumerate() {
+            let last = i + 1 == segments.len();
+            match parameter(segment) {
+                Some(Parameter::Bad) => {
+                    return bad("a parameter is a whole segment, {name} or a final {*name}");
+                }
+                Some(Parameter::Rest) if !last || prefix => {
+                    return bad("{*name} takes the rest of the path, so it comes last");
+                }
+                Some(_) => {}
+                None if segment.contains('*') => {
+                    return bad("'*' is only allowed as a final \"/*\" (every path below)");
+                }
+                None => {}
+            }
         }
         Ok(RouteLimit {
             method,
-            path,
+            path: path.to_owned(),
             prefix,
             policy,
         })
     }
 
-    fn matches(&self, method: &Method, path: &str) -> bool {
-        self.method.as_ref().is_none_or(|m| m == method)
-            && if self.prefix {
-                path.starts_with(&self.path) || path == &self.path[..self.path.len() - 1]
-            } else {
-                path == self.path
+    /// A limit on the gRPC method at `path` (`/package.Service/Method`), whatever the
+    /// request's HTTP method: gRPC calls are POSTs, but tonic serves any method.
+    pub(crate) fn grpc(path: &str, policy: usize) -> Result<Self, ConfigError> {
+        let parts: Vec<&str> = path.split('/').collect();
+        let well_formed = parts.len() == 3
+            && parts[0].is_empty()
+            && parts[1].contains('.')
+            && !parts[2].is_empty()
+            && !path.contains(['*', '{', '}']);
+        if !well_formed {
+            return Err(ConfigError::new(format!(
+                "gRPC method {path:?} must be written /package.Service/Method, like \
+                 \"/demo.Catalog/Export\""
+            )));
+        }
+        Self::new(None, path, policy)
+    }
+
+    /// Whether a request of `method` to one of `paths` is on this route. HEAD is GET:
+    /// servers answer HEAD with the GET handler (axum and hyper do), so a GET limit
+    /// covers it; every other method is only itself.
+    fn matches(&self, method: &Method, paths: &RequestPaths<'_>) -> bool {
+        let method_ok = match &self.method {
+            None => true,
+            Some(m) => m == method || (*m == Method::GET && method == Method::HEAD),
+        };
+        method_ok && paths.iter().any(|path| self.covers(path))
+    }
+
+    /// Whether `path` (a request's path, or the template of the route it matched) is on
+    /// this route: segment by segment, a `{name}` standing for any one segment and a
+    /// `{*name}` for the rest.
+    fn covers(&self, path: &str) -> bool {
+        let mut given = path.split('/');
+        for wanted in self.path.split('/') {
+            let Some(segment) = given.next() else {
+                return false;
+            };
+            let fits = match parameter(wanted) {
+                Some(Parameter::Rest) => return !segment.is_empty(),
+                Some(_) => !segment.is_empty(),
+                None => segment == wanted,
+            };
+            if !fits {
+                return false;
             }
+        }
+        given.next().is_none() || self.prefix
+    }
+}
+
+/// What a `{...}` segment of a route pattern is.
+enum Parameter {
+    /// `{name}`: one segment.
+    One,
+    /// `{*name}`: the rest of the path.
+    Rest,
+    /// A brace in a segment that is neither.
+    Bad,
+}
+
+fn parameter(segment: &str) -> Option<Parameter> {
+    if !segment.contains(['{', '}']) {
+        return None;
+    }
+    let inner = segment.strip_prefix('{').and_then(|s| s.strip_suffix('}'));
+    Some(match inner {
+        Some(name) if name.contains(['{', '}']) || name.is_empty() => Parameter::Bad,
+        Some(name) => match name.strip_prefix('*') {
+            Some("") => Parameter::Bad,
+            Some(_) => Parameter::Rest,
+            None => Parameter::One,
+        },
+        None => Parameter::Bad,
+    })
+}
+
+/// The paths a request is known by: the whole path it was sent to (axum's
+/// `OriginalUri`, which a nested router leaves whole, else the URI's) and, inside an axum
+/// router, the template of the route that matched (`MatchedPath`, prefixes included).
+pub(crate) struct RequestPaths<'r> {
+    whole: &'r str,
+    matched: Option<&'r str>,
+}
+
+impl<'r> RequestPaths<'r> {
+    pub(crate) fn of<B>(request: &'r http::Request<B>) -> Self {
+        #[cfg(feature = "axum")]
+        {
+            let extensions = request.extensions();
+            let whole = extensions
+                .get::<axum::extract::OriginalUri>()
+                .map_or(request.uri().path(), |uri| uri.0.path());
+            let matched = extensions
+                .get::<axum::extract::MatchedPath>()
+                .map(axum::extract::MatchedPath::as_str);
+            RequestPaths { whole, matched }
+        }
+        #[cfg(not(feature = "axum"))]
+        RequestPaths {
+            whole: request.uri().path(),
+            matched: None,
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &'r str> {
+        std::iter::once(self.whole).chain(self.matched)
     }
 }
 
 impl fmt::Debug for RouteLimit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let method = self.method.as_ref().map_or("*", Method::as_str);
-        let star = if self.prefix { "*" } else { "" };
+        let star = if self.prefix { "/*" } else { "" };
         write!(f, "{method} {}{star}", self.path)
     }
 }
@@ -165,9 +284,9 @@ impl Limits {
         }
     }
 
-    /// The limits for a request from `key` to `method path`: the caller's tier (or the
-    /// default), then every matching route limit in the order they were added.
-    pub(crate) fn select(&self, key: &Key, method: &Method, path: &str) -> Selected {
+    /// The limits for a request from `key`: the caller's tier (or the default), then
+    /// every route limit it matches, in the order they were added.
+    pub(crate) fn select<B>(&self, key: &Key, request: &http::Request<B>) -> Selected {
         let tier = match &self.tiers {
             None => 0,
             Some(tiers) => tiers
@@ -177,9 +296,12 @@ impl Limits {
         };
         let mut selected = Selected::new();
         selected.push(tier);
-        for route in &self.routes {
-            if route.matches(method, path) {
-                selected.push(route.policy);
+        if !self.routes.is_empty() {
+            let paths = RequestPaths::of(request);
+            for route in &self.routes {
+                if route.matches(request.method(), &paths) {
+                    selected.push(route.policy);
+                }
             }
         }
         selected
@@ -203,17 +325,77 @@ impl fmt::Debug for Limits {
 mod tests {
     use super::*;
 
+    fn paths(whole: &str) -> RequestPaths<'_> {
+        RequestPaths {
+            whole,
+            matched: None,
+        }
+    }
+
     #[test]
     fn routes_match_exactly_or_by_prefix() {
         let exact = RouteLimit::new(Some(Method::POST), "/api/v1/checkout", 1).unwrap();
-        assert!(exact.matches(&Method::POST, "/api/v1/checkout"));
-        assert!(!exact.matches(&Method::GET, "/api/v1/checkout"));
-        assert!(!exact.matches(&Method::POST, "/api/v1/checkout/x"));
+        assert!(exact.matches(&Method::POST, &paths("/api/v1/checkout")));
+        assert!(!exact.matches(&Method::GET, &paths("/api/v1/checkout")));
+        assert!(!exact.matches(&Method::POST, &paths("/api/v1/checkout/x")));
         let prefix = RouteLimit::new(None, "/api/*", 1).unwrap();
-        assert!(prefix.matches(&Method::GET, "/api/v1"));
-        assert!(prefix.matches(&Method::GET, "/api"));
-        assert!(!prefix.matches(&Method::GET, "/apix"));
+        assert!(prefix.matches(&Method::GET, &paths("/api/v1")));
+        assert!(prefix.matches(&Method::GET, &paths("/api")));
+        assert!(!prefix.matches(&Method::GET, &paths("/apix")));
         assert!(RouteLimit::new(None, "api", 1).is_err());
         assert!(RouteLimit::new(None, "/a*b", 1).is_err());
+    }
+
+    #[test]
+    fn a_get_limit_covers_head_and_nothing_else() {
+        let get = RouteLimit::new(Some(Method::GET), "/items", 1).unwrap();
+        assert!(get.matches(&Method::HEAD, &paths("/items")));
+        assert!(!get.matches(&Method::POST, &paths("/items")));
+        let head = RouteLimit::new(Some(Method::HEAD), "/items", 1).unwrap();
+        assert!(!head.matches(&Method::GET, &paths("/items")));
+    }
+
+    #[test]
+    fn a_grpc_method_limit_applies_to_every_http_method() {
+        let export = RouteLimit::grpc("/demo.Catalog/Export", 1).unwrap();
+        for method in [Method::POST, Method::GET, Method::PUT, Method::DELETE] {
+            assert!(export.matches(&method, &paths("/demo.Catalog/Export")));
+        }
+        for bad in [
+            "demo.Catalog/Export",
+            "/Catalog/Export",
+            "/demo.Catalog/",
+            "/a.b/c/d",
+        ] {
+            assert!(RouteLimit::grpc(bad, 1).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_route_template_matches_paths_and_the_matched_template() {
+        let user = RouteLimit::new(None, "/users/{id}", 1).unwrap();
+        assert!(user.matches(&Method::GET, &paths("/users/42")));
+        assert!(!user.matches(&Method::GET, &paths("/users/")));
+        assert!(!user.matches(&Method::GET, &paths("/users/42/orders")));
+        let nested = RequestPaths {
+            whole: "/v2/people/42",
+            matched: Some("/users/{user_id}"),
+        };
+        assert!(user.matches(&Method::GET, &nested));
+        let files = RouteLimit::new(None, "/files/{*path}", 1).unwrap();
+        assert!(files.matches(&Method::GET, &paths("/files/a/b.txt")));
+        assert!(!files.matches(&Method::GET, &paths("/files/")));
+        let below = RouteLimit::new(None, "/users/{id}/*", 1).unwrap();
+        assert!(below.matches(&Method::GET, &paths("/users/42/orders/7")));
+        assert!(below.matches(&Method::GET, &paths("/users/42")));
+        for bad in [
+            "/users/{}",
+            "/users/x{id}",
+            "/files/{*path}/x",
+            "/f/{*}",
+            "/{*p}/*",
+        ] {
+            assert!(RouteLimit::new(None, bad, 1).is_err(), "{bad}");
+        }
     }
 }

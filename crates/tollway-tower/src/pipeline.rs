@@ -20,25 +20,28 @@ use tollway_core::{
 };
 
 use crate::headers::{HeaderStyle, RateLimitHeaders};
-use crate::key::{Key, KeyExtractor, PeerIp};
+use crate::key::{Key, KeyExtractor};
 use crate::limits::{Limits, Selected};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
 use crate::verdict::{Verdict, most_restrictive};
 
-/// What to do with a request for which the key extractor finds no key.
+/// What to do with a request for which the key extractor (and every fallback chained to
+/// it with [`or`](crate::Fallback::or)) finds no key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum MissingKey {
-    /// Limit the caller by its peer address under the default policy (the default): an
-    /// anonymous caller is still limited.
-    FallbackToIp,
+    /// Limit every such request together, under one key (`missing:`), by its caller's
+    /// policy: they are still limited, and cannot outnumber one caller. The default.
+    Shared,
     /// Answer with this status and a JSON error body, without calling the service.
     Reject(StatusCode),
     /// Let the request through unlimited.
     Allow,
 }
 
-/// What to do when the store cannot decide (Redis down, a timeout).
+/// What to do when the store cannot decide (Redis down, a timeout) and has no fallback
+/// to decide instead: a `RedisStore` built
+/// `without_local_fallback()`, or a store of your own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OnStoreError {
@@ -47,6 +50,49 @@ pub enum OnStoreError {
     Allow,
     /// Answer 503 Service Unavailable (gRPC: `UNAVAILABLE`) (fail closed).
     Reject,
+}
+
+/// In whose terms the layer answers the requests it refuses: an HTTP status and a JSON
+/// body, or (feature `tonic`) a gRPC status in a trailers-only response.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Protocol {
+    /// gRPC for gRPC calls — HTTP/2 requests whose `content-type` is `application/grpc`
+    /// or a subtype — and HTTP for the rest. The default.
+    #[default]
+    Detect,
+    /// Always HTTP: for a service that serves no gRPC, where a request dressed as gRPC
+    /// must still get its 429 (not a 200 with `grpc-status` that status monitoring
+    /// would count as a success).
+    Http,
+    /// Always gRPC: for a gRPC service.
+    Grpc,
+}
+
+impl Protocol {
+    /// Whether `request` is answered in gRPC's terms.
+    fn grpc<B>(self, request: &Request<B>) -> bool {
+        match self {
+            Protocol::Http => false,
+            Protocol::Grpc => cfg!(feature = "tonic"),
+            Protocol::Detect => {
+                request.version() == http::Version::HTTP_2
+                    && request
+                        .headers()
+                        .get(http::header::CONTENT_TYPE)
+                        .is_some_and(|v| is_grpc_content_type(v.as_bytes()))
+                    && cfg!(feature = "tonic")
+            }
+        }
+    }
+}
+
+/// Whether a `content-type` is gRPC's: `application/grpc`, or a subtype such as
+/// `application/grpc+proto`.
+fn is_grpc_content_type(value: &[u8]) -> bool {
+    value
+        .strip_prefix(b"application/grpc")
+        .is_some_and(|rest| rest.is_empty() || rest[0] == b'+' || rest[0] == b';')
 }
 
 /// The cost of a request: how many units it takes from each of its limits.
@@ -60,6 +106,7 @@ pub(crate) struct Limiter<St> {
     pub(crate) cost: Option<CostFn>,
     pub(crate) missing: MissingKey,
     pub(crate) on_error: OnStoreError,
+    pub(crate) protocol: Protocol,
     pub(crate) header_style: HeaderStyle,
     /// Unix time for `X-RateLimit-Reset`.
     pub(crate) wall_clock: Arc<dyn Clock>,
@@ -127,18 +174,14 @@ impl<St: Store> Limiter<St> {
         let key = match key.extract(request) {
             Some(key) => key,
             None => match self.missing {
-                // Without a peer address every such caller shares one key: still limited.
-                MissingKey::FallbackToIp => KeyExtractor::<B>::extract(&PeerIp::new(), request)
-                    .unwrap_or_else(|| Key::new("ip", "unknown")),
+                MissingKey::Shared => Key::new("missing", ""),
                 MissingKey::Allow => return Start::Decided(Outcome::pass()),
                 MissingKey::Reject(status) => {
                     return Start::Decided(Outcome::Refuse(Refusal::NoKey(status)));
                 }
             },
         };
-        let selected = self
-            .limits
-            .select(&key, request.method(), request.uri().path());
+        let selected = self.limits.select(&key, request);
         let cost = self.cost.as_ref().map_or(1, |cost| {
             cost(request.method(), request.uri(), request.headers())
         });
@@ -156,9 +199,9 @@ impl<St: Store> Limiter<St> {
         match outcome {
             Outcome::Allow { headers, delay } => Next::Call { headers, delay },
             Outcome::Deny { verdict, headers } => {
-                Next::Answer(self.deny(verdict, headers, is_grpc(request)))
+                Next::Answer(self.deny(verdict, headers, self.protocol.grpc(request)))
             }
-            Outcome::Refuse(refusal) => Next::Answer(refuse(refusal, is_grpc(request))),
+            Outcome::Refuse(refusal) => Next::Answer(refuse(refusal, self.protocol.grpc(request))),
         }
     }
 
@@ -189,17 +232,6 @@ impl<St: Store> Limiter<St> {
             .limit_value(selected[most], verdict.decision.limit());
         let now = self.wall_clock.now_micros();
         RateLimitHeaders::new(self.header_style, verdicts, verdict, limit, now)
-    }
-}
-
-/// Whether `request` is a gRPC call, answered with gRPC statuses instead of HTTP ones.
-fn is_grpc<B>(request: &Request<B>) -> bool {
-    #[cfg(feature = "tonic")]
-    return crate::grpc::is_grpc(request.headers());
-    #[cfg(not(feature = "tonic"))]
-    {
-        let _ = request;
-        false
     }
 }
 

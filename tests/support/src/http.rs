@@ -63,7 +63,8 @@ impl Drop for Server {
     }
 }
 
-/// An HTTP/1.1 client (hyper-util's pooled client) for one server. Clones share the pool.
+/// An HTTP client (hyper-util's pooled client) for one server, HTTP/1.1 or HTTP/2.
+/// Clones share the pool.
 #[derive(Clone, Debug)]
 pub struct Client {
     http: HyperClient<HttpConnector, Full<Bytes>>,
@@ -71,10 +72,20 @@ pub struct Client {
 }
 
 impl Client {
-    /// A client for the server at `addr`.
+    /// An HTTP/1.1 client for the server at `addr`.
     pub fn new(addr: SocketAddr) -> Self {
         Client {
             http: HyperClient::builder(TokioExecutor::new()).build_http(),
+            base: format!("http://{addr}"),
+        }
+    }
+
+    /// An HTTP/2 client (prior knowledge, no TLS) for the server at `addr`.
+    pub fn http2(addr: SocketAddr) -> Self {
+        Client {
+            http: HyperClient::builder(TokioExecutor::new())
+                .http2_only(true)
+                .build_http(),
             base: format!("http://{addr}"),
         }
     }
@@ -96,6 +107,22 @@ impl Client {
     /// When the server cannot be reached or the response breaks off: every test expects
     /// an answer.
     pub async fn send(&self, method: Method, path: &str, headers: &[(&str, &str)]) -> Reply {
+        self.send_body(method, path, headers, Bytes::new()).await
+    }
+
+    /// Sends one request with `body` and reads the whole response (trailers included in
+    /// [`Reply::headers`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`Client::send`].
+    pub async fn send_body(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Reply {
         let mut request = Request::builder()
             .method(method)
             .uri(format!("{}{path}", self.base));
@@ -103,7 +130,7 @@ impl Client {
             request = request.header(*name, *value);
         }
         let request = request
-            .body(Full::new(Bytes::new()))
+            .body(Full::new(body))
             .expect("a well-formed request");
         let response = self
             .http
@@ -111,15 +138,16 @@ impl Client {
             .await
             .expect("the server answers");
         let (parts, body) = response.into_parts();
-        let body = body
-            .collect()
-            .await
-            .expect("the whole response body")
-            .to_bytes();
+        let collected = body.collect().await.expect("the whole response body");
+        let mut headers = parts.headers;
+        if let Some(trailers) = collected.trailers() {
+            headers.extend(trailers.clone());
+        }
+        let body = collected.to_bytes();
         Reply {
             status: parts.status,
-            headers: parts.headers,
-            body: String::from_utf8(body.to_vec()).expect("a UTF-8 response body"),
+            headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
         }
     }
 }

@@ -354,3 +354,22 @@ pub async fn command_calls(node: &mut redis::aio::MultiplexedConnection, command
         .and_then(|rest| rest.split(',').next())
         .map_or(0, |calls| calls.parse().expect("a call count"))
 }
+
+/// Pauses a node's writes for up to a minute (`CLIENT PAUSE 60000 WRITE`): scripts wait,
+/// while reads and `node`'s own admin commands still run. [`unpause`] ends it.
+pub async fn pause_writes(node: &mut redis::aio::MultiplexedConnection) {
+    let () = redis::cmd("CLIENT")
+        .arg(&["PAUSE", "60000", "WRITE"])
+        .query_async(node)
+        .await
+        .expect("CLIENT PAUSE");
+}
+
+/// Ends a [`pause_writes`].
+pub async fn unpause(node: &mut redis::aio::MultiplexedConnection) {
+    let () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query_async(node)
+        .await
+        .expect("CLIENT UNPAUSE");
+}

@@ -52,6 +52,7 @@ pub fn memory_store(clock: &ManualClock) -> MemoryStore<ManualClock> {
 /// passing `clock`'s time to the scripts.
 pub async fn redis_store(clock: &ManualClock) -> RedisStore {
     RedisStore::builder()
+        .without_local_fallback()
         .timeout(Duration::from_secs(5))
         .prefix(unique_prefix("e2e"))
         .caller_time(clock.clone())

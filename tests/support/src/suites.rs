@@ -134,6 +134,7 @@ impl ConnectionLike for Admin {
 /// (State that becomes fresh is deleted at once either way.)
 pub fn builder(clock: &ManualClock) -> RedisStoreBuilder {
     RedisStore::builder()
+        .without_local_fallback()
         .timeout(Duration::from_secs(5))
         .caller_time(clock.clone())
         .grace(Duration::from_secs(3_600))
@@ -646,6 +647,7 @@ pub async fn expiry(target: &Target) -> Vec<String> {
     let store = target
         .connect(
             RedisStore::builder()
+                .without_local_fallback()
                 .prefix(unique_prefix("ttl"))
                 .timeout(Duration::from_secs(5)),
         )

@@ -6,15 +6,20 @@
 //! functions; the Redis store runs their Lua twins in `lua/`, which must decide
 //! identically.
 //!
-//! | algorithm | burst | state per key | boundary accuracy |
-//! |---|---|---|---|
-//! | [token bucket](token_bucket) | up to `burst` at once | 2 integers | exact rate |
-//! | [leaky bucket](leaky_bucket) meter | up to `burst` at once | 2 integers | exact rate |
-//! | [leaky bucket](leaky_bucket) shaper | none: queued, then delayed | 1 integer | steady output |
-//! | [fixed window](fixed_window) | up to 2× limit across a boundary | 2 integers | weak at boundaries |
-//! | [sliding window log](sliding_log) | limit in any window | 1 entry per request | exact |
-//! | [sliding window counter](sliding_counter) | approximates the log | 2 counters + time | estimate |
-//! | [GCRA](gcra) | up to `burst` at once | 1 integer | rate rounded up to 1 µs |
+//! | algorithm | burst | state per key | boundary accuracy | limits it serves |
+//! |---|---|---|---|---|
+//! | [token bucket](token_bucket) | up to `burst` at once | 2 integers | exact rate | any |
+//! | [leaky bucket](leaky_bucket) meter | up to `burst` at once | 2 integers | exact rate | any |
+//! | [leaky bucket](leaky_bucket) shaper | none: queued, then delayed | 1 integer | steady output | any |
+//! | [fixed window](fixed_window) | up to 2× limit across a boundary | 2 integers | weak at boundaries | any |
+//! | [sliding window log](sliding_log) | limit in any window | 1 entry per unit | exact | up to 10,000 a period |
+//! | [sliding window counter](sliding_counter) | approximates the log | 2 counters + time | estimate | any |
+//! | [GCRA](gcra) | up to `burst` at once | 1 integer | rate rounded up to 1 µs | any |
+//!
+//! "Any" is any quota [`Quota`] accepts: limit × period and burst × period within 2^52
+//! microseconds. A decision costs the same at any limit, in memory and in Redis (the
+//! log's commands are O(log n) in its entries); the log's memory grows with its limit,
+//! which [`Policy`](crate::Policy) caps.
 //!
 //! `cargo run --example compare` measures these claims on the same traffic.
 

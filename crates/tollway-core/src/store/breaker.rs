@@ -426,24 +426,14 @@ impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
     ///
     /// When the threshold is zero, or the share is not in (0, 1].
     pub fn build(self) -> Result<CircuitBreaker<S, C>, ConfigError> {
-        if self.threshold == 0 {
-            return Err(ConfigError::new(
-                "breaker threshold must be at least 1 failure: 0 would never call the store",
-            ));
-        }
+        check_threshold(self.threshold)?;
         let fallback = match self.share {
             None => None,
-            Some(share) if share > 0.0 && share <= 1.0 => Some(Fallback {
+            Some(share) => Some(Fallback {
                 store: MemoryStore::builder().clock(self.clock.clone()).build()?,
-                share,
+                share: check_share(share)?,
                 scaled: Mutex::default(),
             }),
-            Some(share) => {
-                return Err(ConfigError::new(format!(
-                    "local fallback share must be more than 0 and at most 1 (got {share}): \
-                     with N gateways sharing a limit, use 1/N"
-                )));
-            }
         };
         Ok(CircuitBreaker {
             inner: Arc::new(Inner {
@@ -462,6 +452,27 @@ impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
             }),
         })
     }
+}
+
+/// A breaker's threshold: at least one failure.
+pub(crate) fn check_threshold(failures: u32) -> Result<u32, ConfigError> {
+    if failures == 0 {
+        return Err(ConfigError::new(
+            "breaker threshold must be at least 1 failure: 0 would never call the store",
+        ));
+    }
+    Ok(failures)
+}
+
+/// A local fallback's share of each quota: more than 0, at most 1.
+pub(crate) fn check_share(share: f64) -> Result<f64, ConfigError> {
+    if share > 0.0 && share <= 1.0 {
+        return Ok(share);
+    }
+    Err(ConfigError::new(format!(
+        "local fallback share must be more than 0 and at most 1 (got {share}): with N \
+         gateways sharing a limit, use 1/N"
+    )))
 }
 
 #[cfg(test)]

@@ -110,10 +110,15 @@ struct Table {
     sweep_at: usize,
     /// No held key becomes idle before this instant: sweeping sooner frees nothing.
     earliest_expiry: u64,
-    /// New keys to turn away before sweeping a shard again that a sweep left nearly full,
-    /// so that a flood at the bound costs O(1) per request, not a sweep each.
-    sweep_credit: usize,
+    /// When the last sweep ran.
+    swept_at: u64,
 }
+
+/// At the bound, a full shard sweeps at most once per this many nanoseconds a key it
+/// holds (about 0.3 ms for 16,384 keys): a flood of new keys at the bound then spends a
+/// bounded share of a core on sweeping, and a key that expired makes room for a new one
+/// within that time.
+const SWEEP_GAP_NS_PER_KEY: u64 = 20;
 
 impl MemoryStore<MonotonicClock> {
     /// A store with the default bounds (about a million keys) on the monotonic clock.
@@ -168,7 +173,7 @@ impl<C: Clock> MemoryStore<C> {
                     logs: HashTable::new(),
                     sweep_at: MIN_SWEEP.min(max_per_shard),
                     earliest_expiry: 0,
-                    sweep_credit: 0,
+                    swept_at: 0,
                 }))
             })
             .collect();
@@ -441,12 +446,14 @@ impl Table {
         }
     }
 
-    /// Whether `needed` more keys fit, sweeping idle keys first when that could help.
+    /// Whether `needed` more keys fit, sweeping idle keys first when that could help:
+    /// below the bound at every doubling of the shard (O(1) a key inserted); at the bound
+    /// whenever a held key has expired, at most once per the shard's sweep gap.
     fn has_room(&mut self, now: u64, max: usize, needed: usize) -> bool {
-        if self.len() + needed > self.sweep_at {
-            if self.sweep_credit > 0 {
-                self.sweep_credit -= 1;
-            } else if now >= self.earliest_expiry {
+        let held = self.len() + needed;
+        if held > self.sweep_at && now >= self.earliest_expiry {
+            let gap_us = (self.len() as u64 * SWEEP_GAP_NS_PER_KEY).div_ceil(1_000);
+            if held <= max || now.saturating_sub(self.swept_at) >= gap_us {
                 self.sweep(now, max);
             }
         }
@@ -472,14 +479,8 @@ impl Table {
             keep
         });
         self.earliest_expiry = earliest;
+        self.swept_at = now;
         self.sweep_at = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
-        // Nearly full after sweeping: the next sweep waits for an eighth of the bound in
-        // new keys, so its O(n) cost is spread over as many requests.
-        self.sweep_credit = if self.len() * 8 >= max * 7 {
-            max / 8
-        } else {
-            0
-        };
         if self.len() < self.slots.capacity() / 4 {
             self.slots.shrink_to_fit(|e| e.0);
             self.logs.shrink_to_fit(|e| e.0);
@@ -759,6 +760,50 @@ mod tests {
         assert!(store.check_sync(b"k", &before, 1).is_allowed());
         assert!(!store.check_sync(b"k", &before, 1).is_allowed());
         assert_eq!(store.check_sync(b"k", &after, 1).remaining(), 99);
+    }
+
+    // Regression: a store filled by a flood refused new callers for an eighth of its
+    // bound after every key had expired, waiting out a sweep credit. Expired keys make
+    // room at once.
+    #[test]
+    fn expired_keys_make_room_for_new_callers_at_once() {
+        let (store, clock) = store(1_024, WhenFull::Deny);
+        let policy =
+            Policy::new("p", Algorithm::TokenBucket, Quota::per_minute(10).unwrap()).unwrap();
+        for i in 0..1_024u32 {
+            assert!(store.check_sync(&i.to_le_bytes(), &policy, 1).is_allowed());
+        }
+        let stranger = store.check_sync(b"stranger", &policy, 1);
+        assert_eq!(stranger.denial(), Some(Denial::StoreFull));
+        clock.advance(Duration::from_secs(61));
+        for i in 0..200u32 {
+            let d = store.check_sync(format!("new-{i}").as_bytes(), &policy, 1);
+            assert!(d.is_allowed(), "new caller {i}: {d:?}");
+        }
+    }
+
+    // At the bound with nothing expired, a new caller is turned away without a sweep
+    // each time, and a key that expires later still makes room once the shard's sweep
+    // gap has passed.
+    #[test]
+    fn a_full_store_sweeps_at_most_once_per_gap() {
+        let (store, clock) = store(256, WhenFull::Deny);
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_second(1).unwrap()).unwrap();
+        for i in 0..256u32 {
+            assert!(store.check_sync(&i.to_le_bytes(), &policy, 1).is_allowed());
+            clock.advance(Duration::from_micros(10));
+        }
+        // Key 0 expires 1 s after it was set; the others a little later each.
+        clock.set_micros(1_000_000);
+        assert!(store.check_sync(b"first", &policy, 1).is_allowed());
+        assert_eq!(
+            store.check_sync(b"second", &policy, 1).denial(),
+            Some(Denial::StoreFull),
+            "nothing else has expired"
+        );
+        // 10 µs later key 1 has expired; the gap of 256 keys (about 5 µs) has passed.
+        clock.advance(Duration::from_micros(10));
+        assert!(store.check_sync(b"second", &policy, 1).is_allowed());
     }
 
     #[test]

@@ -24,7 +24,7 @@ pub use self::breaker::{
 };
 pub use self::memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 #[cfg(feature = "redis")]
-pub use self::redis::{MAX_LITERAL_KEY, RedisFuture, RedisStore, RedisStoreBuilder};
+pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
 
 use crate::{Decisions, Policy, StoreError};
 

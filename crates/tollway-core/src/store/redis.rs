@@ -14,7 +14,8 @@ use redis::{RedisError, Script};
 use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
-use super::{Checked, Store};
+use super::breaker::{check_share, check_threshold};
+use super::{BreakerState, Checked, CircuitBreaker, CircuitBreakerFuture, Store};
 use crate::algorithm::Algorithm;
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
@@ -22,6 +23,10 @@ use crate::{Decision, Decisions, Denial, Policy, StoreError, StoreErrorKind};
 
 /// The default per-call timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+/// The default breaker: this many failed calls in a row open it...
+const DEFAULT_THRESHOLD: u32 = 5;
+/// ...for this long.
+const DEFAULT_COOL_DOWN: Duration = Duration::from_millis(250);
 /// The default capacity of the local deny cache.
 const DEFAULT_DENY_CACHE: usize = 65_536;
 /// The longest user key stored as it is; longer (or unusual) keys are hashed.
@@ -83,6 +88,16 @@ fn code(algorithm: Algorithm) -> u64 {
 /// (braces, spaces, binary, long) is replaced by `#` and 32 hex digits of its SHA-256,
 /// so a caller can neither move its key to another slot nor bloat Redis with a huge key.
 ///
+/// **When Redis is slow or gone**, each call fails after the store's timeout (100 ms by
+/// default), and a breaker built in (see [`RedisStoreBuilder::breaker`]) stops calling
+/// Redis after five failures in a row, so a dead Redis costs microseconds a request,
+/// not a timeout; it probes Redis again every 250 ms. Meanwhile decisions come from a
+/// local fallback limiter in this node's memory, which gives the node its share of each
+/// quota ([`RedisStoreBuilder::local_fallback`]): the limit still holds, neither wide
+/// open nor closed. Without the fallback
+/// ([`RedisStoreBuilder::without_local_fallback`]), failures are errors, which the layer
+/// answers by letting requests through or refusing them, as configured.
+///
 /// **Connections**: by default one multiplexed connection (a redis-rs
 /// `ConnectionManager`, which reconnects by itself) pipelines every concurrent call; on
 /// this machine that carried about 2.5× the calls per second of a pool that checks out a
@@ -109,6 +124,12 @@ fn code(algorithm: Algorithm) -> u64 {
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
+    guarded: CircuitBreaker<Scripts>,
+}
+
+/// The store that runs the script: what [`RedisStore`] guards with its breaker.
+#[derive(Clone)]
+struct Scripts {
     inner: Arc<Inner>,
 }
 
@@ -264,6 +285,15 @@ enum Backend {
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("scripts", self.guarded.primary())
+            .field("breaker", &self.guarded.state())
+            .finish()
+    }
+}
+
+impl fmt::Debug for Scripts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let backend = match self.inner.backend {
             Backend::Manager(_) => "multiplexed",
             Backend::Cluster(_) => "cluster",
@@ -287,7 +317,7 @@ impl fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// A builder: prefix, timeout, time source, then a connection.
+    /// A builder: prefix, timeout, time source, breaker and fallback, then a connection.
     pub fn builder() -> RedisStoreBuilder {
         RedisStoreBuilder {
             prefix: "tollway".to_owned(),
@@ -295,6 +325,8 @@ impl RedisStore {
             clock: None,
             grace: Duration::ZERO,
             deny_cache: DEFAULT_DENY_CACHE,
+            breaker: Some((DEFAULT_THRESHOLD, DEFAULT_COOL_DOWN)),
+            fallback_share: Some(1.0),
             #[cfg(feature = "tls")]
             tls_root: None,
         }
@@ -312,6 +344,26 @@ impl RedisStore {
     /// `prefix:{key}:policy:id`, the user key escaped or hashed.
     #[must_use]
     pub fn state_key(&self, key: &[u8], policy: &Policy) -> String {
+        self.guarded.primary().state_key(key, policy)
+    }
+
+    /// Where the store's breaker stands: closed while Redis answers.
+    #[must_use]
+    pub fn breaker_state(&self) -> BreakerState {
+        self.guarded.state()
+    }
+}
+
+impl Store for RedisStore {
+    type Future = CircuitBreakerFuture;
+
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+        self.guarded.check(key, policies, cost)
+    }
+}
+
+impl Scripts {
+    fn state_key(&self, key: &[u8], policy: &Policy) -> String {
         format!(
             "{}:{{{}}}:{}:{:016x}",
             self.inner.prefix,
@@ -418,10 +470,10 @@ fn redis_error(e: RedisError) -> StoreError {
     StoreError::with_source(kind, format!("Redis call failed: {e}"), e)
 }
 
-/// The boxed future of a Redis decision.
-pub type RedisFuture = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
+/// The boxed future of a Redis script's decision.
+type RedisFuture = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
 
-impl Store for RedisStore {
+impl Store for Scripts {
     type Future = RedisFuture;
 
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<RedisFuture> {
@@ -544,6 +596,11 @@ pub struct RedisStoreBuilder {
     clock: Option<Arc<dyn Clock>>,
     grace: Duration,
     deny_cache: usize,
+    /// Failures in a row that open the breaker, and how long it stays open; `None`: no
+    /// breaker.
+    breaker: Option<(u32, Duration)>,
+    /// The share of each quota the local fallback gives this node; `None`: no fallback.
+    fallback_share: Option<f64>,
     #[cfg(feature = "tls")]
     tls_root: Option<Vec<u8>>,
 }
@@ -553,7 +610,9 @@ impl fmt::Debug for RedisStoreBuilder {
         let mut s = f.debug_struct("RedisStoreBuilder");
         s.field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
-            .field("caller_time", &self.clock.is_some());
+            .field("caller_time", &self.clock.is_some())
+            .field("breaker", &self.breaker)
+            .field("local_fallback", &self.fallback_share);
         #[cfg(feature = "tls")]
         s.field("tls_root_certificate", &self.tls_root.is_some());
         s.finish()
@@ -603,6 +662,40 @@ impl RedisStoreBuilder {
     /// Extra time-to-live added to every key beyond the instant its state becomes fresh.
     pub fn grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
+        self
+    }
+
+    /// The breaker: after `threshold` failed calls in a row (a timeout, a lost
+    /// connection) Redis is not called for `cool_down`, then one call probes it (default:
+    /// 5 failures, 250 ms). While it is open a decision costs microseconds, not a
+    /// timeout, and comes from the local fallback.
+    pub fn breaker(mut self, threshold: u32, cool_down: Duration) -> Self {
+        self.breaker = Some((threshold, cool_down));
+        self
+    }
+
+    /// No breaker: every decision calls Redis, and waits for its timeout when Redis is
+    /// gone.
+    pub fn without_breaker(mut self) -> Self {
+        self.breaker = None;
+        self
+    }
+
+    /// While Redis cannot decide (a failed call, an open breaker), decide locally, in
+    /// this node's memory, giving it `share` of each quota (0 < share <= 1): with ten
+    /// gateways, 0.1, so that the fleet as a whole stays near the limit. The default is
+    /// a local fallback with share 1 (each node alone may admit a whole quota): neither
+    /// wide open nor closed.
+    pub fn local_fallback(mut self, share: f64) -> Self {
+        self.fallback_share = Some(share);
+        self
+    }
+
+    /// No local fallback: a decision Redis cannot make is an error, and the layer
+    /// answers it as its `on_store_error` setting says — lets the request through (fail
+    /// open, its default) or refuses it (fail closed).
+    pub fn without_local_fallback(mut self) -> Self {
+        self.fallback_share = None;
         self
     }
 
@@ -661,11 +754,19 @@ impl RedisStoreBuilder {
                 "Redis timeout must be more than zero: every call would fail",
             ));
         }
+        if let Some((threshold, _)) = self.breaker {
+            check_threshold(threshold)?;
+        }
+        if let Some(share) = self.fallback_share {
+            check_share(share)?;
+        }
         Ok(())
     }
 
-    fn build(self, backend: Backend) -> RedisStore {
-        RedisStore {
+    fn build(self, backend: Backend) -> Result<RedisStore, ConfigError> {
+        let (threshold, cool_down) = self.breaker.unwrap_or((u32::MAX, DEFAULT_COOL_DOWN));
+        let fallback_share = self.fallback_share;
+        let scripts = Scripts {
             inner: Arc::new(Inner {
                 backend,
                 prefix: self.prefix,
@@ -680,7 +781,16 @@ impl RedisStoreBuilder {
                 }),
                 clock: self.clock,
             }),
+        };
+        let mut guarded = CircuitBreaker::builder(scripts)
+            .threshold(threshold)
+            .cool_down(cool_down);
+        if let Some(share) = fallback_share {
+            guarded = guarded.local_fallback(share);
         }
+        Ok(RedisStore {
+            guarded: guarded.build()?,
+        })
     }
 
     /// Connects to `url` (`redis://[user:password@]host:port[/db]`) with one multiplexed,
@@ -723,7 +833,8 @@ impl RedisStoreBuilder {
                 e,
             )
         })?;
-        Ok(self.build(Backend::Manager(manager)))
+        self.build(Backend::Manager(manager))
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e.to_string(), e))
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` URLs):
@@ -809,7 +920,8 @@ impl RedisStoreBuilder {
                     e,
                 )
             })?;
-        Ok(self.build(Backend::Cluster(connection)))
+        self.build(Backend::Cluster(connection))
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e.to_string(), e))
     }
 
     /// Uses an existing redis-rs `ConnectionManager`.
@@ -822,7 +934,7 @@ impl RedisStoreBuilder {
         manager: ConnectionManager,
     ) -> Result<RedisStore, ConfigError> {
         self.validate()?;
-        Ok(self.build(Backend::Manager(manager)))
+        self.build(Backend::Manager(manager))
     }
 
     /// Uses an existing deadpool-redis pool: each decision checks out a connection.
@@ -833,7 +945,7 @@ impl RedisStoreBuilder {
     #[cfg(feature = "deadpool")]
     pub fn with_pool(self, pool: deadpool_redis::Pool) -> Result<RedisStore, ConfigError> {
         self.validate()?;
-        Ok(self.build(Backend::Pool(pool)))
+        self.build(Backend::Pool(pool))
     }
 }
 

@@ -77,9 +77,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::get;
 use tokio::net::TcpListener;
-use tollway_core::{
-    Algorithm, BreakerState, CircuitBreaker, MemoryStore, Policy, Quota, RedisStore, Store,
-};
+use tollway_core::{Algorithm, BreakerState, MemoryStore, Policy, Quota, RedisStore, Store};
 use tollway_tower::{HeaderStyle, OnStoreError, RateLimitLayer};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
@@ -210,7 +208,7 @@ struct Fleet {
     /// The same without the cache: every denial is a script call.
     uncached: RedisStore,
     /// A store whose server has been killed, behind a breaker that is open.
-    dead: CircuitBreaker<RedisStore>,
+    dead: RedisStore,
 }
 
 /// A quota nothing in this benchmark reaches: a million a second, a burst of a billion.
@@ -396,20 +394,25 @@ fn main() -> Result<(), BoxError> {
                 RedisStore::builder()
                     .timeout(Duration::from_millis(50))
                     .deny_cache(cache)
+                    .without_local_fallback()
                     .connect(&url)
                     .await
             };
-            let dead = CircuitBreaker::builder(store(doomed.url(), 0).await?)
-                .threshold(3)
-                .cool_down(Duration::from_secs(1))
-                .build()?;
+            // Its own breaker, opened below; no fallback: the layer lets requests through.
+            let dead = RedisStore::builder()
+                .timeout(Duration::from_millis(50))
+                .deny_cache(0)
+                .breaker(3, Duration::from_secs(1))
+                .without_local_fallback()
+                .connect(&doomed.url())
+                .await?;
             doomed.kill();
             // Open the breaker before measuring: three failed decisions.
             let probe = Policy::new("probe", Algorithm::Gcra, Quota::per_second(1)?)?;
             for _ in 0..3 {
                 let _ = dead.check(b"probe", &[&probe], 1).await;
             }
-            if dead.state() != BreakerState::Open {
+            if dead.breaker_state() != BreakerState::Open {
                 return Err::<Fleet, BoxError>(
                     "the breaker did not open after three failures".into(),
                 );

@@ -75,84 +75,72 @@ fn check_prefix(bits: u8) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// A network in CIDR notation, such as `10.0.0.0/8` or `2001:db8::/32`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IpNet {
-    addr: IpAddr,
-    prefix: u8,
-}
-
-impl IpNet {
-    /// Parses `addr/prefix`, or a bare address (a single host).
-    ///
-    /// # Errors
-    ///
-    /// When the text is not an address, or the prefix is too long for it.
-    pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        let bad = || {
-            ConfigError::new(format!(
-                "{text:?} is not a network: write an address or address/prefix, like 10.0.0.0/8 or 2001:db8::/32"
-            ))
-        };
-        let (addr, prefix) = match text.split_once('/') {
-            Some((a, p)) => (a, Some(p)),
-            None => (text, None),
-        };
-        let addr: IpAddr = addr.trim().parse().map_err(|_| bad())?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        let prefix = match prefix {
-            Some(p) => p.trim().parse::<u8>().map_err(|_| bad())?,
-            None => max,
-        };
-        if prefix > max {
-            return Err(bad());
-        }
-        Ok(IpNet { addr, prefix })
-    }
-
-    /// Whether `ip` is inside this network (IPv4-mapped IPv6 counts as IPv4).
-    #[must_use]
-    pub fn contains(&self, ip: IpAddr) -> bool {
-        match (self.addr, canonical(ip)) {
-            (IpAddr::V4(net), IpAddr::V4(ip)) => {
-                let mask = u32::MAX
-                    .checked_shl(32 - u32::from(self.prefix))
-                    .unwrap_or(0);
-                u32::from(net) & mask == u32::from(ip) & mask
-            }
-            (IpAddr::V6(net), IpAddr::V6(ip)) => {
-                let mask = u128::MAX
-                    .checked_shl(128 - u32::from(self.prefix))
-                    .unwrap_or(0);
-                u128::from(net) & mask == u128::from(ip) & mask
-            }
-            _ => false,
-        }
-    }
-}
-
-/// The client's address behind reverse proxies.
+/// The header a trusted proxy writes with the address of the client it serves.
 ///
-/// `Forwarded`, `X-Forwarded-For` and `X-Real-IP` are read **only** when the connection's
-/// peer is one of the configured trusted proxies; otherwise the peer itself is the client,
-/// so a caller cannot pick its own key by sending the headers. Behind trusted proxies the
-/// client is the right-most address in the chain that is not itself a trusted proxy: each
-/// proxy appends the address it saw, so everything to the left of the first untrusted hop
-/// may be forged. `Forwarded` is used when present, else `X-Forwarded-For`, else
-/// `X-Real-IP`. An entry that does not parse ends the walk at the proxy that passed it on.
-/// At most 32 hops are read.
+/// Proxies write one of these and pass the others through as the client sent them, so
+/// [`ClientIp`] reads exactly the one named: a client can put any of the others in its
+/// request, and none of them is believed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ForwardedHeader {
+    /// `Forwarded: for=...` (RFC 7239), one element a hop, each proxy appending its own.
+    Forwarded,
+    /// `X-Forwarded-For: <client>, <proxy 1>, ...`, each proxy appending the address it saw.
+    XForwardedFor,
+    /// `X-Real-IP: <client>`: one address, written by the one proxy in front.
+    XRealIp,
+}
+
+impl ForwardedHeader {
+    fn name(self) -> http::HeaderName {
+        match self {
+            ForwardedHeader::Forwarded => http::header::FORWARDED,
+            ForwardedHeader::XForwardedFor => http::HeaderName::from_static("x-forwarded-for"),
+            ForwardedHeader::XRealIp => http::HeaderName::from_static("x-real-ip"),
+        }
+    }
+}
+
+/// The client's address behind reverse proxies: read from the one header the proxies
+/// write, and only when the connection comes from a trusted proxy.
+///
+/// The rules, all of them:
+///
+/// - The connection's peer is not a trusted proxy: the peer is the client, and no header
+///   is read (a client cannot pick its own key by sending one).
+/// - The peer is trusted: the configured header is read from its last entry backwards —
+///   each proxy appends the address it saw, so only the entries the trusted proxies added
+///   are true, and the first one that is not itself a trusted proxy is the client. No
+///   other header is read, whatever it says.
+/// - At most 32 entries are read, from the right, and an entry longer than 64 bytes is
+///   not an address: a huge or long header costs no more than a short one.
+/// - The header is missing: the peer itself is the client (a proxy's own health check,
+///   say; a proxy that writes the header writes it on every request it forwards).
+/// - The entry where the client should be is not an address — `for=unknown`, an
+///   obfuscated identifier, an empty value, garbage, bytes that are not ASCII — or every
+///   entry read is a
+///   trusted proxy: the client is unknown, and `ClientIp` finds no key; the layer then
+///   does what its fallback says (a chain with [`or`](crate::Fallback::or), or
+///   [`MissingKey`](crate::MissingKey)). What a client wrote further left is never
+///   reached.
+/// - IPv4-mapped IPv6 addresses count as IPv4, in entries and in trusted networks.
 ///
 /// # Examples
 ///
 /// ```
 /// use std::net::SocketAddr;
 /// use http::Request;
-/// use tollway_tower::{ClientIp, Key, KeyExtractor};
+/// use tollway_tower::{ClientIp, ForwardedHeader, Key, KeyExtractor};
 ///
-/// let client_ip = ClientIp::trusting(["10.0.0.0/8"])?;
+/// // The load balancers at 10.0.0.0/8 write X-Forwarded-For.
+/// let client_ip = ClientIp::new(ForwardedHeader::XForwardedFor, ["10.0.0.0/8"])?;
 ///
-/// // Through the trusted load balancer at 10.0.0.5: the header is believed.
-/// let mut req = Request::get("/").header("x-forwarded-for", "198.51.100.7, 10.0.0.9").body(())?;
+/// // Through the load balancer at 10.0.0.5: the entry it appended is believed, not the
+/// // one the client wrote before it.
+/// let mut req = Request::get("/")
+///     .header("x-forwarded-for", "6.6.6.6, 198.51.100.7")
+///     .header("forwarded", "for=7.7.7.7") // not the configured header: never read
+///     .body(())?;
 /// req.extensions_mut().insert("10.0.0.5:40000".parse::<SocketAddr>()?);
 /// assert_eq!(client_ip.extract(&req), Some(Key::new("ip", "198.51.100.7")));
 ///
@@ -164,28 +152,35 @@ impl IpNet {
 /// ```
 #[derive(Clone, Debug)]
 pub struct ClientIp {
-    trusted: Vec<IpNet>,
+    header: ForwardedHeader,
+    trusted: Vec<ipnet::IpNet>,
     ipv6_prefix: u8,
 }
 
+/// The most entries of a forwarding header read, from the right.
 const MAX_HOPS: usize = 32;
+/// The longest entry that can be an address (`for="[v6]:port"` with room to spare).
+const MAX_ENTRY: usize = 64;
 
 impl ClientIp {
-    /// Trusts proxies in `networks` (CIDR, such as `10.0.0.0/8`, or single addresses).
+    /// Reads the client's address from `header`, believed only from proxies in
+    /// `trusted_proxies` (networks such as `10.0.0.0/8`, or single addresses).
     ///
     /// # Errors
     ///
-    /// When a network does not parse.
-    pub fn trusting<I, S>(networks: I) -> Result<Self, ConfigError>
+    /// When a network does not parse, or is written in IPv4-mapped IPv6 with a prefix
+    /// shorter than 96 bits (it would cover both IPv4 and IPv6 addresses).
+    pub fn new<I, S>(header: ForwardedHeader, trusted_proxies: I) -> Result<Self, ConfigError>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let trusted = networks
+        let trusted = trusted_proxies
             .into_iter()
-            .map(|n| IpNet::parse(n.as_ref()))
+            .map(|n| parse_network(n.as_ref()))
             .collect::<Result<_, _>>()?;
         Ok(ClientIp {
+            header,
             trusted,
             ipv6_prefix: 64,
         })
@@ -203,93 +198,138 @@ impl ClientIp {
     }
 
     fn trusts(&self, ip: IpAddr) -> bool {
-        self.trusted.iter().any(|net| net.contains(ip))
+        let ip = canonical(ip);
+        self.trusted.iter().any(|net| net.contains(&ip))
     }
 
-    /// The client address for a request whose connection came from `peer`.
+    /// The client's address for a request whose connection came from `peer`, or `None`
+    /// when the trusted proxies could not name it (see the rules above).
     #[must_use]
-    pub fn client<B>(&self, peer: IpAddr, request: &Request<B>) -> IpAddr {
+    pub fn client<B>(&self, peer: IpAddr, request: &Request<B>) -> Option<IpAddr> {
         if !self.trusts(peer) {
-            return peer;
+            return Some(peer);
         }
-        let headers = request.headers();
-        let mut hops: SmallVec<[Option<IpAddr>; 8]> = SmallVec::new();
-        let forwarded = headers.get_all(http::header::FORWARDED);
-        if forwarded.iter().next().is_some() {
-            for value in forwarded {
-                let Ok(value) = value.to_str() else {
-                    hops.push(None);
-                    continue;
-                };
-                for element in value.split(',') {
-                    hops.push(forwarded_for(element));
-                }
-            }
-        } else {
-            let xff = headers.get_all("x-forwarded-for");
-            for value in xff {
-                let Ok(value) = value.to_str() else {
-                    hops.push(None);
-                    continue;
-                };
-                hops.extend(value.split(',').map(|a| parse_addr(a.trim())));
-            }
-            if hops.is_empty() {
-                if let Some(real) = headers.get("x-real-ip") {
-                    hops.push(real.to_str().ok().and_then(|a| parse_addr(a.trim())));
-                }
+        let mut entries = self.entries(request.headers()).take(MAX_HOPS).peekable();
+        if entries.peek().is_none() {
+            return Some(peer);
+        }
+        for entry in entries {
+            let ip = canonical(entry?);
+            if !self.trusts(ip) {
+                return Some(ip);
             }
         }
-        let mut client = peer;
-        for hop in hops.iter().rev().take(MAX_HOPS) {
-            match hop {
-                Some(ip) => {
-                    client = *ip;
-                    if !self.trusts(*ip) {
-                        break;
-                    }
-                }
-                None => break,
-            }
+        // Every entry read was a trusted proxy: whoever came before is not known.
+        None
+    }
+
+    /// The configured header's entries, last first, each an address or `None`.
+    fn entries<'h>(
+        &self,
+        headers: &'h http::HeaderMap,
+    ) -> impl Iterator<Item = Option<IpAddr>> + 'h {
+        let header = self.header;
+        let mut lines: SmallVec<[&'h [u8]; 2]> = headers
+            .get_all(header.name())
+            .iter()
+            .map(http::HeaderValue::as_bytes)
+            .collect();
+        if header == ForwardedHeader::XRealIp {
+            // One address: the last line's, whole.
+            lines = lines.pop().into_iter().collect();
         }
-        client
+        // Entries are separated by commas, but X-Real-IP is one entry.
+        let separator: fn(&u8) -> bool = match header {
+            ForwardedHeader::XRealIp => |_| false,
+            ForwardedHeader::Forwarded | ForwardedHeader::XForwardedFor => |&b| b == b',',
+        };
+        lines.into_iter().rev().flat_map(move |line| {
+            line.rsplit(separator).map(move |entry| match header {
+                ForwardedHeader::Forwarded => forwarded_for(entry),
+                ForwardedHeader::XForwardedFor | ForwardedHeader::XRealIp => address(entry),
+            })
+        })
     }
 }
 
 impl<B> KeyExtractor<B> for ClientIp {
     fn extract(&self, request: &Request<B>) -> Option<Key> {
         let peer = peer_addr(request)?;
-        Some(Key::ip(self.client(peer, request), self.ipv6_prefix))
+        let client = self.client(peer, request)?;
+        Some(Key::ip(client, self.ipv6_prefix))
+    }
+}
+
+/// A trusted network: CIDR (`10.0.0.0/8`, `2001:db8::/32`) or one address, IPv4-mapped
+/// IPv6 networks written as the IPv4 network they are.
+fn parse_network(text: &str) -> Result<ipnet::IpNet, ConfigError> {
+    let text = text.trim();
+    let bad = || {
+        ConfigError::new(format!(
+            "{text:?} is not a network: write an address or address/prefix, like 10.0.0.0/8 or 2001:db8::/32"
+        ))
+    };
+    let net = match text.parse::<ipnet::IpNet>() {
+        Ok(net) => net,
+        Err(_) => ipnet::IpNet::from(text.parse::<IpAddr>().map_err(|_| bad())?),
+    };
+    match net {
+        // Written in IPv4-mapped form: the IPv4 network it means, which is what mapped
+        // addresses are compared with.
+        ipnet::IpNet::V6(v6) if v6.addr().to_ipv4_mapped().is_some() => {
+            let prefix = v6.prefix_len();
+            let v4 = v6.network().to_ipv4_mapped().filter(|_| prefix >= 96);
+            let v4 = v4.ok_or_else(|| {
+                ConfigError::new(format!(
+                    "{text:?} is an IPv4-mapped IPv6 network wider than IPv4 (a prefix under \
+                     96): write the IPv4 network, like 127.0.0.0/8"
+                ))
+            })?;
+            let v4 = ipnet::Ipv4Net::new(v4, prefix - 96).map_err(|_| bad())?;
+            Ok(ipnet::IpNet::V4(v4))
+        }
+        ipnet::IpNet::V4(_) | ipnet::IpNet::V6(_) => Ok(net),
     }
 }
 
 /// The `for=` parameter of one `Forwarded` element (RFC 7239), if it is an address.
-fn forwarded_for(element: &str) -> Option<IpAddr> {
-    element.split(';').find_map(|pair| {
-        let (name, value) = pair.split_once('=')?;
-        if !name.trim().eq_ignore_ascii_case("for") {
+fn forwarded_for(element: &[u8]) -> Option<IpAddr> {
+    element.split(|&b| b == b';').find_map(|pair| {
+        let pair = pair.trim_ascii();
+        let (name, value) = pair.split_at(pair.iter().position(|&b| b == b'=')?);
+        if !name.trim_ascii().eq_ignore_ascii_case(b"for") {
             return None;
         }
-        let value = value.trim().trim_matches('"');
-        // [2001:db8::1]:4711, 192.0.2.43:47011, or a bare address.
-        let host = if let Some(rest) = value.strip_prefix('[') {
-            rest.split(']').next()?
-        } else {
-            value
-                .split(':')
-                .next()
-                .filter(|_| value.matches(':').count() <= 1)
-                .unwrap_or(value)
-        };
-        host.parse().ok()
+        let value = value[1..].trim_ascii();
+        let value = value
+            .strip_prefix(b"\"")
+            .and_then(|v| v.strip_suffix(b"\""))
+            .unwrap_or(value);
+        // `for=unknown`, an obfuscated `_identifier`: not an address.
+        address(value)
     })
 }
 
-/// An address as proxies write it in X-Forwarded-For: bare, or with a port.
-fn parse_addr(text: &str) -> Option<IpAddr> {
+/// An address as proxies write it: bare (`192.0.2.43`, `2001:db8::1`), with a port
+/// (`192.0.2.43:47011`), or bracketed (`[2001:db8::1]` or `[2001:db8::1]:4711`).
+fn address(entry: &[u8]) -> Option<IpAddr> {
+    let entry = entry.trim_ascii();
+    if entry.len() > MAX_ENTRY {
+        return None;
+    }
+    let text = std::str::from_utf8(entry).ok()?;
+    if let Some(rest) = text.strip_prefix('[') {
+        let (v6, after) = rest.split_once(']')?;
+        let port_ok = after.is_empty() || after.strip_prefix(':').is_some_and(is_port);
+        return port_ok.then(|| v6.parse().ok()).flatten();
+    }
     text.parse::<IpAddr>()
         .ok()
         .or_else(|| text.parse::<SocketAddr>().ok().map(|s| s.ip()))
+}
+
+fn is_port(text: &str) -> bool {
+    text.parse::<u16>().is_ok()
 }
 
 #[cfg(test)]
@@ -307,9 +347,13 @@ mod tests {
         r
     }
 
+    fn xff(trusted: &[&str]) -> ClientIp {
+        ClientIp::new(ForwardedHeader::XForwardedFor, trusted).unwrap()
+    }
+
     #[test]
     fn the_rightmost_untrusted_hop_is_the_client() {
-        let c = ClientIp::trusting(["10.0.0.0/8", "192.0.2.1"]).unwrap();
+        let c = xff(&["10.0.0.0/8", "192.0.2.1"]);
         let r = req(
             "10.1.1.1:1",
             &[(
@@ -321,17 +365,32 @@ mod tests {
     }
 
     #[test]
-    fn forwarded_wins_over_x_forwarded_for_and_understands_ports_and_ipv6() {
-        let c = ClientIp::trusting(["10.0.0.0/8"]).unwrap();
+    fn only_the_configured_header_is_read() {
+        // The proxy writes X-Forwarded-For; the client adds the others.
+        let c = xff(&["10.0.0.0/8"]);
         let r = req(
             "10.1.1.1:1",
             &[
-                (
-                    "forwarded",
-                    "for=198.51.100.1;proto=https, for=\"[2001:db8:cafe::17]:4711\"",
-                ),
-                ("x-forwarded-for", "9.9.9.9"),
+                ("forwarded", "for=6.6.6.6"),
+                ("x-real-ip", "7.7.7.7"),
+                ("x-forwarded-for", "198.51.100.9"),
             ],
+        );
+        assert_eq!(c.extract(&r), Some(Key::new("ip", "198.51.100.9")));
+        // Without it, the peer (the proxy) is the caller, whatever else is there.
+        let r = req("10.1.1.1:1", &[("forwarded", "for=6.6.6.6")]);
+        assert_eq!(c.extract(&r), Some(Key::new("ip", "10.1.1.1")));
+    }
+
+    #[test]
+    fn forwarded_understands_ports_quotes_and_ipv6() {
+        let c = ClientIp::new(ForwardedHeader::Forwarded, ["10.0.0.0/8"]).unwrap();
+        let r = req(
+            "10.1.1.1:1",
+            &[(
+                "forwarded",
+                "for=198.51.100.1;proto=https, for=\"[2001:db8:cafe::17]:4711\"",
+            )],
         );
         assert_eq!(c.extract(&r), Some(Key::new("ip", "2001:db8:cafe::/64")));
         let r = req(
@@ -342,24 +401,75 @@ mod tests {
     }
 
     #[test]
-    fn garbage_in_the_chain_stops_at_the_proxy_that_passed_it_on() {
-        let c = ClientIp::trusting(["10.0.0.0/8"]).unwrap();
-        let r = req("10.1.1.1:1", &[("x-forwarded-for", "1.2.3.4, not-an-ip")]);
+    fn an_unknown_or_garbled_client_is_no_key_and_what_is_left_of_it_is_never_read() {
+        let c = ClientIp::new(ForwardedHeader::Forwarded, ["10.0.0.0/8"]).unwrap();
+        for header in ["for=unknown", "for=_hidden", "proto=https", "for=", "", ","] {
+            let r = req("10.1.1.1:1", &[("forwarded", header)]);
+            assert_eq!(c.extract(&r), None, "{header:?}");
+        }
+        // No header at all: the proxy itself.
+        let r = req("10.1.1.1:1", &[]);
         assert_eq!(c.extract(&r), Some(Key::new("ip", "10.1.1.1")));
-        let r = req("10.1.1.1:1", &[("x-real-ip", "198.51.100.77")]);
-        assert_eq!(c.extract(&r), Some(Key::new("ip", "198.51.100.77")));
+        let c = xff(&["10.0.0.0/8"]);
+        let r = req("10.1.1.1:1", &[("x-forwarded-for", "1.2.3.4, not-an-ip")]);
+        assert_eq!(c.extract(&r), None);
+        // Garbage (not even ASCII) the client wrote left of its real entry changes
+        // nothing.
+        let mut r = req("10.1.1.1:1", &[]);
+        r.headers_mut().insert(
+            "x-forwarded-for",
+            http::HeaderValue::from_bytes(b"\xff\xfe, 203.0.113.8").unwrap(),
+        );
+        assert_eq!(c.extract(&r), Some(Key::new("ip", "203.0.113.8")));
+        // Every entry a trusted proxy: nobody named the client.
+        let r = req("10.1.1.1:1", &[("x-forwarded-for", "10.2.2.2, 10.3.3.3")]);
+        assert_eq!(c.extract(&r), None);
     }
 
     #[test]
-    fn networks_parse_or_say_what_is_wrong() {
-        assert!(
-            IpNet::parse("10.0.0.0/8")
-                .unwrap()
-                .contains("10.200.0.1".parse().unwrap())
+    fn x_real_ip_is_one_address() {
+        let c = ClientIp::new(ForwardedHeader::XRealIp, ["10.0.0.0/8"]).unwrap();
+        let r = req("10.1.1.1:1", &[("x-real-ip", "198.51.100.77")]);
+        assert_eq!(c.extract(&r), Some(Key::new("ip", "198.51.100.77")));
+        let r = req("10.1.1.1:1", &[("x-real-ip", "1.2.3.4, 5.6.7.8")]);
+        assert_eq!(c.extract(&r), None);
+    }
+
+    #[test]
+    fn a_long_chain_is_read_to_32_hops_only() {
+        let c = xff(&["10.0.0.0/8"]);
+        let chain = std::iter::repeat_n("10.0.0.1", 10_000)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let r = req(
+            "10.1.1.1:1",
+            &[("x-forwarded-for", &format!("203.0.113.1, {chain}"))],
         );
-        assert!(IpNet::parse("::ffff:10.0.0.0/104").is_ok());
-        assert!(IpNet::parse("10.0.0.0/33").is_err());
-        assert!(ClientIp::trusting(["nonsense"]).is_err());
+        assert_eq!(c.extract(&r), None);
+        let chain = std::iter::repeat_n("10.0.0.1", 31)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let r = req(
+            "10.1.1.1:1",
+            &[("x-forwarded-for", &format!("203.0.113.1, {chain}"))],
+        );
+        assert_eq!(c.extract(&r), Some(Key::new("ip", "203.0.113.1")));
+    }
+
+    #[test]
+    fn networks_parse_normalise_or_say_what_is_wrong() {
+        let c = xff(&["::ffff:127.0.0.0/104"]);
+        let r = req("127.0.0.1:1", &[("x-forwarded-for", "198.51.100.1")]);
+        assert_eq!(c.extract(&r), Some(Key::new("ip", "198.51.100.1")));
+        let r = req(
+            "[::ffff:127.0.0.1]:1",
+            &[("x-forwarded-for", "198.51.100.1")],
+        );
+        assert_eq!(c.extract(&r), Some(Key::new("ip", "198.51.100.1")));
+        assert!(ClientIp::new(ForwardedHeader::XForwardedFor, ["::ffff:0:0/90"]).is_err());
+        assert!(ClientIp::new(ForwardedHeader::XForwardedFor, ["10.0.0.0/33"]).is_err());
+        assert!(ClientIp::new(ForwardedHeader::XForwardedFor, ["nonsense"]).is_err());
+        assert!(ClientIp::new(ForwardedHeader::XForwardedFor, ["192.0.2.1"]).is_ok());
         assert!(PeerIp::new().ipv6_prefix(129).is_err());
     }
 }

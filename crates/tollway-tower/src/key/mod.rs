@@ -2,19 +2,23 @@
 //!
 //! A [`Key`] names the caller a limit applies to. It is built by a [`KeyExtractor`]: one of
 //! the built-ins ([`PeerIp`], [`ClientIp`], [`ApiKey`], [`UserId`], [`GlobalKey`]) or any
-//! closure `Fn(&Request<B>) -> Option<Key>`.
+//! closure `Fn(&Request<B>) -> Option<Key>`; built-ins chain with [`Fallback::or`]
+//! (`api_key.or(client_ip)`: the API key when there is a known one, else the client's
+//! address).
 
 mod ip;
 
+use std::collections::{HashMap, HashSet};
 use std::fmt::{self, Write as _};
 use std::marker::PhantomData;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
 
 use http::{HeaderName, Request};
 use smallvec::SmallVec;
 use tollway_core::ConfigError;
 
-pub use ip::{ClientIp, IpNet, PeerIp, peer_addr};
+pub use ip::{ClientIp, ForwardedHeader, PeerIp, peer_addr};
 
 /// A caller's identity for rate limiting: a namespace (`ip`, `key`, `user`, ...) and a
 /// value, kept as `namespace:value` bytes so that an API key can never share a limit with
@@ -197,29 +201,42 @@ where
 /// the header (or with an empty one) has no key.
 ///
 /// A raw header value is whatever the caller sends: keyed by it alone, a caller that
-/// sends a new value with every request gets a fresh limit every time. Accept only keys
-/// you know, as the examples do (a closure that looks the key up, falling back to the
-/// peer address), or key by the [`UserId`] an authentication layer has checked.
+/// sends a new value with every request gets a fresh limit every time. So accept only the
+/// keys you issued, with [`ApiKey::known`] (a set, your tier map, or a lookup of your
+/// own): any other value is no key, and the chain goes on to its fallback — usually the
+/// caller's address, with [`Fallback::or`]. (Or key by the [`UserId`] an authentication
+/// layer has checked.)
 ///
 /// # Examples
 ///
 /// ```
+/// use std::collections::HashSet;
+/// use std::net::SocketAddr;
 /// use http::Request;
-/// use tollway_tower::{ApiKey, Key, KeyExtractor};
+/// use tollway_tower::{ApiKey, Fallback, Key, KeyExtractor, PeerIp};
 ///
-/// let api_key = ApiKey::header("x-api-key")?;
-/// let req = Request::get("/").header("x-api-key", "k-123").body(())?;
-/// assert_eq!(api_key.extract(&req), Some(Key::new("key", "k-123")));
-/// assert_eq!(api_key.extract(&Request::get("/").body(())?), None);
+/// let issued = HashSet::from(["k-123".to_owned()]);
+/// let key = ApiKey::header("x-api-key")?.known(issued).or(PeerIp::new());
+///
+/// let request = |api_key: &str| {
+///     let mut req = Request::get("/").header("x-api-key", api_key).body(()).unwrap();
+///     req.extensions_mut().insert("203.0.113.7:5000".parse::<SocketAddr>().unwrap());
+///     req
+/// };
+/// assert_eq!(key.extract(&request("k-123")), Some(Key::new("key", "k-123")));
+/// // A made-up key is the caller's address: it cannot mint a fresh limit.
+/// assert_eq!(key.extract(&request("k-random")), Some(Key::new("ip", "203.0.113.7")));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Debug)]
-pub struct ApiKey {
+pub struct ApiKey<V = AnyValue> {
     header: HeaderName,
+    known: V,
 }
 
 impl ApiKey {
-    /// Keys callers by the value of the header `name`.
+    /// Keys callers by the value of the header `name`, any value (see
+    /// [`ApiKey::known`]).
     ///
     /// # Errors
     ///
@@ -227,7 +244,20 @@ impl ApiKey {
     pub fn header(name: &str) -> Result<Self, ConfigError> {
         let header = HeaderName::from_bytes(name.as_bytes())
             .map_err(|_| ConfigError::new(format!("{name:?} is not a valid header name")))?;
-        Ok(ApiKey { header })
+        Ok(ApiKey {
+            header,
+            known: AnyValue,
+        })
+    }
+}
+
+impl<V> ApiKey<V> {
+    /// Accepts only the values `known` knows; any other is no key.
+    pub fn known<W: KnownKeys>(self, known: W) -> ApiKey<W> {
+        ApiKey {
+            header: self.header,
+            known,
+        }
     }
 
     /// The header's name.
@@ -237,10 +267,100 @@ impl ApiKey {
     }
 }
 
-impl<B> KeyExtractor<B> for ApiKey {
+impl<B, V: KnownKeys> KeyExtractor<B> for ApiKey<V> {
     fn extract(&self, request: &Request<B>) -> Option<Key> {
         let value = request.headers().get(&self.header)?.as_bytes();
-        (!value.is_empty()).then(|| Key::new("key", value))
+        (!value.is_empty() && self.known.is_known(value)).then(|| Key::new("key", value))
+    }
+}
+
+/// Which API keys an [`ApiKey`] accepts.
+///
+/// Implemented by a `HashSet<String>` of issued keys, a `HashMap<String, String>` from key
+/// to tier name (the map the layer's tiers are looked up in), closures
+/// `Fn(&[u8]) -> bool`, an `Arc` of any of them, and [`AnyValue`].
+pub trait KnownKeys: Send + Sync + 'static {
+    /// Whether `value` is a key this service issued.
+    fn is_known(&self, value: &[u8]) -> bool;
+}
+
+/// Every value is a key: a caller that makes up a new one gets a new limit. The default
+/// of [`ApiKey::header`]; see [`ApiKey::known`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AnyValue;
+
+impl KnownKeys for AnyValue {
+    fn is_known(&self, _value: &[u8]) -> bool {
+        true
+    }
+}
+
+impl KnownKeys for HashSet<String> {
+    fn is_known(&self, value: &[u8]) -> bool {
+        std::str::from_utf8(value).is_ok_and(|v| self.contains(v))
+    }
+}
+
+impl KnownKeys for HashMap<String, String> {
+    fn is_known(&self, value: &[u8]) -> bool {
+        std::str::from_utf8(value).is_ok_and(|v| self.contains_key(v))
+    }
+}
+
+impl<F> KnownKeys for F
+where
+    F: Fn(&[u8]) -> bool + Send + Sync + 'static,
+{
+    fn is_known(&self, value: &[u8]) -> bool {
+        self(value)
+    }
+}
+
+impl<K: KnownKeys + ?Sized> KnownKeys for Arc<K> {
+    fn is_known(&self, value: &[u8]) -> bool {
+        (**self).is_known(value)
+    }
+}
+
+/// Chains key extractors: [`or`](Fallback::or) tries another when this one finds no
+/// key. Implemented by the built-in extractors and their chains; wrap a closure in
+/// [`Or::new`] to chain it.
+pub trait Fallback: Sized {
+    /// This extractor's key, or when it finds none, `other`'s.
+    fn or<O>(self, other: O) -> Or<Self, O> {
+        Or::new(self, other)
+    }
+}
+
+impl<V> Fallback for ApiKey<V> {}
+impl Fallback for ClientIp {}
+impl Fallback for PeerIp {}
+impl<T> Fallback for UserId<T> {}
+impl<A, O> Fallback for Or<A, O> {}
+
+/// The key of `first`, or when it finds none, of `then`: see [`Fallback::or`].
+#[derive(Clone, Copy, Debug)]
+pub struct Or<A, O> {
+    first: A,
+    then: O,
+}
+
+impl<A, O> Or<A, O> {
+    /// `first`'s key, or `then`'s.
+    pub fn new(first: A, then: O) -> Self {
+        Or { first, then }
+    }
+}
+
+impl<B, A, O> KeyExtractor<B> for Or<A, O>
+where
+    A: KeyExtractor<B>,
+    O: KeyExtractor<B>,
+{
+    fn extract(&self, request: &Request<B>) -> Option<Key> {
+        self.first
+            .extract(request)
+            .or_else(|| self.then.extract(request))
     }
 }
 

@@ -13,7 +13,7 @@ use super::RateLimit;
 use crate::headers::HeaderStyle;
 use crate::key::PeerIp;
 use crate::limits::{Limits, RouteLimit, Tiers};
-use crate::pipeline::{CostFn, Limiter, MissingKey, OnStoreError};
+use crate::pipeline::{CostFn, Limiter, MissingKey, OnStoreError, Protocol};
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 
 /// Applies rate limits to a service: see the [module docs](super) for a tour.
@@ -56,8 +56,9 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
             routes: Vec::new(),
             errors: Vec::new(),
             cost: None,
-            missing: MissingKey::FallbackToIp,
+            missing: MissingKey::Shared,
             on_error: OnStoreError::Allow,
+            protocol: Protocol::Detect,
             headers: HeaderStyle::Legacy,
             wall_clock: Arc::new(SystemClock),
             on_rejected: Arc::new(default_rejection),
@@ -100,6 +101,7 @@ pub struct RateLimitLayerBuilder<St, K> {
     cost: Option<CostFn>,
     missing: MissingKey,
     on_error: OnStoreError,
+    protocol: Protocol,
     headers: HeaderStyle,
     wall_clock: Arc<dyn Clock>,
     on_rejected: RejectionHandler,
@@ -131,6 +133,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             cost: self.cost,
             missing: self.missing,
             on_error: self.on_error,
+            protocol: self.protocol,
             headers: self.headers,
             wall_clock: self.wall_clock,
             on_rejected: self.on_rejected,
@@ -152,13 +155,38 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
-    /// Adds a limit for requests to `pattern` (an exact path, or a prefix ending in
-    /// `/*`) with `method` (`None`: any method), checked as well as the caller's own
-    /// limit, per caller. All of a request's limits are decided at once by the store, all
-    /// or nothing: the request passes when every one allows it, and a request one of
-    /// them refuses is charged by none. The headers report the most restrictive.
-    pub fn route(mut self, method: Option<Method>, pattern: &str, policy: Policy) -> Self {
-        match RouteLimit::new(method, pattern, self.policies.len()) {
+    /// Adds a limit for requests to `pattern` with `method` (`None`: any method), checked
+    /// as well as the caller's own limit, per caller. All of a request's limits are
+    /// decided at once by the store, all or nothing: the request passes when every one
+    /// allows it, and a request one of them refuses is charged by none. The headers
+    /// report the most restrictive.
+    ///
+    /// `pattern` is an exact path (`/api/v1/checkout`), an axum-style route template
+    /// (`/users/{id}` for any one segment, `/files/{*path}` for the rest of the path), or
+    /// either followed by `/*` for everything below (`/api/*`: `/api` and every path
+    /// under it). It is compared with the whole path the request was sent to — inside a
+    /// nested axum router too, where the router strips its prefix from the URI — and
+    /// with the template of the route axum matched, so a layer in a nested router, a
+    /// `route_layer` and a layer around the whole router all see the same routes.
+    ///
+    /// A `GET` limit covers `HEAD`, which servers answer with the GET handler; any other
+    /// method is only itself. For a gRPC method use
+    /// [`grpc_method`](Self::grpc_method): tonic serves a method whatever the HTTP method.
+    pub fn route(self, method: Option<Method>, pattern: &str, policy: Policy) -> Self {
+        let route = RouteLimit::new(method, pattern, self.policies.len());
+        self.with_route(route, policy)
+    }
+
+    /// Adds a limit on the gRPC method at `path` (`/package.Service/Method`), checked as
+    /// well as the caller's own limit: see [`route`](Self::route). It applies whatever the
+    /// request's HTTP method, since tonic does not check it.
+    pub fn grpc_method(self, path: &str, policy: Policy) -> Self {
+        let route = RouteLimit::grpc(path, self.policies.len());
+        self.with_route(route, policy)
+    }
+
+    fn with_route(mut self, route: Result<RouteLimit, ConfigError>, policy: Policy) -> Self {
+        match route {
             Ok(route) => {
                 self.routes.push(route);
                 self.policies.push(policy);
@@ -177,8 +205,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
-    /// What to do when the key extractor finds no key (default
-    /// [`MissingKey::FallbackToIp`]).
+    /// What to do when the key extractor finds no key (default [`MissingKey::Shared`]).
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
         self.missing = missing;
         self
@@ -187,6 +214,14 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// What to do when the store fails (default [`OnStoreError::Allow`]).
     pub fn on_store_error(mut self, on_error: OnStoreError) -> Self {
         self.on_error = on_error;
+        self
+    }
+
+    /// In whose terms refusals are answered (default [`Protocol::Detect`]): set
+    /// [`Protocol::Http`] for a service that serves no gRPC, [`Protocol::Grpc`] for one
+    /// that serves only gRPC.
+    pub fn protocol(mut self, protocol: Protocol) -> Self {
+        self.protocol = protocol;
         self
     }
 
@@ -241,6 +276,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 cost: self.cost,
                 missing: self.missing,
                 on_error: self.on_error,
+                protocol: self.protocol,
                 header_style: self.headers,
                 wall_clock: self.wall_clock,
                 on_rejected: self.on_rejected,

@@ -51,14 +51,14 @@
 //! # }
 //! ```
 //!
-//! Customised: API keys with Free and Pro tiers, anonymous callers by IP, a tighter limit
-//! on checkout, and the IETF headers beside the legacy ones.
+//! Customised: issued API keys with Free and Pro tiers, everyone else (a made-up key
+//! too) by IP, a tighter limit on checkout, and the IETF headers beside the legacy ones.
 //!
 //! ```
 //! use std::collections::HashMap;
 //! use http::Method;
 //! use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
-//! use tollway_tower::{ApiKey, HeaderStyle, RateLimitLayer};
+//! use tollway_tower::{ApiKey, Fallback, HeaderStyle, PeerIp, RateLimitLayer};
 //!
 //! # fn main() -> Result<(), tollway_core::ConfigError> {
 //! let anonymous = Policy::new("anonymous", Algorithm::TokenBucket, Quota::per_minute(20)?)?;
@@ -70,7 +70,7 @@
 //!     ("demo-pro-key".to_owned(), "pro".to_owned()),
 //! ]);
 //! let layer = RateLimitLayer::builder(MemoryStore::new(), anonymous)
-//!     .key(ApiKey::header("x-api-key")?) // no header: falls back to the peer IP
+//!     .key(ApiKey::header("x-api-key")?.known(keys.clone()).or(PeerIp::new()))
 //!     .tier(free)
 //!     .tier(pro)
 //!     .tiers(keys)
