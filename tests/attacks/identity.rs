@@ -3,9 +3,7 @@
 use std::collections::HashMap;
 
 use support::http::Hits;
-use support::stores::{EPOCH_US, memory_store, per_minute};
-use tollway_core::ManualClock;
-use tollway_tower::{ApiKey, ClientIp, Fallback, ForwardedHeader, PeerIp, RateLimitLayer};
+use tollway_tower::{ApiKey, ClientIp, Fallback, ForwardedHeader, PeerIp};
 
 use super::{admitted, limited};
 
@@ -106,17 +104,18 @@ async fn keyless_callers_behind_a_proxy_fall_back_to_their_own_address() {
 }
 
 /// Finding 9: `Forwarded: for=unknown`, an empty `Forwarded`, or a byte that is not ASCII
-/// in the client's part of `X-Forwarded-For` made every such caller the proxy, and a
-/// chain of 10,000 hops was parsed whole. Now: garbage the client wrote left of its real
-/// entry changes nothing; a client the proxy cannot name has no address, and such
-/// callers share one limit (or go to the fallback); and at most 32 entries are read.
+/// in the client's part of `X-Forwarded-For` made every such caller the proxy — charging
+/// the proxy's own limit — and a chain of 10,000 hops was parsed whole. Now: garbage the
+/// client wrote left of its real entry changes nothing; a client the proxy cannot name
+/// has no address, and such callers share one limit of their own (or go to the
+/// fallback), never the proxy's; and at most 32 entries are read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_and_unknowns_in_forwarding_headers_do_not_lift_the_limit() {
     // Non-ASCII in the client's part: its real address is still read.
     let hits = Hits::default();
     let key = ClientIp::new(ForwardedHeader::XForwardedFor, ["127.0.0.1"]).unwrap();
     let server = limited(key, 5, &hits).await;
-    let client = support::http::Client::new(server.addr());
+    let client = server.client();
     let mut replies = Vec::new();
     for i in 0..10 {
         // Latin-1 bytes, then the address the proxy appended.
@@ -130,17 +129,14 @@ async fn garbage_and_unknowns_in_forwarding_headers_do_not_lift_the_limit() {
         );
     }
     assert_eq!(admitted(&replies), 5, "one caller: 203.0.113.9");
+    // The proxy's own requests (no header) were not charged for them.
+    assert_eq!(admitted(&[client.get("/").await]), 1, "the proxy paid");
 
     // Unknown clients (`for=unknown`, obfuscated, no `for`, an empty element) share one
     // limit under the default `MissingKey::Shared`.
     let hits = Hits::default();
-    let clock = ManualClock::at_micros(EPOCH_US);
-    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("attacked", 5))
-        .key(ClientIp::new(ForwardedHeader::Forwarded, ["127.0.0.1"]).unwrap())
-        .wall_clock(clock)
-        .build()
-        .unwrap();
-    let server = support::http::serve(layer, &hits).await;
+    let key = ClientIp::new(ForwardedHeader::Forwarded, ["127.0.0.1"]).unwrap();
+    let server = limited(key, 5, &hits).await;
     let client = server.client();
     let mut replies = Vec::new();
     for forwarded in ["for=unknown", "for=_hidden", "proto=https", "for=\"\"", ","] {
@@ -149,15 +145,16 @@ async fn garbage_and_unknowns_in_forwarding_headers_do_not_lift_the_limit() {
         }
     }
     assert_eq!(admitted(&replies), 5);
+    assert_eq!(admitted(&[client.get("/").await]), 1, "the proxy paid");
 
     // A 60 KB chain of 5,000 hops, all but the first the trusted proxy: nobody named the
-    // client within 32 hops, so these callers share the one limit too.
-    let hops = std::iter::repeat_n("127.0.0.1", 5_000)
+    // client within 32 hops, so these callers share the unknowns' limit too.
+    let hops = std::iter::repeat_n("for=127.0.0.1", 5_000)
         .collect::<Vec<_>>()
         .join(",");
     let mut replies = Vec::new();
     for i in 0..3 {
-        let chain = format!("for=198.18.0.{i},{}", hops.replace("127", "for=127"));
+        let chain = format!("for=198.18.0.{i},{hops}");
         replies.push(client.get_with("/", &[("forwarded", chain.as_str())]).await);
     }
     assert_eq!(admitted(&replies), 0, "the shared limit is spent");
