@@ -8,8 +8,10 @@
 //! Starts its own `redis-server` on a free loopback port. Each round runs
 //! `redis-benchmark -c 50 -P 16` (50 connections, 16 commands pipelined on each: the
 //! server's ceiling for this script), then tollway with 64 concurrent tasks on one
-//! multiplexed connection, then the same through a deadpool-redis pool (a connection
-//! checked out per call), all over 10,000 random keys, and prints all three.
+//! multiplexed connection — the default store (its breaker and local fallback), then one
+//! built `without_breaker().without_local_fallback()` — then the default through a
+//! deadpool-redis pool (a connection checked out per call), all over 10,000 random keys,
+//! and prints all four.
 
 #![allow(clippy::unwrap_used, missing_docs)]
 
@@ -126,6 +128,14 @@ fn main() {
         .unwrap();
     let store = rt.block_on(async {
         RedisStore::builder()
+            .timeout(Duration::from_secs(5))
+            .connect(&server.url())
+            .await
+            .unwrap()
+    });
+    let bare = rt.block_on(async {
+        RedisStore::builder()
+            .without_breaker()
             .without_local_fallback()
             .timeout(Duration::from_secs(5))
             .connect(&server.url())
@@ -141,7 +151,6 @@ fn main() {
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .unwrap();
     let pooled = RedisStore::builder()
-        .without_local_fallback()
         .timeout(Duration::from_secs(5))
         .with_pool(pooled)
         .unwrap();
@@ -154,6 +163,7 @@ fn main() {
         "client", "decisions/s", "p50 ms", "p99 ms"
     );
     let mut ratios = Vec::new();
+    let mut breaker_ratios = Vec::new();
     let mut pool_ratios = Vec::new();
     let row = |name: &str, r: &Run| {
         println!(
@@ -166,15 +176,22 @@ fn main() {
         row("redis-benchmark EVALSHA -c 50 -P 16", &b);
         let t = rt.block_on(tollway(&store, &policy));
         row("tollway RedisStore, 64 tasks, multiplexed", &t);
+        let n = rt.block_on(tollway(&bare, &policy));
+        row("  the same without breaker and fallback", &n);
         let p = rt.block_on(tollway(&pooled, &policy));
         row("tollway RedisStore, 64 tasks, deadpool pool", &p);
         ratios.push(t.per_second / b.per_second);
+        breaker_ratios.push(t.per_second / n.per_second);
         pool_ratios.push(t.per_second / p.per_second);
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     println!(
         "tollway multiplexed / redis-benchmark: {:.1}% (mean of {ROUNDS} rounds)",
         mean(&ratios) * 100.0
+    );
+    println!(
+        "tollway multiplexed, default / without breaker and fallback: {:.1}% (mean of {ROUNDS} rounds)",
+        mean(&breaker_ratios) * 100.0
     );
     println!(
         "tollway multiplexed / deadpool pool: {:.2}x (mean of {ROUNDS} rounds)",
