@@ -49,6 +49,32 @@ async fn a_client_cannot_choose_its_key_with_a_header_the_proxy_does_not_write()
     assert_eq!(admitted(&replies), 20);
 }
 
+/// Finding 1, with the proxies counted rather than recognised: a CDN (any address) in
+/// front of the load balancer (the test's client, from 127.0.0.1). Whatever a client
+/// writes to the left, the entry the CDN wrote for it is its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_behind_counted_proxies_cannot_choose_its_key() {
+    let hits = Hits::default();
+    let key = ClientIp::new(ForwardedHeader::XForwardedFor, ["127.0.0.1"])
+        .unwrap()
+        .trusted_hops(2)
+        .unwrap();
+    let server = limited(key, 20, &hits).await;
+    let client = server.client();
+    let mut replies = Vec::new();
+    for i in 0..60 {
+        // The client's forgeries, the client by the CDN, the CDN by the balancer (a
+        // different CDN edge each time).
+        let xff = format!("198.18.0.{i}, 198.19.0.{i}, 203.0.113.5, 192.0.2.{i}");
+        replies.push(
+            client
+                .get_with("/", &[("x-forwarded-for", xff.as_str())])
+                .await,
+        );
+    }
+    assert_eq!(admitted(&replies), 20);
+}
+
 /// Finding 4: keyed by a raw `X-API-Key`, a new random key per request got 200 of 200
 /// through. Only issued keys are keys now; any other is the caller's address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

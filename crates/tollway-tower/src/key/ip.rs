@@ -110,16 +110,17 @@ impl ForwardedHeader {
 ///   is read (a client cannot pick its own key by sending one).
 /// - The peer is trusted: the configured header is read from its last entry backwards —
 ///   each proxy appends the address it saw, so only the entries the trusted proxies added
-///   are true, and the first one that is not itself a trusted proxy is the client. No
-///   other header is read, whatever it says.
+///   are true, and the first one that is not itself a trusted proxy is the client (or,
+///   with [`trusted_hops`](ClientIp::trusted_hops), the entry as many places from the
+///   right as there are proxies). No other header is read, whatever it says.
 /// - At most 32 entries are read, from the right, and an entry longer than 64 bytes is
 ///   not an address: a huge or long header costs no more than a short one.
 /// - The header is missing: the peer itself is the client (a proxy's own health check,
 ///   say; a proxy that writes the header writes it on every request it forwards).
 /// - The entry where the client should be is not an address — `for=unknown`, an
 ///   obfuscated identifier, an empty value, garbage, bytes that are not ASCII — or every
-///   entry read is a
-///   trusted proxy: the client is unknown, and `ClientIp` finds no key; the layer then
+///   entry read is a trusted proxy (or, counting hops, there are fewer entries than
+///   proxies): the client is unknown, and `ClientIp` finds no key; the layer then
 ///   does what its fallback says (a chain with [`or`](crate::Fallback::or), or
 ///   [`MissingKey`](crate::MissingKey)). What a client wrote further left is never
 ///   reached.
@@ -154,6 +155,8 @@ impl ForwardedHeader {
 pub struct ClientIp {
     header: ForwardedHeader,
     trusted: Vec<ipnet::IpNet>,
+    /// `Some(n)`: exactly `n` proxies in front, counted rather than recognised.
+    hops: Option<usize>,
     ipv6_prefix: u8,
 }
 
@@ -182,8 +185,58 @@ impl ClientIp {
         Ok(ClientIp {
             header,
             trusted,
+            hops: None,
             ipv6_prefix: 64,
         })
+    }
+
+    /// Counts the proxies instead of recognising each by its address: every request
+    /// passes through exactly `proxies` of them (1 to 32), the last being the peer, which
+    /// must still be in the trusted networks. Each proxy appends what it saw, so the
+    /// client is the `proxies`-th entry from the right, whatever the entries to its right
+    /// are: for proxies whose addresses are not known in advance, such as a CDN in front
+    /// of a load balancer (2). Fewer entries than that means the request did not come
+    /// through all of them, and the client is unknown; no header at all, as ever, makes
+    /// the peer the client.
+    ///
+    /// # Errors
+    ///
+    /// When `proxies` is 0 or more than 32, or the header is `X-Real-IP` (one entry: only
+    /// 1 proxy can write it, the default).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::net::SocketAddr;
+    /// use http::Request;
+    /// use tollway_tower::{ClientIp, ForwardedHeader, Key, KeyExtractor};
+    ///
+    /// // A CDN (any address) in front of the load balancers at 10.0.0.0/8.
+    /// let client_ip =
+    ///     ClientIp::new(ForwardedHeader::XForwardedFor, ["10.0.0.0/8"])?.trusted_hops(2)?;
+    /// let mut req = Request::get("/")
+    ///     // what the client forged, the client (by the CDN), the CDN (by the balancer)
+    ///     .header("x-forwarded-for", "6.6.6.6, 198.51.100.7, 203.0.113.80")
+    ///     .body(())?;
+    /// req.extensions_mut().insert("10.0.0.5:40000".parse::<SocketAddr>()?);
+    /// assert_eq!(client_ip.extract(&req), Some(Key::new("ip", "198.51.100.7")));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn trusted_hops(mut self, proxies: usize) -> Result<Self, ConfigError> {
+        if proxies == 0 || proxies > MAX_HOPS {
+            return Err(ConfigError::new(format!(
+                "trusted hops must be 1 to {MAX_HOPS} proxies (got {proxies}): count the \
+                 proxies a request passes through, the one that connects included"
+            )));
+        }
+        if self.header == ForwardedHeader::XRealIp && proxies > 1 {
+            return Err(ConfigError::new(
+                "X-Real-IP holds one address, written by the one proxy in front: count 1 hop, \
+                 or read X-Forwarded-For or Forwarded",
+            ));
+        }
+        self.hops = Some(proxies);
+        Ok(self)
     }
 
     /// Groups IPv6 addresses by their first `bits` bits (default 64; 128: no grouping).
@@ -212,6 +265,10 @@ impl ClientIp {
         let mut entries = self.entries(request.headers()).take(MAX_HOPS).peekable();
         if entries.peek().is_none() {
             return Some(peer);
+        }
+        if let Some(proxies) = self.hops {
+            // Counted: the client is the entry the first of the proxies wrote.
+            return entries.nth(proxies - 1).flatten().map(canonical);
         }
         for entry in entries {
             let ip = canonical(entry?);
@@ -398,6 +455,48 @@ mod tests {
             &[("forwarded", "for=192.0.2.60:8080;by=10.0.0.1")],
         );
         assert_eq!(c.extract(&r), Some(Key::new("ip", "192.0.2.60")));
+    }
+
+    #[test]
+    fn counted_hops_take_the_entry_the_first_proxy_wrote() {
+        let c = ClientIp::new(ForwardedHeader::XForwardedFor, ["10.0.0.0/8"])
+            .unwrap()
+            .trusted_hops(2)
+            .unwrap();
+        // client forgery, the client, the CDN: the CDN's address is not in 10/8.
+        let r = req(
+            "10.1.1.1:1",
+            &[("x-forwarded-for", "1.1.1.1, 198.51.100.7, 203.0.113.80")],
+        );
+        assert_eq!(c.extract(&r), Some(Key::new("ip", "198.51.100.7")));
+        // Around the CDN: one entry, fewer than the proxies counted.
+        let r = req("10.1.1.1:1", &[("x-forwarded-for", "198.51.100.7")]);
+        assert_eq!(c.extract(&r), None);
+        // No header: the balancer itself. An untrusted peer: itself, whatever it sends.
+        assert_eq!(
+            c.extract(&req("10.1.1.1:1", &[])),
+            Some(Key::new("ip", "10.1.1.1"))
+        );
+        let r = req("192.0.2.9:1", &[("x-forwarded-for", "1.1.1.1, 2.2.2.2")]);
+        assert_eq!(c.extract(&r), Some(Key::new("ip", "192.0.2.9")));
+        let f = ClientIp::new(ForwardedHeader::Forwarded, ["10.0.0.0/8"])
+            .unwrap()
+            .trusted_hops(3)
+            .unwrap();
+        let r = req(
+            "10.1.1.1:1",
+            &[(
+                "forwarded",
+                "for=1.1.1.1, for=198.51.100.8;proto=https, for=_cdn, for=10.2.2.2",
+            )],
+        );
+        assert_eq!(f.extract(&r), Some(Key::new("ip", "198.51.100.8")));
+        let xff = || ClientIp::new(ForwardedHeader::XForwardedFor, ["10.0.0.0/8"]).unwrap();
+        assert!(xff().trusted_hops(0).is_err());
+        assert!(xff().trusted_hops(33).is_err());
+        let real = ClientIp::new(ForwardedHeader::XRealIp, ["10.0.0.0/8"]).unwrap();
+        assert!(real.clone().trusted_hops(2).is_err());
+        assert!(real.trusted_hops(1).is_ok());
     }
 
     #[test]
