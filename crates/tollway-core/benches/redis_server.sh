@@ -18,12 +18,22 @@ free_port() {
 
 TMP=$(mktemp -d)
 PORT=$(free_port)
+mkfifo "$TMP/log"
 redis-server --port "$PORT" --bind 127.0.0.1 --save "" --appendonly no --daemonize no \
-  --dir "$TMP" >"$TMP/redis.log" 2>&1 &
+  --dir "$TMP" >"$TMP/log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; rm -rf "$TMP"' EXIT
 cli() { redis-cli -h 127.0.0.1 -p "$PORT" "$@"; }
-for _ in $(seq 100); do cli ping >/dev/null 2>&1 && break; sleep 0.05; done
+# The server says when it is ready: read its log up to that line (20 s at most), then
+# keep the log draining into a file.
+exec {LOG}<"$TMP/log"
+ready=0
+while IFS= read -r -t 20 line <&"$LOG"; do
+  echo "$line" >>"$TMP/redis.log"
+  if [[ $line == *"Ready to accept connections"* ]]; then ready=1; break; fi
+done
+[ $ready = 1 ] || { echo "redis-server did not start: $(cat "$TMP/redis.log")" >&2; exit 1; }
+cat <&"$LOG" >>"$TMP/redis.log" &
 cli ping >/dev/null
 
 # compose FILE: the files of lua/ joined by "\n", nothing after the last (Rust's concat!
