@@ -2,19 +2,22 @@
 
 use std::collections::HashMap;
 
-use support::http::Hits;
-use tollway_tower::{ApiKey, ClientIp, Fallback, ForwardedHeader, PeerIp};
+use support::http::{Hits, serve};
+use support::stores::{EPOCH_US, memory_store, per_minute};
+use tollway_core::ManualClock;
+use tollway_tower::{
+    ApiKey, ClientIp, Fallback, ForwardedHeader, KeyExtractor, PeerIp, RateLimitLayer,
+};
 
-use super::{admitted, limited};
+use super::admitted;
 
 /// Finding 1: behind a proxy that writes `X-Forwarded-For`, a client added a
 /// `Forwarded: for=<random>` of its own and got 60 of 60 through a 20/min limit, since
 /// `Forwarded` was preferred. Only the header the proxy writes is read now.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_cannot_choose_its_key_with_a_header_the_proxy_does_not_write() {
-    let hits = Hits::default();
     let key = ClientIp::new(ForwardedHeader::XForwardedFor, ["127.0.0.1"]).unwrap();
-    let server = limited(key, 20, &hits).await;
+    let server = limited(key, 20).await;
     let client = server.client();
     let mut replies = Vec::new();
     for i in 0..60 {
@@ -33,9 +36,8 @@ async fn a_client_cannot_choose_its_key_with_a_header_the_proxy_does_not_write()
 
     // The same with a proxy that writes X-Real-IP, and a client that adds
     // X-Forwarded-For.
-    let hits = Hits::default();
     let key = ClientIp::new(ForwardedHeader::XRealIp, ["127.0.0.1"]).unwrap();
-    let server = limited(key, 20, &hits).await;
+    let server = limited(key, 20).await;
     let client = server.client();
     let mut replies = Vec::new();
     for i in 0..60 {
@@ -54,12 +56,11 @@ async fn a_client_cannot_choose_its_key_with_a_header_the_proxy_does_not_write()
 /// writes to the left, the entry the CDN wrote for it is its key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_behind_counted_proxies_cannot_choose_its_key() {
-    let hits = Hits::default();
     let key = ClientIp::new(ForwardedHeader::XForwardedFor, ["127.0.0.1"])
         .unwrap()
         .trusted_hops(2)
         .unwrap();
-    let server = limited(key, 20, &hits).await;
+    let server = limited(key, 20).await;
     let client = server.client();
     let mut replies = Vec::new();
     for i in 0..60 {
@@ -79,13 +80,12 @@ async fn a_client_behind_counted_proxies_cannot_choose_its_key() {
 /// through. Only issued keys are keys now; any other is the caller's address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_random_api_key_per_request_is_still_the_same_caller() {
-    let hits = Hits::default();
     let issued = HashMap::from([("demo-pro-key".to_owned(), "pro".to_owned())]);
     let key = ApiKey::header("x-api-key")
         .unwrap()
         .known(issued)
         .or(PeerIp::new());
-    let server = limited(key, 20, &hits).await;
+    let server = limited(key, 20).await;
     let client = server.client();
     let mut replies = Vec::new();
     for i in 0..200 {
@@ -107,13 +107,12 @@ async fn a_new_random_api_key_per_request_is_still_the_same_caller() {
 /// here the API key, else the client's address behind the proxy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyless_callers_behind_a_proxy_fall_back_to_their_own_address() {
-    let hits = Hits::default();
     let issued = HashMap::from([("demo-free-key".to_owned(), "free".to_owned())]);
     let key = ApiKey::header("x-api-key")
         .unwrap()
         .known(issued)
         .or(ClientIp::new(ForwardedHeader::XForwardedFor, ["127.0.0.1"]).unwrap());
-    let server = limited(key, 5, &hits).await;
+    let server = limited(key, 5).await;
     let client = server.client();
     // Two keyless clients behind the proxy: five each, not five together.
     let mut replies = Vec::new();
@@ -138,9 +137,8 @@ async fn keyless_callers_behind_a_proxy_fall_back_to_their_own_address() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn garbage_and_unknowns_in_forwarding_headers_do_not_lift_the_limit() {
     // Non-ASCII in the client's part: its real address is still read.
-    let hits = Hits::default();
     let key = ClientIp::new(ForwardedHeader::XForwardedFor, ["127.0.0.1"]).unwrap();
-    let server = limited(key, 5, &hits).await;
+    let server = limited(key, 5).await;
     let client = server.client();
     let mut replies = Vec::new();
     for i in 0..10 {
@@ -160,9 +158,8 @@ async fn garbage_and_unknowns_in_forwarding_headers_do_not_lift_the_limit() {
 
     // Unknown clients (`for=unknown`, obfuscated, no `for`, an empty element) share one
     // limit under the default `MissingKey::Shared`.
-    let hits = Hits::default();
     let key = ClientIp::new(ForwardedHeader::Forwarded, ["127.0.0.1"]).unwrap();
-    let server = limited(key, 5, &hits).await;
+    let server = limited(key, 5).await;
     let client = server.client();
     let mut replies = Vec::new();
     for forwarded in ["for=unknown", "for=_hidden", "proto=https", "for=\"\"", ","] {
@@ -191,9 +188,8 @@ async fn garbage_and_unknowns_in_forwarding_headers_do_not_lift_the_limit() {
 /// behind it shared the proxy's limit. It means 127.0.0.0/8 now.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ipv4_mapped_trusted_network_trusts_the_ipv4_proxy() {
-    let hits = Hits::default();
     let key = ClientIp::new(ForwardedHeader::XForwardedFor, ["::ffff:127.0.0.0/104"]).unwrap();
-    let server = limited(key, 5, &hits).await;
+    let server = limited(key, 5).await;
     let client = server.client();
     let mut replies = Vec::new();
     for client_ip in ["203.0.113.1", "203.0.113.2", "203.0.113.3"] {
@@ -206,4 +202,19 @@ async fn an_ipv4_mapped_trusted_network_trusts_the_ipv4_proxy() {
         }
     }
     assert_eq!(admitted(&replies), 15, "three clients, five each");
+}
+
+/// Serves `routes` behind a layer over a memory store: `per_minute` (`limit`) keyed by
+/// `key`, on a manual clock that does not move.
+async fn limited<K>(key: K, limit: u32) -> support::http::Server
+where
+    K: KeyExtractor<axum::body::Body>,
+{
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("attacked", limit))
+        .key(key)
+        .wall_clock(clock)
+        .build()
+        .unwrap();
+    serve(layer, &Hits::default()).await
 }

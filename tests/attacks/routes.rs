@@ -9,7 +9,7 @@ use axum::routing::{get, post};
 use bytes::{BufMut, BytesMut};
 use prost::Message;
 use support::demo::{Catalog, EXPORT, ExportRequest};
-use support::http::{Client, Hits, Reply, Server, routes};
+use support::http::{Client, Hits, Reply, Server};
 use support::stores::{EPOCH_US, memory_store, per_minute};
 use tokio::net::TcpListener;
 use tollway_core::{ManualClock, MemoryStore};
@@ -232,8 +232,7 @@ async fn a_request_dressed_as_grpc_still_gets_its_429() {
         .protocol(Protocol::Http)
         .build()
         .unwrap();
-    let app = routes(&hits).layer(layer);
-    let server = Server::start(app).await;
+    let server = support::http::serve(layer, &hits).await;
     let client = Client::http2(server.addr());
     let replies = [
         client.get_with("/", &grpc).await,

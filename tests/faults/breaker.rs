@@ -8,15 +8,7 @@ use super::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_probe_does_not_leave_the_breaker_half_open() {
     let server = RedisServer::start();
-    let redis = RedisStore::builder()
-        .timeout(TIMEOUT)
-        .deny_cache(0)
-        // The breaker under test wraps the store: none inside it.
-        .without_breaker()
-        .without_local_fallback()
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let redis = unguarded().connect(&server.url()).await.unwrap();
     // The breaker's cool-down runs on a manual clock: the test moves it, never waits.
     let clock = ManualClock::new();
     let store = CircuitBreaker::builder(redis)

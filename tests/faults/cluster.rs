@@ -7,15 +7,7 @@ async fn a_killed_cluster_master_is_replaced_and_the_limiter_carries_on() {
     let mut cluster = RedisCluster::start().await;
     let urls = cluster.urls();
     let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let redis = RedisStore::builder()
-        .timeout(TIMEOUT)
-        .deny_cache(0)
-        // The breaker under test wraps the store: none inside it.
-        .without_breaker()
-        .without_local_fallback()
-        .connect_cluster(&urls)
-        .await
-        .unwrap();
+    let redis = unguarded().connect_cluster(&urls).await.unwrap();
     let store = CircuitBreaker::builder(redis)
         .threshold(5)
         .cool_down(COOL_DOWN)

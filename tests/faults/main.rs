@@ -29,7 +29,7 @@ use support::http as web;
 use support::http::Hits;
 use support::stores::{EPOCH_S, EPOCH_US, per_minute};
 use support::suites::builder;
-use support::{CheckOne, RedisServer, command_calls, grpc, within};
+use support::{CheckOne, RedisServer, command_calls, grpc, script_calls, within};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tollway_core::{
@@ -54,9 +54,15 @@ const WAIT_WITHIN: Duration = Duration::from_secs(20);
 /// decisions must come from it again.
 const RECOVER_WITHIN: Duration = Duration::from_secs(10);
 
-/// Script calls a node took: `EVALSHA` (`NOSCRIPT` replies included) and `EVAL`.
-async fn script_calls(node: &mut redis::aio::MultiplexedConnection) -> u64 {
-    command_calls(node, "evalsha").await + command_calls(node, "eval").await
+/// A Redis store with nothing in front of Redis: the `TIMEOUT`, no deny cache (every
+/// decision reaches Redis or fails), and no breaker or fallback of its own — the tests
+/// that want them wrap it in a `CircuitBreaker` under test.
+fn unguarded() -> tollway_core::RedisStoreBuilder {
+    RedisStore::builder()
+        .timeout(TIMEOUT)
+        .deny_cache(0)
+        .without_breaker()
+        .without_local_fallback()
 }
 
 /// Waits until `done` holds, for at most `within`, checking it again whenever the load

@@ -7,16 +7,7 @@ use super::*;
 /// decisions come from Redis again.
 async fn redis_dies_and_comes_back_under_load(fallback: bool) {
     let mut server = RedisServer::start();
-    // No deny cache: every decision reached Redis or did not.
-    let redis = RedisStore::builder()
-        .timeout(TIMEOUT)
-        .deny_cache(0)
-        // The breaker under test wraps the store: none inside it.
-        .without_breaker()
-        .without_local_fallback()
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let redis = unguarded().connect(&server.url()).await.unwrap();
     let states = Arc::new(Mutex::new(Vec::new()));
     let log = Arc::clone(&states);
     let mut resilient = CircuitBreaker::builder(redis)
@@ -159,14 +150,7 @@ async fn a_client_pause_longer_than_the_timeout_is_answered_within_it() {
     const PAUSE: Duration = Duration::from_secs(5);
     let server = RedisServer::start();
     // Every call waits for Redis: no breaker to stop calling it, no fallback to answer.
-    let store = RedisStore::builder()
-        .timeout(TIMEOUT)
-        .deny_cache(0)
-        .without_breaker()
-        .without_local_fallback()
-        .connect(&server.url())
-        .await
-        .unwrap();
+    let store = unguarded().connect(&server.url()).await.unwrap();
     let policy = Policy::new(
         "pause",
         Algorithm::TokenBucket,

@@ -1,12 +1,10 @@
 //! A fleet: two gateways sharing one Redis enforce one limit.
 
-use std::time::Duration;
-
 use axum::http::StatusCode;
 use support::http::{Hits, assert_too_many, serve};
-use support::stores::{EPOCH_US, memory_store, per_minute};
-use support::{shared_server, unique_prefix, within};
-use tollway_core::{ManualClock, RedisStore, Store};
+use support::stores::{EPOCH_US, memory_store, per_minute, redis_store_under};
+use support::{unique_prefix, within};
+use tollway_core::{ManualClock, Store};
 use tollway_tower::RateLimitLayer;
 
 /// Two gateways (two axum servers, each with its own Redis connection and layer) sharing
@@ -53,16 +51,10 @@ async fn two_servers_sharing_one_redis_enforce_one_limit() {
     let clock = ManualClock::at_micros(EPOCH_US);
     // Two connections to one server, one key prefix: one limit.
     let prefix = unique_prefix("fleet");
-    let url = shared_server().url();
-    let gateway = || {
-        RedisStore::builder()
-            .without_local_fallback()
-            .timeout(Duration::from_secs(5))
-            .prefix(prefix.clone())
-            .caller_time(clock.clone())
-            .connect(&url)
-    };
-    let (a, b) = (gateway().await.unwrap(), gateway().await.unwrap());
+    let (a, b) = (
+        redis_store_under(&prefix, &clock).await,
+        redis_store_under(&prefix, &clock).await,
+    );
     let (remaining, denied, hits) = fleet(a, b, &clock).await;
     assert_eq!(remaining, (0..10).collect::<Vec<u64>>());
     assert_eq!((denied, hits), (2, 10));

@@ -14,7 +14,7 @@ use std::time::Duration;
 use redis::AsyncCommands;
 use support::stores::EPOCH_US;
 use support::suites::{self, Target, builder};
-use support::{CheckOne, RedisServer, command_calls, shared_server};
+use support::{CheckOne, RedisServer, script_calls, shared_server};
 use tollway_core::{Algorithm, Decision, ManualClock, Policy, Quota, RedisStore, StoreErrorKind};
 
 fn shared() -> Target {
@@ -210,8 +210,7 @@ async fn flood(server: &RedisServer, cache: bool) -> (Vec<Decision>, u64) {
     )
     .unwrap();
     let mut admin = server.connection().await;
-    let before =
-        command_calls(&mut admin, "evalsha").await + command_calls(&mut admin, "eval").await;
+    let before = script_calls(&mut admin).await;
     let mut decisions = Vec::with_capacity(10_000);
     for i in 0..10_000 {
         decisions.push(
@@ -222,8 +221,7 @@ async fn flood(server: &RedisServer, cache: bool) -> (Vec<Decision>, u64) {
         );
         clock.advance(Duration::from_micros(100));
     }
-    let after =
-        command_calls(&mut admin, "evalsha").await + command_calls(&mut admin, "eval").await;
+    let after = script_calls(&mut admin).await;
     (decisions, after - before)
 }
 

@@ -35,7 +35,7 @@ pub enum HeaderStyle {
 }
 
 impl HeaderStyle {
-    fn legacy(self) -> bool {
+    pub(crate) fn legacy(self) -> bool {
         matches!(self, HeaderStyle::Legacy | HeaderStyle::Both)
     }
 
@@ -70,16 +70,16 @@ impl RateLimitHeaders {
     }
 
     /// The headers of `style` for a request decided by `verdicts`, of which `most` is the
-    /// one to report and `limit` its `X-RateLimit-Limit` value, at wall time `now_us`
-    /// (microseconds since the Unix epoch). A denial carries `Retry-After` in every style.
+    /// one to report; `legacy`, when the style sends `X-RateLimit-*`, is its
+    /// `X-RateLimit-Limit` value and the wall time (microseconds since the Unix epoch). A
+    /// denial carries `Retry-After` in every style.
     pub(crate) fn new(
         style: HeaderStyle,
         verdicts: &[Verdict<'_>],
         most: &Verdict<'_>,
-        limit: HeaderValue,
-        now_us: u64,
+        legacy: Option<(HeaderValue, u64)>,
     ) -> Self {
-        let legacy = style.legacy().then(|| {
+        let legacy = legacy.map(|(limit, now_us)| {
             let d = &most.decision;
             Legacy {
                 limit,

@@ -9,7 +9,7 @@ use tonic::metadata::MetadataMap;
 
 use crate::grpc::{denial_status, refusal_status};
 use crate::key::KeyExtractor;
-use crate::pipeline::{Limiter, Outcome, Start};
+use crate::pipeline::{Limiter, Outcome, Start, Step};
 
 /// A synchronous tonic `Interceptor` that applies a layer's limits, for users who wrap
 /// services with `InterceptedService` (or `Server::add_service(Svc::with_interceptor(..))`)
@@ -82,7 +82,7 @@ where
             .unwrap_or_default();
         let mut http = http::Request::new(());
         *http.method_mut() = http::Method::POST;
-        if let Ok(uri) = http::Uri::try_from(path.as_str()) {
+        if let Ok(uri) = http::Uri::try_from(path) {
             *http.uri_mut() = uri;
         }
         *http.headers_mut() = metadata.into_headers();
@@ -90,7 +90,11 @@ where
 
         let outcome = match limiter.start(&*self.key, &http) {
             Start::Decided(outcome) => outcome,
-            Start::Evaluate(evaluation) => evaluation.decide_now(limiter),
+            // The memory store answers at once: its future is a ready value.
+            Start::Evaluate(evaluation) => match evaluation.check(limiter) {
+                Step::Done(outcome) => outcome,
+                Step::Wait(ready) => evaluation.decided(limiter, ready.into_inner()),
+            },
         };
         match outcome {
             Outcome::Allow { .. } => {

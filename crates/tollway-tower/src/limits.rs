@@ -251,7 +251,7 @@ impl Limits {
     ) -> Self {
         let limit_values = policies
             .iter()
-            .map(|p| HeaderValue::from(p.quota().burst()))
+            .map(|p| crate::headers::number(p.quota().burst()))
             .collect();
         Limits {
             policies,
@@ -280,7 +280,7 @@ impl Limits {
         if self.policies[index].quota().burst() == limit {
             self.limit_values[index].clone()
         } else {
-            HeaderValue::from(limit)
+            crate::headers::number(limit)
         }
     }
 

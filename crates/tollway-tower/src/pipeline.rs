@@ -227,11 +227,14 @@ impl<St: Store> Limiter<St> {
         most: usize,
     ) -> RateLimitHeaders {
         let verdict = &verdicts[most];
-        let limit = self
-            .limits
-            .limit_value(selected[most], verdict.decision.limit());
-        let now = self.wall_clock.now_micros();
-        RateLimitHeaders::new(self.header_style, verdicts, verdict, limit, now)
+        // `X-RateLimit-Limit` and the wall time for `X-RateLimit-Reset`, when sent.
+        let legacy = self.header_style.legacy().then(|| {
+            let limit = self
+                .limits
+                .limit_value(selected[most], verdict.decision.limit());
+            (limit, self.wall_clock.now_micros())
+        });
+        RateLimitHeaders::new(self.header_style, verdicts, verdict, legacy)
     }
 }
 
@@ -268,20 +271,6 @@ impl Evaluation {
             Checked::Ready(answer) => Step::Done(self.decided(limiter, answer)),
             Checked::Pending(future) => Step::Wait(future),
         }
-    }
-
-    /// Decides every limit with a memory store, which answers at once (the
-    /// interceptor's).
-    #[cfg(feature = "tonic")]
-    pub(crate) fn decide_now<'l, C: Clock>(
-        &self,
-        limiter: &'l Limiter<tollway_core::MemoryStore<C>>,
-    ) -> Outcome<'l> {
-        let policies = self.policies(limiter);
-        let decisions = limiter
-            .store
-            .decide(self.key.as_bytes(), &policies, self.cost);
-        self.decided(limiter, Ok(decisions))
     }
 
     fn policies<'l, St>(&self, limiter: &'l Limiter<St>) -> SmallVec<[&'l Policy; 4]> {

@@ -22,7 +22,7 @@ pub mod stores;
 pub mod suites;
 
 pub use redis::{
-    RedisServer, TlsFiles, command_calls, free_port, servers_started, shared_server, unique_prefix,
+    RedisServer, TlsFiles, command_calls, free_port, script_calls, shared_server, unique_prefix,
 };
 
 use std::future::Future;

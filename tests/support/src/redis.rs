@@ -78,14 +78,6 @@ pub fn unique_prefix(name: &str) -> String {
     format!("{name}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
-/// How many servers this process started (restarts included), for tests and benches
-/// that report what they cost.
-pub fn servers_started() -> u64 {
-    STARTED.load(Ordering::Relaxed)
-}
-
-static STARTED: AtomicU64 = AtomicU64::new(0);
-
 impl RedisServer {
     /// Starts a server and waits until it accepts connections.
     ///
@@ -186,7 +178,6 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| format!("spawn sh for redis-server: {e}"))?;
-        STARTED.fetch_add(1, Ordering::Relaxed);
         let hold = shell.stdin.take();
         let stdout = shell.stdout.take().ok_or("no stdout")?;
         // Its output is read on a thread of its own, to the end, so that it never blocks
@@ -372,4 +363,9 @@ pub async fn unpause(node: &mut redis::aio::MultiplexedConnection) {
         .query_async(node)
         .await
         .expect("CLIENT UNPAUSE");
+}
+
+/// Script calls a node took: `EVALSHA` (`NOSCRIPT` replies included) and `EVAL`.
+pub async fn script_calls(node: &mut redis::aio::MultiplexedConnection) -> u64 {
+    command_calls(node, "evalsha").await + command_calls(node, "eval").await
 }

@@ -51,10 +51,16 @@ pub fn memory_store(clock: &ManualClock) -> MemoryStore<ManualClock> {
 /// A Redis store on this binary's shared server, under a key prefix no other test uses,
 /// passing `clock`'s time to the scripts.
 pub async fn redis_store(clock: &ManualClock) -> RedisStore {
+    redis_store_under(&unique_prefix("e2e"), clock).await
+}
+
+/// A Redis store on this binary's shared server under `prefix` (stores under one prefix
+/// share their limits: gateways of one fleet), passing `clock`'s time to the scripts.
+pub async fn redis_store_under(prefix: &str, clock: &ManualClock) -> RedisStore {
     RedisStore::builder()
         .without_local_fallback()
         .timeout(Duration::from_secs(5))
-        .prefix(unique_prefix("e2e"))
+        .prefix(prefix)
         .caller_time(clock.clone())
         .connect(&shared_server().url())
         .await

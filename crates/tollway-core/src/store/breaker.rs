@@ -2,15 +2,13 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use super::{Checked, Store};
+use super::{BoxStoreFuture, Checked, Store};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
 use crate::{Decisions, MemoryStore, Policy, Quota, StoreError, StoreErrorKind};
@@ -66,7 +64,9 @@ struct Inner<S, C> {
     primary: S,
     fallback: Option<Fallback<C>>,
     clock: C,
-    threshold: u32,
+    /// Failures in a row that open the breaker; `None`: no breaker, every decision
+    /// calls the primary (a fallback alone).
+    threshold: Option<u32>,
     cool_down_us: u64,
     breaker: Mutex<Breaker>,
     listener: Option<Listener>,
@@ -119,14 +119,19 @@ impl<S, C> fmt::Debug for CircuitBreaker<S, C> {
     }
 }
 
+/// The default breaker: this many failed calls in a row open it...
+pub(crate) const DEFAULT_THRESHOLD: u32 = 5;
+/// ...for this long.
+pub(crate) const DEFAULT_COOL_DOWN: Duration = Duration::from_millis(250);
+
 impl<S: Store> CircuitBreaker<S, MonotonicClock> {
     /// Wraps `primary`: 5 failures open the breaker for 250 ms; no local fallback.
     pub fn builder(primary: S) -> CircuitBreakerBuilder<S, MonotonicClock> {
         CircuitBreakerBuilder {
             primary,
             clock: MonotonicClock::new(),
-            threshold: 5,
-            cool_down: Duration::from_millis(250),
+            threshold: Some(DEFAULT_THRESHOLD),
+            cool_down: DEFAULT_COOL_DOWN,
             share: None,
             listener: None,
         }
@@ -171,6 +176,9 @@ impl<S, C: Clock> Inner<S, C> {
     }
 
     fn permit(&self) -> Permit {
+        if self.threshold.is_none() {
+            return Permit::Call;
+        }
         let mut b = self.breaker.lock();
         match b.state {
             BreakerState::Closed => Permit::Call,
@@ -188,6 +196,9 @@ impl<S, C: Clock> Inner<S, C> {
     }
 
     fn record(&self, ok: bool, probe: bool) {
+        let Some(threshold) = self.threshold else {
+            return;
+        };
         let mut b = self.breaker.lock();
         if probe {
             b.probing = false;
@@ -200,55 +211,26 @@ impl<S, C: Clock> Inner<S, C> {
             return;
         }
         b.failures = b.failures.saturating_add(1);
-        if probe || (b.state == BreakerState::Closed && b.failures >= self.threshold) {
+        if probe || (b.state == BreakerState::Closed && b.failures >= threshold) {
             b.open_until_us = self.clock.now_micros() + self.cool_down_us;
             self.set(&mut b, BreakerState::Open);
         }
     }
 }
 
-impl<S: Store, C: Clock> Inner<S, C> {
-    /// The primary's `answer`, recorded by the breaker; a failure is answered by the
-    /// fallback when there is one.
-    fn settle(
+impl<S, C: Clock> Inner<S, C> {
+    /// The answer to a decision the primary did not make (it failed with `error`, or
+    /// was not called): the fallback's, or `error`.
+    fn fall_back(
         &self,
-        answer: Result<Decisions, StoreError>,
-        probe: bool,
-        key: &[u8],
-        policies: &[&Policy],
-        cost: u32,
-    ) -> Result<Decisions, StoreError> {
-        match answer {
-            Ok(decisions) => {
-                self.record(true, probe);
-                Ok(decisions)
-            }
-            Err(error) => {
-                self.record(false, probe);
-                match &self.fallback {
-                    Some(fallback) => {
-                        tracing::debug!(%error, "rate limit store failed; deciding locally");
-                        fallback.decide(key, policies, cost)
-                    }
-                    None => Err(error),
-                }
-            }
-        }
-    }
-
-    /// The answer while the primary is not called: the fallback's, or an error.
-    fn unavailable(
-        &self,
+        error: StoreError,
         key: &[u8],
         policies: &[&Policy],
         cost: u32,
     ) -> Result<Decisions, StoreError> {
         match &self.fallback {
             Some(fallback) => fallback.decide(key, policies, cost),
-            None => Err(StoreError::new(
-                StoreErrorKind::Other,
-                "rate limit store unavailable: breaker open, not calling it until the cool-down ends",
-            )),
+            None => Err(error),
         }
     }
 }
@@ -292,7 +274,7 @@ fn scale(policy: &Policy, share: f64) -> Result<Policy, ConfigError> {
 }
 
 /// The boxed future of a [`CircuitBreaker`] decision that waits for the primary.
-pub type CircuitBreakerFuture = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
+pub type CircuitBreakerFuture = BoxStoreFuture;
 
 impl<S, C> Store for CircuitBreaker<S, C>
 where
@@ -306,7 +288,13 @@ where
         let probe = match inner.permit() {
             Permit::Call => false,
             Permit::Probe => true,
-            Permit::Skip => return Checked::Ready(inner.unavailable(key, policies, cost)),
+            Permit::Skip => {
+                let error = StoreError::new(
+                    StoreErrorKind::Other,
+                    "rate limit store unavailable: breaker open, not calling it until the cool-down ends",
+                );
+                return Checked::Ready(inner.fall_back(error, key, policies, cost));
+            }
         };
         match inner.primary.check(key, policies, cost) {
             // Decided without calling out (the Redis store's deny cache): nothing was
@@ -319,20 +307,31 @@ where
                 Checked::Ready(Ok(decisions))
             }
             Checked::Ready(Err(error)) => {
-                Checked::Ready(inner.settle(Err(error), probe, key, policies, cost))
+                inner.record(false, probe);
+                Checked::Ready(inner.fall_back(error, key, policies, cost))
             }
             Checked::Pending(call) => {
                 let inner = Arc::clone(&self.inner);
-                let key = key.to_vec();
-                let policies: SmallVec<[Policy; 4]> =
-                    policies.iter().map(|p| (*p).clone()).collect();
+                // The request again, for the fallback: copied only when there is one.
+                let request = inner.fallback.is_some().then(|| {
+                    let policies: SmallVec<[Policy; 4]> =
+                        policies.iter().map(|p| (*p).clone()).collect();
+                    (key.to_vec(), policies)
+                });
                 let mut abandoned = AbandonedProbe(probe.then(|| Arc::clone(&inner)));
                 Checked::Pending(Box::pin(async move {
                     let answer = call.await;
-                    // Answered: `settle` settles the probe.
+                    // Answered: `record` settles the probe.
                     abandoned.disarm();
-                    let policies: SmallVec<[&Policy; 4]> = policies.iter().collect();
-                    inner.settle(answer, probe, &key, &policies, cost)
+                    inner.record(answer.is_ok(), probe);
+                    match (answer, request) {
+                        (Err(error), Some((key, policies))) => {
+                            tracing::debug!(%error, "rate limit store failed; deciding locally");
+                            let policies: SmallVec<[&Policy; 4]> = policies.iter().collect();
+                            inner.fall_back(error, &key, &policies, cost)
+                        }
+                        (answer, _) => answer,
+                    }
                 }))
             }
         }
@@ -363,7 +362,7 @@ impl<S, C> Drop for AbandonedProbe<S, C> {
 pub struct CircuitBreakerBuilder<S, C> {
     primary: S,
     clock: C,
-    threshold: u32,
+    threshold: Option<u32>,
     cool_down: Duration,
     share: Option<f64>,
     listener: Option<Listener>,
@@ -382,13 +381,21 @@ impl<S, C> fmt::Debug for CircuitBreakerBuilder<S, C> {
 impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
     /// Consecutive failures that open the breaker (default 5).
     pub fn threshold(mut self, failures: u32) -> Self {
-        self.threshold = failures;
+        self.threshold = Some(failures);
         self
     }
 
     /// How long an open breaker keeps calls away from the primary (default 250 ms).
     pub fn cool_down(mut self, cool_down: Duration) -> Self {
         self.cool_down = cool_down;
+        self
+    }
+
+    /// No breaker: every decision calls the primary, and only its failures go to the
+    /// fallback (the Redis store's `without_breaker()` with a fallback).
+    #[cfg(feature = "redis")]
+    pub(crate) fn without_breaker(mut self) -> Self {
+        self.threshold = None;
         self
     }
 
@@ -426,7 +433,9 @@ impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
     ///
     /// When the threshold is zero, or the share is not in (0, 1].
     pub fn build(self) -> Result<CircuitBreaker<S, C>, ConfigError> {
-        check_threshold(self.threshold)?;
+        if let Some(threshold) = self.threshold {
+            check_threshold(threshold)?;
+        }
         let fallback = match self.share {
             None => None,
             Some(share) => Some(Fallback {

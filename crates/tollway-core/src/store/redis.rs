@@ -2,9 +2,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
-use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -14,8 +12,8 @@ use redis::{RedisError, Script};
 use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
-use super::breaker::{check_share, check_threshold};
-use super::{BreakerState, Checked, CircuitBreaker, CircuitBreakerFuture, Store};
+use super::breaker::{DEFAULT_COOL_DOWN, DEFAULT_THRESHOLD, check_share, check_threshold};
+use super::{BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Store};
 use crate::algorithm::Algorithm;
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
@@ -23,10 +21,6 @@ use crate::{Decision, Decisions, Denial, Policy, StoreError, StoreErrorKind};
 
 /// The default per-call timeout.
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
-/// The default breaker: this many failed calls in a row open it...
-const DEFAULT_THRESHOLD: u32 = 5;
-/// ...for this long.
-const DEFAULT_COOL_DOWN: Duration = Duration::from_millis(250);
 /// The default capacity of the local deny cache.
 const DEFAULT_DENY_CACHE: usize = 65_536;
 /// The longest user key stored as it is; longer (or unusual) keys are hashed.
@@ -124,7 +118,15 @@ fn code(algorithm: Algorithm) -> u64 {
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    guarded: CircuitBreaker<Scripts>,
+    front: Front,
+}
+
+/// What a decision goes through: the scripts alone, or the scripts behind a breaker
+/// and/or a local fallback.
+#[derive(Clone)]
+enum Front {
+    Scripts(Scripts),
+    Guarded(CircuitBreaker<Scripts>),
 }
 
 /// The store that runs the script: what [`RedisStore`] guards with its breaker.
@@ -192,28 +194,31 @@ impl DenyCache {
         }
     }
 
-    /// The entry of a request: its key and every limit's policy (which covers its quota).
-    fn slot(&self, key: &[u8], policies: &[&Policy]) -> (u64, &Mutex<HashMap<u64, Refused>>) {
+    /// The entry of a request — its key and every limit's policy (which covers its
+    /// quota) — if it can have one: only unit-cost requests are remembered.
+    fn entry(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Option<u64> {
+        if cost != 1 {
+            return None;
+        }
         let mut hasher = self.hasher.build_hasher();
         for policy in policies {
             hasher.write_u64(policy.id());
         }
         hasher.write(key);
-        let hash = hasher.finish();
-        (hash, &self.shards[(hash as usize) % Self::SHARDS])
+        Some(hasher.finish())
     }
 
-    /// The local answer for a request, if a refusal still covers it.
-    fn lookup(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Option<Decisions> {
-        if cost != 1 {
-            return None;
-        }
-        let (hash, shard) = self.slot(key, policies);
+    fn shard(&self, entry: u64) -> &Mutex<HashMap<u64, Refused>> {
+        &self.shards[(entry as usize) % Self::SHARDS]
+    }
+
+    /// The local answer for the request of `entry`, if a refusal still covers it.
+    fn lookup(&self, entry: u64) -> Option<Decisions> {
         let now = self.clock.now_micros();
-        let mut map = shard.lock();
-        let refused = map.get(&hash)?;
+        let mut map = self.shard(entry).lock();
+        let refused = map.get(&entry)?;
         if now >= refused.until_us {
-            map.remove(&hash);
+            map.remove(&entry);
             return None;
         }
         let decisions = refused
@@ -233,24 +238,17 @@ impl DenyCache {
         Some(decisions)
     }
 
-    /// Remembers a refusal of a unit-cost request by limits out of units.
-    fn remember(&self, key: &[u8], policies: &[&Policy], cost: u32, decisions: &Decisions) {
-        let limited = || {
-            decisions
-                .iter()
-                .filter(|d| d.denial() == Some(Denial::Limited))
-        };
-        let Some(retry_us) = limited().map(Decision::retry_after_micros).min() else {
+    /// Remembers the refusal of the (unit-cost) request of `entry` by limits out of
+    /// units. (A unit never exceeds a capacity, which is at least 1.)
+    fn remember(&self, entry: u64, decisions: &Decisions) {
+        let Some(retry_us) = decisions
+            .iter()
+            .filter(|d| d.denial() == Some(Denial::Limited))
+            .map(Decision::retry_after_micros)
+            .min()
+        else {
             return;
         };
-        if cost != 1
-            || decisions
-                .iter()
-                .any(|d| d.denial() == Some(Denial::CostExceedsCapacity))
-        {
-            return;
-        }
-        let (hash, shard) = self.slot(key, policies);
         let now = self.clock.now_micros();
         let refused = Refused {
             until_us: now + retry_us,
@@ -265,14 +263,14 @@ impl DenyCache {
                 })
                 .collect(),
         };
-        let mut map = shard.lock();
-        if map.len() >= self.per_shard && !map.contains_key(&hash) {
+        let mut map = self.shard(entry).lock();
+        if map.len() >= self.per_shard && !map.contains_key(&entry) {
             map.retain(|_, r| r.until_us > now);
             if map.len() >= self.per_shard {
                 return;
             }
         }
-        map.insert(hash, refused);
+        map.insert(entry, refused);
     }
 }
 
@@ -286,8 +284,8 @@ enum Backend {
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
-            .field("scripts", self.guarded.primary())
-            .field("breaker", &self.guarded.state())
+            .field("scripts", self.scripts())
+            .field("breaker", &self.breaker_state())
             .finish()
     }
 }
@@ -344,30 +342,48 @@ impl RedisStore {
     /// `prefix:{key}:policy:id`, the user key escaped or hashed.
     #[must_use]
     pub fn state_key(&self, key: &[u8], policy: &Policy) -> String {
-        self.guarded.primary().state_key(key, policy)
+        self.scripts().state_key(key, policy)
     }
 
-    /// Where the store's breaker stands: closed while Redis answers.
+    /// Where the store's breaker stands: closed while Redis answers, and always without
+    /// a breaker.
     #[must_use]
     pub fn breaker_state(&self) -> BreakerState {
-        self.guarded.state()
+        match &self.front {
+            Front::Scripts(_) => BreakerState::Closed,
+            Front::Guarded(guarded) => guarded.state(),
+        }
+    }
+
+    fn scripts(&self) -> &Scripts {
+        match &self.front {
+            Front::Scripts(scripts) => scripts,
+            Front::Guarded(guarded) => guarded.primary(),
+        }
     }
 }
 
 impl Store for RedisStore {
-    type Future = CircuitBreakerFuture;
+    type Future = BoxStoreFuture;
 
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
-        self.guarded.check(key, policies, cost)
+        match &self.front {
+            Front::Scripts(scripts) => scripts.check(key, policies, cost),
+            Front::Guarded(guarded) => guarded.check(key, policies, cost),
+        }
     }
 }
 
 impl Scripts {
     fn state_key(&self, key: &[u8], policy: &Policy) -> String {
+        self.key_of(&escape_key(key), policy)
+    }
+
+    /// The key of `policy`'s state for the caller whose escaped key is `tag`.
+    fn key_of(&self, tag: &str, policy: &Policy) -> String {
         format!(
-            "{}:{{{}}}:{}:{:016x}",
+            "{}:{{{tag}}}:{}:{:016x}",
             self.inner.prefix,
-            escape_key(key),
             policy.name(),
             policy.id()
         )
@@ -470,19 +486,23 @@ fn redis_error(e: RedisError) -> StoreError {
     StoreError::with_source(kind, format!("Redis call failed: {e}"), e)
 }
 
-/// The boxed future of a Redis script's decision.
-type RedisFuture = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
+/// A setting the builder refused, as the error of a `connect`.
+fn config_error(e: ConfigError) -> StoreError {
+    StoreError::with_source(StoreErrorKind::Other, e.to_string(), e)
+}
 
 impl Store for Scripts {
-    type Future = RedisFuture;
+    type Future = BoxStoreFuture;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<RedisFuture> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
         let cache = self.inner.deny_cache.as_ref();
-        if let Some(decisions) = cache.and_then(|cache| cache.lookup(key, policies, cost)) {
+        let entry = cache.and_then(|cache| cache.entry(key, policies, cost));
+        if let Some(decisions) = cache.zip(entry).and_then(|(c, e)| c.lookup(e)) {
             return Checked::Ready(Ok(decisions));
         }
+        let tag = escape_key(key);
         let call = Call {
-            keys: policies.iter().map(|p| self.state_key(key, p)).collect(),
+            keys: policies.iter().map(|p| self.key_of(&tag, p)).collect(),
             now: self.inner.clock.as_ref().map(|c| c.now_micros()),
             cost,
             grace_ms: self.inner.grace_ms,
@@ -502,16 +522,6 @@ impl Store for Scripts {
                 .collect(),
         };
         let capacities: SmallVec<[u64; 2]> = policies.iter().map(|p| p.quota().burst()).collect();
-        // Only a unit-cost request's refusal is remembered: copy what that needs, only then.
-        let remember = (cost == 1 && cache.is_some()).then(|| {
-            (
-                key.to_vec(),
-                policies
-                    .iter()
-                    .map(|p| (*p).clone())
-                    .collect::<SmallVec<[Policy; 2]>>(),
-            )
-        });
         let this = self.clone();
         let timeout = self.inner.timeout;
         Checked::Pending(Box::pin(async move {
@@ -524,10 +534,9 @@ impl Store for Scripts {
                     )
                 })??;
             let decisions = parse(&reply, &capacities)?;
-            if let (Some(cache), Some((key, policies))) = (&this.inner.deny_cache, &remember) {
+            if let (Some(cache), Some(entry)) = (&this.inner.deny_cache, entry) {
                 if !decisions.is_allowed() {
-                    let policies: SmallVec<[&Policy; 2]> = policies.iter().collect();
-                    cache.remember(key, &policies, cost, &decisions);
+                    cache.remember(entry, &decisions);
                 }
             }
             Ok(decisions)
@@ -764,8 +773,7 @@ impl RedisStoreBuilder {
     }
 
     fn build(self, backend: Backend) -> Result<RedisStore, ConfigError> {
-        let (threshold, cool_down) = self.breaker.unwrap_or((u32::MAX, DEFAULT_COOL_DOWN));
-        let fallback_share = self.fallback_share;
+        let (breaker, fallback_share) = (self.breaker, self.fallback_share);
         let scripts = Scripts {
             inner: Arc::new(Inner {
                 backend,
@@ -782,14 +790,21 @@ impl RedisStoreBuilder {
                 clock: self.clock,
             }),
         };
-        let mut guarded = CircuitBreaker::builder(scripts)
-            .threshold(threshold)
-            .cool_down(cool_down);
+        if breaker.is_none() && fallback_share.is_none() {
+            return Ok(RedisStore {
+                front: Front::Scripts(scripts),
+            });
+        }
+        let mut guarded = CircuitBreaker::builder(scripts);
+        guarded = match breaker {
+            Some((threshold, cool_down)) => guarded.threshold(threshold).cool_down(cool_down),
+            None => guarded.without_breaker(),
+        };
         if let Some(share) = fallback_share {
             guarded = guarded.local_fallback(share);
         }
         Ok(RedisStore {
-            guarded: guarded.build()?,
+            front: Front::Guarded(guarded.build()?),
         })
     }
 
@@ -808,8 +823,7 @@ impl RedisStoreBuilder {
     /// be reached within the timeout, refuses the credentials, or (TLS) presents a
     /// certificate that does not verify.
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
-        self.validate()
-            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e.to_string(), e))?;
+        self.validate().map_err(config_error)?;
         let client = self.client(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
@@ -833,8 +847,7 @@ impl RedisStoreBuilder {
                 e,
             )
         })?;
-        self.build(Backend::Manager(manager))
-            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e.to_string(), e))
+        self.build(Backend::Manager(manager)).map_err(config_error)
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` URLs):
@@ -851,8 +864,7 @@ impl RedisStoreBuilder {
     /// When the prefix or timeout is invalid, the URLs mix `redis://` and `rediss://`,
     /// or no node can be reached within the timeout.
     pub async fn connect_cluster(self, nodes: &[&str]) -> Result<RedisStore, StoreError> {
-        self.validate()
-            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e.to_string(), e))?;
+        self.validate().map_err(config_error)?;
         #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
         let mut builder = redis::cluster::ClusterClient::builder(nodes.iter().copied())
             .connection_timeout(self.timeout)
@@ -921,7 +933,7 @@ impl RedisStoreBuilder {
                 )
             })?;
         self.build(Backend::Cluster(connection))
-            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e.to_string(), e))
+            .map_err(config_error)
     }
 
     /// Uses an existing redis-rs `ConnectionManager`.

@@ -3,7 +3,6 @@
 use std::net::{IpAddr, SocketAddr};
 
 use http::Request;
-use smallvec::SmallVec;
 use tollway_core::ConfigError;
 
 use super::{Key, KeyExtractor, canonical};
@@ -286,25 +285,22 @@ impl ClientIp {
         headers: &'h http::HeaderMap,
     ) -> impl Iterator<Item = Option<IpAddr>> + 'h {
         let header = self.header;
-        let mut lines: SmallVec<[&'h [u8]; 2]> = headers
-            .get_all(header.name())
-            .iter()
-            .map(http::HeaderValue::as_bytes)
-            .collect();
-        if header == ForwardedHeader::XRealIp {
-            // One address: the last line's, whole.
-            lines = lines.pop().into_iter().collect();
-        }
-        // Entries are separated by commas, but X-Real-IP is one entry.
-        let separator: fn(&u8) -> bool = match header {
-            ForwardedHeader::XRealIp => |_| false,
-            ForwardedHeader::Forwarded | ForwardedHeader::XForwardedFor => |&b| b == b',',
+        // Entries are separated by commas, but X-Real-IP is one address: its last line's,
+        // whole.
+        let (separator, lines): (fn(&u8) -> bool, usize) = match header {
+            ForwardedHeader::XRealIp => (|_| false, 1),
+            ForwardedHeader::Forwarded | ForwardedHeader::XForwardedFor => {
+                (|&b| b == b',', usize::MAX)
+            }
         };
-        lines.into_iter().rev().flat_map(move |line| {
-            line.rsplit(separator).map(move |entry| match header {
-                ForwardedHeader::Forwarded => forwarded_for(entry),
-                ForwardedHeader::XForwardedFor | ForwardedHeader::XRealIp => address(entry),
-            })
+        let lines = headers.get_all(header.name()).into_iter().rev().take(lines);
+        lines.flat_map(move |line| {
+            line.as_bytes()
+                .rsplit(separator)
+                .map(move |entry| match header {
+                    ForwardedHeader::Forwarded => forwarded_for(entry),
+                    ForwardedHeader::XForwardedFor | ForwardedHeader::XRealIp => address(entry),
+                })
         })
     }
 }

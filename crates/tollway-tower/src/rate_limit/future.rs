@@ -62,7 +62,8 @@ pin_project! {
 pub(super) struct Pending<S, B, St> {
     limiter: Arc<Limiter<St>>,
     evaluation: Evaluation,
-    held: Held<S, B>,
+    service: S,
+    request: Request<B>,
 }
 
 /// An admitted request and the ready service it will be handed to.
@@ -139,11 +140,8 @@ impl<S, B, St> Pending<S, B, St> {
         Pending {
             limiter,
             evaluation,
-            held: Held {
-                service,
-                request,
-                headers: RateLimitHeaders::none(),
-            },
+            service,
+            request,
         }
     }
 }
@@ -158,13 +156,14 @@ where
         self,
         answer: Result<Decisions, StoreError>,
     ) -> State<St::Future, S::Future, S, B, St> {
-        let outcome = self.evaluation.decided(&self.limiter, answer);
-        let Held {
+        let Pending {
+            limiter,
+            evaluation,
             mut service,
             request,
-            ..
-        } = self.held;
-        match self.limiter.next(outcome, &request) {
+        } = self;
+        let outcome = evaluation.decided(&limiter, answer);
+        match limiter.next(outcome, &request) {
             Next::Call {
                 headers,
                 delay: None,

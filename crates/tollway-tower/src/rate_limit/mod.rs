@@ -3,7 +3,7 @@
 //! [`RateLimitLayer`] decides, per caller, whether a request may reach the service. It
 //! finds the caller's [`Key`](crate::Key) with a [`KeyExtractor`](crate::KeyExtractor),
 //! picks the caller's policies (a tier, or the default, plus any route limits), asks the
-//! [`Store`](tollway_core::Store) once per policy, and then either calls the service — adding
+//! [`Store`](tollway_core::Store) about all of them at once, and then either calls the service — adding
 //! `X-RateLimit-*` headers to its response — or answers `429 Too Many Requests` with
 //! `Retry-After` and a JSON body. A shaping policy holds the request for its delay first.
 //!
