@@ -1,14 +1,10 @@
 -- The entry: decides the request of ARGV against the limits of KEYS, all or nothing, and
--- replies four integers per limit (see prelude.lua).
+-- replies four integers per limit (see prelude.lua). operate.lua writes states alike.
 
-local now = argv[1]
-if now == '' then
-  local t = call('TIME')
-  now = t[1] * 1000000 + t[2]
-else
-  now = now + 0
-end
-local cost, grace = argv[2] + 0, argv[3] + 0
+-- ARGV[3] 'peek': decide as usual and write nothing.
+local cost, grace = argv[2] + 0, argv[3]
+local commit = grace ~= 'peek'
+if commit then grace = grace + 0 end
 if n == 0 then return {} end
 
 -- One limit (most requests): the loop below without its bookkeeping, measured 5% faster
@@ -34,7 +30,7 @@ if n == 1 then
   else
     return error('tollway: unknown algorithm code ' .. tostring(code))
   end
-  if denial == 0 then
+  if denial == 0 and commit then
     if code == '5' then
       if cost > 0 then sliding_window_log_admit(key, now, cost, argv[6] + 0, grace, x, y) end
     elseif y > now then
@@ -95,7 +91,7 @@ for pass = 1, 2 do
   c = 0
 end
 
-if not denied then
+if commit and not denied then
   for i = 1, n do
     local key, code, r = keys[i], argv[5 * i - 1], 3 * i
     local v, x, y = held[r - 2], held[r - 1], held[r]

@@ -3,12 +3,15 @@
 -- crates/tollway-core/benches/redis_scripts.sh must agree):
 --   prelude.lua, token_bucket.lua, gcra.lua, leaky_bucket.lua, fixed_window.lua,
 --   sliding_window_counter.lua, sliding_window_log.lua, check.lua
+-- A second script, the same with operate.lua in place of check.lua, charges, refunds
+-- and resets (see operate.lua).
 --
 -- KEYS[i], i = 1..N (N >= 1): limit i's state, all of it in that one key (one hash tag).
 -- ARGV:
 --   [1] now in µs, or "" to read the server's clock (TIME)
 --   [2] cost in units, the same for every limit (may be 0)
---   [3] grace in ms, added to every time-to-live (0 normally)
+--   [3] grace in ms, added to every time-to-live (0 normally); or "peek": decide as
+--       usual and write nothing
 --   then five per limit; limit i's are [b+1] .. [b+5] with b = 3 + 5 × (i − 1):
 --   [b+1] algorithm: 1 token bucket, 2 leaky bucket meter, 3 leaky bucket shaper,
 --         4 fixed window, 5 sliding window log, 6 sliding window counter, 7 GCRA
@@ -39,6 +42,14 @@
 local call, pack, unpack, unpack_list = redis.call, struct.pack, struct.unpack, unpack
 local argv, keys = ARGV, KEYS
 local n = #keys
+
+local now = argv[1]
+if now == '' then
+  local t = call('TIME')
+  now = t[1] * 1000000 + t[2]
+else
+  now = now + 0
+end
 
 -- A function definition makes a new closure on every call (measured: ~500 instructions
 -- each, 7% of a request with all of them), so with one limit each algorithm file defines

@@ -14,7 +14,9 @@ use axum::http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use support::stores::{EPOCH_S, EPOCH_US, memory_store};
 use tokio::time::Instant;
-use tollway_core::{Algorithm, Checked, Decisions, ManualClock, Policy, Quota, Store, StoreError};
+use tollway_core::{
+    Algorithm, Checked, Decisions, ManualClock, Operation, Policy, Quota, Store, StoreError,
+};
 use tollway_tower::RateLimitLayer;
 use tower::{Layer, ServiceExt};
 
@@ -35,6 +37,11 @@ impl<St: Store> Store for Deferred<St> {
             tokio::task::yield_now().await;
             answer.await
         }))
+    }
+
+    fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<DeferredCheck> {
+        let answer = self.0.operate(key, policies, op);
+        Checked::Pending(Box::pin(answer.into_future()))
     }
 }
 

@@ -9,6 +9,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod operations;
+
 use std::time::Duration;
 
 use redis::AsyncCommands;

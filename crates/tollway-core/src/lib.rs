@@ -56,7 +56,8 @@ pub use policy::{MAX_POLICY_NAME, MAX_SLIDING_LOG_LIMIT, Policy};
 pub use quota::Quota;
 pub use store::{
     BoxStore, BoxStoreFuture, BreakerState, Checked, CheckedFuture, CircuitBreaker,
-    CircuitBreakerBuilder, CircuitBreakerFuture, MemoryStore, MemoryStoreBuilder, Store, WhenFull,
+    CircuitBreakerBuilder, CircuitBreakerFuture, MemoryStore, MemoryStoreBuilder, Operation, Store,
+    WhenFull,
 };
 #[cfg(feature = "redis")]
 pub use store::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};

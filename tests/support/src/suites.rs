@@ -15,7 +15,7 @@ use std::time::Duration;
 use redis::AsyncCommands;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use tollway_core::{
-    Algorithm, Decision, Denial, ManualClock, MemoryStore, Policy, Quota, RedisStore,
+    Algorithm, Decision, Denial, ManualClock, MemoryStore, Operation, Policy, Quota, RedisStore,
     RedisStoreBuilder, Store,
 };
 
@@ -269,7 +269,9 @@ pub async fn conformance(target: &Target, events: usize) -> Vec<String> {
 /// algorithms (chosen afresh for every request, so the limits' states interleave), through
 /// Redis and through the memory store on one pinned clock: every decision of every limit
 /// must be the same, and so must the all-or-nothing rule (a refused request charges no
-/// limit). The store with the deny cache may answer a repeated refusal locally; its
+/// limit). One event in four is an [`Operation`] instead (peek, charge, refund, reset),
+/// whose answers must be the same too, as must every decision after it. The store with
+/// the deny cache may answer a repeated refusal locally; its
 /// denials must be exact, and the limits that did not deny may report fewer remaining
 /// units than they have (what Redis said at the refusal), never more. Returns the keys.
 pub async fn conformance_multi(target: &Target, events: usize) -> Vec<String> {
@@ -293,6 +295,7 @@ pub async fn conformance_multi(target: &Target, events: usize) -> Vec<String> {
         .collect();
     let mut keys = BTreeSet::new();
     let (mut admitted, mut refused_with_room) = (0, 0);
+    let mut operations = [0usize; 4];
     for i in 0..events {
         let n = 1 + rng.below(4) as usize;
         let mut chosen: Vec<&Policy> = Vec::new();
@@ -306,6 +309,39 @@ pub async fn conformance_multi(target: &Target, events: usize) -> Vec<String> {
         clock.set_micros(now + gap(&mut rng, now, chosen[0].quota()));
         let cost = cost(&mut rng, chosen[0].quota(), chosen[0].algorithm()).min(3);
         let caller = format!("caller-{}", rng.below(CALLERS));
+        // One event in four looks at or corrects the state instead of checking a request.
+        let operation = match rng.below(16) {
+            0 => Some(Operation::Peek(cost)),
+            1 => Some(Operation::Charge(1 + rng.below(12) as u32)),
+            2 => Some(Operation::Refund(1 + rng.below(12) as u32)),
+            3 => Some(Operation::Reset),
+            _ => None,
+        };
+        if let Some(operation) = operation {
+            let expected = memory.apply(caller.as_bytes(), &chosen, operation);
+            let (script, local) = tokio::join!(
+                scripts
+                    .operate(caller.as_bytes(), &chosen, operation)
+                    .into_future(),
+                cached
+                    .operate(caller.as_bytes(), &chosen, operation)
+                    .into_future(),
+            );
+            let names: Vec<&str> = chosen.iter().map(|p| p.name()).collect();
+            let context = format!(
+                "event {i} {caller} at {} {operation:?} limits {names:?}",
+                clock.now_micros_for_test()
+            );
+            assert_eq!(script.unwrap(), expected, "script: {context}");
+            assert_eq!(local.unwrap(), expected, "deny cache: {context}");
+            operations[match operation {
+                Operation::Peek(_) => 0,
+                Operation::Charge(_) => 1,
+                Operation::Refund(_) => 2,
+                _ => 3,
+            }] += 1;
+            continue;
+        }
         let expected = memory.decide(caller.as_bytes(), &chosen, cost);
         let (script, local) = tokio::join!(
             scripts
@@ -352,6 +388,10 @@ pub async fn conformance_multi(target: &Target, events: usize) -> Vec<String> {
     // The trace is not vacuous: requests pass, and requests are refused by one limit
     // while another had room (the case all-or-nothing is about).
     assert!(admitted >= events / 10, "{admitted} admitted");
+    assert!(
+        operations.iter().all(|&n| n >= events / 100),
+        "operations (peek, charge, refund, reset): {operations:?}"
+    );
     assert!(
         refused_with_room >= events / 20,
         "{refused_with_room} refused with room"

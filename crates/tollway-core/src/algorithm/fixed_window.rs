@@ -62,6 +62,17 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
     }
 }
 
+/// Gives `units` back to the current window at `now` (a window that has ended is fresh
+/// already).
+#[must_use]
+pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
+    let end = now - quota.rem_period(now) + quota.period_micros();
+    match state.count.saturating_sub(u64::from(units)) {
+        count if state.end == end && count > 0 => State { end, count },
+        _ => State::default(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,6 +88,15 @@ mod tests {
         assert!(!ds[1].is_allowed());
         assert_eq!(ds[1].retry_after_micros(), 1);
         assert!(ds[2].is_allowed());
+    }
+
+    #[test]
+    fn a_refund_counts_only_in_the_window_that_charged() {
+        let q = Quota::per_second(10).unwrap();
+        let (_, s) = check(State::default(), 100, &q, 6);
+        assert_eq!(refund(s, 200, &q, 2).count, 4);
+        assert_eq!(refund(s, 200, &q, 7), State::default());
+        assert_eq!(refund(s, 1_000_000, &q, 1), State::default());
     }
 
     #[test]

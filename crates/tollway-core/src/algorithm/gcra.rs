@@ -60,6 +60,17 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
     }
 }
 
+/// Gives `units` back at `now`, up to a fresh key's capacity: the theoretical arrival
+/// time moves back by their emission intervals, never before `now`.
+#[must_use]
+pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
+    // At most the whole capacity, so the product stays within the quota's bounds.
+    let back = u64::from(units).min(quota.burst()) * quota.emission_micros();
+    State {
+        tat: state.tat.saturating_sub(back).max(now),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,6 +96,14 @@ mod tests {
         let ds = run(check, &q, &[(0, 1), (333_333, 1), (333_334, 1)]);
         assert!(!ds[1].is_allowed());
         assert!(ds[2].is_allowed());
+    }
+
+    #[test]
+    fn a_refund_moves_the_arrival_time_back_and_no_further_than_now() {
+        let q = Quota::per_second(4).unwrap();
+        let (_, s) = check(State::default(), 0, &q, 3);
+        assert_eq!(refund(s, 0, &q, 1).tat, 500_000);
+        assert_eq!(refund(s, 100_000, &q, 9).tat, 100_000);
     }
 
     #[test]

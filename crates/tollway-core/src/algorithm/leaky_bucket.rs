@@ -51,6 +51,18 @@ pub fn shape(state: ShaperState, now: u64, quota: &Quota, cost: u32) -> (Decisio
     (d, next)
 }
 
+/// Empties `units` from the meter's bucket at `now` (the token bucket's refund).
+#[must_use]
+pub fn meter_refund(state: MeterState, now: u64, quota: &Quota, units: u32) -> MeterState {
+    token_bucket::refund(state, now, quota, units)
+}
+
+/// Takes `units` out of the shaper's queue at `now` (GCRA's refund).
+#[must_use]
+pub fn shape_refund(state: ShaperState, now: u64, quota: &Quota, units: u32) -> ShaperState {
+    gcra::refund(state, now, quota, units)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

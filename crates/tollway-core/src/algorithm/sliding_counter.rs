@@ -115,6 +115,23 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
     (d, state)
 }
 
+/// Gives `units` back at `now`: from the current window's count first, then from the
+/// previous window's (a request charged just before the boundary).
+#[must_use]
+pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
+    let period = quota.period_micros();
+    let start = now - quota.rem_period(now);
+    let (prev, curr) = state.counts_at(start, period);
+    let units = u64::from(units);
+    let from_prev = units.saturating_sub(curr);
+    State::at(
+        start,
+        period,
+        prev.saturating_sub(from_prev),
+        curr.saturating_sub(units),
+    )
+}
+
 /// The first instant at which `cost` more units fit, given counts that do not fit now.
 fn retry_at(start: u64, period: u64, limit: u64, prev: u64, curr: u64, cost: u64) -> u64 {
     // Later in this window, as the previous window's weight shrinks:
@@ -158,6 +175,16 @@ mod tests {
         let ds = run(check, &q, &[(999_000, 10), (1_000_000, 1)]);
         assert!(!ds[1].is_allowed());
         assert_eq!(ds[1].retry_after_micros(), 100_000);
+    }
+
+    #[test]
+    fn a_refund_takes_from_this_window_then_the_last() {
+        let q = Quota::per_second(10).unwrap();
+        let (_, s) = check(State::default(), 900_000, &q, 6);
+        let (_, s) = check(s, 1_000_000, &q, 2);
+        let back = refund(s, 1_000_000, &q, 3);
+        assert_eq!((back.prev, back.curr), (5, 0));
+        assert_eq!(refund(s, 1_000_000, &q, 8), State::default());
     }
 
     #[test]

@@ -106,6 +106,26 @@ pub fn admit(log: &mut Log, now: u64, quota: &Quota, cost: u32) {
     log.expires_at = log.expires_at.max(now + quota.period_micros());
 }
 
+/// Gives back the `units` admitted last (the newest entries), as of `now`.
+pub fn refund(log: &mut Log, now: u64, quota: &Quota, units: u32) {
+    let period = quota.period_micros();
+    log.trim(now, period);
+    let mut left = u64::from(units);
+    while left > 0 {
+        let Some((_, newest)) = log.entries.back_mut() else {
+            break;
+        };
+        let taken = left.min(*newest);
+        *newest -= taken;
+        log.total -= taken;
+        left -= taken;
+        if *newest == 0 {
+            log.entries.pop_back();
+        }
+    }
+    log.expires_at = log.entries.back().map_or(0, |&(at, _)| at + period);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,6 +163,19 @@ mod tests {
         let ds = run(&q, &[(0, 2), (100, 2), (200, 1), (300, 3)]);
         // 3 more units need the entries at 0 and 100 gone: at 1_000_100.
         assert_eq!(ds[3].retry_after_micros(), 1_000_100 - 300);
+    }
+
+    #[test]
+    fn a_refund_forgets_the_newest_units() {
+        let q = Quota::per_second(5).unwrap();
+        let mut log = Log::default();
+        let _ = check(&mut log, 0, &q, 2);
+        let _ = check(&mut log, 100, &q, 2);
+        refund(&mut log, 100, &q, 3);
+        assert_eq!(log.entries().collect::<Vec<_>>(), [(0, 1)]);
+        assert_eq!(log.expires_at(), 1_000_000);
+        refund(&mut log, 100, &q, 3);
+        assert_eq!(log, Log::default());
     }
 
     #[test]

@@ -101,6 +101,16 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
     }
 }
 
+/// Gives `units` back to the bucket at `now`, up to full: the state after a request of
+/// `units` is undone (it failed, or cost less than charged).
+#[must_use]
+pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
+    let (deficit, _) = state.deficit(now, quota);
+    // At most a full bucket's worth, so the product stays within the quota's bounds.
+    let back = u64::from(units).min(quota.burst()) * quota.period_micros();
+    State::with_deficit(now, deficit.saturating_sub(back), quota).0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +159,16 @@ mod tests {
         assert!(ds[1].is_allowed());
         assert_eq!(ds[2].denial(), Some(Denial::Limited));
         assert_eq!(ds[2].retry_after_micros(), 6_000_000);
+    }
+
+    #[test]
+    fn a_refund_gives_back_what_a_request_took_and_no_more() {
+        let q = Quota::per_second(10).unwrap();
+        let (_, s) = check(State::default(), 0, &q, 4);
+        let back = refund(s, 0, &q, 3);
+        assert_eq!(check(back, 0, &q, 0).0.remaining(), 9);
+        let full = refund(s, 0, &q, u32::MAX);
+        assert_eq!(check(full, 0, &q, 0).0, check(State::default(), 0, &q, 0).0);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use super::{Checked, Store};
+use super::{Checked, Operation, Store};
 use crate::{Decisions, Policy, StoreError};
 
 /// The future of a [`BoxStore`] decision that waits.
@@ -59,14 +59,27 @@ impl fmt::Debug for BoxStore {
 /// [`Store`] as a trait object: the same method, with the waiting future boxed.
 trait ErasedStore: Send + Sync {
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture>;
+    fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture>;
 }
 
 impl<S: Store> ErasedStore for S {
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
-        match Store::check(self, key, policies, cost) {
-            Checked::Ready(answer) => Checked::Ready(answer),
-            Checked::Pending(future) => Checked::Pending(Box::pin(future)),
-        }
+        boxed(Store::check(self, key, policies, cost))
+    }
+
+    fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture> {
+        boxed(Store::operate(self, key, policies, op))
+    }
+}
+
+/// A store's answer with its future boxed.
+pub(super) fn boxed<F>(answer: Checked<F>) -> Checked<BoxStoreFuture>
+where
+    F: Future<Output = Result<Decisions, StoreError>> + Send + 'static,
+{
+    match answer {
+        Checked::Ready(answer) => Checked::Ready(answer),
+        Checked::Pending(future) => Checked::Pending(Box::pin(future)),
     }
 }
 
@@ -75,5 +88,9 @@ impl Store for BoxStore {
 
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
         self.inner.check(key, policies, cost)
+    }
+
+    fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture> {
+        self.inner.operate(key, policies, op)
     }
 }

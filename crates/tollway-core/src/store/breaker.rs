@@ -8,7 +8,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use super::{BoxStoreFuture, Checked, Store};
+use super::boxed::boxed;
+use super::{BoxStoreFuture, Checked, Operation, Store};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
 use crate::{Decisions, MemoryStore, Policy, Quota, StoreError, StoreErrorKind};
@@ -336,6 +337,19 @@ where
             }
         }
     }
+
+    /// Straight to the primary store, whatever the breaker says, and never to the
+    /// fallback: looking at or correcting a caller's shared state is something only the
+    /// primary can do, and asking it of a dead primary gets its error. The outcome does
+    /// not move the breaker.
+    fn operate(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        operation: Operation,
+    ) -> Checked<Self::Future> {
+        boxed(self.inner.primary.operate(key, policies, operation))
+    }
 }
 
 /// Ends a probe whose future is dropped before it answers (its caller gave up: a client
@@ -517,6 +531,9 @@ mod tests {
                 Checked::Pending(ready(Ok(allowed.collect())))
             }
         }
+        fn operate(&self, key: &[u8], policies: &[&Policy], _: Operation) -> Checked<Self::Future> {
+            self.check(key, policies, 0)
+        }
     }
 
     fn poll<F: Future>(f: F) -> F::Output {
@@ -552,6 +569,11 @@ mod tests {
             assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_err());
         }
         assert_eq!(flaky.calls.load(Ordering::SeqCst), 3);
+        // An operation goes to the store all the same, and does not move the breaker.
+        let peek = store.operate(b"k", &[&policy], Operation::Peek(1));
+        assert!(poll(peek.into_future()).is_err());
+        assert_eq!(flaky.calls.load(Ordering::SeqCst), 4);
+        flaky.calls.store(3, Ordering::SeqCst);
         // After the cool-down one probe goes through; it fails, so open again.
         clock.advance(Duration::from_millis(100));
         assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_err());

@@ -10,10 +10,11 @@ use smallvec::SmallVec;
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
-use super::{Checked, Store};
+use super::{Checked, Operation, Store};
 use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::{
-    Algorithm, Slot, fixed_window, gcra, leaky_bucket, packed, sliding_counter, token_bucket,
+    Algorithm, Slot, SlotState, fixed_window, gcra, leaky_bucket, packed, sliding_counter,
+    token_bucket,
 };
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
@@ -201,14 +202,18 @@ impl<C: Clock> MemoryStore<C> {
         let key_hash = shared.hasher.hash_one(key);
         let shard = &shared.shards[((key_hash >> 32) & shared.shard_mask) as usize];
         let mut table = shard.0.lock();
-        table.decide(
-            key_hash,
-            now,
-            policies,
-            cost,
-            shared.max_per_shard,
-            shared.when_full,
-        )
+        table.decide(key_hash, now, policies, cost, &shared.bounds(), true)
+    }
+
+    /// Looks at or corrects `key`'s state under each policy, without awaiting: what
+    /// [`Store::operate`] answers.
+    pub fn apply(&self, key: &[u8], policies: &[&Policy], operation: Operation) -> Decisions {
+        let shared = &*self.shared;
+        let now = shared.clock.now_micros();
+        let key_hash = shared.hasher.hash_one(key);
+        let shard = &shared.shards[((key_hash >> 32) & shared.shard_mask) as usize];
+        let mut table = shard.0.lock();
+        table.apply(key_hash, now, policies, operation, &shared.bounds())
     }
 
     /// Decides one request of `cost` units for `key` under one `policy`, without
@@ -266,6 +271,30 @@ impl<C: Clock> Store for MemoryStore<C> {
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
         Checked::Ready(Ok(self.decide(key, policies, cost)))
     }
+
+    fn operate(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        operation: Operation,
+    ) -> Checked<Self::Future> {
+        Checked::Ready(Ok(self.apply(key, policies, operation)))
+    }
+}
+
+impl<C> Shared<C> {
+    fn bounds(&self) -> Bounds {
+        Bounds {
+            max: self.max_per_shard,
+            when_full: self.when_full,
+        }
+    }
+}
+
+/// A shard's bound on keys, and what to do at it.
+struct Bounds {
+    max: usize,
+    when_full: WhenFull,
 }
 
 /// The state one limit of a request would leave, to be written once every limit allowed.
@@ -287,18 +316,19 @@ impl Table {
     }
 
     /// Decides a request against every policy (see [`MemoryStore::decide`]): each limit
-    /// is decided first and nothing is written; then either every limit's new state is
-    /// written, or, when one denied, none is, and the limits that allowed report their
-    /// state unchanged (a request of cost 0).
+    /// is decided first and nothing is written; then, if `commit`, either every limit's
+    /// new state is written, or, when one denied, none is, and the limits that allowed
+    /// report their state unchanged (a request of cost 0).
     fn decide(
         &mut self,
         key_hash: u64,
         now: u64,
         policies: &[&Policy],
         cost: u32,
-        max: usize,
-        when_full: WhenFull,
+        bounds: &Bounds,
+        commit: bool,
     ) -> Decisions {
+        let Bounds { max, when_full } = *bounds;
         let mut decisions = Decisions::new();
         let mut changes: SmallVec<[Change; 2]> = SmallVec::new();
         let mut new_keys = 0;
@@ -321,6 +351,9 @@ impl Table {
             changes.push(change);
         }
         if decisions.is_allowed() {
+            if !commit {
+                return decisions;
+            }
             let room = self.len() + new_keys <= max;
             for (policy, change) in policies.iter().zip(changes) {
                 self.write(change, now, policy, cost, room);
@@ -334,6 +367,85 @@ impl Table {
             }
         }
         decisions
+    }
+
+    /// Carries out `operation` (see [`Operation`]) on each policy's state.
+    fn apply(
+        &mut self,
+        key_hash: u64,
+        now: u64,
+        policies: &[&Policy],
+        operation: Operation,
+        bounds: &Bounds,
+    ) -> Decisions {
+        if let Operation::Peek(cost) = operation {
+            return self.decide(key_hash, now, policies, cost, bounds, false);
+        }
+        policies
+            .iter()
+            .map(|&policy| {
+                let hash = key_hash ^ policy.id();
+                match operation {
+                    Operation::Charge(units) => {
+                        // Whatever is left, if less: `remaining` units always fit.
+                        let left = self.read(hash, now, policy, 0).0.remaining();
+                        let cost = u32::try_from(left).map_or(units, |left| units.min(left));
+                        self.decide(key_hash, now, &[policy], cost, bounds, true);
+                    }
+                    Operation::Refund(units) => self.refund(hash, now, policy, units),
+                    Operation::Reset => self.forget(hash),
+                    // Answered above.
+                    Operation::Peek(_) => {}
+                }
+                self.read(hash, now, policy, 0).0
+            })
+            .collect()
+    }
+
+    /// Gives `units` back to one policy's state, if the key has one.
+    fn refund(&mut self, hash: u64, now: u64, policy: &Policy, units: u32) {
+        let (q, u) = (policy.quota(), units);
+        match policy.algorithm() {
+            Algorithm::SlidingWindowLog => {
+                if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
+                    sliding_log::refund(log, now, q, u);
+                }
+            }
+            algorithm => {
+                if let Some((_, slot)) = self.slots.find_mut(hash, |e| e.0 == hash) {
+                    *slot = match algorithm {
+                        Algorithm::TokenBucket => {
+                            token_bucket::refund(from(*slot), now, q, u).to_slot()
+                        }
+                        Algorithm::LeakyBucket => {
+                            leaky_bucket::meter_refund(from(*slot), now, q, u).to_slot()
+                        }
+                        Algorithm::LeakyBucketShaper => {
+                            leaky_bucket::shape_refund(from(*slot), now, q, u).to_slot()
+                        }
+                        Algorithm::FixedWindow => {
+                            fixed_window::refund(from(*slot), now, q, u).to_slot()
+                        }
+                        Algorithm::SlidingWindowCounter => {
+                            sliding_counter::refund(from(*slot), now, q, u).to_slot()
+                        }
+                        Algorithm::Gcra => gcra::refund(from(*slot), now, q, u).to_slot(),
+                        // Kept in `logs`, handled above.
+                        Algorithm::SlidingWindowLog => *slot,
+                    };
+                }
+            }
+        }
+    }
+
+    /// Forgets one policy's state of the key.
+    fn forget(&mut self, hash: u64) {
+        if let Ok(entry) = self.slots.find_entry(hash, |e| e.0 == hash) {
+            entry.remove();
+        }
+        if let Ok(entry) = self.logs.find_entry(hash, |e| e.0 == hash) {
+            entry.remove();
+        }
     }
 
     /// The decision of one limit at `cost`, and what admitting it would change.
@@ -486,6 +598,11 @@ impl Table {
             self.logs.shrink_to_fit(|e| e.0);
         }
     }
+}
+
+/// A fixed-size state from its slot.
+fn from<S: SlotState>(slot: Slot) -> S {
+    S::from_slot(slot)
 }
 
 fn full(decision: Decision, when_full: WhenFull) -> Decision {

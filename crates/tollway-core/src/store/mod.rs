@@ -76,6 +76,64 @@ pub trait Store: Send + Sync + 'static {
     /// Decides one request of `cost` units for `key` against every policy in
     /// `policies`, all or nothing; the decisions come in the order of `policies`.
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future>;
+
+    /// Looks at or corrects `key`'s state under each of `policies` without deciding a
+    /// request: see [`Operation`]. The answer is one decision a policy, in their order.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_core::{Algorithm, ManualClock, MemoryStore, Operation, Policy, Quota, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::builder().clock(ManualClock::new()).build()?;
+    /// let tokens = Policy::new("llm", Algorithm::TokenBucket, Quota::per_minute(1_000)?)?;
+    ///
+    /// // A response reports the 500 units it used, after the fact.
+    /// let after = store.operate(b"team-7", &[&tokens], Operation::Charge(500)).await?;
+    /// assert_eq!(after[0].remaining(), 500);
+    ///
+    /// // Peeking at a 600-unit request consumes nothing: it would be refused.
+    /// let peek = store.operate(b"team-7", &[&tokens], Operation::Peek(600)).await?;
+    /// assert!(!peek.is_allowed());
+    ///
+    /// // Support gives 100 back, then resets the caller altogether.
+    /// let after = store.operate(b"team-7", &[&tokens], Operation::Refund(100)).await?;
+    /// assert_eq!(after[0].remaining(), 600);
+    /// let fresh = store.operate(b"team-7", &[&tokens], Operation::Reset).await?;
+    /// assert_eq!(fresh[0].remaining(), 1_000);
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn operate(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        operation: Operation,
+    ) -> Checked<Self::Future>;
+}
+
+/// What [`Store::operate`] does to a caller's state, besides deciding a request.
+///
+/// Each answers one [`Decision`](crate::Decision) a policy. `Peek` answers what
+/// [`Store::check`] would, all or nothing; the others act on each policy on its own
+/// (they correct what happened, so nothing is refused) and answer what a request of cost
+/// 0 then gets: how much remains, when the caller is back to full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Operation {
+    /// The decisions a request of this cost would get, consuming nothing.
+    Peek(u32),
+    /// Takes this many units from every policy after the fact, whether or not they fit:
+    /// a policy with fewer left is emptied (whole units), never overdrawn, so a caller
+    /// who went over waits at most one full refill.
+    Charge(u32),
+    /// Gives this many units back to every policy, up to full: a request that failed,
+    /// or cost less than it was charged.
+    Refund(u32),
+    /// Forgets the caller's state: every policy as for a new caller.
+    Reset,
 }
 
 /// A store's answer: ready now, or a future to wait for.

@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use smallvec::SmallVec;
 
 use super::breaker::{DEFAULT_COOL_DOWN, DEFAULT_THRESHOLD, check_share, check_threshold};
-use super::{BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Store};
+use super::{BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Operation, Store};
 use crate::algorithm::Algorithm;
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
@@ -26,28 +26,49 @@ const DEFAULT_DENY_CACHE: usize = 65_536;
 /// The longest user key stored as it is; longer (or unusual) keys are hashed.
 pub const MAX_LITERAL_KEY: usize = 96;
 
-/// The one script: the prelude, every algorithm, and the entry that decides all of a
-/// request's limits (see `lua/prelude.lua` for its keys, arguments and reply).
+/// The algorithms, as every script has them after the prelude.
+macro_rules! lua_algorithms {
+    () => {
+        concat!(
+            include_str!("../../../../lua/token_bucket.lua"),
+            "\n",
+            include_str!("../../../../lua/gcra.lua"),
+            "\n",
+            include_str!("../../../../lua/leaky_bucket.lua"),
+            "\n",
+            include_str!("../../../../lua/fixed_window.lua"),
+            "\n",
+            include_str!("../../../../lua/sliding_window_counter.lua"),
+            "\n",
+            include_str!("../../../../lua/sliding_window_log.lua"),
+        )
+    };
+}
+
+/// The script that decides (and peeks): the prelude, every algorithm, and the entry that
+/// decides all of a request's limits (see `lua/prelude.lua` for its keys, arguments and
+/// reply).
 const SOURCE: &str = concat!(
     include_str!("../../../../lua/prelude.lua"),
     "\n",
-    include_str!("../../../../lua/token_bucket.lua"),
-    "\n",
-    include_str!("../../../../lua/gcra.lua"),
-    "\n",
-    include_str!("../../../../lua/leaky_bucket.lua"),
-    "\n",
-    include_str!("../../../../lua/fixed_window.lua"),
-    "\n",
-    include_str!("../../../../lua/sliding_window_counter.lua"),
-    "\n",
-    include_str!("../../../../lua/sliding_window_log.lua"),
+    lua_algorithms!(),
     "\n",
     include_str!("../../../../lua/check.lua"),
 );
 
-/// The script with its SHA-1, computed once.
+/// The script that charges, refunds and resets: the same with `lua/operate.lua` as its
+/// entry.
+const OPERATE_SOURCE: &str = concat!(
+    include_str!("../../../../lua/prelude.lua"),
+    "\n",
+    lua_algorithms!(),
+    "\n",
+    include_str!("../../../../lua/operate.lua"),
+);
+
+/// The scripts with their SHA-1s, computed once.
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SOURCE));
+static OPERATE: LazyLock<Script> = LazyLock::new(|| Script::new(OPERATE_SOURCE));
 
 /// The script's code for an algorithm (`ARGV` of each limit).
 fn code(algorithm: Algorithm) -> u64 {
@@ -165,9 +186,18 @@ struct DenyCache {
     per_shard: usize,
 }
 
+/// Where a request's refusal is kept: the hash of its caller's key, and of that and its
+/// limits.
+#[derive(Clone, Copy)]
+struct DenyEntry {
+    caller: u64,
+    request: u64,
+}
+
 /// A refusal, kept until `until_us`.
 #[derive(Clone)]
 struct Refused {
+    caller: u64,
     until_us: u64,
     /// Each limit's decision, its times as instants of this node's clock.
     limits: SmallVec<[Remembered; 2]>,
@@ -196,29 +226,40 @@ impl DenyCache {
 
     /// The entry of a request — its key and every limit's policy (which covers its
     /// quota) — if it can have one: only unit-cost requests are remembered.
-    fn entry(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Option<u64> {
+    fn entry(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Option<DenyEntry> {
         if cost != 1 {
             return None;
         }
+        let caller = self.hasher.hash_one(key);
         let mut hasher = self.hasher.build_hasher();
+        hasher.write_u64(caller);
         for policy in policies {
             hasher.write_u64(policy.id());
         }
-        hasher.write(key);
-        Some(hasher.finish())
+        Some(DenyEntry {
+            caller,
+            request: hasher.finish(),
+        })
     }
 
-    fn shard(&self, entry: u64) -> &Mutex<HashMap<u64, Refused>> {
-        &self.shards[(entry as usize) % Self::SHARDS]
+    /// A caller's refusals all live in one shard, so that they can be forgotten together.
+    fn shard(&self, caller: u64) -> &Mutex<HashMap<u64, Refused>> {
+        &self.shards[(caller as usize) % Self::SHARDS]
+    }
+
+    /// Forgets every refusal of `key`'s requests (its state was changed).
+    fn forget(&self, key: &[u8]) {
+        let caller = self.hasher.hash_one(key);
+        self.shard(caller).lock().retain(|_, r| r.caller != caller);
     }
 
     /// The local answer for the request of `entry`, if a refusal still covers it.
-    fn lookup(&self, entry: u64) -> Option<Decisions> {
+    fn lookup(&self, entry: DenyEntry) -> Option<Decisions> {
         let now = self.clock.now_micros();
-        let mut map = self.shard(entry).lock();
-        let refused = map.get(&entry)?;
+        let mut map = self.shard(entry.caller).lock();
+        let refused = map.get(&entry.request)?;
         if now >= refused.until_us {
-            map.remove(&entry);
+            map.remove(&entry.request);
             return None;
         }
         let decisions = refused
@@ -240,7 +281,7 @@ impl DenyCache {
 
     /// Remembers the refusal of the (unit-cost) request of `entry` by limits out of
     /// units. (A unit never exceeds a capacity, which is at least 1.)
-    fn remember(&self, entry: u64, decisions: &Decisions) {
+    fn remember(&self, entry: DenyEntry, decisions: &Decisions) {
         let Some(retry_us) = decisions
             .iter()
             .filter(|d| d.denial() == Some(Denial::Limited))
@@ -251,6 +292,7 @@ impl DenyCache {
         };
         let now = self.clock.now_micros();
         let refused = Refused {
+            caller: entry.caller,
             until_us: now + retry_us,
             limits: decisions
                 .iter()
@@ -263,14 +305,14 @@ impl DenyCache {
                 })
                 .collect(),
         };
-        let mut map = self.shard(entry).lock();
-        if map.len() >= self.per_shard && !map.contains_key(&entry) {
+        let mut map = self.shard(entry.caller).lock();
+        if map.len() >= self.per_shard && !map.contains_key(&entry.request) {
             map.retain(|_, r| r.until_us > now);
             if map.len() >= self.per_shard {
                 return;
             }
         }
-        map.insert(entry, refused);
+        map.insert(entry.request, refused);
     }
 }
 
@@ -372,6 +414,17 @@ impl Store for RedisStore {
             Front::Guarded(guarded) => guarded.check(key, policies, cost),
         }
     }
+
+    /// Straight to Redis, past the breaker and never to the fallback (see
+    /// [`CircuitBreaker`]'s `operate`).
+    fn operate(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        operation: Operation,
+    ) -> Checked<Self::Future> {
+        self.scripts().operate(key, policies, operation)
+    }
 }
 
 impl Scripts {
@@ -425,10 +478,23 @@ struct Call {
     keys: SmallVec<[String; 2]>,
     /// The caller's time, or `None` for the server's.
     now: Option<u64>,
-    cost: u32,
+    kind: Kind,
+    /// The request's cost, or the units to charge or refund.
+    units: u32,
     grace_ms: u64,
     /// Per limit: algorithm code, limit, period (µs), burst, emission interval (µs).
     limits: SmallVec<[[u64; 5]; 2]>,
+}
+
+/// Which script a call runs, and how.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// `check.lua`, writing the new states.
+    Check,
+    /// `check.lua`, writing nothing.
+    Peek,
+    /// `operate.lua`, with its operation's name.
+    Operate(&'static str),
 }
 
 impl Call {
@@ -436,13 +502,17 @@ impl Call {
     /// cluster node that never saw the script) `EVAL` of the source, which also caches
     /// it on that node: the call goes to the node that owns the keys either way.
     async fn invoke(&self, con: &mut impl ConnectionLike) -> Result<Vec<i64>, RedisError> {
+        let (script, source) = match self.kind {
+            Kind::Check | Kind::Peek => (&*SCRIPT, SOURCE),
+            Kind::Operate(_) => (&*OPERATE, OPERATE_SOURCE),
+        };
         match self
-            .command("EVALSHA", SCRIPT.get_hash())
+            .command("EVALSHA", script.get_hash())
             .query_async(con)
             .await
         {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                self.command("EVAL", SOURCE).query_async(con).await
+                self.command("EVAL", source).query_async(con).await
             }
             other => other,
         }
@@ -455,9 +525,16 @@ impl Call {
             Some(now) => cmd.arg(now),
             None => cmd.arg(""),
         };
-        cmd.arg(self.cost).arg(self.grace_ms);
+        cmd.arg(self.units);
+        match self.kind {
+            Kind::Peek => cmd.arg("peek"),
+            Kind::Check | Kind::Operate(_) => cmd.arg(self.grace_ms),
+        };
         for limit in &self.limits {
             cmd.arg(&limit[..]);
+        }
+        if let Kind::Operate(operation) = self.kind {
+            cmd.arg(operation);
         }
         cmd
     }
@@ -500,11 +577,51 @@ impl Store for Scripts {
         if let Some(decisions) = cache.zip(entry).and_then(|(c, e)| c.lookup(e)) {
             return Checked::Ready(Ok(decisions));
         }
+        self.call(key, policies, Kind::Check, cost, entry)
+    }
+
+    /// A peek asks Redis (the deny cache answers only requests); a charge, refund or
+    /// reset also makes this node forget the refusals it remembers for the key, whose
+    /// times it changed. (Other nodes answer theirs until they run out: at most the
+    /// retry time they gave.)
+    fn operate(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        operation: Operation,
+    ) -> Checked<BoxStoreFuture> {
+        let (kind, units) = match operation {
+            Operation::Peek(cost) => (Kind::Peek, cost),
+            Operation::Charge(units) => (Kind::Operate("charge"), units),
+            Operation::Refund(units) => (Kind::Operate("refund"), units),
+            Operation::Reset => (Kind::Operate("reset"), 0),
+        };
+        if !matches!(operation, Operation::Peek(_)) {
+            if let Some(cache) = &self.inner.deny_cache {
+                cache.forget(key);
+            }
+        }
+        self.call(key, policies, kind, units, None)
+    }
+}
+
+impl Scripts {
+    /// Runs one script call for `key`'s limits; a refusal is remembered under the deny
+    /// cache's `entry`, if any.
+    fn call(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        kind: Kind,
+        units: u32,
+        entry: Option<DenyEntry>,
+    ) -> Checked<BoxStoreFuture> {
         let tag = escape_key(key);
         let call = Call {
             keys: policies.iter().map(|p| self.key_of(&tag, p)).collect(),
             now: self.inner.clock.as_ref().map(|c| c.now_micros()),
-            cost,
+            kind,
+            units,
             grace_ms: self.inner.grace_ms,
             limits: policies
                 .iter()

@@ -1,0 +1,182 @@
+-- The entry of the second script: charges, refunds or resets each limit of KEYS on its
+-- own (corrections after the fact: nothing is refused), then replies what a request of
+-- cost 0 gets from each, four integers a limit as check.lua replies. The twin of the
+-- memory store's Table::apply (crates/tollway-core/src/store/memory.rs) and of each
+-- algorithm's `refund` in crates/tollway-core/src/algorithm/.
+-- ARGV as prelude.lua describes, with [2] the units, and one more after the limits:
+-- [4 + 5N] the operation, 'charge', 'refund' or 'reset'.
+-- Not on the request path, so it is written for reading: helper functions, one loop.
+
+local units, grace, op = argv[2] + 0, argv[3] + 0, argv[4 + 5 * n]
+
+-- Limit i's algorithm code and numbers.
+local function limit_of(i)
+  local j = 5 * i
+  return argv[j - 1], argv[j] + 0, argv[j + 1] + 0, argv[j + 2] + 0, argv[j + 3] + 0
+end
+
+-- Decides limit i at `cost` from its stored value `v` (the log reads its own key).
+local function decide(i, cost, v)
+  local code, limit, period, burst, emission = limit_of(i)
+  if code == '7' then
+    return gcra(now, cost, burst, emission, v)
+  elseif code == '1' or code == '2' then
+    return token_bucket(now, cost, limit, period, burst, v)
+  elseif code == '3' then
+    return leaky_shaper(now, cost, burst, emission, v)
+  elseif code == '4' then
+    return fixed_window(now, cost, limit, period, v)
+  elseif code == '6' then
+    return sliding_window_counter(now, cost, limit, period, v)
+  elseif code == '5' then
+    return sliding_window_log(keys[i], now, cost, limit, period)
+  end
+  return error('tollway: unknown algorithm code ' .. tostring(code))
+end
+
+-- Writes a fixed-size state `x`, fresh from `a` on, as check.lua does; returns what the
+-- key now holds (false: nothing).
+local function store(key, v, x, a)
+  if a > now then
+    if x ~= v then
+      local ttl = (a - now) / 1000
+      call('SET', key, x, 'PX', ttl + (-ttl) % 1 + grace)
+    end
+    return x
+  end
+  if v then call('DEL', key) end
+  return false
+end
+
+-- The refunds of the fixed-size states: each returns the new state and its `a` (false, 0
+-- for a fresh one).
+
+-- Token bucket (and the meter): the deficit read as token_bucket reads it, less the units.
+local function token_bucket_refund(limit, period, burst, v)
+  if not v then return false, 0 end
+  local full_at, frac = unpack('<dd', v)
+  if now >= full_at then return false, 0 end
+  local cap, u = burst * period, units
+  local ahead, fill = full_at - now, cap / limit
+  fill = fill + (-fill) % 1
+  if ahead > fill then ahead = fill end
+  local deficit = ahead * limit - frac
+  if deficit < 0 then deficit = 0 elseif deficit > cap then deficit = cap end
+  if u > burst then u = burst end
+  deficit = deficit - u * period
+  if deficit <= 0 then return false, 0 end
+  local us = deficit / limit
+  us = us + (-us) % 1
+  return pack('<dd', now + us, us * limit - deficit), now + us
+end
+
+-- GCRA (and the shaper): the arrival time back by the units' intervals, not before now.
+local function gcra_refund(burst, emission, v)
+  if not v then return false, 0 end
+  local u = units
+  if u > burst then u = burst end
+  local tat = unpack('<d', v) - u * emission
+  if tat <= now then return false, 0 end
+  return pack('<d', tat), tat
+end
+
+-- Fixed window: the current window's count, less the units.
+local function fixed_window_refund(period, v)
+  if not v then return false, 0 end
+  local stored_end, count = unpack('<dd', v)
+  local window_end = now / period
+  window_end = (window_end - window_end % 1) * period + period
+  count = count - units
+  if stored_end ~= window_end or count <= 0 then return false, 0 end
+  return pack('<dd', window_end, count), window_end
+end
+
+-- Sliding window counter: from the current window's count first, then the previous's.
+local function sliding_window_counter_refund(period, v)
+  if not v then return false, 0 end
+  local start = now / period
+  start = (start - start % 1) * period
+  local expires_at, stored_prev, stored_curr = unpack('<ddd', v)
+  local own_start, prev, curr = -1, 0, 0
+  if stored_curr > 0 then
+    own_start = expires_at - 2 * period
+    if own_start < 0 then own_start = 0 end
+  elseif stored_prev > 0 then
+    own_start = expires_at - period
+    if own_start < 0 then own_start = 0 end
+  end
+  if own_start == start then
+    prev, curr = stored_prev, stored_curr
+  elseif own_start >= 0 and own_start + period == start then
+    prev = stored_curr
+  end
+  local from_prev = units - curr
+  if from_prev < 0 then from_prev = 0 end
+  curr, prev = curr - units, prev - from_prev
+  if curr < 0 then curr = 0 end
+  if prev < 0 then prev = 0 end
+  if curr > 0 then
+    return pack('<ddd', start + 2 * period, prev, curr), start + 2 * period
+  elseif prev > 0 then
+    return pack('<ddd', start + period, prev, 0), start + period
+  end
+  return false, 0
+end
+
+-- Gives the units back to limit i; returns what its key now holds.
+local function refund(i, v)
+  local key = keys[i]
+  local code, limit, period, burst, emission = limit_of(i)
+  local x, a
+  if code == '5' then
+    -- The log: what slid out, then the newest units.
+    if now >= period then call('ZREMRANGEBYSCORE', key, '-inf', now - period) end
+    if units > 0 then call('ZPOPMAX', key, units) end
+    return false
+  elseif code == '1' or code == '2' then
+    x, a = token_bucket_refund(limit, period, burst, v)
+  elseif code == '7' or code == '3' then
+    x, a = gcra_refund(burst, emission, v)
+  elseif code == '4' then
+    x, a = fixed_window_refund(period, v)
+  elseif code == '6' then
+    x, a = sliding_window_counter_refund(period, v)
+  else
+    return error('tollway: unknown algorithm code ' .. tostring(code))
+  end
+  return store(key, v, x, a)
+end
+
+-- Takes the units from limit i, or what it has left if less (whole units, which always
+-- fit); returns what its key now holds.
+local function charge(i, v)
+  local _, left = decide(i, 0, v)
+  local c = units
+  if left < c then c = left end
+  local denial, _, _, _, x, a = decide(i, c, v)
+  if denial ~= 0 then return error('tollway: a charge of what is left was refused') end
+  if argv[5 * i - 1] == '5' then
+    if c > 0 then sliding_window_log_admit(keys[i], now, c, argv[5 * i + 1] + 0, grace, x, a) end
+    return false
+  end
+  return store(keys[i], v, x, a)
+end
+
+local reply = {}
+for i = 1, n do
+  local key, v = keys[i], false
+  if argv[5 * i - 1] ~= '5' then v = call('GET', key) end
+  if op == 'reset' then
+    call('DEL', key)
+    v = false
+  elseif op == 'refund' then
+    v = refund(i, v)
+  elseif op == 'charge' then
+    v = charge(i, v)
+  else
+    return error('tollway: unknown operation ' .. tostring(op))
+  end
+  local denial, remaining, reset, wait = decide(i, 0, v)
+  reply[4 * i - 3], reply[4 * i - 2], reply[4 * i - 1], reply[4 * i] = denial, remaining, reset, wait
+end
+return reply
