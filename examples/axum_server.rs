@@ -16,19 +16,27 @@
 //! | `X-API-Key: demo-pro-key` (tier Pro)     | 10,000 / min |
 //! | no key, or a key we do not know          | 20 / min per IP |
 //! | `/api/v1/checkout` (GET or POST), anyone | also 5 / min per caller |
+//! | `POST /api/v1/completions?tokens=N`      | also 1,000 tokens / min per caller, charged after the response |
+//! | `X-API-Key: demo-partner-key`            | allow list: not limited |
+//! | `X-API-Key: demo-banned-key`             | deny list: 403 |
 //!
 //! Every response carries `X-RateLimit-*` and the IETF `RateLimit` / `RateLimit-Policy`
 //! headers; a denial is a `429` with `Retry-After` and a JSON body. When the store fails
 //! (Redis down), requests are let through and the failure is logged.
+//!
+//! `GET /metrics` is Prometheus text; `/admin/limits/{policy}/{key}` peeks (`GET`) at and
+//! resets (`DELETE`) a caller's state, and `PUT /admin/shadow/{policy|all}` (body `on` or
+//! `off`) switches shadow mode, behind `Authorization: Bearer $ADMIN_TOKEN` (default
+//! `demo-admin-token`). See `examples/axum_app.rs`.
 
 use std::error::Error;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use axum::Router;
-use axum::routing::get;
+use demo::axum_app::{self, DEFAULT_ADMIN_TOKEN};
+use metrics_exporter_prometheus::PrometheusBuilder;
 use tokio::net::TcpListener;
-use tollway_tower::{Algorithm, BoxStore, HeaderStyle, Policy, Protocol, Quota, RateLimitLayer};
+use tollway_tower::BoxStore;
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -42,35 +50,17 @@ async fn run() -> Result<(), Box<dyn Error>> {
     serve(store, listener, addr).await
 }
 
-/// Builds the router with the rate limits over `store` and serves it until Ctrl-C.
+/// Builds the application over `store` and serves it until Ctrl-C.
 async fn serve(
     store: BoxStore,
     listener: TcpListener,
     addr: SocketAddr,
 ) -> Result<(), Box<dyn Error>> {
-    let [anonymous, free, pro] = demo::tier_policies()?;
-    let checkout = Policy::new(
-        "checkout",
-        Algorithm::SlidingWindowLog,
-        Quota::per_minute(5)?,
-    )?;
-    let limits = RateLimitLayer::builder(store, anonymous)
-        .key(demo::known_api_key()?)
-        .tier(free)
-        .tier(pro)
-        .tiers(demo::tiers())
-        .route(None, "/api/v1/checkout", checkout)
-        .headers(HeaderStyle::Both)
-        // An HTTP service: a request dressed as gRPC still gets its 429.
-        .protocol(Protocol::Http)
-        .build()?;
+    let metrics = PrometheusBuilder::new().install_recorder()?;
+    let token = std::env::var("ADMIN_TOKEN").unwrap_or_else(|_| DEFAULT_ADMIN_TOKEN.to_owned());
+    let (app, _limits) = axum_app::app(store, metrics, &token)?;
 
-    let app = Router::new()
-        .route("/", get(hello))
-        .route("/api/v1/checkout", get(checkout_status).post(place_order))
-        .layer(limits);
-
-    print_usage(addr);
+    print_usage(addr, &token);
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),
@@ -85,19 +75,7 @@ async fn serve(
     Ok(())
 }
 
-async fn hello() -> &'static str {
-    "Hello from behind tollway!\n"
-}
-
-async fn checkout_status() -> &'static str {
-    "Checkout is open.\n"
-}
-
-async fn place_order() -> &'static str {
-    "Order placed.\n"
-}
-
-fn print_usage(addr: SocketAddr) {
+fn print_usage(addr: SocketAddr, token: &str) {
     let base = format!("localhost:{}", addr.port());
     println!("listening on http://{addr}");
     println!();
@@ -119,6 +97,20 @@ fn print_usage(addr: SocketAddr) {
     );
     println!("  # then look at a denial: Retry-After, X-RateLimit-* and the JSON body");
     println!("  curl -i {base}/");
+    println!("  # a partner (allow list) and a banned key (deny list: 403)");
+    println!("  curl -i -H 'X-API-Key: {}' {base}/", demo::PARTNER_KEY);
+    println!("  curl -i -H 'X-API-Key: {}' {base}/", demo::BANNED_KEY);
+    println!("  # a completion charged after the response for the 400 tokens it used (1,000/min)");
+    println!("  curl -i -X POST '{base}/api/v1/completions?tokens=400'");
+    println!("  # metrics, and the admin API (token {token:?}; set ADMIN_TOKEN to choose it)");
+    println!("  curl {base}/metrics");
+    println!(
+        "  curl -H 'Authorization: Bearer {token}' {base}/admin/limits/anonymous/ip:127.0.0.1"
+    );
+    println!(
+        "  curl -X DELETE -H 'Authorization: Bearer {token}' {base}/admin/limits/anonymous/ip:127.0.0.1"
+    );
+    println!("  curl -X PUT -H 'Authorization: Bearer {token}' -d on {base}/admin/shadow/all");
     println!();
     println!("Ctrl-C stops the server.");
 }

@@ -14,8 +14,16 @@ use tollway_tower::{
 };
 use tracing_subscriber::EnvFilter;
 
+pub mod axum_app;
+
 /// The demo API keys and the tier each belongs to.
 pub const DEMO_KEYS: [(&str, &str); 2] = [("demo-free-key", "free"), ("demo-pro-key", "pro")];
+
+/// A partner's key, on the axum example's allow list: never limited.
+pub const PARTNER_KEY: &str = "demo-partner-key";
+
+/// A key on the axum example's deny list: refused with 403.
+pub const BANNED_KEY: &str = "demo-banned-key";
 
 /// Logs to stderr at `RUST_LOG` (default `info`).
 pub fn init_tracing() {
@@ -109,10 +117,12 @@ pub fn tier_policies() -> Result<[Policy; 3], ConfigError> {
     ])
 }
 
-/// The demo keys as a map from key to tier name.
+/// The demo keys as a map from key to tier name (the listed keys are Free callers, for
+/// a server without lists).
 pub fn tiers() -> HashMap<String, String> {
     DEMO_KEYS
         .iter()
+        .chain(&[(PARTNER_KEY, "free"), (BANNED_KEY, "free")])
         .map(|(key, tier)| ((*key).to_owned(), (*tier).to_owned()))
         .collect()
 }

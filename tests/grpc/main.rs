@@ -28,7 +28,7 @@ use support::grpc::{
 };
 use support::stores::{EPOCH_S, EPOCH_US, memory_store, per_minute};
 use tollway_core::ManualClock;
-use tollway_tower::{ApiKey, HeaderStyle, MissingKey, RateLimitLayer};
+use tollway_tower::{ApiKey, HeaderStyle, Key, MissingKey, RateLimitLayer};
 use tonic::Code;
 
 both_stores! {
@@ -223,6 +223,33 @@ async fn a_missing_key_rejected_is_unauthenticated() {
     let reply = lookup(&mut client, Some("k-1")).await;
     assert_limits(assert_found(&reply), 2, 1, EPOCH_S + 30);
     assert_eq!(catalog.lookups(), 1);
+}
+
+/// A key on the deny list is `PERMISSION_DENIED` over gRPC (403 over HTTP), with the
+/// same message as the JSON body and no rate-limit metadata, and never reaches the
+/// service; a key on the allow list is served without limits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_key_is_permission_denied_and_an_allowed_one_unlimited() {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let catalog = Catalog::new();
+    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("keyed", 1))
+        .key(ApiKey::header("x-api-key").unwrap())
+        .deny_key(Key::new("key", "banned"))
+        .allow_key(Key::new("key", "partner"))
+        .wall_clock(clock.clone())
+        .build()
+        .unwrap();
+    let server = serve(layer, &catalog).await;
+    let mut client = server.client().await;
+
+    let status = lookup(&mut client, Some("banned")).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    assert_eq!(status.message(), "This client may not call this service.");
+    assert_no_limits(status.metadata());
+    for _ in 0..3 {
+        assert_no_limits(assert_found(&lookup(&mut client, Some("partner")).await));
+    }
+    assert_eq!(catalog.lookups(), 3);
 }
 
 /// The same layer on the same tonic server answers a plain HTTP/1.1 request (no gRPC

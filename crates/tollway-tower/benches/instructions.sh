@@ -4,6 +4,11 @@
 # is doing, which wall-clock throughput on a shared 2-vCPU guest does not.
 #
 #   bash crates/tollway-tower/benches/instructions.sh [variant ...]
+#   HTTP_BENCH_SUITE=operate bash crates/tollway-tower/benches/instructions.sh tollway tollway-shadow ...
+#   INSTRUCTIONS_FEATURES=metrics HTTP_BENCH_SUITE=operate bash ... tollway-metrics
+#
+# INSTRUCTIONS_FEATURES builds the bench with those features of tollway-tower (metrics:
+# for tollway-metrics); HTTP_BENCH_SUITE picks the suite the variants are named from.
 #
 # Each variant runs twice in the bench's count mode (HTTP_BENCH_COUNT: 20 warm-up requests,
 # then N requests on each of 32 connections, untimed), with N = 200 and N = 1200; the
@@ -20,7 +25,9 @@ if [ ${#variants[@]} -eq 0 ]; then
   variants=(axum noop headers-only governor governor-headers tollway-bare tollway tollway-outside governor-429 tollway-429)
 fi
 
-bin=$(cargo bench -p tollway-tower --bench http --no-run --message-format=json 2>/dev/null |
+features=()
+[ -n "${INSTRUCTIONS_FEATURES:-}" ] && features=(--features "$INSTRUCTIONS_FEATURES")
+bin=$(cargo bench -p tollway-tower --bench http "${features[@]}" --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)

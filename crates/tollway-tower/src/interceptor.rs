@@ -91,10 +91,15 @@ where
         let outcome = match limiter.start(&*self.key, &http) {
             Start::Decided(outcome) => outcome,
             // The memory store answers at once: its future is a ready value.
-            Start::Evaluate(evaluation) => match evaluation.check(limiter) {
-                Step::Done(outcome) => outcome,
-                Step::Wait(ready) => evaluation.decided(limiter, ready.into_inner()),
-            },
+            Start::Evaluate(mut evaluation) => {
+                let mut step = evaluation.check(limiter);
+                loop {
+                    match step {
+                        Step::Done(outcome) => break outcome,
+                        Step::Wait(ready) => step = evaluation.decided(limiter, ready.into_inner()),
+                    }
+                }
+            }
         };
         match outcome {
             Outcome::Allow { .. } => {

@@ -26,6 +26,7 @@
 //! influence: see the README's "Security model", and [`ClientIp`], [`ApiKey::known`],
 //! [`Fallback::or`] and [`MissingKey`].
 
+mod access;
 mod body;
 #[cfg(feature = "tonic")]
 pub mod grpc;
@@ -37,6 +38,7 @@ mod limits;
 mod pipeline;
 pub mod rate_limit;
 mod rejection;
+mod report;
 mod verdict;
 
 pub use body::ResponseBody;
@@ -54,11 +56,12 @@ pub use limits::Tiers;
 pub use pipeline::{MissingKey, OnStoreError, Protocol};
 pub use rate_limit::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
 pub use rejection::{Rejection, default_rejection};
+pub use report::{DecisionEvent, DecisionListener, DecisionOutcome};
 pub use tollway_core;
 #[cfg(feature = "redis")]
 pub use tollway_core::RedisStore;
 pub use tollway_core::{
     Algorithm, BoxStore, CircuitBreaker, ConfigError, Decision, Decisions, Denial, MemoryStore,
-    Policy, Quota, Store, StoreError,
+    Operation, Policy, Quota, Store, StoreError,
 };
 pub use verdict::Verdict;

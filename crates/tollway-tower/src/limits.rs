@@ -268,9 +268,21 @@ impl Limits {
     }
 
     /// Every policy.
-    #[cfg(feature = "tonic")]
     pub(crate) fn policies(&self) -> &[Policy] {
         &self.policies
+    }
+
+    /// The index of the policy named `name`.
+    pub(crate) fn index_of(&self, name: &str) -> Result<usize, ConfigError> {
+        self.policies
+            .iter()
+            .position(|p| p.name() == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = self.policies.iter().map(Policy::name).collect();
+                ConfigError::new(format!(
+                    "the layer has no policy named {name:?}; its policies are {known:?}"
+                ))
+            })
     }
 
     /// `X-RateLimit-Limit` for a decision of policy `index` whose limit is `limit`: the

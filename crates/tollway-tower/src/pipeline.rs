@@ -10,6 +10,7 @@
 //! its place.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,11 +20,13 @@ use tollway_core::{
     Checked, Clock, Decision, Decisions, Policy, Store, StoreError, StoreErrorKind,
 };
 
+use crate::access::{AccessLists, Listed};
 use crate::headers::{HeaderStyle, RateLimitHeaders};
 use crate::key::{Key, KeyExtractor};
 use crate::limits::{Limits, Selected};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
-use crate::verdict::{Verdict, most_restrictive};
+use crate::report::{DecisionEvent, DecisionListener, DecisionOutcome, StoreFailures, report};
+use crate::verdict::{Verdict, most_restrictive, restriction};
 
 /// What to do with a request for which the key extractor (and every fallback chained to
 /// it with [`or`](crate::Fallback::or)) finds no key.
@@ -98,6 +101,52 @@ fn is_grpc_content_type(value: &[u8]) -> bool {
 /// The cost of a request: how many units it takes from each of its limits.
 pub(crate) type CostFn = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync>;
 
+/// The units a response reports having used, charged after the fact.
+pub(crate) type ChargeFn =
+    Arc<dyn Fn(StatusCode, &HeaderMap, &http::Extensions) -> u32 + Send + Sync>;
+
+/// Which policy is charged after responses, and by how much.
+pub(crate) struct AfterCharge {
+    /// The policy's index in [`Limits`].
+    pub(crate) policy: usize,
+    pub(crate) units: ChargeFn,
+}
+
+/// Which limits are in shadow mode: decided and counted, never enforced. Switched at run
+/// time, so each is a flag.
+#[derive(Debug)]
+pub(crate) struct Shadow {
+    /// The whole layer.
+    layer: AtomicBool,
+    /// Each policy, by its index in [`Limits`].
+    policies: Box<[AtomicBool]>,
+}
+
+impl Shadow {
+    pub(crate) fn new(layer: bool, policies: impl Iterator<Item = bool>) -> Self {
+        Shadow {
+            layer: AtomicBool::new(layer),
+            policies: policies.map(AtomicBool::new).collect(),
+        }
+    }
+
+    pub(crate) fn set_layer(&self, on: bool) {
+        self.layer.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_policy(&self, index: usize, on: bool) {
+        self.policies[index].store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn layer(&self) -> bool {
+        self.layer.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn policy(&self, index: usize) -> bool {
+        self.policies[index].load(Ordering::Relaxed)
+    }
+}
+
 /// Everything a layer decides with but the key extractor, shared by its clones, its
 /// services and their futures.
 pub(crate) struct Limiter<St> {
@@ -111,6 +160,11 @@ pub(crate) struct Limiter<St> {
     /// Unix time for `X-RateLimit-Reset`.
     pub(crate) wall_clock: Arc<dyn Clock>,
     pub(crate) on_rejected: RejectionHandler,
+    pub(crate) lists: AccessLists,
+    pub(crate) shadow: Shadow,
+    pub(crate) listener: Option<Arc<dyn DecisionListener>>,
+    pub(crate) failures: StoreFailures,
+    pub(crate) charge_after: Option<AfterCharge>,
 }
 
 /// How a request starts: decided before any limit is asked, or to be evaluated.
@@ -171,12 +225,26 @@ impl<St: Store> Limiter<St> {
     where
         K: KeyExtractor<B>,
     {
-        let key = match key.extract(request) {
+        let key = key.extract(request);
+        if let Some(listed) = self.lists.find(key.as_ref(), request) {
+            return Start::Decided(match listed {
+                Listed::Allowed => {
+                    self.report(key.as_ref(), DecisionOutcome::AllowListed);
+                    Outcome::pass()
+                }
+                Listed::Denied => {
+                    self.report(key.as_ref(), DecisionOutcome::DenyListed);
+                    Outcome::Refuse(Refusal::Denied)
+                }
+            });
+        }
+        let key = match key {
             Some(key) => key,
             None => match self.missing {
                 MissingKey::Shared => Key::new("missing", ""),
                 MissingKey::Allow => return Start::Decided(Outcome::pass()),
                 MissingKey::Reject(status) => {
+                    self.report(None, DecisionOutcome::NoKey);
                     return Start::Decided(Outcome::Refuse(Refusal::NoKey(status)));
                 }
             },
@@ -190,6 +258,23 @@ impl<St: Store> Limiter<St> {
             selected,
             cost,
         })
+    }
+
+    /// Tells a decision no limit made (a list, a store failure, no key).
+    fn report(&self, key: Option<&Key>, outcome: DecisionOutcome) {
+        report(
+            self.listener.as_deref(),
+            &DecisionEvent::new(key, outcome, &[], None),
+        );
+    }
+
+    /// Whether a decision must be told: to a listener, to metrics, or to a subscriber
+    /// listening at debug level.
+    #[inline]
+    fn reporting(&self) -> bool {
+        self.listener.is_some()
+            || cfg!(feature = "metrics")
+            || tracing::enabled!(tracing::Level::DEBUG)
     }
 
     /// What to do with `request` now that it is decided: a gRPC request is answered
@@ -262,13 +347,16 @@ impl Evaluation {
     /// Asks the store about every limit of the request at once: decided now, or the
     /// store's future, whose answer goes to [`Evaluation::decided`].
     #[inline]
-    pub(crate) fn check<'l, St: Store>(&self, limiter: &'l Limiter<St>) -> Step<'l, St::Future> {
+    pub(crate) fn check<'l, St: Store>(
+        &mut self,
+        limiter: &'l Limiter<St>,
+    ) -> Step<'l, St::Future> {
         let policies = self.policies(limiter);
         match limiter
             .store
             .check(self.key.as_bytes(), &policies, self.cost)
         {
-            Checked::Ready(answer) => Step::Done(self.decided(limiter, answer)),
+            Checked::Ready(answer) => self.decided(limiter, answer),
             Checked::Pending(future) => Step::Wait(future),
         }
     }
@@ -280,13 +368,27 @@ impl Evaluation {
             .collect()
     }
 
+    /// The caller's key.
+    pub(crate) fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// Whether the policy at `index` is one of the request's limits.
+    pub(crate) fn applies(&self, index: usize) -> bool {
+        self.selected.contains(&index)
+    }
+
     /// The outcome of the store's `answer`: let through with the headers when every
-    /// limit allowed, denied with the most restrictive denial when one did not.
+    /// limit allowed, denied with the most restrictive denial when one did not. When a
+    /// limit in shadow mode denied it, that is told as `shadow_limited`, and the limits
+    /// that enforce, if any, are asked again on their own (all or nothing, the store
+    /// charged none of them): a limit in shadow never refuses a request, never changes
+    /// what the others count, and is never the one a 429 reports.
     pub(crate) fn decided<'l, St: Store>(
-        &self,
+        &mut self,
         limiter: &'l Limiter<St>,
         answer: Result<Decisions, StoreError>,
-    ) -> Outcome<'l> {
+    ) -> Step<'l, St::Future> {
         let decisions = match answer {
             Ok(decisions) if decisions.len() == self.selected.len() => decisions,
             Ok(decisions) => {
@@ -298,16 +400,17 @@ impl Evaluation {
                         self.selected.len()
                     ),
                 );
-                return store_failed(limiter, &error);
+                return Step::Done(self.store_failed(limiter, &error));
             }
-            Err(error) => return store_failed(limiter, &error),
+            Err(error) => return Step::Done(self.store_failed(limiter, &error)),
         };
+        limiter.failures.succeeded();
         let allowed = decisions.is_allowed();
-        if allowed && limiter.header_style == HeaderStyle::None {
-            return Outcome::Allow {
+        if allowed && limiter.header_style == HeaderStyle::None && !limiter.reporting() {
+            return Step::Done(Outcome::Allow {
                 headers: RateLimitHeaders::none(),
                 delay: max_delay(&decisions),
-            };
+            });
         }
         let verdicts: SmallVec<[Verdict<'l>; 2]> = self
             .selected
@@ -320,10 +423,39 @@ impl Evaluation {
             .collect();
         // One verdict a selected policy, and at least the caller's own.
         let Some(most) = most_restrictive(&verdicts) else {
-            return Outcome::pass();
+            return Step::Done(Outcome::pass());
         };
+        if let Some(shadowed) = self.shadow_denial(limiter, &verdicts) {
+            let event = DecisionEvent::new(
+                Some(&self.key),
+                DecisionOutcome::ShadowLimited,
+                &verdicts,
+                Some(shadowed),
+            );
+            report(limiter.listener.as_deref(), &event);
+            let shadow = &limiter.shadow;
+            if shadow.layer() {
+                return Step::Done(Outcome::pass());
+            }
+            self.selected.retain(|index| !shadow.policy(*index));
+            if self.selected.is_empty() {
+                return Step::Done(Outcome::pass());
+            }
+            return self.check(limiter);
+        }
+        if limiter.reporting() {
+            let outcome = DecisionOutcome::of(&verdicts[most], allowed);
+            let event = DecisionEvent::new(Some(&self.key), outcome, &verdicts, Some(most));
+            report(limiter.listener.as_deref(), &event);
+        }
+        if allowed && limiter.header_style == HeaderStyle::None {
+            return Step::Done(Outcome::Allow {
+                headers: RateLimitHeaders::none(),
+                delay: max_delay(&decisions),
+            });
+        }
         let headers = limiter.rate_limit_headers(&self.selected, &verdicts, most);
-        if allowed {
+        Step::Done(if allowed {
             Outcome::Allow {
                 headers,
                 delay: max_delay(&decisions),
@@ -333,6 +465,34 @@ impl Evaluation {
                 verdict: verdicts[most],
                 headers,
             }
+        })
+    }
+
+    /// The most restrictive denial by a limit in shadow mode (any limit, when the whole
+    /// layer is), if there is one.
+    fn shadow_denial<St>(&self, limiter: &Limiter<St>, verdicts: &[Verdict<'_>]) -> Option<usize> {
+        let shadow = &limiter.shadow;
+        let layer = shadow.layer();
+        (0..verdicts.len())
+            .filter(|&i| {
+                !verdicts[i].decision.is_allowed() && (layer || shadow.policy(self.selected[i]))
+            })
+            .min_by_key(|&i| restriction(&verdicts[i]))
+    }
+
+    /// The outcome when the store failed to decide.
+    fn store_failed<St>(&self, limiter: &Limiter<St>, error: &StoreError) -> Outcome<'static> {
+        let event = DecisionEvent::new(Some(&self.key), DecisionOutcome::StoreError, &[], None);
+        report(limiter.listener.as_deref(), &event);
+        match limiter.on_error {
+            OnStoreError::Allow => {
+                limiter.failures.failed(error, "letting requests through");
+                Outcome::pass()
+            }
+            OnStoreError::Reject => {
+                limiter.failures.failed(error, "answering 503");
+                Outcome::Refuse(Refusal::StoreFailed)
+            }
         }
     }
 }
@@ -341,18 +501,4 @@ impl Evaluation {
 fn max_delay(decisions: &Decisions) -> Option<Duration> {
     let delay_us = decisions.iter().map(Decision::delay_micros).max();
     delay_us.filter(|&us| us > 0).map(Duration::from_micros)
-}
-
-/// The outcome when the store failed to decide.
-fn store_failed<St>(limiter: &Limiter<St>, error: &StoreError) -> Outcome<'static> {
-    match limiter.on_error {
-        OnStoreError::Allow => {
-            tracing::warn!(%error, "rate limit store failed; letting the request through");
-            Outcome::pass()
-        }
-        OnStoreError::Reject => {
-            tracing::warn!(%error, "rate limit store failed; answering 503");
-            Outcome::Refuse(Refusal::StoreFailed)
-        }
-    }
 }

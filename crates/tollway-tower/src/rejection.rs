@@ -1,5 +1,5 @@
 //! The bodies of the layer's own answers: a denial (429) and a refusal (a missing key, a
-//! failed store).
+//! failed store, a caller on the deny list).
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
@@ -77,6 +77,8 @@ pub(crate) enum Refusal {
     NoKey(StatusCode),
     /// The store failed, and the layer fails closed.
     StoreFailed,
+    /// The caller is on the deny list.
+    Denied,
 }
 
 impl Refusal {
@@ -90,6 +92,10 @@ impl Refusal {
             Refusal::StoreFailed => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "Rate limiting is unavailable. Please retry later.",
+            ),
+            Refusal::Denied => (
+                StatusCode::FORBIDDEN,
+                "This client may not call this service.",
             ),
         }
     }

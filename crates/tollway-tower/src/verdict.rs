@@ -50,13 +50,16 @@ impl Verdict<'_> {
 /// denial (the longest wait first), else the fewest remaining (the soonest to deny), else
 /// the latest reset.
 pub(crate) fn most_restrictive(verdicts: &[Verdict<'_>]) -> Option<usize> {
-    (0..verdicts.len()).min_by_key(|&i| {
-        let d = &verdicts[i].decision;
-        (
-            d.is_allowed(),
-            u64::MAX - d.retry_after_micros(),
-            d.remaining(),
-            u64::MAX - d.reset_after_micros(),
-        )
-    })
+    (0..verdicts.len()).min_by_key(|&i| restriction(&verdicts[i]))
+}
+
+/// Orders verdicts from the most restrictive (see [`most_restrictive`]).
+pub(crate) fn restriction(verdict: &Verdict<'_>) -> (bool, u64, u64, u64) {
+    let d = &verdict.decision;
+    (
+        d.is_allowed(),
+        u64::MAX - d.retry_after_micros(),
+        d.remaining(),
+        u64::MAX - d.reset_after_micros(),
+    )
 }

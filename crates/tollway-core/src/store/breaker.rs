@@ -171,6 +171,12 @@ impl<S, C: Clock> Inner<S, C> {
                 tracing::info!("rate limit store answering again: breaker closed")
             }
         }
+        #[cfg(feature = "metrics")]
+        metrics::gauge!("tollway_breaker_state").set(match state {
+            BreakerState::Closed => 0.0,
+            BreakerState::HalfOpen => 1.0,
+            BreakerState::Open => 2.0,
+        });
         if let Some(listener) = &self.listener {
             listener(state);
         }

@@ -87,6 +87,9 @@ struct Shared<C> {
     shard_mask: u64,
     max_per_shard: usize,
     when_full: WhenFull,
+    /// Keys held in all shards, for the `tollway_memory_store_keys` gauge.
+    #[cfg(feature = "metrics")]
+    keys: std::sync::atomic::AtomicUsize,
 }
 
 /// One lock and its tables, on a cache line of its own so that two cores working on
@@ -186,6 +189,8 @@ impl<C: Clock> MemoryStore<C> {
                 shards,
                 max_per_shard,
                 when_full: builder.when_full,
+                #[cfg(feature = "metrics")]
+                keys: std::sync::atomic::AtomicUsize::new(0),
             }),
         }
     }
@@ -202,7 +207,12 @@ impl<C: Clock> MemoryStore<C> {
         let key_hash = shared.hasher.hash_one(key);
         let shard = &shared.shards[((key_hash >> 32) & shared.shard_mask) as usize];
         let mut table = shard.0.lock();
-        table.decide(key_hash, now, policies, cost, &shared.bounds(), true)
+        #[cfg(feature = "metrics")]
+        let held = table.len();
+        let decisions = table.decide(key_hash, now, policies, cost, &shared.bounds(), true);
+        #[cfg(feature = "metrics")]
+        shared.count_keys(held, table.len());
+        decisions
     }
 
     /// Looks at or corrects `key`'s state under each policy, without awaiting: what
@@ -213,7 +223,12 @@ impl<C: Clock> MemoryStore<C> {
         let key_hash = shared.hasher.hash_one(key);
         let shard = &shared.shards[((key_hash >> 32) & shared.shard_mask) as usize];
         let mut table = shard.0.lock();
-        table.apply(key_hash, now, policies, operation, &shared.bounds())
+        #[cfg(feature = "metrics")]
+        let held = table.len();
+        let decisions = table.apply(key_hash, now, policies, operation, &shared.bounds());
+        #[cfg(feature = "metrics")]
+        shared.count_keys(held, table.len());
+        decisions
     }
 
     /// Decides one request of `cost` units for `key` under one `policy`, without
@@ -251,7 +266,11 @@ impl<C: Clock> MemoryStore<C> {
             .iter()
             .map(|s| {
                 let mut table = s.0.lock();
+                #[cfg(feature = "metrics")]
+                let held = table.len();
                 table.sweep(now, self.shared.max_per_shard);
+                #[cfg(feature = "metrics")]
+                self.shared.count_keys(held, table.len());
                 table.len()
             })
             .sum()
@@ -283,6 +302,22 @@ impl<C: Clock> Store for MemoryStore<C> {
 }
 
 impl<C> Shared<C> {
+    /// Reports a shard's change from `before` to `after` keys in the
+    /// `tollway_memory_store_keys` gauge (idle keys not yet swept included).
+    #[cfg(feature = "metrics")]
+    fn count_keys(&self, before: usize, after: usize) {
+        use std::sync::atomic::Ordering;
+        if before == after {
+            return;
+        }
+        let held = if after > before {
+            self.keys.fetch_add(after - before, Ordering::Relaxed) + (after - before)
+        } else {
+            self.keys.fetch_sub(before - after, Ordering::Relaxed) - (before - after)
+        };
+        metrics::gauge!("tollway_memory_store_keys").set(held as f64);
+    }
+
     fn bounds(&self) -> Bounds {
         Bounds {
             max: self.max_per_shard,

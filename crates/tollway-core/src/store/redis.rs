@@ -332,16 +332,23 @@ impl fmt::Debug for RedisStore {
     }
 }
 
+impl Scripts {
+    /// What the store is, as the `store` label of its metrics: `redis` (one multiplexed
+    /// connection), `redis_cluster` or `redis_pool`.
+    fn kind(&self) -> &'static str {
+        match self.inner.backend {
+            Backend::Manager(_) => "redis",
+            Backend::Cluster(_) => "redis_cluster",
+            #[cfg(feature = "deadpool")]
+            Backend::Pool(_) => "redis_pool",
+        }
+    }
+}
+
 impl fmt::Debug for Scripts {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let backend = match self.inner.backend {
-            Backend::Manager(_) => "multiplexed",
-            Backend::Cluster(_) => "cluster",
-            #[cfg(feature = "deadpool")]
-            Backend::Pool(_) => "deadpool",
-        };
         f.debug_struct("RedisStore")
-            .field("backend", &backend)
+            .field("backend", &self.kind())
             .field("prefix", &self.inner.prefix)
             .field("timeout", &self.inner.timeout)
             .field(
@@ -575,6 +582,8 @@ impl Store for Scripts {
         let cache = self.inner.deny_cache.as_ref();
         let entry = cache.and_then(|cache| cache.entry(key, policies, cost));
         if let Some(decisions) = cache.zip(entry).and_then(|(c, e)| c.lookup(e)) {
+            #[cfg(feature = "metrics")]
+            metrics::counter!("tollway_deny_cache_hits_total").increment(1);
             return Checked::Ready(Ok(decisions));
         }
         self.call(key, policies, Kind::Check, cost, entry)
@@ -642,14 +651,18 @@ impl Scripts {
         let this = self.clone();
         let timeout = self.inner.timeout;
         Checked::Pending(Box::pin(async move {
-            let reply = tokio::time::timeout(timeout, this.eval(&call))
-                .await
-                .map_err(|_| {
-                    StoreError::new(
-                        StoreErrorKind::Timeout,
-                        format!("Redis call timed out after {timeout:?}"),
-                    )
-                })??;
+            #[cfg(feature = "metrics")]
+            let started = std::time::Instant::now();
+            let reply = tokio::time::timeout(timeout, this.eval(&call)).await;
+            #[cfg(feature = "metrics")]
+            metrics::histogram!("tollway_store_duration_seconds", "store" => this.kind())
+                .record(started.elapsed());
+            let reply = reply.map_err(|_| {
+                StoreError::new(
+                    StoreErrorKind::Timeout,
+                    format!("Redis call timed out after {timeout:?}"),
+                )
+            })??;
             let decisions = parse(&reply, &capacities)?;
             if let (Some(cache), Some(entry)) = (&this.inner.deny_cache, entry) {
                 if !decisions.is_allowed() {

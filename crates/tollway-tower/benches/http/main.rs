@@ -61,6 +61,13 @@
 //! rejecting ones only 429. The defaults take about three minutes (10 variants × 1.8 s × 10);
 //! BENCHMARKS.md uses `HTTP_BENCH_ROUNDS=30 HTTP_BENCH_MILLIS=300`.
 //!
+//! `HTTP_BENCH_SUITE=operate` runs what operating the layer costs beside it:
+//! `tollway-shadow` (the whole layer in shadow mode, every request allowed),
+//! `tollway-shadowed` (in shadow mode at 1 per hour: every measured request one the
+//! layer would refuse, let through), `tollway-listener` (a listener that does nothing)
+//! and `tollway-metrics` (metrics recorded into `metrics-exporter-prometheus`; built with
+//! `--features metrics`), beside `tollway`, `tollway-429` and `tollway-bare`.
+//!
 //! The binary does nothing unless run by `cargo bench` (which passes `--bench`), so
 //! `cargo test --benches` stays quick.
 
@@ -100,11 +107,15 @@ enum Variant {
     NoopLayer,
     TollwayOutside,
     HeadersOnly,
+    TollwayShadow,
+    TollwayShadowed,
+    TollwayListener,
+    TollwayMetrics,
 }
 
 impl Variant {
     /// Every variant; the first ten are the default suite.
-    const ALL: [Variant; 14] = [
+    const ALL: [Variant; 18] = [
         Variant::Axum,
         Variant::Tollway,
         Variant::Governor,
@@ -119,6 +130,23 @@ impl Variant {
         Variant::RedisDead,
         Variant::RedisFloodCached,
         Variant::RedisFloodUncached,
+        Variant::TollwayShadow,
+        Variant::TollwayShadowed,
+        Variant::TollwayListener,
+        Variant::TollwayMetrics,
+    ];
+
+    /// The variants of the operating suite (`HTTP_BENCH_SUITE=operate`): what shadow
+    /// mode, a listener and metrics cost beside the plain layer. `tollway-metrics` needs
+    /// the bench built with `--features metrics`.
+    const OPERATE: [Variant; 7] = [
+        Variant::Tollway,
+        Variant::TollwayRejecting,
+        Variant::TollwayNoHeaders,
+        Variant::TollwayShadow,
+        Variant::TollwayShadowed,
+        Variant::TollwayListener,
+        Variant::TollwayMetrics,
     ];
 
     /// The variants of the fleet suite (`HTTP_BENCH_SUITE=fleet`).
@@ -157,6 +185,10 @@ impl Variant {
             Variant::NoopLayer => "axum + a no-op layer",
             Variant::TollwayOutside => "tollway around Router",
             Variant::HeadersOnly => "axum + 3 constant headers",
+            Variant::TollwayShadow => "tollway, shadow mode",
+            Variant::TollwayShadowed => "tollway, shadow, all over",
+            Variant::TollwayListener => "tollway, no-op listener",
+            Variant::TollwayMetrics => "tollway, Prometheus metrics",
         }
     }
 
@@ -187,6 +219,10 @@ impl Variant {
             Variant::NoopLayer => "noop",
             Variant::TollwayOutside => "tollway-outside",
             Variant::HeadersOnly => "headers-only",
+            Variant::TollwayShadow => "tollway-shadow",
+            Variant::TollwayShadowed => "tollway-shadowed",
+            Variant::TollwayListener => "tollway-listener",
+            Variant::TollwayMetrics => "tollway-metrics",
         }
     }
 
@@ -261,6 +297,28 @@ fn app(variant: Variant, fleet: Option<&Fleet>) -> Result<Router, BoxError> {
         Variant::TollwayRejecting => {
             router.layer(memory_layer(Quota::per_hour(1)?, HeaderStyle::Legacy)?)
         }
+        Variant::TollwayShadow => {
+            let layer = memory_layer(huge_quota()?, HeaderStyle::Legacy)?;
+            layer.set_shadow(true);
+            router.layer(layer)
+        }
+        Variant::TollwayShadowed => {
+            let layer = memory_layer(Quota::per_hour(1)?, HeaderStyle::Legacy)?;
+            layer.set_shadow(true);
+            router.layer(layer)
+        }
+        Variant::TollwayListener => {
+            let policy = Policy::new("bench", Algorithm::Gcra, huge_quota()?)?;
+            router.layer(
+                RateLimitLayer::builder(MemoryStore::new(), policy)
+                    .on_decision(|_: &tollway_tower::DecisionEvent<'_>| {})
+                    .build()?,
+            )
+        }
+        Variant::TollwayMetrics => {
+            install_metrics_recorder()?;
+            router.layer(memory_layer(huge_quota()?, HeaderStyle::Legacy)?)
+        }
         Variant::Governor => {
             let config = GovernorConfigBuilder::default()
                 .per_nanosecond(1_000)
@@ -309,6 +367,18 @@ fn app(variant: Variant, fleet: Option<&Fleet>) -> Result<Router, BoxError> {
             }
         }
     })
+}
+
+/// Records metrics into `metrics-exporter-prometheus`, as a service that exports them.
+#[cfg(feature = "metrics")]
+fn install_metrics_recorder() -> Result<(), BoxError> {
+    metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+    Ok(())
+}
+
+#[cfg(not(feature = "metrics"))]
+fn install_metrics_recorder() -> Result<(), BoxError> {
+    Err("tollway-metrics needs the bench built with --features metrics".into())
 }
 
 /// Where the server and the load generator run (`HTTP_BENCH_LAYOUT`).
@@ -378,11 +448,12 @@ fn main() -> Result<(), BoxError> {
         })
         .enable_all()
         .build()?;
-    let fleet_suite = std::env::var("HTTP_BENCH_SUITE").is_ok_and(|s| s == "fleet");
-    let suite: &[Variant] = if fleet_suite {
-        &Variant::FLEET
-    } else {
-        &Variant::ALL[..10]
+    let suite_name = std::env::var("HTTP_BENCH_SUITE").ok();
+    let fleet_suite = suite_name.as_deref() == Some("fleet");
+    let suite: &[Variant] = match suite_name.as_deref() {
+        Some("fleet") => &Variant::FLEET,
+        Some("operate") => &Variant::OPERATE,
+        _ => &Variant::ALL[..10],
     };
     // The fleet suite's servers: one healthy, one killed once its store has connected.
     let mut redis = Vec::new();

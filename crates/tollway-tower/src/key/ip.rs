@@ -315,7 +315,7 @@ impl<B> KeyExtractor<B> for ClientIp {
 
 /// A trusted network: CIDR (`10.0.0.0/8`, `2001:db8::/32`) or one address, IPv4-mapped
 /// IPv6 networks written as the IPv4 network they are.
-fn parse_network(text: &str) -> Result<ipnet::IpNet, ConfigError> {
+pub(crate) fn parse_network(text: &str) -> Result<ipnet::IpNet, ConfigError> {
     let text = text.trim();
     let bad = || {
         ConfigError::new(format!(

@@ -18,6 +18,7 @@ use http::{HeaderName, Request};
 use smallvec::SmallVec;
 use tollway_core::ConfigError;
 
+pub(crate) use ip::parse_network;
 pub use ip::{ClientIp, ForwardedHeader, PeerIp, peer_addr};
 
 /// A caller's identity for rate limiting: a namespace (`ip`, `key`, `user`, ...) and a
@@ -156,7 +157,7 @@ impl fmt::Debug for Key {
 }
 
 /// An address as its key sees it: IPv4-mapped IPv6 is IPv4.
-fn canonical(ip: IpAddr) -> IpAddr {
+pub(crate) fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,

@@ -11,19 +11,21 @@ use bytes::Bytes;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
-use tollway_core::{Decisions, Store, StoreError};
+use tollway_core::{Checked, Decisions, Operation, Store, StoreError};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::headers::RateLimitHeaders;
-use crate::pipeline::{Evaluation, Limiter, Next};
+use crate::pipeline::{Evaluation, Limiter, Next, Step};
 
 pin_project! {
     /// The future of a [`RateLimit`](super::RateLimit) service's response.
     ///
     /// A state machine: `Checking` (the store's future) → `Delaying` (a shaping delay)
-    /// → `Calling` (the inner service's future), or `Answered` in the service's place. A
-    /// request the store decides at once starts in `Calling` or `Answered`.
+    /// → `Calling` (the inner service's future) → `Charging` (the store charging what
+    /// the response reports it used, when the layer charges after responses), or
+    /// `Answered` in the service's place. A request the store decides at once starts in
+    /// `Calling` or `Answered`.
     ///
     /// # Panics
     ///
@@ -35,21 +37,28 @@ pin_project! {
         St: Store,
     {
         #[pin]
-        state: State<St::Future, S::Future, S, B, St>,
+        state: State<St::Future, S::Future, S, B, St, S::Response>,
     }
 }
 
 pin_project! {
     #[project = StateProj]
     #[project_replace = StateOwned]
-    enum State<C, F, S, B, St> {
+    enum State<C, F, S, B, St, R> {
         // The store is deciding the request's limits. The request waits in a box:
         // it waits for I/O anyway, and the future of a request decided at once stays small.
         Checking { #[pin] check: C, pending: Box<Pending<S, B, St>> },
         // The request is admitted and held for its shaping delay, boxed likewise.
-        Delaying { sleep: Pin<Box<Sleep>>, held: Box<Held<S, B>> },
-        // The inner service is answering; its response gets `headers`.
-        Calling { #[pin] future: F, headers: RateLimitHeaders },
+        Delaying { sleep: Pin<Box<Sleep>>, held: Box<Held<S, B, St>> },
+        // The inner service is answering; its response gets `headers`, and is charged
+        // for what it reports it used, `after`.
+        Calling {
+            #[pin] future: F,
+            headers: RateLimitHeaders,
+            after: Option<Box<AfterResponse<St>>>,
+        },
+        // The store is charging what the response used; then the response is returned.
+        Charging { #[pin] charge: C, response: R, after: Box<AfterResponse<St>> },
         // The layer answers in the service's place.
         Answered { response: Response<Bytes> },
         // The response was returned.
@@ -67,10 +76,64 @@ pub(super) struct Pending<S, B, St> {
 }
 
 /// An admitted request and the ready service it will be handed to.
-pub(super) struct Held<S, B> {
+pub(super) struct Held<S, B, St> {
     service: S,
     request: Request<B>,
     headers: RateLimitHeaders,
+    after: Option<Box<AfterResponse<St>>>,
+}
+
+/// What charging a response for the units it used needs: the layer, and the request's
+/// caller and limits. Made only when the layer charges after responses.
+pub(super) struct AfterResponse<St> {
+    limiter: Arc<Limiter<St>>,
+    evaluation: Evaluation,
+}
+
+impl<St: Store> AfterResponse<St> {
+    /// The charge after the response to the request of `evaluation`, if the layer
+    /// charges after responses.
+    pub(super) fn new(limiter: &Arc<Limiter<St>>, evaluation: Evaluation) -> Option<Box<Self>> {
+        let after = limiter.charge_after.as_ref()?;
+        if !evaluation.applies(after.policy) {
+            return None;
+        }
+        Some(Box::new(AfterResponse {
+            limiter: Arc::clone(limiter),
+            evaluation,
+        }))
+    }
+
+    /// Charges the units `response` reports: done at once, or the store's future.
+    fn charge<R>(&self, response: &Response<R>) -> Option<St::Future> {
+        let after = self.limiter.charge_after.as_ref()?;
+        let units = (after.units)(response.status(), response.headers(), response.extensions());
+        if units == 0 {
+            return None;
+        }
+        let policy = self.limiter.limits.policy(after.policy);
+        let key = self.evaluation.key().as_bytes();
+        match self
+            .limiter
+            .store
+            .operate(key, &[policy], Operation::Charge(units))
+        {
+            Checked::Ready(answer) => {
+                charged(&self.limiter, answer);
+                None
+            }
+            Checked::Pending(future) => Some(future),
+        }
+    }
+}
+
+/// Tells a failed charge the way a failed decision is told.
+fn charged<St>(limiter: &Limiter<St>, answer: Result<Decisions, StoreError>) {
+    if let Err(error) = answer {
+        limiter
+            .failures
+            .failed(&error, "responses go uncharged for what they used");
+    }
 }
 
 impl<S, B, St> ResponseFuture<S, B, St>
@@ -92,13 +155,23 @@ where
         service: S,
         request: Request<B>,
         headers: RateLimitHeaders,
+        after: Option<Box<AfterResponse<St>>>,
     ) -> Self {
-        Self::from(State::delaying(delay, service, request, headers))
+        Self::from(State::delaying(delay, service, request, headers, after))
     }
 
-    /// Waits for the service's `future`, then adds `headers` to its response.
-    pub(super) fn calling(future: S::Future, headers: RateLimitHeaders) -> Self {
-        Self::from(State::Calling { future, headers })
+    /// Waits for the service's `future`, then adds `headers` to its response and
+    /// charges what it used (`after`).
+    pub(super) fn calling(
+        future: S::Future,
+        headers: RateLimitHeaders,
+        after: Option<Box<AfterResponse<St>>>,
+    ) -> Self {
+        Self::from(State::Calling {
+            future,
+            headers,
+            after,
+        })
     }
 
     /// Answers `response` without calling the service.
@@ -106,17 +179,18 @@ where
         Self::from(State::Answered { response })
     }
 
-    fn from(state: State<St::Future, S::Future, S, B, St>) -> Self {
+    fn from(state: State<St::Future, S::Future, S, B, St, S::Response>) -> Self {
         ResponseFuture { state }
     }
 }
 
-impl<C, F, S, B, St> State<C, F, S, B, St> {
+impl<C, F, S, B, St, R> State<C, F, S, B, St, R> {
     fn delaying(
         delay: Duration,
         service: S,
         request: Request<B>,
         headers: RateLimitHeaders,
+        after: Option<Box<AfterResponse<St>>>,
     ) -> Self {
         State::Delaying {
             sleep: Box::pin(tokio::time::sleep(delay)),
@@ -124,6 +198,7 @@ impl<C, F, S, B, St> State<C, F, S, B, St> {
                 service,
                 request,
                 headers,
+                after,
             }),
         }
     }
@@ -151,49 +226,61 @@ where
     S: Service<Request<B>>,
     St: Store,
 {
-    /// The next state once the store answered.
+    /// The next state once the store answered: perhaps another check (the limits that
+    /// enforce, after one in shadow mode denied).
     fn resume(
-        self,
+        mut self: Box<Self>,
         answer: Result<Decisions, StoreError>,
-    ) -> State<St::Future, S::Future, S, B, St> {
+    ) -> State<St::Future, S::Future, S, B, St, S::Response> {
+        let outcome = match self.evaluation.decided(&self.limiter, answer) {
+            Step::Done(outcome) => outcome,
+            Step::Wait(check) => {
+                return State::Checking {
+                    check,
+                    pending: self,
+                };
+            }
+        };
+        let next = self.limiter.next(outcome, &self.request);
         let Pending {
             limiter,
             evaluation,
             mut service,
             request,
-        } = self;
-        let outcome = evaluation.decided(&limiter, answer);
-        match limiter.next(outcome, &request) {
-            Next::Call {
-                headers,
-                delay: None,
-            } => State::Calling {
-                future: service.call(request),
-                headers,
-            },
-            Next::Call {
-                headers,
-                delay: Some(delay),
-            } => State::delaying(delay, service, request, headers),
+        } = *self;
+        match next {
+            Next::Call { headers, delay } => {
+                let after = AfterResponse::new(&limiter, evaluation);
+                match delay {
+                    None => State::Calling {
+                        future: service.call(request),
+                        headers,
+                        after,
+                    },
+                    Some(delay) => State::delaying(delay, service, request, headers, after),
+                }
+            }
             Next::Answer(response) => State::Answered { response },
         }
     }
 }
 
-impl<S, B> Held<S, B>
+impl<S, B, St> Held<S, B, St>
 where
     S: Service<Request<B>>,
 {
     /// Calls the service: the delay is over.
-    fn call<C, St>(self) -> State<C, S::Future, S, B, St> {
+    fn call<C>(self) -> State<C, S::Future, S, B, St, S::Response> {
         let Held {
             mut service,
             request,
             headers,
+            after,
         } = self;
         State::Calling {
             future: service.call(request),
             headers,
+            after,
         }
     }
 }
@@ -218,7 +305,7 @@ where
                     else {
                         unreachable!("the state was Checking")
                     };
-                    state.set((*pending).resume(result));
+                    state.set(pending.resume(result));
                 }
                 StateProj::Delaying { sleep, .. } => {
                     ready!(sleep.as_mut().poll(cx));
@@ -229,10 +316,35 @@ where
                     };
                     state.set((*held).call());
                 }
-                StateProj::Calling { future, headers } => {
+                StateProj::Calling {
+                    future,
+                    headers,
+                    after,
+                } => {
                     let mut response = ready!(future.poll(cx))?;
                     std::mem::take(headers).insert_into(response.headers_mut());
+                    if let Some(after) = after.take() {
+                        if let Some(charge) = after.charge(&response) {
+                            state.set(State::Charging {
+                                charge,
+                                response,
+                                after,
+                            });
+                            continue;
+                        }
+                    }
                     state.set(State::Done);
+                    return Poll::Ready(Ok(response.map(ResponseBody::service)));
+                }
+                StateProj::Charging { charge, .. } => {
+                    let answer = ready!(charge.poll(cx));
+                    let StateOwned::Charging {
+                        response, after, ..
+                    } = state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("the state was Charging")
+                    };
+                    charged(&after.limiter, answer);
                     return Poll::Ready(Ok(response.map(ResponseBody::service)));
                 }
                 StateProj::Answered { .. } => {

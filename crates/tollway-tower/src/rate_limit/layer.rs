@@ -5,16 +5,20 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderMap, Method, Response, Uri};
+use http::{Extensions, HeaderMap, Method, Response, StatusCode, Uri};
 use tollway_core::{Clock, ConfigError, Policy, Store, SystemClock};
 use tower_layer::Layer;
 
 use super::RateLimit;
+use crate::access::AccessLists;
 use crate::headers::HeaderStyle;
-use crate::key::PeerIp;
+use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
-use crate::pipeline::{CostFn, Limiter, MissingKey, OnStoreError, Protocol};
+use crate::pipeline::{
+    AfterCharge, ChargeFn, CostFn, Limiter, MissingKey, OnStoreError, Protocol, Shadow,
+};
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
+use crate::report::{DecisionListener, StoreFailures};
 
 /// Applies rate limits to a service: see the [module docs](super) for a tour.
 ///
@@ -62,6 +66,67 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
             headers: HeaderStyle::Legacy,
             wall_clock: Arc::new(SystemClock),
             on_rejected: Arc::new(default_rejection),
+            lists: AccessLists::default(),
+            shadow: false,
+            shadow_policies: Vec::new(),
+            listener: None,
+            charge_after: None,
+        }
+    }
+}
+
+impl<St, K> RateLimitLayer<St, K> {
+    /// The store the layer decides with: for looking at or correcting a caller's state
+    /// with [`Store::operate`] (an admin endpoint's peek and reset).
+    pub fn store(&self) -> &St {
+        &self.limiter.store
+    }
+
+    /// The layer's policy named `name` (the default, a tier, or a route's).
+    #[must_use]
+    pub fn policy(&self, name: &str) -> Option<&Policy> {
+        self.limiter
+            .limits
+            .policies()
+            .iter()
+            .find(|p| p.name() == name)
+    }
+
+    /// Every policy of the layer: the default first, then tiers and routes.
+    #[must_use]
+    pub fn policies(&self) -> &[Policy] {
+        self.limiter.limits.policies()
+    }
+
+    /// Puts the whole layer in shadow mode, or takes it out: see
+    /// [`RateLimitLayerBuilder::shadow`]. Takes effect for the next request, in every
+    /// clone of the layer and every service it built.
+    pub fn set_shadow(&self, on: bool) {
+        self.limiter.shadow.set_layer(on);
+    }
+
+    /// Puts one policy in shadow mode, or takes it out: see
+    /// [`RateLimitLayerBuilder::shadow_policy`]. Its callers' state is kept either way.
+    ///
+    /// # Errors
+    ///
+    /// When the layer has no policy of that name.
+    pub fn set_policy_shadow(&self, policy: &str, on: bool) -> Result<(), ConfigError> {
+        let index = self.limiter.limits.index_of(policy)?;
+        self.limiter.shadow.set_policy(index, on);
+        Ok(())
+    }
+
+    /// Whether the whole layer (`None`) or the named policy is in shadow mode.
+    #[must_use]
+    pub fn is_shadow(&self, policy: Option<&str>) -> bool {
+        match policy {
+            None => self.limiter.shadow.layer(),
+            Some(name) => self
+                .limiter
+                .limits
+                .index_of(name)
+                .is_ok_and(|index| self.limiter.shadow.policy(index)),
         }
     }
 }
@@ -105,6 +170,11 @@ pub struct RateLimitLayerBuilder<St, K> {
     headers: HeaderStyle,
     wall_clock: Arc<dyn Clock>,
     on_rejected: RejectionHandler,
+    lists: AccessLists,
+    shadow: bool,
+    shadow_policies: Vec<String>,
+    listener: Option<Arc<dyn DecisionListener>>,
+    charge_after: Option<(String, ChargeFn)>,
 }
 
 impl<St, K> fmt::Debug for RateLimitLayerBuilder<St, K> {
@@ -137,6 +207,11 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             headers: self.headers,
             wall_clock: self.wall_clock,
             on_rejected: self.on_rejected,
+            lists: self.lists,
+            shadow: self.shadow,
+            shadow_policies: self.shadow_policies,
+            listener: self.listener,
+            charge_after: self.charge_after,
         }
     }
 
@@ -248,12 +323,120 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
+    /// Lets callers from `network` (`10.0.0.0/8`, `2001:db8::/32`, or one address)
+    /// through without limiting them: health checks, your own services. They are counted
+    /// (`allow_listed`). The address is the peer's, or the client's behind proxies when
+    /// [`list_address`](Self::list_address) says how to find it. A network that does not
+    /// parse fails [`build`](Self::build).
+    pub fn allow_network(mut self, network: &str) -> Self {
+        if let Err(e) = self.lists.allow_network(network) {
+            self.errors.push(e);
+        }
+        self
+    }
+
+    /// Refuses callers from `network` with 403 Forbidden (gRPC `PERMISSION_DENIED`) and
+    /// a JSON body like the 429's. The deny list wins over the allow list.
+    pub fn deny_network(mut self, network: &str) -> Self {
+        if let Err(e) = self.lists.deny_network(network) {
+            self.errors.push(e);
+        }
+        self
+    }
+
+    /// Lets the caller whose key is `key` through without limiting it (a partner's API
+    /// key: `Key::new("key", "partner-key")`).
+    pub fn allow_key(mut self, key: Key) -> Self {
+        self.lists.allow_key(key);
+        self
+    }
+
+    /// Refuses the caller whose key is `key` with 403 Forbidden.
+    pub fn deny_key(mut self, key: Key) -> Self {
+        self.lists.deny_key(key);
+        self
+    }
+
+    /// Matches the allow and deny networks against the client's address behind trusted
+    /// proxies, found as `client_ip` finds it, instead of the peer's.
+    pub fn list_address(mut self, client_ip: ClientIp) -> Self {
+        self.lists.address_from(client_ip);
+        self
+    }
+
+    /// Shadow mode for the whole layer (default off): every request is decided and
+    /// counted as usual, and none is refused. A request a limit would have refused goes
+    /// to the service, without rate-limit headers (they would announce a limit that is
+    /// not enforced), and is told as `shadow_limited` to metrics, the debug event and the
+    /// listener. Switch it at run time with [`RateLimitLayer::set_shadow`].
+    pub fn shadow(mut self, on: bool) -> Self {
+        self.shadow = on;
+        self
+    }
+
+    /// Shadow mode for the policy named `policy` alone: when only policies in shadow
+    /// refuse a request, it goes through, and the policies that enforce are asked again
+    /// on their own (all or nothing charged none of them), so a policy in shadow never
+    /// changes what the others count. Switch it at run time with
+    /// [`RateLimitLayer::set_policy_shadow`]. A name the layer does not know fails
+    /// [`build`](Self::build).
+    pub fn shadow_policy(mut self, policy: impl Into<String>) -> Self {
+        self.shadow_policies.push(policy.into());
+        self
+    }
+
+    /// Hears every decision: see [`DecisionListener`].
+    pub fn on_decision(mut self, listener: impl DecisionListener) -> Self {
+        self.listener = Some(Arc::new(listener));
+        self
+    }
+
+    /// Charges the policy named `policy`, once an admitted request's response is ready,
+    /// the `units` the response reports it used — an LLM API's tokens, read from a header
+    /// or an extension the handler sets — besides the request's cost, taken when it was
+    /// admitted. Only requests that `policy` applies to are charged (it is usually a
+    /// route's: a token budget beside the caller's request rate). A charge takes what is
+    /// left if that is less (a caller is never overdrawn, see `Operation::Charge`), so
+    /// the next request is refused once the caller has used the budget up. The response
+    /// waits for the charge (at once in memory, a round trip in Redis); a charge the
+    /// store fails is dropped and told like a store failure. A name the layer does not
+    /// know fails [`build`](Self::build).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+    ///
+    /// let requests = Policy::new("requests", Algorithm::Gcra, Quota::per_second(10)?)?;
+    /// let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(100_000)?)?;
+    /// let layer = RateLimitLayer::builder(MemoryStore::new(), requests)
+    ///     .route(None, "/v1/completions", tokens)
+    ///     .charge_after("tokens", |_status, headers, _extensions| {
+    ///         headers
+    ///             .get("x-tokens-used")
+    ///             .and_then(|v| v.to_str().ok()?.parse().ok())
+    ///             .unwrap_or(0)
+    ///     })
+    ///     .build()?;
+    /// # let _ = layer;
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    pub fn charge_after(
+        mut self,
+        policy: impl Into<String>,
+        units: impl Fn(StatusCode, &HeaderMap, &Extensions) -> u32 + Send + Sync + 'static,
+    ) -> Self {
+        self.charge_after = Some((policy.into(), Arc::new(units)));
+        self
+    }
+
     /// Checks the settings and builds the layer.
     ///
     /// # Errors
     ///
-    /// When a route pattern is malformed, or two of the layer's policies share a name
-    /// (the name keeps their state apart in the store).
+    /// When a route pattern or a listed network is malformed, two of the layer's
+    /// policies share a name (the name keeps their state apart in the store), or a
+    /// policy put in shadow mode or charged after responses is not one of the layer's.
     pub fn build(mut self) -> Result<RateLimitLayer<St, K>, ConfigError> {
         if !self.errors.is_empty() {
             return Err(self.errors.swap_remove(0));
@@ -269,6 +452,18 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             }
         }
         let limits = Limits::new(self.policies, self.tier_names, self.tiers, self.routes);
+        let mut in_shadow = vec![false; limits.policies().len()];
+        for name in &self.shadow_policies {
+            in_shadow[limits.index_of(name)?] = true;
+        }
+        let charge_after = match self.charge_after {
+            Some((name, units)) => Some(AfterCharge {
+                policy: limits.index_of(&name)?,
+                units,
+            }),
+            None => None,
+        };
+        let failures = StoreFailures::new(Arc::clone(&self.wall_clock));
         Ok(RateLimitLayer {
             limiter: Arc::new(Limiter {
                 store: self.store,
@@ -280,6 +475,11 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 header_style: self.headers,
                 wall_clock: self.wall_clock,
                 on_rejected: self.on_rejected,
+                lists: self.lists,
+                shadow: Shadow::new(self.shadow, in_shadow.into_iter()),
+                listener: self.listener,
+                failures,
+                charge_after,
             }),
             key: Arc::new(self.key),
         })

@@ -9,7 +9,7 @@ use tollway_core::Store;
 use tower_service::Service;
 
 use super::ResponseFuture;
-use super::future::Pending;
+use super::future::{AfterResponse, Pending};
 use crate::body::ResponseBody;
 use crate::key::{KeyExtractor, PeerIp};
 use crate::pipeline::{Limiter, Next, Start, Step};
@@ -82,10 +82,10 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let limiter = &*self.limiter;
-        let outcome = match limiter.start(&*self.key, &request) {
-            Start::Decided(outcome) => outcome,
-            Start::Evaluate(evaluation) => match evaluation.check(limiter) {
-                Step::Done(outcome) => outcome,
+        let (outcome, evaluation) = match limiter.start(&*self.key, &request) {
+            Start::Decided(outcome) => (outcome, None),
+            Start::Evaluate(mut evaluation) => match evaluation.check(limiter) {
+                Step::Done(outcome) => (outcome, Some(evaluation)),
                 Step::Wait(check) => {
                     let limiter = Arc::clone(&self.limiter);
                     let service = take_ready(&mut self.inner);
@@ -96,14 +96,16 @@ where
         };
         // Decided without waiting: the ready service is called now, or not at all.
         match limiter.next(outcome, &request) {
-            Next::Call {
-                headers,
-                delay: None,
-            } => ResponseFuture::calling(self.inner.call(request), headers),
-            Next::Call {
-                headers,
-                delay: Some(delay),
-            } => ResponseFuture::delaying(delay, take_ready(&mut self.inner), request, headers),
+            Next::Call { headers, delay } => {
+                let after = evaluation.and_then(|e| AfterResponse::new(&self.limiter, e));
+                match delay {
+                    None => ResponseFuture::calling(self.inner.call(request), headers, after),
+                    Some(delay) => {
+                        let service = take_ready(&mut self.inner);
+                        ResponseFuture::delaying(delay, service, request, headers, after)
+                    }
+                }
+            }
             Next::Answer(response) => ResponseFuture::answered(response),
         }
     }

@@ -1,0 +1,351 @@
+//! What the layer says about its decisions: a `tracing` event for each, metrics (feature
+//! `metrics`), a [`DecisionListener`] of your own, and warnings about a failing store
+//! that summarise instead of repeating.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use tollway_core::{Clock, StoreError};
+
+use crate::key::Key;
+use crate::verdict::Verdict;
+
+/// How the layer disposed of a request: the `outcome` label of the
+/// `tollway_decisions_total` metric, the debug event's `outcome` field, and what a
+/// [`DecisionListener`] is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DecisionOutcome {
+    /// Every limit allowed it.
+    Allowed,
+    /// A limit refused it for now: a 429 with `Retry-After`.
+    Limited,
+    /// It costs more than a limit's capacity: refused, and no wait would help.
+    CostExceedsCapacity,
+    /// The store could not track a new caller (see the memory store's `WhenFull`).
+    StoreFull,
+    /// A limit in shadow mode would have refused it; it went through.
+    ShadowLimited,
+    /// The store failed; the request was answered per [`OnStoreError`](crate::OnStoreError).
+    StoreError,
+    /// The caller is on the allow list: not limited.
+    AllowListed,
+    /// The caller is on the deny list: refused with 403 / `PERMISSION_DENIED`.
+    DenyListed,
+    /// No key was found for the request, and [`MissingKey`](crate::MissingKey) refused it.
+    NoKey,
+}
+
+impl DecisionOutcome {
+    /// The outcome as a metric label: `allowed`, `limited`, `cost_exceeds_capacity`,
+    /// `store_full`, `shadow_limited`, `store_error`, `allow_listed`, `deny_listed`,
+    /// `no_key`.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DecisionOutcome::Allowed => "allowed",
+            DecisionOutcome::Limited => "limited",
+            DecisionOutcome::CostExceedsCapacity => "cost_exceeds_capacity",
+            DecisionOutcome::StoreFull => "store_full",
+            DecisionOutcome::ShadowLimited => "shadow_limited",
+            DecisionOutcome::StoreError => "store_error",
+            DecisionOutcome::AllowListed => "allow_listed",
+            DecisionOutcome::DenyListed => "deny_listed",
+            DecisionOutcome::NoKey => "no_key",
+        }
+    }
+
+    /// The outcome of a request the store decided: `allowed` when all of its limits
+    /// allowed it, else what the reported (most restrictive) denial says.
+    pub(crate) fn of(verdict: &Verdict<'_>, allowed: bool) -> Self {
+        if allowed {
+            return DecisionOutcome::Allowed;
+        }
+        match verdict.decision.denial() {
+            Some(tollway_core::Denial::CostExceedsCapacity) => DecisionOutcome::CostExceedsCapacity,
+            Some(tollway_core::Denial::StoreFull) => DecisionOutcome::StoreFull,
+            _ => DecisionOutcome::Limited,
+        }
+    }
+}
+
+impl fmt::Display for DecisionOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One decision of the layer, as a [`DecisionListener`] sees it.
+#[derive(Debug)]
+pub struct DecisionEvent<'a> {
+    key: Option<&'a Key>,
+    outcome: DecisionOutcome,
+    verdicts: &'a [Verdict<'a>],
+    reported: Option<usize>,
+}
+
+impl<'a> DecisionEvent<'a> {
+    pub(crate) fn new(
+        key: Option<&'a Key>,
+        outcome: DecisionOutcome,
+        verdicts: &'a [Verdict<'a>],
+        reported: Option<usize>,
+    ) -> Self {
+        DecisionEvent {
+            key,
+            outcome,
+            verdicts,
+            reported,
+        }
+    }
+
+    /// The caller's key; `None` when the request had none.
+    #[must_use]
+    pub fn key(&self) -> Option<&Key> {
+        self.key
+    }
+
+    /// How the request was disposed of.
+    #[must_use]
+    pub fn outcome(&self) -> DecisionOutcome {
+        self.outcome
+    }
+
+    /// The decision the response reports (the most restrictive of the request's limits),
+    /// with its policy; `None` when no limit decided (a list, a store failure, no key).
+    #[must_use]
+    pub fn verdict(&self) -> Option<&Verdict<'a>> {
+        self.reported.map(|i| &self.verdicts[i])
+    }
+
+    /// Every limit's decision, the caller's own first; empty when no limit decided.
+    #[must_use]
+    pub fn verdicts(&self) -> &[Verdict<'a>] {
+        self.verdicts
+    }
+}
+
+/// Hears every decision of a layer: to report it somewhere the layer does not (an audit
+/// log, a billing system, your own metrics).
+///
+/// Called once per request, on the request's task, before the response is sent: keep it
+/// quick, and hand slow work to a channel. Implemented by closures
+/// `Fn(&DecisionEvent<'_>)`.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use tollway_tower::{Algorithm, DecisionEvent, DecisionOutcome, MemoryStore, Policy, Quota, RateLimitLayer};
+///
+/// let refused = Arc::new(AtomicU64::new(0));
+/// let count = Arc::clone(&refused);
+/// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(10)?)?;
+/// let layer = RateLimitLayer::builder(MemoryStore::new(), policy)
+///     .on_decision(move |event: &DecisionEvent<'_>| {
+///         if event.outcome() == DecisionOutcome::Limited {
+///             count.fetch_add(1, Ordering::Relaxed);
+///         }
+///     })
+///     .build()?;
+/// # let _ = layer;
+/// # Ok::<(), tollway_core::ConfigError>(())
+/// ```
+pub trait DecisionListener: Send + Sync + 'static {
+    /// Hears one decision.
+    fn on_decision(&self, event: &DecisionEvent<'_>);
+}
+
+impl<F> DecisionListener for F
+where
+    F: Fn(&DecisionEvent<'_>) + Send + Sync + 'static,
+{
+    fn on_decision(&self, event: &DecisionEvent<'_>) {
+        self(event);
+    }
+}
+
+/// Tells every decision: the debug event, the metric, the listener.
+pub(crate) fn report(listener: Option<&dyn DecisionListener>, event: &DecisionEvent<'_>) {
+    let verdict = event.verdict();
+    let policy = verdict.map(|v| v.policy.name());
+    #[cfg(feature = "metrics")]
+    match policy {
+        Some(policy) => metrics::counter!(
+            "tollway_decisions_total",
+            "policy" => policy.to_owned(),
+            "outcome" => event.outcome.as_str(),
+        )
+        .increment(1),
+        // No limit decided (a list, a store failure, no key): no policy to name.
+        None => metrics::counter!(
+            "tollway_decisions_total",
+            "outcome" => event.outcome.as_str(),
+        )
+        .increment(1),
+    }
+    tracing::debug!(
+        policy,
+        outcome = event.outcome.as_str(),
+        remaining = verdict.map(|v| v.decision.remaining()),
+        retry_after_ms = verdict
+            .and_then(|v| v.decision.retry_after())
+            .map(|wait| wait.as_millis()),
+        "rate limit decision"
+    );
+    if let Some(listener) = listener {
+        listener.on_decision(event);
+    }
+}
+
+/// Store failures, told at `warn` when they start and stop, and in between as a summary
+/// every [`SUMMARY_EVERY_US`] rather than a line a request: a 5 s Redis stall under load
+/// is thousands of failed requests, and one of them says as much as all.
+pub(crate) struct StoreFailures {
+    clock: Arc<dyn Clock>,
+    failing: AtomicBool,
+    /// Failures since the last warning.
+    unreported: AtomicU64,
+    /// When the last warning was written, microseconds.
+    warned_at: AtomicU64,
+}
+
+/// How often a store that keeps failing is summarised.
+const SUMMARY_EVERY_US: u64 = 10_000_000;
+
+impl StoreFailures {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
+        StoreFailures {
+            clock,
+            failing: AtomicBool::new(false),
+            unreported: AtomicU64::new(0),
+            warned_at: AtomicU64::new(0),
+        }
+    }
+
+    /// A request the store failed to decide; `action` is what the layer did instead.
+    pub(crate) fn failed(&self, error: &StoreError, action: &'static str) {
+        let now = self.clock.now_micros();
+        if !self.failing.swap(true, Ordering::Relaxed) {
+            self.warned_at.store(now, Ordering::Relaxed);
+            tracing::warn!(
+                %error,
+                "rate limit store failed; {action} until it answers again (further failures \
+                 are summarised every {} s)",
+                SUMMARY_EVERY_US / 1_000_000
+            );
+            return;
+        }
+        self.unreported.fetch_add(1, Ordering::Relaxed);
+        let warned_at = self.warned_at.load(Ordering::Relaxed);
+        if now.saturating_sub(warned_at) >= SUMMARY_EVERY_US
+            && self
+                .warned_at
+                .compare_exchange(warned_at, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            let failures = self.unreported.swap(0, Ordering::Relaxed);
+            tracing::warn!(
+                failures,
+                %error,
+                "rate limit store still failing: {failures} more requests in the last {} s; {action}",
+                (now - warned_at) / 1_000_000
+            );
+        }
+    }
+
+    /// A request the store decided: the end of a failure, if there was one.
+    #[inline]
+    pub(crate) fn succeeded(&self) {
+        if self.failing.load(Ordering::Relaxed) && self.failing.swap(false, Ordering::Relaxed) {
+            let failures = self.unreported.swap(0, Ordering::Relaxed);
+            tracing::warn!(
+                failures,
+                "rate limit store answering again ({failures} more failed requests since the last warning)"
+            );
+        }
+    }
+}
+
+impl fmt::Debug for StoreFailures {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreFailures")
+            .field("failing", &self.failing.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use tollway_core::{ManualClock, StoreErrorKind};
+    use tracing::subscriber::with_default;
+    use tracing::{Event, Level, Metadata, Subscriber, span};
+
+    use super::*;
+
+    /// Counts the warnings written, and keeps their `failures` fields.
+    #[derive(Default)]
+    struct Warnings(Mutex<Vec<Option<u64>>>);
+
+    struct Failures(Option<u64>);
+
+    impl tracing::field::Visit for Failures {
+        fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+            if field.name() == "failures" {
+                self.0 = Some(value);
+            }
+        }
+        fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn fmt::Debug) {}
+    }
+
+    impl Subscriber for &'static Warnings {
+        fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+            *metadata.level() <= Level::WARN
+        }
+        fn new_span(&self, _: &span::Attributes<'_>) -> span::Id {
+            span::Id::from_u64(1)
+        }
+        fn record(&self, _: &span::Id, _: &span::Record<'_>) {}
+        fn record_follows_from(&self, _: &span::Id, _: &span::Id) {}
+        fn event(&self, event: &Event<'_>) {
+            let mut failures = Failures(None);
+            event.record(&mut failures);
+            self.0.lock().unwrap().push(failures.0);
+        }
+        fn enter(&self, _: &span::Id) {}
+        fn exit(&self, _: &span::Id) {}
+    }
+
+    // During a stall every request fails: one warning when it starts, a summary every
+    // 10 s with the count, one when the store answers again — not a line a request (the
+    // axum example once wrote 1,570 in 5 s).
+    #[test]
+    fn a_failing_store_is_told_when_it_starts_then_summarised_then_when_it_ends() {
+        let warnings: &'static Warnings = Box::leak(Box::default());
+        let clock = ManualClock::new();
+        let failures = StoreFailures::new(Arc::new(clock.clone()));
+        let error = StoreError::new(StoreErrorKind::Timeout, "stalled");
+        with_default(warnings, || {
+            failures.succeeded();
+            // 5 s of failures, 1,000 a second.
+            for _ in 0..5_000 {
+                failures.failed(&error, "letting requests through");
+                clock.advance(Duration::from_millis(1));
+            }
+            assert_eq!(*warnings.0.lock().unwrap(), [None]);
+            // 6 s more: the summary at 10 s counts the 10,000 after the first.
+            for _ in 0..6_000 {
+                failures.failed(&error, "letting requests through");
+                clock.advance(Duration::from_millis(1));
+            }
+            failures.succeeded();
+            failures.succeeded();
+        });
+        assert_eq!(*warnings.0.lock().unwrap(), [None, Some(10_000), Some(999)]);
+    }
+}

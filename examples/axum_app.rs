@@ -1,0 +1,260 @@
+//! The `axum_server` example's application, shared with its end-to-end tests: the
+//! limited API, `GET /metrics`, and the admin API behind a token.
+//!
+//! | route | what |
+//! |---|---|
+//! | `GET /` | hello, limited by the caller's tier |
+//! | `GET`/`POST /api/v1/checkout` | also 5 / min per caller (sliding window log) |
+//! | `POST /api/v1/completions?tokens=N` | also 1,000 tokens / min per caller, charged after the response for the `N` it reports used |
+//! | `GET /metrics` | Prometheus text |
+//! | `GET /admin/limits/{policy}/{key}` | a caller's state under a policy, consuming nothing |
+//! | `DELETE /admin/limits/{policy}/{key}` | the caller back to fresh under that policy |
+//! | `PUT /admin/shadow/{policy}` (body `on` / `off`; `all`: the whole layer) | shadow mode |
+//!
+//! `{key}` is the caller's key as the store sees it: `ip:203.0.113.9`, `key:demo-free-key`.
+//! The admin routes want `Authorization: Bearer <token>`: none is 401, another is 403.
+//! `demo-partner-key` is on the allow list (never limited), `demo-banned-key` on the deny
+//! list (403).
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::json;
+use tollway_tower::{
+    Algorithm, ApiKey, BoxStore, ConfigError, Decisions, HeaderStyle, Key, Operation, Or, PeerIp,
+    Policy, Protocol, Quota, RateLimitLayer, Store,
+};
+
+/// The example's layer: API-key tiers, else the peer address.
+pub type Limits =
+    RateLimitLayer<BoxStore, Or<ApiKey<std::collections::HashMap<String, String>>, PeerIp>>;
+
+/// The header a completion reports the tokens it used in.
+pub const TOKENS_USED: &str = "x-tokens-used";
+
+/// The admin token when `ADMIN_TOKEN` is not set.
+pub const DEFAULT_ADMIN_TOKEN: &str = "demo-admin-token";
+
+/// The example's application over `store`: the limited API, `/metrics` from `metrics`,
+/// and the admin API for `admin_token`. Also returns its layer (to switch shadow mode or
+/// read a policy).
+///
+/// # Errors
+///
+/// When a policy or the layer is misconfigured (they are not: this is the example's own).
+pub fn app(
+    store: BoxStore,
+    metrics: PrometheusHandle,
+    admin_token: &str,
+) -> Result<(Router, Limits), ConfigError> {
+    let [anonymous, free, pro] = crate::tier_policies()?;
+    let checkout = Policy::new(
+        "checkout",
+        Algorithm::SlidingWindowLog,
+        Quota::per_minute(5)?,
+    )?;
+    let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(1_000)?)?;
+    let limits = RateLimitLayer::builder(store, anonymous)
+        .key(crate::known_api_key()?)
+        .tier(free)
+        .tier(pro)
+        .tiers(crate::tiers())
+        .route(None, "/api/v1/checkout", checkout)
+        .route(None, "/api/v1/completions", tokens)
+        .charge_after("tokens", |_, headers, _| {
+            headers
+                .get(TOKENS_USED)
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+                .unwrap_or(0)
+        })
+        .allow_key(Key::new("key", crate::PARTNER_KEY))
+        .deny_key(Key::new("key", crate::BANNED_KEY))
+        .headers(HeaderStyle::Both)
+        // An HTTP service: a request dressed as gRPC still gets its 429.
+        .protocol(Protocol::Http)
+        .build()?;
+
+    let api = Router::new()
+        .route("/", get(hello))
+        .route("/api/v1/checkout", get(checkout_status).post(place_order))
+        .route("/api/v1/completions", post(complete))
+        .layer(limits.clone());
+    let admin = Arc::new(Admin {
+        limits: limits.clone(),
+        token: admin_token.to_owned(),
+        metrics,
+    });
+    // Added after the layer, so not limited by it.
+    let router = api
+        .route("/metrics", get(render_metrics))
+        .route(
+            "/admin/limits/{policy}/{key}",
+            get(peek_limit).delete(reset_limit),
+        )
+        .route("/admin/shadow/{policy}", put(set_shadow))
+        .with_state(admin);
+    Ok((router, limits))
+}
+
+struct Admin {
+    limits: Limits,
+    token: String,
+    metrics: PrometheusHandle,
+}
+
+async fn hello() -> &'static str {
+    "Hello from behind tollway!\n"
+}
+
+async fn checkout_status() -> &'static str {
+    "Checkout is open.\n"
+}
+
+async fn place_order() -> &'static str {
+    "Order placed.\n"
+}
+
+#[derive(serde::Deserialize)]
+struct Completion {
+    #[serde(default)]
+    tokens: u32,
+}
+
+/// A pretend model call that used `?tokens=N` tokens, and says so in `X-Tokens-Used`.
+async fn complete(Query(completion): Query<Completion>) -> impl IntoResponse {
+    (
+        [(TOKENS_USED, completion.tokens.to_string())],
+        "A completion.\n",
+    )
+}
+
+async fn render_metrics(State(admin): State<Arc<Admin>>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        admin.metrics.render(),
+    )
+}
+
+async fn peek_limit(
+    State(admin): State<Arc<Admin>>,
+    headers: HeaderMap,
+    Path((policy, key)): Path<(String, String)>,
+) -> Response {
+    operate(&admin, &headers, &policy, &key, Operation::Peek(0)).await
+}
+
+async fn reset_limit(
+    State(admin): State<Arc<Admin>>,
+    headers: HeaderMap,
+    Path((policy, key)): Path<(String, String)>,
+) -> Response {
+    operate(&admin, &headers, &policy, &key, Operation::Reset).await
+}
+
+/// Carries out `operation` on `key` under `policy` and answers the state after it, with
+/// whether a request would pass now.
+async fn operate(
+    admin: &Admin,
+    headers: &HeaderMap,
+    policy: &str,
+    key: &str,
+    operation: Operation,
+) -> Response {
+    if let Some(refusal) = refuse(admin, headers) {
+        return refusal;
+    }
+    let Some(policy) = admin.limits.policy(policy) else {
+        let known: Vec<&str> = admin.limits.policies().iter().map(Policy::name).collect();
+        let message = format!("no policy {policy:?}; the policies are {known:?}");
+        return error(StatusCode::NOT_FOUND, &message);
+    };
+    let store = admin.limits.store();
+    let key = key.as_bytes();
+    let state = store.operate(key, &[policy], operation).await;
+    let next = store.operate(key, &[policy], Operation::Peek(1)).await;
+    match (state, next) {
+        (Ok(state), Ok(next)) => describe(policy, key, &state, &next),
+        (Err(e), _) | (_, Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+fn describe(policy: &Policy, key: &[u8], state: &Decisions, next: &Decisions) -> Response {
+    let (now, next) = (&state[0], &next[0]);
+    let body = json!({
+        "policy": policy.name(),
+        "key": String::from_utf8_lossy(key),
+        "limit": now.limit(),
+        "remaining": now.remaining(),
+        "reset_after_ms": now.reset_after().as_millis() as u64,
+        "next_request_allowed": next.is_allowed(),
+        "retry_after_ms": next.retry_after().map(|wait| wait.as_millis() as u64),
+    });
+    json_response(StatusCode::OK, &body)
+}
+
+async fn set_shadow(
+    State(admin): State<Arc<Admin>>,
+    headers: HeaderMap,
+    Path(policy): Path<String>,
+    body: Bytes,
+) -> Response {
+    if let Some(refusal) = refuse(&admin, &headers) {
+        return refusal;
+    }
+    let on = match body.trim_ascii() {
+        b"on" => true,
+        b"off" => false,
+        _ => return error(StatusCode::BAD_REQUEST, "send `on` or `off`"),
+    };
+    if policy == "all" {
+        admin.limits.set_shadow(on);
+    } else if let Err(e) = admin.limits.set_policy_shadow(&policy, on) {
+        return error(StatusCode::NOT_FOUND, &e.to_string());
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// The refusal of an admin request: 401 without a bearer token, 403 with another than
+/// the admin's; `None` for the admin.
+fn refuse(admin: &Admin, headers: &HeaderMap) -> Option<Response> {
+    let Some(given) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+    else {
+        let mut response = error(
+            StatusCode::UNAUTHORIZED,
+            "send Authorization: Bearer <admin token>",
+        );
+        response
+            .headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return Some(response);
+    };
+    (!same(given, admin.token.as_bytes()))
+        .then(|| error(StatusCode::FORBIDDEN, "that is not the admin token"))
+}
+
+/// Compares in time that depends on the lengths only, not on where they differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    let reason = status.canonical_reason().unwrap_or("Error");
+    json_response(status, &json!({ "error": reason, "message": message }))
+}
+
+fn json_response(status: StatusCode, body: &serde_json::Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}

@@ -1,0 +1,128 @@
+//! The axum example's `/metrics`, scraped over real HTTP after a scripted sequence of
+//! requests: the counts are exactly the decisions made, enforcing and in shadow mode.
+//!
+//! A binary of its own: the Prometheus recorder is process-wide, and no other test may
+//! add to its counts.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+
+use http::{Method, StatusCode};
+use metrics_exporter_prometheus::PrometheusBuilder;
+use support::http::{Client, Server};
+use support::stores::{EPOCH_US, memory_store};
+use tollway_core::ManualClock;
+use tollway_tower::BoxStore;
+
+const ADMIN: (&str, &str) = ("authorization", "Bearer test-admin");
+
+/// The decision counts in a scrape: `tollway_decisions_total` by its labels.
+fn decisions(scrape: &str) -> BTreeMap<String, u64> {
+    scrape
+        .lines()
+        .filter_map(|line| line.strip_prefix("tollway_decisions_total"))
+        .filter_map(|rest| {
+            let (labels, count) = rest.rsplit_once(' ')?;
+            Some((labels.to_owned(), count.parse().ok()?))
+        })
+        .collect()
+}
+
+/// How much each count grew from `before` to `after` (counts that did not grow left out).
+fn grown(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(labels, n)| (labels.clone(), n - before.get(labels).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
+/// 30 requests: 25 anonymous (the limit is 20 a minute, so 5 are refused), 2 from a
+/// Free key, 2 from the partner on the allow list, 1 from the key on the deny list.
+/// Returns how many of each status came back.
+async fn scripted_sequence(client: &Client) -> BTreeMap<u16, u32> {
+    let mut statuses = BTreeMap::new();
+    let mut sent = Vec::new();
+    for _ in 0..25 {
+        sent.push(client.get("/").await.status);
+    }
+    for key in [
+        "demo-free-key",
+        "demo-free-key",
+        "demo-partner-key",
+        "demo-partner-key",
+        "demo-banned-key",
+    ] {
+        sent.push(client.get_with("/", &[("x-api-key", key)]).await.status);
+    }
+    assert_eq!(sent.len(), 30);
+    for status in sent {
+        *statuses.entry(status.as_u16()).or_insert(0) += 1;
+    }
+    statuses
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_counts_every_decision_in_its_metrics() {
+    let metrics = PrometheusBuilder::new().install_recorder().unwrap();
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let store = BoxStore::new(memory_store(&clock));
+    let (app, _limits) = demo::axum_app::app(store, metrics, "test-admin").unwrap();
+    let server = Server::start(app).await;
+    let client = server.client();
+
+    // Enforcing: 5 refused with 429, 1 forbidden.
+    let before = decisions(&client.get("/metrics").await.body);
+    let statuses = scripted_sequence(&client).await;
+    assert_eq!(statuses, BTreeMap::from([(200, 24), (403, 1), (429, 5)]));
+    let after = decisions(&client.get("/metrics").await.body);
+    assert_eq!(
+        grown(&before, &after),
+        BTreeMap::from([
+            (r#"{policy="anonymous",outcome="allowed"}"#.to_owned(), 20),
+            (r#"{policy="anonymous",outcome="limited"}"#.to_owned(), 5),
+            (r#"{policy="free",outcome="allowed"}"#.to_owned(), 2),
+            (r#"{outcome="allow_listed"}"#.to_owned(), 2),
+            (r#"{outcome="deny_listed"}"#.to_owned(), 1),
+        ]),
+        "{after:?}"
+    );
+
+    // Shadow mode for the whole layer, the callers back to fresh: the same sequence gets
+    // no 429, and the metrics show the 5 that would have been refused.
+    let admin = [ADMIN];
+    let shadow = client
+        .send_body(Method::PUT, "/admin/shadow/all", &admin, "on".into())
+        .await;
+    assert_eq!(shadow.status, StatusCode::NO_CONTENT);
+    for (policy, key) in [("anonymous", "ip:127.0.0.1"), ("free", "key:demo-free-key")] {
+        let path = format!("/admin/limits/{policy}/{key}");
+        assert_eq!(
+            client.send(Method::DELETE, &path, &admin).await.status,
+            StatusCode::OK
+        );
+    }
+    let before = after;
+    let statuses = scripted_sequence(&client).await;
+    assert_eq!(statuses, BTreeMap::from([(200, 29), (403, 1)]));
+    let after = decisions(&client.get("/metrics").await.body);
+    assert_eq!(
+        grown(&before, &after),
+        BTreeMap::from([
+            (r#"{policy="anonymous",outcome="allowed"}"#.to_owned(), 20),
+            (
+                r#"{policy="anonymous",outcome="shadow_limited"}"#.to_owned(),
+                5
+            ),
+            (r#"{policy="free",outcome="allowed"}"#.to_owned(), 2),
+            (r#"{outcome="allow_listed"}"#.to_owned(), 2),
+            (r#"{outcome="deny_listed"}"#.to_owned(), 1),
+        ]),
+        "{after:?}"
+    );
+    // The store's own metrics are there too.
+    assert!(after.len() >= 5);
+    let scrape = client.get("/metrics").await.body;
+    assert!(scrape.contains("tollway_memory_store_keys"), "{scrape}");
+}

@@ -1,0 +1,228 @@
+//! Operating the limiter, over real HTTP: the axum example's admin API and its charge
+//! after the response, shadow mode for one policy beside one that enforces, the allow and
+//! deny lists, and the decision listener — on both stores, on a manual clock.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use http::{Method, StatusCode};
+use metrics_exporter_prometheus::PrometheusBuilder;
+use support::both_stores;
+use support::http::{Client, Server};
+use support::stores::per_minute;
+use tollway_core::{ManualClock, Store};
+use tollway_tower::{
+    ApiKey, BoxStore, DecisionEvent, DecisionOutcome, Fallback, Key, PeerIp, RateLimitLayer,
+};
+
+const ADMIN: (&str, &str) = ("authorization", "Bearer test-admin");
+
+/// The axum example's application over `store`, served on a free loopback port (its
+/// metrics go to a recorder of its own, not installed: this binary does not read them).
+async fn example<St: Store + Clone>(store: St) -> (Server, Client) {
+    let metrics = PrometheusBuilder::new().build_recorder().handle();
+    let (app, _limits) = demo::axum_app::app(BoxStore::new(store), metrics, "test-admin").unwrap();
+    let server = Server::start(app).await;
+    let client = server.client();
+    (server, client)
+}
+
+fn json(body: &str) -> serde_json::Value {
+    serde_json::from_str(body).unwrap()
+}
+
+both_stores! {
+    /// The admin API wants its token; a peek at a caller it never saw is a fresh
+    /// caller's state, consuming nothing; a reset lets a refused caller through again.
+    async fn the_admin_api_peeks_and_resets_behind_its_token(store, clock) {
+        let _ = &clock;
+        let (_server, client) = example(store).await;
+        let path = "/admin/limits/anonymous/ip:127.0.0.1";
+
+        let none = client.get(path).await;
+        assert_eq!(none.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(none.header("www-authenticate"), Some("Bearer"));
+        let wrong = client.get_with(path, &[("authorization", "Bearer guess")]).await;
+        assert_eq!(wrong.status, StatusCode::FORBIDDEN);
+        let unknown = client.get_with("/admin/limits/nope/ip:127.0.0.1", &[ADMIN]).await;
+        assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+
+        let fresh = client.get_with(path, &[ADMIN]).await;
+        assert_eq!(fresh.status, StatusCode::OK);
+        let fresh = json(&fresh.body);
+        assert_eq!(fresh["remaining"], 20);
+        assert_eq!(fresh["next_request_allowed"], true);
+        assert_eq!(fresh["reset_after_ms"], 0);
+        // Peeking consumed nothing.
+        assert_eq!(json(&client.get_with(path, &[ADMIN]).await.body)["remaining"], 20);
+
+        for _ in 0..20 {
+            assert_eq!(client.get("/").await.status, StatusCode::OK);
+        }
+        assert_eq!(client.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
+        let spent = json(&client.get_with(path, &[ADMIN]).await.body);
+        assert_eq!(spent["remaining"], 0);
+        assert_eq!(spent["next_request_allowed"], false);
+        assert_eq!(spent["retry_after_ms"], 3_000);
+
+        let reset = client.send(Method::DELETE, path, &[ADMIN]).await;
+        assert_eq!(reset.status, StatusCode::OK);
+        assert_eq!(json(&reset.body)["remaining"], 20);
+        assert_eq!(client.get("/").await.status, StatusCode::OK);
+    }
+}
+
+both_stores! {
+    /// A completion reports the tokens it used, and the layer charges them to the
+    /// caller's 1,000-token-a-minute budget after the response: two completions of 600
+    /// use it up (the second takes the 398 left), and the next is refused with the exact
+    /// wait for a token — 60 ms, `Retry-After: 1` — and passes once it has passed.
+    async fn a_response_is_charged_what_it_used_and_the_next_request_waits(store, clock) {
+        let (_server, client) = example(store).await;
+        let path = "/admin/limits/tokens/ip:127.0.0.1";
+        let completion = "/api/v1/completions?tokens=600";
+
+        let first = client.send(Method::POST, completion, &[]).await;
+        assert_eq!(first.status, StatusCode::OK);
+        assert_eq!(first.header("x-tokens-used"), Some("600"));
+        // The response reported the state before its charge; the charge is in the store.
+        assert_eq!(json(&client.get_with(path, &[ADMIN]).await.body)["remaining"], 399);
+        assert_eq!(client.send(Method::POST, completion, &[]).await.status, StatusCode::OK);
+        assert_eq!(json(&client.get_with(path, &[ADMIN]).await.body)["remaining"], 0);
+
+        let refused = client.send(Method::POST, completion, &[]).await;
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused.header("retry-after"), Some("1"));
+        assert!(refused.body.contains("retry after 1 seconds"), "{}", refused.body);
+        let waiting = json(&client.get_with(path, &[ADMIN]).await.body);
+        assert_eq!(waiting["retry_after_ms"], 60);
+
+        clock.advance(Duration::from_millis(60));
+        assert_eq!(client.send(Method::POST, completion, &[]).await.status, StatusCode::OK);
+    }
+}
+
+both_stores! {
+    /// A route policy in shadow mode (1 a minute) beside the caller's own, which enforces
+    /// (3 a minute): when only the shadow policy refuses, the request goes through and
+    /// the caller's policy still counts it — so the fourth request is the first refused,
+    /// by the caller's policy — and the listener hears each shadow refusal. Switched to
+    /// enforcing at run time, the route policy refuses at once.
+    async fn a_policy_in_shadow_refuses_nothing_and_changes_no_other_count(store, clock) {
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&heard);
+        let layer = RateLimitLayer::builder(store, per_minute("caller", 3))
+            .route(None, "/export", per_minute("export", 1))
+            .shadow_policy("export")
+            .wall_clock(clock.clone())
+            .on_decision(move |event: &DecisionEvent<'_>| {
+                let policy = event.verdict().map(|v| v.policy.name().to_owned());
+                log.lock().unwrap().push((event.outcome(), policy));
+            })
+            .build()
+            .unwrap();
+        let app = Router::new().route("/export", get(|| async { "data" })).layer(layer.clone());
+        let server = Server::start(app).await;
+        let client = server.client();
+
+        let statuses: Vec<u16> = futures_in_order(&client, "/export", 4).await;
+        assert_eq!(statuses, [200, 200, 200, 429]);
+        use DecisionOutcome::{Allowed, Limited, ShadowLimited};
+        let export = Some("export".to_owned());
+        let caller = Some("caller".to_owned());
+        assert_eq!(
+            *heard.lock().unwrap(),
+            [
+                (Allowed, export.clone()),
+                (ShadowLimited, export.clone()),
+                (Allowed, caller.clone()),
+                (ShadowLimited, export.clone()),
+                (Allowed, caller.clone()),
+                (ShadowLimited, export.clone()),
+                (Limited, caller.clone()),
+            ]
+        );
+        // A request the shadow policy would refuse reports the policy that enforces.
+        clock.advance(Duration::from_secs(20));
+        let passed = client.get("/export").await;
+        assert_eq!(passed.status, StatusCode::OK);
+        assert_eq!(passed.header("x-ratelimit-limit"), Some("3"));
+        assert_eq!(passed.header("x-ratelimit-remaining"), Some("0"));
+
+        layer.set_policy_shadow("export", false).unwrap();
+        assert!(!layer.is_shadow(Some("export")));
+        clock.advance(Duration::from_secs(20));
+        let refused = client.get("/export").await;
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(layer.set_policy_shadow("nope", true).is_err());
+    }
+}
+
+/// `n` requests to `path`, one after the other: their statuses.
+async fn futures_in_order(client: &Client, path: &str, n: usize) -> Vec<u16> {
+    let mut statuses = Vec::new();
+    for _ in 0..n {
+        statuses.push(client.get(path).await.status.as_u16());
+    }
+    statuses
+}
+
+/// The lists over HTTP: a network on the deny list gets 403 with the JSON body, one on
+/// the allow list is never limited, and a key on the deny list loses even inside an
+/// allowed network.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowed_callers_are_never_limited_and_denied_ones_are_forbidden() {
+    let clock = ManualClock::at_micros(support::stores::EPOCH_US);
+    let store = support::stores::memory_store(&clock);
+    let layer = RateLimitLayer::builder(store.clone(), per_minute("caller", 1))
+        .key(ApiKey::header("x-api-key").unwrap().or(PeerIp::new()))
+        .allow_network("127.0.0.0/8")
+        .deny_key(Key::new("key", "banned"))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let server = Server::start(app).await;
+    let client = server.client();
+    for _ in 0..5 {
+        let reply = client.get("/").await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.header("x-ratelimit-remaining"), None);
+    }
+    let banned = client.get_with("/", &[("x-api-key", "banned")]).await;
+    assert_eq!(banned.status, StatusCode::FORBIDDEN);
+    assert_eq!(banned.header("content-type"), Some("application/json"));
+    assert_eq!(
+        banned.body,
+        r#"{"error":"Forbidden","message":"This client may not call this service."}"#
+    );
+    // Nothing was stored for the allowed caller.
+    assert!(store.is_empty());
+
+    let denied = RateLimitLayer::builder(
+        support::stores::memory_store(&clock),
+        per_minute("caller", 1),
+    )
+    .deny_network("127.0.0.1")
+    .build()
+    .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(denied);
+    let server = Server::start(app).await;
+    assert_eq!(server.client().get("/").await.status, StatusCode::FORBIDDEN);
+
+    let err = RateLimitLayer::builder(
+        support::stores::memory_store(&clock),
+        per_minute("caller", 1),
+    )
+    .allow_network("127.0.0.1/40")
+    .build()
+    .unwrap_err();
+    assert!(err.to_string().contains("not a network"), "{err}");
+}
