@@ -7,8 +7,8 @@
 //! | `GET`/`POST /api/v1/checkout` | also 5 / min per caller (sliding window log) |
 //! | `POST /api/v1/completions?tokens=N` | also 1,000 tokens / min per caller, charged after the response for the `N` it reports used |
 //! | `GET /metrics` | Prometheus text |
-//! | `GET /admin/limits/{policy}/{key}` | a caller's state under a policy, consuming nothing |
-//! | `DELETE /admin/limits/{policy}/{key}` | the caller back to fresh under that policy |
+//! | `GET /admin/limits/{policy}/{key}` | a caller's state under a policy (`all`: each), consuming nothing |
+//! | `DELETE /admin/limits/{policy}/{key}` | the caller back to fresh under that policy (`all`: every one) |
 //! | `PUT /admin/shadow/{policy}` (body `on` / `off`; `all`: the whole layer) | shadow mode |
 //!
 //! `{key}` is the caller's key as the store sees it: `ip:203.0.113.9`, `key:demo-free-key`.
@@ -169,24 +169,42 @@ async fn operate(
     if let Some(refusal) = refuse(admin, headers) {
         return refusal;
     }
-    let Some(policy) = admin.limits.policy(policy) else {
-        let known: Vec<&str> = admin.limits.policies().iter().map(Policy::name).collect();
-        let message = format!("no policy {policy:?}; the policies are {known:?}");
-        return error(StatusCode::NOT_FOUND, &message);
+    let policies: Vec<&Policy> = match policy {
+        "all" => admin.limits.policies().iter().collect(),
+        name => match admin.limits.policy(name) {
+            Some(policy) => vec![policy],
+            None => {
+                let known: Vec<&str> = admin.limits.policies().iter().map(Policy::name).collect();
+                let message =
+                    format!("no policy {name:?}; the policies are {known:?}, or say `all`");
+                return error(StatusCode::NOT_FOUND, &message);
+            }
+        },
     };
     let store = admin.limits.store();
     let key = key.as_bytes();
-    let state = store.operate(key, &[policy], operation).await;
-    let next = store.operate(key, &[policy], Operation::Peek(1)).await;
-    match (state, next) {
-        (Ok(state), Ok(next)) => describe(policy, key, &state, &next),
-        (Err(e), _) | (_, Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    // One policy at a time: a peek at several would be all or nothing.
+    let mut described = Vec::new();
+    for policy in policies {
+        let state = store.operate(key, &[policy], operation).await;
+        let next = store.operate(key, &[policy], Operation::Peek(1)).await;
+        match (state, next) {
+            (Ok(state), Ok(next)) => described.push(describe(policy, key, &state, &next)),
+            (Err(e), _) | (_, Err(e)) => {
+                return error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string());
+            }
+        }
+    }
+    match <[_; 1]>::try_from(described) {
+        Ok([one]) => json_response(StatusCode::OK, &one),
+        Err(all) => json_response(StatusCode::OK, &serde_json::Value::Array(all)),
     }
 }
 
-fn describe(policy: &Policy, key: &[u8], state: &Decisions, next: &Decisions) -> Response {
+/// A caller's state under a policy, and whether its next request would pass.
+fn describe(policy: &Policy, key: &[u8], state: &Decisions, next: &Decisions) -> serde_json::Value {
     let (now, next) = (&state[0], &next[0]);
-    let body = json!({
+    json!({
         "policy": policy.name(),
         "key": String::from_utf8_lossy(key),
         "limit": now.limit(),
@@ -194,8 +212,7 @@ fn describe(policy: &Policy, key: &[u8], state: &Decisions, next: &Decisions) ->
         "reset_after_ms": now.reset_after().as_millis() as u64,
         "next_request_allowed": next.is_allowed(),
         "retry_after_ms": next.retry_after().map(|wait| wait.as_millis() as u64),
-    });
-    json_response(StatusCode::OK, &body)
+    })
 }
 
 async fn set_shadow(

@@ -34,7 +34,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use demo::axum_app::{self, DEFAULT_ADMIN_TOKEN};
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tokio::net::TcpListener;
 use tollway_tower::BoxStore;
 
@@ -56,7 +56,15 @@ async fn serve(
     listener: TcpListener,
     addr: SocketAddr,
 ) -> Result<(), Box<dyn Error>> {
-    let metrics = PrometheusBuilder::new().install_recorder()?;
+    // Redis call latency as a histogram (the exporter's default is a summary).
+    let metrics = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full("tollway_store_duration_seconds".to_owned()),
+            &[
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+            ],
+        )?
+        .install_recorder()?;
     let token = std::env::var("ADMIN_TOKEN").unwrap_or_else(|_| DEFAULT_ADMIN_TOKEN.to_owned());
     let (app, _limits) = axum_app::app(store, metrics, &token)?;
 

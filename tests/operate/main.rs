@@ -73,6 +73,13 @@ both_stores! {
         assert_eq!(reset.status, StatusCode::OK);
         assert_eq!(json(&reset.body)["remaining"], 20);
         assert_eq!(client.get("/").await.status, StatusCode::OK);
+
+        // `all`: every policy of the layer, each reset on its own.
+        let all = client.send(Method::DELETE, "/admin/limits/all/ip:127.0.0.1", &[ADMIN]).await;
+        let all = json(&all.body);
+        let names: Vec<&str> = all.as_array().unwrap().iter().map(|p| p["policy"].as_str().unwrap()).collect();
+        assert_eq!(names, ["anonymous", "free", "pro", "checkout", "tokens"]);
+        assert_eq!(all[0]["remaining"], 20);
     }
 }
 

@@ -200,6 +200,32 @@ pub(crate) fn report(listener: Option<&dyn DecisionListener>, event: &DecisionEv
     }
 }
 
+/// Describes the metrics to the installed recorder (their help text in Prometheus).
+#[cfg(feature = "metrics")]
+pub(crate) fn describe_metrics() {
+    metrics::describe_counter!(
+        "tollway_decisions_total",
+        "Requests the rate limiter decided, by the policy it reported and the outcome"
+    );
+    metrics::describe_histogram!(
+        "tollway_store_duration_seconds",
+        metrics::Unit::Seconds,
+        "How long a call to the rate limiter's remote store took"
+    );
+    metrics::describe_counter!(
+        "tollway_deny_cache_hits_total",
+        "Refusals the Redis store answered from its local deny cache"
+    );
+    metrics::describe_gauge!(
+        "tollway_breaker_state",
+        "The store's circuit breaker: 0 closed, 1 half-open, 2 open"
+    );
+    metrics::describe_gauge!(
+        "tollway_memory_store_keys",
+        "Keys the memory store holds, idle ones not yet swept included"
+    );
+}
+
 /// Store failures, told at `warn` when they start and stop, and in between as a summary
 /// every [`SUMMARY_EVERY_US`] rather than a line a request: a 5 s Redis stall under load
 /// is thousands of failed requests, and one of them says as much as all.

@@ -455,6 +455,15 @@ fn main() -> Result<(), BoxError> {
         Some("operate") => &Variant::OPERATE,
         _ => &Variant::ALL[..10],
     };
+    let only = std::env::var("HTTP_BENCH_ONLY").ok();
+    let selected: Vec<Variant> = suite
+        .iter()
+        .copied()
+        .filter(|v| {
+            only.as_deref()
+                .is_none_or(|only| only.split(',').any(|s| s.trim() == v.short()))
+        })
+        .collect();
     // The fleet suite's servers: one healthy, one killed once its store has connected.
     let mut redis = Vec::new();
     let fleet = if suite.iter().any(|v| v.needs_redis()) {
@@ -503,7 +512,7 @@ fn main() -> Result<(), BoxError> {
     };
     let mut addrs = Vec::new();
     for variant in Variant::ALL {
-        if !suite.contains(&variant) {
+        if !selected.contains(&variant) {
             addrs.push(None);
             continue;
         }
@@ -571,15 +580,6 @@ fn main() -> Result<(), BoxError> {
     println!("keys: the peer IP for both limiters; all load comes from 127.0.0.1, so one hot key");
     println!();
 
-    let only = std::env::var("HTTP_BENCH_ONLY").ok();
-    let selected: Vec<Variant> = suite
-        .iter()
-        .copied()
-        .filter(|v| {
-            only.as_deref()
-                .is_none_or(|only| only.split(',').any(|s| s.trim() == v.short()))
-        })
-        .collect();
     if selected.is_empty() {
         return Err("HTTP_BENCH_ONLY selects no variant: name some of \
                     axum, tollway, governor, tollway-429, governor-429"

@@ -464,6 +464,8 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             None => None,
         };
         let failures = StoreFailures::new(Arc::clone(&self.wall_clock));
+        #[cfg(feature = "metrics")]
+        crate::report::describe_metrics();
         Ok(RateLimitLayer {
             limiter: Arc::new(Limiter {
                 store: self.store,
