@@ -22,6 +22,16 @@
 //! through (the default) or gets 503 / `UNAVAILABLE`; [`CircuitBreaker`] adds the breaker
 //! and fallback to any store.
 //!
+//! Operating it: every decision is a `debug` event and, with feature `metrics`, counted
+//! in `tollway_decisions_total` by policy and outcome (see the README's "Operating
+//! tollway" for every metric); a [`DecisionListener`] hears each one; shadow mode
+//! ([`RateLimitLayerBuilder::shadow`], [`RateLimitLayerBuilder::shadow_policy`]) decides
+//! and counts without refusing, switchable at run time; allow and deny lists
+//! ([`RateLimitLayerBuilder::allow_network`], [`RateLimitLayerBuilder::deny_key`], ...)
+//! exempt or forbid callers; [`RateLimitLayerBuilder::charge_after`] charges a policy what
+//! a response reports it used; and [`Store::operate`] peeks at, charges, refunds or resets
+//! a caller's state (an admin endpoint's work: `examples/axum_app.rs`).
+//!
 //! Who a caller is, which routes a request is on, and what a client can or cannot
 //! influence: see the README's "Security model", and [`ClientIp`], [`ApiKey::known`],
 //! [`Fallback::or`] and [`MissingKey`].

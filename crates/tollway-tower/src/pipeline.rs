@@ -25,7 +25,7 @@ use crate::headers::{HeaderStyle, RateLimitHeaders};
 use crate::key::{Key, KeyExtractor};
 use crate::limits::{Limits, Selected};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
-use crate::report::{DecisionEvent, DecisionListener, DecisionOutcome, StoreFailures, report};
+use crate::report::{DecisionEvent, DecisionOutcome, Reporter, StoreFailures};
 use crate::verdict::{Verdict, most_restrictive, restriction};
 
 /// What to do with a request for which the key extractor (and every fallback chained to
@@ -162,7 +162,7 @@ pub(crate) struct Limiter<St> {
     pub(crate) on_rejected: RejectionHandler,
     pub(crate) lists: AccessLists,
     pub(crate) shadow: Shadow,
-    pub(crate) listener: Option<Arc<dyn DecisionListener>>,
+    pub(crate) reporter: Reporter,
     pub(crate) failures: StoreFailures,
     pub(crate) charge_after: Option<AfterCharge>,
 }
@@ -262,19 +262,8 @@ impl<St: Store> Limiter<St> {
 
     /// Tells a decision no limit made (a list, a store failure, no key).
     fn report(&self, key: Option<&Key>, outcome: DecisionOutcome) {
-        report(
-            self.listener.as_deref(),
-            &DecisionEvent::new(key, outcome, &[], None),
-        );
-    }
-
-    /// Whether a decision must be told: to a listener, to metrics, or to a subscriber
-    /// listening at debug level.
-    #[inline]
-    fn reporting(&self) -> bool {
-        self.listener.is_some()
-            || cfg!(feature = "metrics")
-            || tracing::enabled!(tracing::Level::DEBUG)
+        let event = DecisionEvent::new(key, outcome, &[], None);
+        self.reporter.report(&event, None);
     }
 
     /// What to do with `request` now that it is decided: a gRPC request is answered
@@ -406,7 +395,7 @@ impl Evaluation {
         };
         limiter.failures.succeeded();
         let allowed = decisions.is_allowed();
-        if allowed && limiter.header_style == HeaderStyle::None && !limiter.reporting() {
+        if allowed && limiter.header_style == HeaderStyle::None && !limiter.reporter.active() {
             return Step::Done(Outcome::Allow {
                 headers: RateLimitHeaders::none(),
                 delay: max_delay(&decisions),
@@ -432,7 +421,9 @@ impl Evaluation {
                 &verdicts,
                 Some(shadowed),
             );
-            report(limiter.listener.as_deref(), &event);
+            limiter
+                .reporter
+                .report(&event, Some(self.selected[shadowed]));
             let shadow = &limiter.shadow;
             if shadow.layer() {
                 return Step::Done(Outcome::pass());
@@ -443,10 +434,10 @@ impl Evaluation {
             }
             return self.check(limiter);
         }
-        if limiter.reporting() {
+        if limiter.reporter.active() {
             let outcome = DecisionOutcome::of(&verdicts[most], allowed);
             let event = DecisionEvent::new(Some(&self.key), outcome, &verdicts, Some(most));
-            report(limiter.listener.as_deref(), &event);
+            limiter.reporter.report(&event, Some(self.selected[most]));
         }
         if allowed && limiter.header_style == HeaderStyle::None {
             return Step::Done(Outcome::Allow {
@@ -483,7 +474,7 @@ impl Evaluation {
     /// The outcome when the store failed to decide.
     fn store_failed<St>(&self, limiter: &Limiter<St>, error: &StoreError) -> Outcome<'static> {
         let event = DecisionEvent::new(Some(&self.key), DecisionOutcome::StoreError, &[], None);
-        report(limiter.listener.as_deref(), &event);
+        limiter.reporter.report(&event, None);
         match limiter.on_error {
             OnStoreError::Allow => {
                 limiter.failures.failed(error, "letting requests through");

@@ -34,6 +34,7 @@ pub enum DecisionOutcome {
     /// The caller is on the deny list: refused with 403 / `PERMISSION_DENIED`.
     DenyListed,
     /// No key was found for the request, and [`MissingKey`](crate::MissingKey) refused it.
+    // The last: the metrics keep a counter an outcome, up to this one.
     NoKey,
 }
 
@@ -167,42 +168,117 @@ where
     }
 }
 
-/// Tells every decision: the debug event, the metric, the listener.
-pub(crate) fn report(listener: Option<&dyn DecisionListener>, event: &DecisionEvent<'_>) {
-    let verdict = event.verdict();
-    let policy = verdict.map(|v| v.policy.name());
+/// Tells every decision: the debug event, the metric (feature `metrics`), the listener.
+pub(crate) struct Reporter {
+    listener: Option<Arc<dyn DecisionListener>>,
     #[cfg(feature = "metrics")]
-    match policy {
-        Some(policy) => metrics::counter!(
-            "tollway_decisions_total",
-            "policy" => policy.to_owned(),
-            "outcome" => event.outcome.as_str(),
-        )
-        .increment(1),
-        // No limit decided (a list, a store failure, no key): no policy to name.
-        None => metrics::counter!(
-            "tollway_decisions_total",
-            "outcome" => event.outcome.as_str(),
-        )
-        .increment(1),
+    counters: Counters,
+}
+
+impl Reporter {
+    /// A reporter for a layer whose policies are `policies`.
+    pub(crate) fn new(
+        listener: Option<Arc<dyn DecisionListener>>,
+        policies: &[tollway_core::Policy],
+    ) -> Self {
+        #[cfg(feature = "metrics")]
+        describe_metrics();
+        #[cfg(not(feature = "metrics"))]
+        let _ = policies;
+        Reporter {
+            listener,
+            #[cfg(feature = "metrics")]
+            counters: Counters::new(policies),
+        }
     }
-    tracing::debug!(
-        policy,
-        outcome = event.outcome.as_str(),
-        remaining = verdict.map(|v| v.decision.remaining()),
-        retry_after_ms = verdict
-            .and_then(|v| v.decision.retry_after())
-            .map(|wait| wait.as_millis()),
-        "rate limit decision"
-    );
-    if let Some(listener) = listener {
-        listener.on_decision(event);
+
+    /// Whether a decision must be told: to a listener, to metrics, or to a subscriber
+    /// listening at debug level.
+    #[inline]
+    pub(crate) fn active(&self) -> bool {
+        self.listener.is_some()
+            || cfg!(feature = "metrics")
+            || tracing::enabled!(tracing::Level::DEBUG)
+    }
+
+    /// Tells `event`, whose reported verdict (if any) is of the layer's policy at
+    /// `policy`.
+    pub(crate) fn report(&self, event: &DecisionEvent<'_>, policy: Option<usize>) {
+        #[cfg(feature = "metrics")]
+        self.counters.get(policy, event.outcome).increment(1);
+        #[cfg(not(feature = "metrics"))]
+        let _ = policy;
+        let verdict = event.verdict();
+        tracing::debug!(
+            policy = verdict.map(|v| v.policy.name()),
+            outcome = event.outcome.as_str(),
+            remaining = verdict.map(|v| v.decision.remaining()),
+            retry_after_ms = verdict
+                .and_then(|v| v.decision.retry_after())
+                .map(|wait| wait.as_millis()),
+            "rate limit decision"
+        );
+        if let Some(listener) = &self.listener {
+            listener.on_decision(event);
+        }
+    }
+}
+
+impl fmt::Debug for Reporter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reporter")
+            .field("listener", &self.listener.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How many [`DecisionOutcome`]s there are: `NoKey` is the last.
+#[cfg(feature = "metrics")]
+const OUTCOMES: usize = DecisionOutcome::NoKey as usize + 1;
+
+/// `tollway_decisions_total`, one counter a policy and outcome, registered with the
+/// recorder on first use and kept: a request then costs an increment, not a lookup of
+/// its labels. A counter is bound to the recorder installed when the layer first counts
+/// its policy and outcome, so install the recorder before serving.
+#[cfg(feature = "metrics")]
+struct Counters {
+    names: Box<[String]>,
+    by_policy: Box<[[std::sync::OnceLock<metrics::Counter>; OUTCOMES]]>,
+    /// Outcomes no policy decided (lists, store failures, no key).
+    unlabelled: [std::sync::OnceLock<metrics::Counter>; OUTCOMES],
+}
+
+#[cfg(feature = "metrics")]
+impl Counters {
+    fn new(policies: &[tollway_core::Policy]) -> Self {
+        let row = || std::array::from_fn(|_| std::sync::OnceLock::new());
+        Counters {
+            names: policies.iter().map(|p| p.name().to_owned()).collect(),
+            by_policy: policies.iter().map(|_| row()).collect(),
+            unlabelled: row(),
+        }
+    }
+
+    fn get(&self, policy: Option<usize>, outcome: DecisionOutcome) -> &metrics::Counter {
+        let at = outcome as usize;
+        match policy {
+            Some(p) => self.by_policy[p][at].get_or_init(|| {
+                metrics::counter!(
+                    "tollway_decisions_total",
+                    "policy" => self.names[p].clone(),
+                    "outcome" => outcome.as_str(),
+                )
+            }),
+            None => self.unlabelled[at].get_or_init(
+                || metrics::counter!("tollway_decisions_total", "outcome" => outcome.as_str()),
+            ),
+        }
     }
 }
 
 /// Describes the metrics to the installed recorder (their help text in Prometheus).
 #[cfg(feature = "metrics")]
-pub(crate) fn describe_metrics() {
+fn describe_metrics() {
     metrics::describe_counter!(
         "tollway_decisions_total",
         "Requests the rate limiter decided, by the policy it reported and the outcome"

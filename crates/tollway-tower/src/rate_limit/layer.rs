@@ -18,7 +18,7 @@ use crate::pipeline::{
     AfterCharge, ChargeFn, CostFn, Limiter, MissingKey, OnStoreError, Protocol, Shadow,
 };
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
-use crate::report::{DecisionListener, StoreFailures};
+use crate::report::{DecisionListener, Reporter, StoreFailures};
 
 /// Applies rate limits to a service: see the [module docs](super) for a tour.
 ///
@@ -464,8 +464,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             None => None,
         };
         let failures = StoreFailures::new(Arc::clone(&self.wall_clock));
-        #[cfg(feature = "metrics")]
-        crate::report::describe_metrics();
+        let reporter = Reporter::new(self.listener, limits.policies());
         Ok(RateLimitLayer {
             limiter: Arc::new(Limiter {
                 store: self.store,
@@ -479,7 +478,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 on_rejected: self.on_rejected,
                 lists: self.lists,
                 shadow: Shadow::new(self.shadow, in_shadow.into_iter()),
-                listener: self.listener,
+                reporter,
                 failures,
                 charge_after,
             }),
