@@ -1,5 +1,6 @@
 //! The `axum_server` example's application, shared with its end-to-end tests: the
-//! limited API, `GET /metrics`, and the admin API behind a token.
+//! limited API with its limits from `examples/tollway.toml`, `GET /metrics`, and the admin
+//! API behind a token.
 //!
 //! | route | what |
 //! |---|---|
@@ -10,6 +11,7 @@
 //! | `GET /admin/limits/{policy}/{key}` | a caller's state under a policy (`all`: each), consuming nothing |
 //! | `DELETE /admin/limits/{policy}/{key}` | the caller back to fresh under that policy (`all`: every one) |
 //! | `PUT /admin/shadow/{policy}` (body `on` / `off`; `all`: the whole layer) | shadow mode |
+//! | `POST /admin/reload` | the limits file read again (it is also watched) |
 //!
 //! `{key}` is the caller's key as the store sees it: `ip:203.0.113.9`, `key:demo-free-key`.
 //! The admin routes want `Authorization: Bearer <token>`: none is 401, another is 403.
@@ -26,14 +28,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
-use tollway_tower::{
-    Algorithm, ApiKey, BoxStore, ConfigError, Decisions, HeaderStyle, Key, Operation, Or, PeerIp,
-    Policy, Protocol, Quota, RateLimitLayer, Store,
-};
+use tollway_tower::config::{ConfigKey, LimitsFile, Reloader};
+use tollway_tower::{BoxStore, ConfigError, Decisions, Operation, Policy, RateLimitLayer, Store};
 
-/// The example's layer: API-key tiers, else the peer address.
-pub type Limits =
-    RateLimitLayer<BoxStore, Or<ApiKey<std::collections::HashMap<String, String>>, PeerIp>>;
+/// The example's layer: limits from its file, keys by API key, else the peer address.
+pub type Limits = RateLimitLayer<BoxStore, ConfigKey>;
 
 /// The header a completion reports the tokens it used in.
 pub const TOKENS_USED: &str = "x-tokens-used";
@@ -41,44 +40,33 @@ pub const TOKENS_USED: &str = "x-tokens-used";
 /// The admin token when `ADMIN_TOKEN` is not set.
 pub const DEFAULT_ADMIN_TOKEN: &str = "demo-admin-token";
 
-/// The example's application over `store`: the limited API, `/metrics` from `metrics`,
-/// and the admin API for `admin_token`. Also returns its layer (to switch shadow mode or
-/// read a policy).
+/// The example's limits file, `examples/tollway.toml`.
+pub const DEFAULT_CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tollway.toml");
+
+/// The example's application over `store`, its limits from the file at `config`: the
+/// limited API, `/metrics` from `metrics`, and the admin API for `admin_token`. Also
+/// returns its reloader (to watch the file, or reload it by hand).
 ///
 /// # Errors
 ///
-/// When a policy or the layer is misconfigured (they are not: this is the example's own).
+/// When the limits file cannot be read or is not valid.
 pub fn app(
+    config: &std::path::Path,
     store: BoxStore,
     metrics: PrometheusHandle,
     admin_token: &str,
-) -> Result<(Router, Limits), ConfigError> {
-    let [anonymous, free, pro] = crate::tier_policies()?;
-    let checkout = Policy::new(
-        "checkout",
-        Algorithm::SlidingWindowLog,
-        Quota::per_minute(5)?,
-    )?;
-    let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(1_000)?)?;
-    let limits = RateLimitLayer::builder(store, anonymous)
-        .key(crate::known_api_key()?)
-        .tier(free)
-        .tier(pro)
-        .tiers(crate::tiers())
-        .route(None, "/api/v1/checkout", checkout)
-        .route(None, "/api/v1/completions", tokens)
-        .charge_after("tokens", |_, headers, _| {
+) -> Result<(Router, Reloader<BoxStore>), ConfigError> {
+    let file = LimitsFile::read(config)?;
+    // What a file cannot say: how many tokens a completion used.
+    let reloader = Reloader::from_file_with(config, file, store, |builder| {
+        builder.charge_after("tokens", |_, headers, _| {
             headers
                 .get(TOKENS_USED)
                 .and_then(|v| v.to_str().ok()?.parse().ok())
                 .unwrap_or(0)
         })
-        .allow_key(Key::new("key", crate::PARTNER_KEY))
-        .deny_key(Key::new("key", crate::BANNED_KEY))
-        .headers(HeaderStyle::Both)
-        // An HTTP service: a request dressed as gRPC still gets its 429.
-        .protocol(Protocol::Http)
-        .build()?;
+    })?;
+    let limits = reloader.layer();
 
     let api = Router::new()
         .route("/", get(hello))
@@ -86,7 +74,8 @@ pub fn app(
         .route("/api/v1/completions", post(complete))
         .layer(limits.clone());
     let admin = Arc::new(Admin {
-        limits: limits.clone(),
+        limits,
+        reloader: reloader.clone(),
         token: admin_token.to_owned(),
         metrics,
     });
@@ -98,14 +87,28 @@ pub fn app(
             get(peek_limit).delete(reset_limit),
         )
         .route("/admin/shadow/{policy}", put(set_shadow))
+        .route("/admin/reload", post(reload))
         .with_state(admin);
-    Ok((router, limits))
+    Ok((router, reloader))
 }
 
 struct Admin {
     limits: Limits,
+    reloader: Reloader<BoxStore>,
     token: String,
     metrics: PrometheusHandle,
+}
+
+/// Reads the limits file again (what a SIGHUP would do): 204, or 422 with the file's
+/// error, the running limits kept.
+async fn reload(State(admin): State<Arc<Admin>>, headers: HeaderMap) -> Response {
+    if let Some(refusal) = refuse(&admin, &headers) {
+        return refusal;
+    }
+    match admin.reloader.reload() {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => error(StatusCode::UNPROCESSABLE_ENTITY, &e.to_string()),
+    }
 }
 
 async fn hello() -> &'static str {
@@ -169,12 +172,13 @@ async fn operate(
     if let Some(refusal) = refuse(admin, headers) {
         return refusal;
     }
+    let all = admin.limits.policies();
     let policies: Vec<&Policy> = match policy {
-        "all" => admin.limits.policies().iter().collect(),
-        name => match admin.limits.policy(name) {
+        "all" => all.iter().collect(),
+        name => match all.iter().find(|p| p.name() == name) {
             Some(policy) => vec![policy],
             None => {
-                let known: Vec<&str> = admin.limits.policies().iter().map(Policy::name).collect();
+                let known: Vec<&str> = all.iter().map(Policy::name).collect();
                 let message =
                     format!("no policy {name:?}; the policies are {known:?}, or say `all`");
                 return error(StatusCode::NOT_FOUND, &message);

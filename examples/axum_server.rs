@@ -6,7 +6,12 @@
 //! PORT=8080 cargo run --example axum_server                      # another port
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example axum_server  # limits shared in Redis
 //! RUST_LOG=debug cargo run --example axum_server                 # more logging
+//! TOLLWAY_CONFIG=my-limits.toml cargo run --example axum_server  # other limits
 //! ```
+//!
+//! The limits below come from `examples/tollway.toml`, watched while the server runs:
+//! edit a limit and save, and the next request sees it; a broken edit is refused with its
+//! line and column in the log, and the running limits stay.
 //!
 //! Policies:
 //!
@@ -31,9 +36,10 @@
 
 use std::error::Error;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::process::ExitCode;
 
-use demo::axum_app::{self, DEFAULT_ADMIN_TOKEN};
+use demo::axum_app::{self, DEFAULT_ADMIN_TOKEN, DEFAULT_CONFIG};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tokio::net::TcpListener;
 use tollway_tower::BoxStore;
@@ -66,7 +72,11 @@ async fn serve(
         )?
         .install_recorder()?;
     let token = std::env::var("ADMIN_TOKEN").unwrap_or_else(|_| DEFAULT_ADMIN_TOKEN.to_owned());
-    let (app, _limits) = axum_app::app(store, metrics, &token)?;
+    let config = std::env::var("TOLLWAY_CONFIG").unwrap_or_else(|_| DEFAULT_CONFIG.to_owned());
+    let (app, reloader) = axum_app::app(Path::new(&config), store, metrics, &token)?;
+    // Reloaded whenever the file changes, while this lives.
+    let _watcher = reloader.watch()?;
+    println!("limits: {config} (watched: edit it and the next request sees the change)");
 
     print_usage(addr, &token);
     axum::serve(
@@ -119,6 +129,7 @@ fn print_usage(addr: SocketAddr, token: &str) {
         "  curl -X DELETE -H 'Authorization: Bearer {token}' {base}/admin/limits/anonymous/ip:127.0.0.1"
     );
     println!("  curl -X PUT -H 'Authorization: Bearer {token}' -d on {base}/admin/shadow/all");
+    println!("  curl -X POST -H 'Authorization: Bearer {token}' {base}/admin/reload");
     println!();
     println!("Ctrl-C stops the server.");
 }

@@ -68,7 +68,13 @@ async fn the_example_counts_every_decision_in_its_metrics() {
     let metrics = PrometheusBuilder::new().install_recorder().unwrap();
     let clock = ManualClock::at_micros(EPOCH_US);
     let store = BoxStore::new(memory_store(&clock));
-    let (app, _limits) = demo::axum_app::app(store, metrics, "test-admin").unwrap();
+    let (app, _limits) = demo::axum_app::app(
+        std::path::Path::new(demo::axum_app::DEFAULT_CONFIG),
+        store,
+        metrics,
+        "test-admin",
+    )
+    .unwrap();
     let server = Server::start(app).await;
     let client = server.client();
 
@@ -129,7 +135,13 @@ async fn the_example_counts_every_decision_in_its_metrics() {
     // refusals from one caller is answered by the deny cache, which counts its hits.
     let redis = BoxStore::new(support::stores::redis_store(&clock).await);
     let metrics = PrometheusBuilder::new().build_recorder().handle();
-    let (app, _limits) = demo::axum_app::app(redis, metrics, "test-admin").unwrap();
+    let (app, _limits) = demo::axum_app::app(
+        std::path::Path::new(demo::axum_app::DEFAULT_CONFIG),
+        redis,
+        metrics,
+        "test-admin",
+    )
+    .unwrap();
     let on_redis = Server::start(app).await;
     let redis_client = on_redis.client();
     let mut refused = 0;

@@ -25,7 +25,13 @@ const ADMIN: (&str, &str) = ("authorization", "Bearer test-admin");
 /// metrics go to a recorder of its own, not installed: this binary does not read them).
 async fn example<St: Store + Clone>(store: St) -> (Server, Client) {
     let metrics = PrometheusBuilder::new().build_recorder().handle();
-    let (app, _limits) = demo::axum_app::app(BoxStore::new(store), metrics, "test-admin").unwrap();
+    let (app, _limits) = demo::axum_app::app(
+        std::path::Path::new(demo::axum_app::DEFAULT_CONFIG),
+        BoxStore::new(store),
+        metrics,
+        "test-admin",
+    )
+    .unwrap();
     let server = Server::start(app).await;
     let client = server.client();
     (server, client)

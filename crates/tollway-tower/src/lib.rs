@@ -38,6 +38,8 @@
 
 mod access;
 mod body;
+#[cfg(feature = "config")]
+pub mod config;
 #[cfg(feature = "tonic")]
 pub mod grpc;
 mod headers;

@@ -147,6 +147,11 @@ impl Shadow {
     }
 }
 
+/// A layer's current limiter, swapped whole when its limits are replaced
+/// ([`RateLimitLayer::swap_limits`](crate::RateLimitLayer::swap_limits)): a request takes
+/// the one current when it starts and keeps it to the end.
+pub(crate) type Current<St> = Arc<arc_swap::ArcSwap<Limiter<St>>>;
+
 /// Everything a layer decides with but the key extractor, shared by its clones, its
 /// services and their futures.
 pub(crate) struct Limiter<St> {

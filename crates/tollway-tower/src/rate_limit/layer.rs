@@ -4,6 +4,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Extensions, HeaderMap, Method, Response, StatusCode, Uri};
 use tollway_core::{Clock, ConfigError, Policy, Store, SystemClock};
@@ -15,7 +16,7 @@ use crate::headers::HeaderStyle;
 use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
 use crate::pipeline::{
-    AfterCharge, ChargeFn, CostFn, Limiter, MissingKey, OnStoreError, Protocol, Shadow,
+    AfterCharge, ChargeFn, CostFn, Current, Limiter, MissingKey, OnStoreError, Protocol, Shadow,
 };
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 use crate::report::{DecisionListener, Reporter, StoreFailures};
@@ -25,7 +26,7 @@ use crate::report::{DecisionListener, Reporter, StoreFailures};
 /// Built with [`RateLimitLayer::builder`]; cloning it (and every service it builds)
 /// shares one set of limits.
 pub struct RateLimitLayer<St, K = PeerIp> {
-    limiter: Arc<Limiter<St>>,
+    limiter: Current<St>,
     key: Arc<K>,
 }
 
@@ -41,7 +42,7 @@ impl<St, K> Clone for RateLimitLayer<St, K> {
 impl<St, K> fmt::Debug for RateLimitLayer<St, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("limits", &self.limiter.limits)
+            .field("limits", &self.limiter.load().limits)
             .finish_non_exhaustive()
     }
 }
@@ -77,32 +78,61 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
 
 impl<St, K> RateLimitLayer<St, K> {
     /// The store the layer decides with: for looking at or correcting a caller's state
-    /// with [`Store::operate`] (an admin endpoint's peek and reset).
-    pub fn store(&self) -> &St {
-        &self.limiter.store
+    /// with [`Store::operate`] (an admin endpoint's peek and reset). Stores are handles:
+    /// the clone shares the layer's state.
+    pub fn store(&self) -> St
+    where
+        St: Clone,
+    {
+        self.limiter.load().store.clone()
     }
 
     /// The layer's policy named `name` (the default, a tier, or a route's).
     #[must_use]
-    pub fn policy(&self, name: &str) -> Option<&Policy> {
-        self.limiter
-            .limits
-            .policies()
-            .iter()
-            .find(|p| p.name() == name)
+    pub fn policy(&self, name: &str) -> Option<Policy> {
+        let limiter = self.limiter.load();
+        let policies = limiter.limits.policies();
+        policies.iter().find(|p| p.name() == name).cloned()
     }
 
     /// Every policy of the layer: the default first, then tiers and routes.
     #[must_use]
-    pub fn policies(&self) -> &[Policy] {
-        self.limiter.limits.policies()
+    pub fn policies(&self) -> Vec<Policy> {
+        self.limiter.load().limits.policies().to_vec()
+    }
+
+    /// Replaces this layer's limits — policies, tiers, routes, lists, shadow flags,
+    /// headers, what to do on a store failure — with `other`'s, in this layer, its clones
+    /// and every service they built, for the next request: a request already being
+    /// decided finishes under the limits it started with. The key extractor stays this
+    /// layer's. Build `other` over a clone of this layer's store: a policy unchanged
+    /// (name, algorithm, quota) then keeps its callers' state, and a changed one starts
+    /// them afresh.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+    ///
+    /// let store = MemoryStore::new();
+    /// let ten = Policy::new("api", Algorithm::Gcra, Quota::per_minute(10)?)?;
+    /// let layer = RateLimitLayer::builder(store.clone(), ten).build()?;
+    ///
+    /// // A customer's raise, without a restart.
+    /// let thousand = Policy::new("api", Algorithm::Gcra, Quota::per_minute(1_000)?)?;
+    /// layer.swap_limits(RateLimitLayer::builder(store, thousand).build()?);
+    /// assert_eq!(layer.policy("api").map(|p| p.quota().limit()), Some(1_000));
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    pub fn swap_limits<K2>(&self, other: RateLimitLayer<St, K2>) {
+        self.limiter.store(other.limiter.load_full());
     }
 
     /// Puts the whole layer in shadow mode, or takes it out: see
     /// [`RateLimitLayerBuilder::shadow`]. Takes effect for the next request, in every
-    /// clone of the layer and every service it built.
+    /// clone of the layer and every service it built (until limits are swapped in).
     pub fn set_shadow(&self, on: bool) {
-        self.limiter.shadow.set_layer(on);
+        self.limiter.load().shadow.set_layer(on);
     }
 
     /// Puts one policy in shadow mode, or takes it out: see
@@ -112,21 +142,22 @@ impl<St, K> RateLimitLayer<St, K> {
     ///
     /// When the layer has no policy of that name.
     pub fn set_policy_shadow(&self, policy: &str, on: bool) -> Result<(), ConfigError> {
-        let index = self.limiter.limits.index_of(policy)?;
-        self.limiter.shadow.set_policy(index, on);
+        let limiter = self.limiter.load();
+        let index = limiter.limits.index_of(policy)?;
+        limiter.shadow.set_policy(index, on);
         Ok(())
     }
 
     /// Whether the whole layer (`None`) or the named policy is in shadow mode.
     #[must_use]
     pub fn is_shadow(&self, policy: Option<&str>) -> bool {
+        let limiter = self.limiter.load();
         match policy {
-            None => self.limiter.shadow.layer(),
-            Some(name) => self
-                .limiter
+            None => limiter.shadow.layer(),
+            Some(name) => limiter
                 .limits
                 .index_of(name)
-                .is_ok_and(|index| self.limiter.shadow.policy(index)),
+                .is_ok_and(|index| limiter.shadow.policy(index)),
         }
     }
 }
@@ -141,7 +172,7 @@ impl<C: tollway_core::Clock, K> RateLimitLayer<tollway_core::MemoryStore<C>, K> 
     /// When one of the layer's policies shapes (delays) requests: an interceptor cannot
     /// hold a request, so it would admit them undelayed.
     pub fn interceptor(&self) -> Result<crate::RateLimitInterceptor<C, K>, ConfigError> {
-        crate::RateLimitInterceptor::new(Arc::clone(&self.limiter), Arc::clone(&self.key))
+        crate::RateLimitInterceptor::new(self.limiter.load_full(), Arc::clone(&self.key))
     }
 }
 
@@ -466,7 +497,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         let failures = StoreFailures::new(Arc::clone(&self.wall_clock));
         let reporter = Reporter::new(self.listener, limits.policies());
         Ok(RateLimitLayer {
-            limiter: Arc::new(Limiter {
+            limiter: Arc::new(ArcSwap::from_pointee(Limiter {
                 store: self.store,
                 limits,
                 cost: self.cost,
@@ -481,7 +512,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 reporter,
                 failures,
                 charge_after,
-            }),
+            })),
             key: Arc::new(self.key),
         })
     }

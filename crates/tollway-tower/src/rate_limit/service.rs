@@ -12,18 +12,18 @@ use super::ResponseFuture;
 use super::future::{AfterResponse, Pending};
 use crate::body::ResponseBody;
 use crate::key::{KeyExtractor, PeerIp};
-use crate::pipeline::{Limiter, Next, Start, Step};
+use crate::pipeline::{Current, Limiter, Next, Start, Step};
 
 /// Rate limits the requests to `S`. Built by [`RateLimitLayer`](super::RateLimitLayer);
 /// clones share their limits.
 pub struct RateLimit<S, St, K = PeerIp> {
     inner: S,
-    limiter: Arc<Limiter<St>>,
+    limiter: Current<St>,
     key: Arc<K>,
 }
 
 impl<S, St, K> RateLimit<S, St, K> {
-    pub(super) fn new(inner: S, limiter: Arc<Limiter<St>>, key: Arc<K>) -> Self {
+    pub(super) fn new(inner: S, limiter: Current<St>, key: Arc<K>) -> Self {
         RateLimit {
             inner,
             limiter,
@@ -61,7 +61,7 @@ impl<S: fmt::Debug, St, K> fmt::Debug for RateLimit<S, St, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("limits", &self.limiter.limits)
+            .field("limits", &self.limiter.load().limits)
             .finish_non_exhaustive()
     }
 }
@@ -81,13 +81,15 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let limiter = &*self.limiter;
+        // The limits current now decide this request, to its end.
+        let current = self.limiter.load();
+        let limiter: &Limiter<St> = &current;
         let (outcome, evaluation) = match limiter.start(&*self.key, &request) {
             Start::Decided(outcome) => (outcome, None),
             Start::Evaluate(mut evaluation) => match evaluation.check(limiter) {
                 Step::Done(outcome) => (outcome, Some(evaluation)),
                 Step::Wait(check) => {
-                    let limiter = Arc::clone(&self.limiter);
+                    let limiter = Arc::clone(&current);
                     let service = take_ready(&mut self.inner);
                     let pending = Pending::new(limiter, evaluation, service, request);
                     return ResponseFuture::checking(check, pending);
@@ -97,7 +99,7 @@ where
         // Decided without waiting: the ready service is called now, or not at all.
         match limiter.next(outcome, &request) {
             Next::Call { headers, delay } => {
-                let after = evaluation.and_then(|e| AfterResponse::new(&self.limiter, e));
+                let after = evaluation.and_then(|e| AfterResponse::new(&current, e));
                 match delay {
                     None => ResponseFuture::calling(self.inner.call(request), headers, after),
                     Some(delay) => {

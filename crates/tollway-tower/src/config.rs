@@ -1,0 +1,1163 @@
+//! Limits as configuration (feature `config`): a TOML file, validated as a whole before
+//! anything uses it, and reloaded while the service runs.
+//!
+//! A [`LimitsFile`] is a file read and checked: every policy, tier, route, list entry
+//! and setting, with an error that names the file, the line and the column, what is
+//! wrong and what to write instead. [`LimitsFile::layer`] builds the same layer the
+//! builder does; [`Reloader`] reads the file again on demand ([`Reloader::reload`], for a
+//! SIGHUP or an admin endpoint) or whenever it changes ([`Reloader::watch`]) and swaps the
+//! new limits in: requests already being decided finish under the old ones, a file that
+//! fails to validate leaves the running limits in place and is reported, an unchanged
+//! policy keeps its callers' state and a changed one starts them afresh.
+//!
+//! What a reload can change: policies, tiers, routes, lists, shadow flags, headers, the
+//! protocol and what to do on a store failure or a missing key. The store and how keys
+//! are found (`[store]`, `[key]`) take effect at the next start: a reload that changes
+//! them is refused.
+//!
+//! # The file
+//!
+//! ```toml
+//! [store]                       # optional: memory is the default
+//! kind = "memory"               # or "redis", with url = "redis://..." or nodes = [...]
+//! max_keys = 1_000_000
+//!
+//! [layer]
+//! default = "anonymous"         # the policy of callers without a tier
+//! headers = "both"              # legacy | ietf | both | none
+//! on_store_error = "allow"      # allow | reject
+//!
+//! [key]                         # optional: the peer address is the default
+//! api_key = { header = "x-api-key", only_known = true }
+//! # client_ip = { header = "x-forwarded-for", trusted_proxies = ["10.0.0.0/8"] }
+//!
+//! [policies.anonymous]
+//! algorithm = "token_bucket"    # token_bucket, leaky_bucket, leaky_bucket_shaper,
+//! limit = 20                    # fixed_window, sliding_window_log,
+//! period = "1m"                 # sliding_window_counter, gcra
+//!
+//! [policies.pro]
+//! algorithm = "gcra"
+//! limit = 10_000
+//! period = "1m"
+//!
+//! [tiers]                       # API key = its tier's policy
+//! "demo-pro-key" = "pro"
+//!
+//! [policies.checkout]          # a route's policy is its own
+//! algorithm = "sliding_window_log"
+//! limit = 5
+//! period = "1m"
+//!
+//! [[routes]]
+//! path = "/api/v1/checkout"     # or grpc_method = "/package.Service/Method"
+//! method = "POST"               # optional: any method
+//! policy = "checkout"
+//!
+//! [lists]                       # optional
+//! allow_networks = ["10.0.0.0/8"]
+//! deny_keys = ["key:stolen-key"]
+//! ```
+//!
+//! # Examples
+//!
+//! ```
+//! use tollway_tower::config::LimitsFile;
+//!
+//! let file = LimitsFile::parse("limits.toml", r#"
+//! [layer]
+//! default = "api"
+//!
+//! [policies.api]
+//! algorithm = "gcra"
+//! limit = 0
+//! period = "1s"
+//! "#);
+//! let err = file.unwrap_err().to_string();
+//! assert!(err.starts_with("limits.toml:7:9: "), "{err}");
+//! assert!(err.contains("limit"), "{err}");
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::{self, Write as _};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use http::{Method, Request};
+use serde::Deserialize;
+use tollway_core::{
+    Algorithm, BoxStore, ConfigError, MemoryStore, Policy, Quota, RedisStore, Store,
+};
+use toml::Spanned;
+
+use crate::headers::HeaderStyle;
+use crate::key::{
+    ApiKey, ClientIp, ForwardedHeader, Key, KeyExtractor, KnownKeys, PeerIp, parse_network,
+};
+use crate::limits::RouteLimit;
+use crate::pipeline::{MissingKey, OnStoreError, Protocol};
+use crate::rate_limit::{RateLimitLayer, RateLimitLayerBuilder};
+
+/// The whole file, as written.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct File {
+    store: Option<Spanned<StoreSection>>,
+    layer: LayerSection,
+    key: Option<Spanned<KeySection>>,
+    policies: BTreeMap<String, Spanned<PolicySection>>,
+    #[serde(default)]
+    tiers: BTreeMap<String, Spanned<String>>,
+    #[serde(default)]
+    routes: Vec<Spanned<RouteSection>>,
+    #[serde(default)]
+    lists: ListsSection,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct StoreSection {
+    kind: Option<Spanned<String>>,
+    max_keys: Option<Spanned<usize>>,
+    url: Option<String>,
+    nodes: Option<Vec<String>>,
+    prefix: Option<String>,
+    timeout_ms: Option<u64>,
+    breaker: Option<Spanned<toml::Value>>,
+    local_fallback: Option<Spanned<toml::Value>>,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct LayerSection {
+    default: Spanned<String>,
+    headers: Option<Spanned<String>>,
+    protocol: Option<Spanned<String>>,
+    on_store_error: Option<Spanned<String>>,
+    missing_key: Option<Spanned<String>>,
+    #[serde(default)]
+    shadow: bool,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct KeySection {
+    api_key: Option<ApiKeySection>,
+    client_ip: Option<Spanned<ClientIpSection>>,
+    ipv6_prefix: Option<Spanned<u8>>,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct ApiKeySection {
+    header: Spanned<String>,
+    /// Only the keys in `[tiers]`: any other value is no key.
+    #[serde(default = "yes")]
+    only_known: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct ClientIpSection {
+    header: Spanned<String>,
+    trusted_proxies: Vec<Spanned<String>>,
+    trusted_hops: Option<Spanned<usize>>,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct PolicySection {
+    algorithm: Spanned<String>,
+    limit: Spanned<i64>,
+    period: Spanned<String>,
+    burst: Option<Spanned<i64>>,
+    #[serde(default)]
+    shadow: bool,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct RouteSection {
+    path: Option<Spanned<String>>,
+    grpc_method: Option<Spanned<String>>,
+    method: Option<Spanned<String>>,
+    policy: Spanned<String>,
+}
+
+#[derive(Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct ListsSection {
+    #[serde(default)]
+    allow_networks: Vec<Spanned<String>>,
+    #[serde(default)]
+    deny_networks: Vec<Spanned<String>>,
+    #[serde(default)]
+    allow_keys: Vec<Spanned<String>>,
+    #[serde(default)]
+    deny_keys: Vec<Spanned<String>>,
+}
+
+const REDIS_WHERE: &str = "a Redis store has url = \"redis://host:6379\" or nodes = [...] for a cluster, not both or neither";
+
+/// A limits file, read and validated: every policy, tier, route, list entry and setting
+/// in it is usable. See the [module docs](self) for what it may say.
+#[derive(Debug)]
+pub struct LimitsFile {
+    name: String,
+    text: String,
+    file: File,
+    /// The policies, validated, by name.
+    policies: BTreeMap<String, Policy>,
+}
+
+impl LimitsFile {
+    /// Reads and validates the file at `path`.
+    ///
+    /// # Errors
+    ///
+    /// When it cannot be read, or says something tollway cannot do: the message starts
+    /// with `path:line:column:` and says what to write instead.
+    pub fn read(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigError::new(format!(
+                "{}: cannot read the limits file: {e}",
+                path.display()
+            ))
+        })?;
+        Self::parse(&path.display().to_string(), &text)
+    }
+
+    /// Validates `text`, a limits file called `name` in its messages.
+    ///
+    /// # Errors
+    ///
+    /// As [`read`](Self::read).
+    pub fn parse(name: &str, text: &str) -> Result<Self, ConfigError> {
+        let at = |span: Option<Range<usize>>, message: &str| locate(name, text, span, message);
+        let file: File = toml::from_str(text).map_err(|e| at(e.span(), e.message()))?;
+        let mut policies = BTreeMap::new();
+        for (policy_name, section) in &file.policies {
+            let policy = policy(policy_name, section.get_ref())
+                .map_err(|(span, message)| at(Some(span.unwrap_or(section.span())), &message))?;
+            policies.insert(policy_name.clone(), policy);
+        }
+        let limits = LimitsFile {
+            name: name.to_owned(),
+            text: text.to_owned(),
+            file,
+            policies,
+        };
+        // Everything else is checked by building a layer with it, over a throwaway store.
+        limits
+            .builder(MemoryStore::new(), limits.key()?)
+            .and_then(RateLimitLayerBuilder::build)?;
+        Ok(limits)
+    }
+
+    /// The file's name, as its messages give it.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The store the file describes: a memory store with its bound, or a Redis store
+    /// (standalone at `url`, or a cluster of `nodes`) with its settings, connected.
+    ///
+    /// # Errors
+    ///
+    /// When Redis cannot be reached or refuses the settings.
+    pub async fn store(&self) -> Result<BoxStore, ConfigError> {
+        let Some(spanned) = &self.file.store else {
+            return Ok(BoxStore::new(MemoryStore::new()));
+        };
+        let (section, span) = (spanned.get_ref(), Some(spanned.span()));
+        let kind = section
+            .kind
+            .as_ref()
+            .map_or("memory", |k| k.get_ref().as_str());
+        if kind == "memory" {
+            let mut builder = MemoryStore::builder();
+            if let Some(max) = &section.max_keys {
+                builder = builder.max_keys(*max.get_ref());
+            }
+            let span = section.max_keys.as_ref().map(Spanned::span);
+            let store = builder.build().map_err(|e| self.err(span, e))?;
+            return Ok(BoxStore::new(store));
+        }
+        let mut builder = RedisStore::builder();
+        if let Some(prefix) = &section.prefix {
+            builder = builder.prefix(prefix.clone());
+        }
+        if let Some(ms) = section.timeout_ms {
+            builder = builder.timeout(Duration::from_millis(ms));
+        }
+        match section.breaker.as_ref().map(Spanned::get_ref) {
+            Some(toml::Value::Boolean(false)) => builder = builder.without_breaker(),
+            Some(toml::Value::Table(t)) => {
+                let number = |name: &str| t.get(name).and_then(toml::Value::as_integer);
+                let threshold = number("threshold").unwrap_or(5);
+                let cool_down = number("cool_down_ms").unwrap_or(250);
+                builder = builder.breaker(
+                    u32::try_from(threshold).unwrap_or(u32::MAX),
+                    Duration::from_millis(u64::try_from(cool_down).unwrap_or(0)),
+                );
+            }
+            _ => {}
+        }
+        match section.local_fallback.as_ref().map(Spanned::get_ref) {
+            Some(toml::Value::Boolean(false)) => builder = builder.without_local_fallback(),
+            Some(toml::Value::Float(share)) => builder = builder.local_fallback(*share),
+            _ => {}
+        }
+        let connected = match (&section.url, &section.nodes) {
+            (Some(url), None) => builder.connect(url).await,
+            (None, Some(nodes)) => {
+                let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+                builder.connect_cluster(&nodes).await
+            }
+            _ => return Err(self.at(span, REDIS_WHERE)),
+        };
+        connected
+            .map(BoxStore::new)
+            .map_err(|e| self.at(span, &e.to_string()))
+    }
+
+    /// How the file says to find a caller's key.
+    ///
+    /// # Errors
+    ///
+    /// Never for a file that [`parse`](Self::parse) accepted.
+    pub fn key(&self) -> Result<ConfigKey, ConfigError> {
+        let section = self.file.key.as_ref().map(Spanned::get_ref);
+        let prefix = section.and_then(|k| k.ipv6_prefix.as_ref());
+        let ipv6 = prefix.map_or(64, |p| *p.get_ref());
+        let prefix_span = prefix.map(Spanned::span);
+        let address = match section.and_then(|k| k.client_ip.as_ref()) {
+            None => Address::Peer(
+                PeerIp::new()
+                    .ipv6_prefix(ipv6)
+                    .map_err(|e| self.err(prefix_span, e))?,
+            ),
+            Some(client) => {
+                let c = client.get_ref();
+                let header = match c.header.get_ref().to_ascii_lowercase().as_str() {
+                    "forwarded" => ForwardedHeader::Forwarded,
+                    "x-forwarded-for" => ForwardedHeader::XForwardedFor,
+                    "x-real-ip" => ForwardedHeader::XRealIp,
+                    other => {
+                        return Err(self.at(
+                            Some(c.header.span()),
+                            &format!(
+                                "client_ip reads {other:?}: write header = \"forwarded\", \
+                                 \"x-forwarded-for\" or \"x-real-ip\" (the one your proxies write)"
+                            ),
+                        ));
+                    }
+                };
+                for network in &c.trusted_proxies {
+                    parse_network(network.get_ref())
+                        .map_err(|e| self.err(Some(network.span()), e))?;
+                }
+                let proxies = c.trusted_proxies.iter().map(|n| n.get_ref().as_str());
+                let mut client_ip =
+                    ClientIp::new(header, proxies).map_err(|e| self.err(Some(client.span()), e))?;
+                if let Some(hops) = &c.trusted_hops {
+                    client_ip = client_ip
+                        .trusted_hops(*hops.get_ref())
+                        .map_err(|e| self.err(Some(hops.span()), e))?;
+                }
+                Address::Client(
+                    client_ip
+                        .ipv6_prefix(ipv6)
+                        .map_err(|e| self.err(prefix_span, e))?,
+                )
+            }
+        };
+        let api_key = match section.and_then(|k| k.api_key.as_ref()) {
+            None => None,
+            Some(api) => Some(Known {
+                header: ApiKey::header(api.header.get_ref())
+                    .map_err(|e| self.err(Some(api.header.span()), e))?,
+                only_known: api.only_known,
+            }),
+        };
+        Ok(ConfigKey {
+            api_key,
+            address,
+            tiers: Arc::new(ArcSwap::from_pointee(self.tier_map())),
+        })
+    }
+
+    /// A layer with the file's limits over `store`, keyed by `key` (from
+    /// [`key`](Self::key)).
+    ///
+    /// # Errors
+    ///
+    /// Never for a file that [`parse`](Self::parse) accepted.
+    pub fn layer<St: Store>(
+        &self,
+        store: St,
+        key: ConfigKey,
+    ) -> Result<RateLimitLayer<St, ConfigKey>, ConfigError> {
+        self.builder(store, key)?.build()
+    }
+
+    /// The builder the file describes over `store`: the layer before `build`, to add what
+    /// a file cannot say (closures: a cost, a listener, a rejection body).
+    ///
+    /// # Errors
+    ///
+    /// When a setting is not one tollway knows, with its line and column.
+    pub fn builder<St: Store>(
+        &self,
+        store: St,
+        key: ConfigKey,
+    ) -> Result<RateLimitLayerBuilder<St, ConfigKey>, ConfigError> {
+        let file = &self.file;
+        let layer = &file.layer;
+        let default = self.policy_named(&layer.default)?;
+        let mut builder = RateLimitLayer::builder(store, default.clone())
+            .key(key)
+            .tiers(self.tier_map())
+            .shadow(layer.shadow);
+        // Each policy serves one place: the default, a tier (however many keys name it),
+        // or one route — two places sharing one policy would share its counts.
+        let mut used: Vec<&str> = vec![default.name()];
+        for name in file.tiers.values() {
+            let policy = self.policy_named(name)?;
+            if !used.contains(&policy.name()) {
+                used.push(policy.name());
+                builder = builder.tier(policy.clone());
+            }
+        }
+        for route in &file.routes {
+            let r = route.get_ref();
+            let policy = self.policy_named(&r.policy)?;
+            if used.contains(&policy.name()) {
+                return Err(self.at(
+                    Some(r.policy.span()),
+                    &format!(
+                        "policy {:?} already limits callers elsewhere (the default, a tier or \
+                         another route): give this route a policy of its own, so that their \
+                         counts stay apart",
+                        policy.name()
+                    ),
+                ));
+            }
+            used.push(policy.name());
+            builder = match (&r.path, &r.grpc_method) {
+                (Some(path), None) => {
+                    let method = match &r.method {
+                        None => None,
+                        Some(m) => {
+                            Some(Method::from_bytes(m.get_ref().as_bytes()).map_err(|_| {
+                                self.at(
+                                    Some(m.span()),
+                                    "not an HTTP method: write method = \"GET\", \"POST\", ...",
+                                )
+                            })?)
+                        }
+                    };
+                    RouteLimit::new(method.clone(), path.get_ref(), 0)
+                        .map_err(|e| self.err(Some(path.span()), e))?;
+                    builder.route(method, path.get_ref(), policy.clone())
+                }
+                (None, Some(grpc)) => {
+                    RouteLimit::grpc(grpc.get_ref(), 0)
+                        .map_err(|e| self.err(Some(grpc.span()), e))?;
+                    builder.grpc_method(grpc.get_ref(), policy.clone())
+                }
+                _ => {
+                    return Err(self.at(
+                        Some(route.span()),
+                        "a route has a path = \"/api/v1/checkout\" or a grpc_method = \
+                         \"/package.Service/Method\", not both or neither",
+                    ));
+                }
+            };
+        }
+        if let Some(style) = &layer.headers {
+            builder = builder.headers(match style.get_ref().as_str() {
+                "legacy" => HeaderStyle::Legacy,
+                "ietf" => HeaderStyle::Ietf,
+                "both" => HeaderStyle::Both,
+                "none" => HeaderStyle::None,
+                _ => {
+                    return Err(self.choice(style, "headers", &["legacy", "ietf", "both", "none"]));
+                }
+            });
+        }
+        if let Some(protocol) = &layer.protocol {
+            builder = builder.protocol(match protocol.get_ref().as_str() {
+                "detect" => Protocol::Detect,
+                "http" => Protocol::Http,
+                "grpc" => Protocol::Grpc,
+                _ => return Err(self.choice(protocol, "protocol", &["detect", "http", "grpc"])),
+            });
+        }
+        if let Some(on_error) = &layer.on_store_error {
+            builder = builder.on_store_error(match on_error.get_ref().as_str() {
+                "allow" => OnStoreError::Allow,
+                "reject" => OnStoreError::Reject,
+                _ => return Err(self.choice(on_error, "on_store_error", &["allow", "reject"])),
+            });
+        }
+        if let Some(missing) = &layer.missing_key {
+            builder = builder.on_missing_key(match missing.get_ref().as_str() {
+                "shared" => MissingKey::Shared,
+                "allow" => MissingKey::Allow,
+                "reject" => MissingKey::Reject(http::StatusCode::UNAUTHORIZED),
+                _ => {
+                    return Err(self.choice(
+                        missing,
+                        "missing_key",
+                        &["shared", "allow", "reject"],
+                    ));
+                }
+            });
+        }
+        for (name, section) in &file.policies {
+            if section.get_ref().shadow {
+                builder = builder.shadow_policy(name.clone());
+            }
+        }
+        let lists = &file.lists;
+        for network in &lists.allow_networks {
+            parse_network(network.get_ref()).map_err(|e| self.err(Some(network.span()), e))?;
+            builder = builder.allow_network(network.get_ref());
+        }
+        for network in &lists.deny_networks {
+            parse_network(network.get_ref()).map_err(|e| self.err(Some(network.span()), e))?;
+            builder = builder.deny_network(network.get_ref());
+        }
+        for key in &lists.allow_keys {
+            builder = builder.allow_key(self.listed_key(key)?);
+        }
+        for key in &lists.deny_keys {
+            builder = builder.deny_key(self.listed_key(key)?);
+        }
+        self.check_store()?;
+        Ok(builder)
+    }
+
+    /// The limits the file describes, a line each: what `tollway check` prints.
+    #[must_use]
+    pub fn summary(&self) -> String {
+        let mut out = String::new();
+        let file = &self.file;
+        // Writing to a String cannot fail.
+        let _ = writeln!(out, "{}: valid", self.name);
+        for (name, policy) in &self.policies {
+            let q = policy.quota();
+            let _ = writeln!(
+                out,
+                "  policy {name}: {} of {} per {:?}, burst {}{}{}",
+                policy.algorithm().name(),
+                q.limit(),
+                q.period(),
+                q.burst(),
+                if *name == *file.layer.default.get_ref() {
+                    " (default)"
+                } else {
+                    ""
+                },
+                if file.policies[name].get_ref().shadow {
+                    " (shadow)"
+                } else {
+                    ""
+                },
+            );
+        }
+        for (key, tier) in &file.tiers {
+            let _ = writeln!(out, "  tier: key {key:?} -> {}", tier.get_ref());
+        }
+        for route in &file.routes {
+            let r = route.get_ref();
+            let method = r.method.as_ref().map_or("*", |m| m.get_ref().as_str());
+            let target = r
+                .path
+                .as_ref()
+                .or(r.grpc_method.as_ref())
+                .map_or("", |p| p.get_ref().as_str());
+            let _ = writeln!(out, "  route: {method} {target} -> {}", r.policy.get_ref());
+        }
+        let lists = &file.lists;
+        for (what, entries) in [
+            ("allow network", &lists.allow_networks),
+            ("deny network", &lists.deny_networks),
+            ("allow key", &lists.allow_keys),
+            ("deny key", &lists.deny_keys),
+        ] {
+            for entry in entries {
+                let _ = writeln!(out, "  {what}: {}", entry.get_ref());
+            }
+        }
+        out
+    }
+
+    fn tier_map(&self) -> HashMap<String, String> {
+        self.file
+            .tiers
+            .iter()
+            .map(|(key, tier)| (key.clone(), tier.get_ref().clone()))
+            .collect()
+    }
+
+    fn policy_named(&self, name: &Spanned<String>) -> Result<&Policy, ConfigError> {
+        self.policies.get(name.get_ref()).ok_or_else(|| {
+            let known: Vec<&str> = self.policies.keys().map(String::as_str).collect();
+            self.at(
+                Some(name.span()),
+                &format!(
+                    "no policy is named {:?}: name one of {known:?}, or add [policies.{}]",
+                    name.get_ref(),
+                    name.get_ref()
+                ),
+            )
+        })
+    }
+
+    fn listed_key(&self, key: &Spanned<String>) -> Result<Key, ConfigError> {
+        match key.get_ref().split_once(':') {
+            Some((namespace, value)) if !namespace.is_empty() && !value.is_empty() => {
+                Ok(Key::new(namespace, value))
+            }
+            _ => Err(self.at(
+                Some(key.span()),
+                "a listed key is namespace:value, like \"key:partner-key\" or \"user:42\"",
+            )),
+        }
+    }
+
+    fn check_store(&self) -> Result<(), ConfigError> {
+        let Some(spanned) = &self.file.store else {
+            return Ok(());
+        };
+        let section = spanned.get_ref();
+        let kind = section.kind.as_ref();
+        match (
+            kind.map(|k| k.get_ref().as_str()),
+            &section.url,
+            &section.nodes,
+        ) {
+            (None | Some("memory"), None, None) => Ok(()),
+            (Some("redis"), Some(_), None) | (Some("redis"), None, Some(_)) => Ok(()),
+            (Some("redis"), _, _) => Err(self.at(Some(spanned.span()), REDIS_WHERE)),
+            (None | Some("memory"), _, _) => Err(self.at(
+                Some(spanned.span()),
+                "a memory store has no url or nodes: write kind = \"redis\" to use Redis",
+            )),
+            (Some(_), _, _) => Err(kind.map_or_else(
+                || ConfigError::new("unreachable"),
+                |k| self.choice(k, "kind", &["memory", "redis"]),
+            )),
+        }
+    }
+
+    fn choice(&self, value: &Spanned<String>, what: &str, choices: &[&str]) -> ConfigError {
+        self.at(
+            Some(value.span()),
+            &format!(
+                "{what} = {:?} is not one tollway knows: write one of {choices:?}",
+                value.get_ref()
+            ),
+        )
+    }
+
+    fn at(&self, span: Option<Range<usize>>, message: &str) -> ConfigError {
+        locate(&self.name, &self.text, span, message)
+    }
+
+    fn err(&self, span: Option<Range<usize>>, error: ConfigError) -> ConfigError {
+        self.at(span, &error.to_string())
+    }
+
+    /// Whether `other` keeps this file's store and keys, which a reload cannot change.
+    fn same_foundations(&self, other: &LimitsFile) -> Result<(), ConfigError> {
+        let (old, new) = (&self.file, &other.file);
+        if old.store.as_ref().map(Spanned::get_ref) != new.store.as_ref().map(Spanned::get_ref) {
+            return Err(other.at(
+                new.store.as_ref().map(Spanned::span),
+                "[store] changed: the store is chosen at start; restart to use the new one \
+                 (the running limits stay)",
+            ));
+        }
+        if old.key.as_ref().map(Spanned::get_ref) != new.key.as_ref().map(Spanned::get_ref) {
+            return Err(other.at(
+                new.key.as_ref().map(Spanned::span),
+                "[key] changed: how keys are found is chosen at start; restart to use it \
+                 (the running limits stay)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A validated policy, or the span and message of what is wrong with it.
+fn policy(name: &str, section: &PolicySection) -> Result<Policy, (Option<Range<usize>>, String)> {
+    let algorithm = Algorithm::ALL
+        .into_iter()
+        .find(|a| a.name() == section.algorithm.get_ref())
+        .ok_or_else(|| {
+            let names: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+            (
+                Some(section.algorithm.span()),
+                format!(
+                    "algorithm {:?} is not one tollway knows: write one of {names:?}",
+                    section.algorithm.get_ref()
+                ),
+            )
+        })?;
+    let limit = *section.limit.get_ref();
+    let limit = u32::try_from(limit)
+        .ok()
+        .filter(|&l| l > 0)
+        .ok_or_else(|| {
+            (
+                Some(section.limit.span()),
+                format!(
+                    "policy {name:?}: limit = {limit} lets nothing through: write a limit of 1 to \
+                 {} (units a period)",
+                    u32::MAX
+                ),
+            )
+        })?;
+    let period = parse_period(section.period.get_ref()).ok_or_else(|| {
+        (
+            Some(section.period.span()),
+            format!(
+                "policy {name:?}: period = {:?} is not a period: write \"1s\", \"1m\", \"1h\", \
+                 \"1d\" or \"250ms\"",
+                section.period.get_ref()
+            ),
+        )
+    })?;
+    let mut quota = Quota::with_period(limit, period)
+        .map_err(|e| (Some(section.period.span()), e.to_string()))?;
+    if let Some(burst) = &section.burst {
+        let value = *burst.get_ref();
+        let burst_ok = u32::try_from(value).ok().filter(|&b| b >= limit);
+        let Some(b) = burst_ok else {
+            return Err((
+                Some(burst.span()),
+                format!(
+                    "policy {name:?}: burst = {value} is below the limit ({limit}), so a whole \
+                     period's units could never pass at once: write a burst of at least {limit}, \
+                     or leave it out (the limit)"
+                ),
+            ));
+        };
+        quota = quota
+            .with_burst(b)
+            .map_err(|e| (Some(burst.span()), e.to_string()))?;
+    }
+    Policy::new(name, algorithm, quota).map_err(|e| (None, e.to_string()))
+}
+
+/// `1s`, `30s`, `1m`, `1h`, `1d`, `250ms`: a whole number and a unit.
+fn parse_period(text: &str) -> Option<Duration> {
+    let digits = text.trim().find(|c: char| !c.is_ascii_digit())?;
+    let (number, unit) = text.trim().split_at(digits);
+    let n: u64 = number.parse().ok()?;
+    let seconds = match unit {
+        "ms" => return Some(Duration::from_millis(n)),
+        "s" => 1,
+        "m" => 60,
+        "h" => 3_600,
+        "d" => 86_400,
+        _ => return None,
+    };
+    n.checked_mul(seconds).map(Duration::from_secs)
+}
+
+/// `message`, prefixed with `name:line:column:` of the start of `span`.
+fn locate(name: &str, text: &str, span: Option<Range<usize>>, message: &str) -> ConfigError {
+    let Some(span) = span else {
+        return ConfigError::new(format!("{name}: {message}"));
+    };
+    let before = text.get(..span.start).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    ConfigError::new(format!("{name}:{line}:{column}: {message}"))
+}
+
+/// How a config file finds a caller's key: an API key (only the keys in `[tiers]`, by
+/// default, read afresh on every reload), else the client's address (the peer's, or
+/// behind trusted proxies).
+#[derive(Clone)]
+pub struct ConfigKey {
+    api_key: Option<Known>,
+    address: Address,
+    /// The keys of `[tiers]` and their tiers, swapped on reload.
+    tiers: Arc<ArcSwap<HashMap<String, String>>>,
+}
+
+#[derive(Clone)]
+struct Known {
+    header: ApiKey,
+    only_known: bool,
+}
+
+#[derive(Clone)]
+enum Address {
+    Peer(PeerIp),
+    Client(ClientIp),
+}
+
+impl fmt::Debug for ConfigKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConfigKey")
+            .field(
+                "api_key",
+                &self.api_key.as_ref().map(|k| k.header.header_name()),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> KeyExtractor<B> for ConfigKey {
+    fn extract(&self, request: &Request<B>) -> Option<Key> {
+        if let Some(api) = &self.api_key {
+            if let Some(key) = api.header.extract(request) {
+                if !api.only_known || self.tiers.load().is_known(key.value()) {
+                    return Some(key);
+                }
+            }
+        }
+        match &self.address {
+            Address::Peer(peer) => KeyExtractor::<B>::extract(peer, request),
+            Address::Client(client) => KeyExtractor::<B>::extract(client, request),
+        }
+    }
+}
+
+/// Reloads a layer's limits from its file: on demand ([`reload`](Self::reload)) or when
+/// the file changes ([`watch`](Self::watch)).
+///
+/// Clones share the layer. A reload reads and validates the whole file first; only a
+/// valid one replaces the running limits, at once for the next request. A file that fails
+/// keeps the running limits: [`reload`](Self::reload) returns the error, and the watcher
+/// logs it at warn and counts it in `tollway_config_reload_errors_total` (feature
+/// `metrics`).
+pub struct Reloader<St> {
+    path: PathBuf,
+    layer: RateLimitLayer<St, ConfigKey>,
+    key: ConfigKey,
+    store: St,
+    current: Arc<Mutex<LimitsFile>>,
+    extend: Extend<St>,
+}
+
+/// What a reloader adds to every builder the file makes (closures a file cannot say).
+type Extend<St> = Arc<
+    dyn Fn(RateLimitLayerBuilder<St, ConfigKey>) -> RateLimitLayerBuilder<St, ConfigKey>
+        + Send
+        + Sync,
+>;
+
+impl<St: Clone> Clone for Reloader<St> {
+    fn clone(&self) -> Self {
+        Reloader {
+            path: self.path.clone(),
+            layer: self.layer.clone(),
+            key: self.key.clone(),
+            store: self.store.clone(),
+            current: Arc::clone(&self.current),
+            extend: Arc::clone(&self.extend),
+        }
+    }
+}
+
+impl<St> fmt::Debug for Reloader<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reloader")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store + Clone> Reloader<St> {
+    /// Reads the file at `path` and builds its layer over `store` (from
+    /// [`LimitsFile::store`], or one of your own), ready to reload.
+    ///
+    /// # Errors
+    ///
+    /// When the file cannot be read or is not valid.
+    pub fn new(path: impl Into<PathBuf>, store: St) -> Result<Self, ConfigError> {
+        let path = path.into();
+        let file = LimitsFile::read(&path)?;
+        Self::from_file(path, file, store)
+    }
+
+    /// The layer of an already read `file` (at `path`) over `store`, ready to reload.
+    ///
+    /// # Errors
+    ///
+    /// Never for a file that [`LimitsFile::read`] accepted.
+    pub fn from_file(
+        path: impl Into<PathBuf>,
+        file: LimitsFile,
+        store: St,
+    ) -> Result<Self, ConfigError> {
+        Self::extended(path, file, store, Arc::new(|builder| builder))
+    }
+
+    /// The same, with `extend` applied to the builder of every layer the file makes, now
+    /// and on each reload: for what a file cannot say, such as a cost function, a decision
+    /// listener or [`charge_after`](RateLimitLayerBuilder::charge_after).
+    ///
+    /// # Errors
+    ///
+    /// When the extended builder fails to build (a `charge_after` naming a policy the
+    /// file lacks).
+    pub fn from_file_with(
+        path: impl Into<PathBuf>,
+        file: LimitsFile,
+        store: St,
+        extend: impl Fn(RateLimitLayerBuilder<St, ConfigKey>) -> RateLimitLayerBuilder<St, ConfigKey>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Result<Self, ConfigError> {
+        Self::extended(path, file, store, Arc::new(extend))
+    }
+
+    fn extended(
+        path: impl Into<PathBuf>,
+        file: LimitsFile,
+        store: St,
+        extend: Extend<St>,
+    ) -> Result<Self, ConfigError> {
+        let key = file.key()?;
+        let layer = extend(file.builder(store.clone(), key.clone())?).build()?;
+        Ok(Reloader {
+            path: path.into(),
+            layer,
+            key,
+            store,
+            current: Arc::new(Mutex::new(file)),
+            extend,
+        })
+    }
+
+    /// The layer: add it to a router; its limits follow the file.
+    #[must_use]
+    pub fn layer(&self) -> RateLimitLayer<St, ConfigKey> {
+        self.layer.clone()
+    }
+
+    /// Reads the file again and, if it is valid, swaps its limits in.
+    ///
+    /// # Errors
+    ///
+    /// When the file cannot be read, is not valid, or changes `[store]` or `[key]`: the
+    /// running limits stay.
+    pub fn reload(&self) -> Result<(), ConfigError> {
+        let file = LimitsFile::read(&self.path)?;
+        let mut current = self
+            .current
+            .lock()
+            .map_err(|_| ConfigError::new("a reload panicked"))?;
+        current.same_foundations(&file)?;
+        let fresh = (self.extend)(file.builder(self.store.clone(), self.key.clone())?).build()?;
+        self.key.tiers.store(Arc::new(file.tier_map()));
+        self.layer.swap_limits(fresh);
+        *current = file;
+        Ok(())
+    }
+
+    /// Reloads whenever the file changes, until the returned watcher is dropped. It
+    /// watches the file's directory, so an editor that replaces the file (write a copy,
+    /// rename it over) is seen too.
+    ///
+    /// # Errors
+    ///
+    /// When the operating system's file watcher cannot be set up.
+    pub fn watch(&self) -> Result<Watcher, ConfigError>
+    where
+        St: 'static,
+    {
+        use notify::Watcher as _;
+        let reloader = self.clone();
+        let name = self.path.file_name().map(ToOwned::to_owned);
+        let mut watcher =
+            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+                let Ok(event) = event else { return };
+                let ours = event.paths.iter().any(|p| p.file_name() == name.as_deref());
+                if !ours || event.kind.is_access() {
+                    return;
+                }
+                match reloader.reload() {
+                    Ok(()) => {
+                        tracing::info!(path = %reloader.path.display(), "rate limits reloaded")
+                    }
+                    Err(error) => {
+                        #[cfg(feature = "metrics")]
+                        metrics::counter!("tollway_config_reload_errors_total").increment(1);
+                        tracing::warn!(%error, "rate limits not reloaded; the running limits stay");
+                    }
+                }
+            })
+            .map_err(|e| ConfigError::new(format!("cannot watch {}: {e}", self.path.display())))?;
+        let dir = self
+            .path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        watcher
+            .watch(dir, notify::RecursiveMode::NonRecursive)
+            .map_err(|e| ConfigError::new(format!("cannot watch {}: {e}", dir.display())))?;
+        Ok(Watcher { _inner: watcher })
+    }
+}
+
+/// Watches a limits file for [`Reloader::watch`]; dropping it stops the watching.
+pub struct Watcher {
+    _inner: notify::RecommendedWatcher,
+}
+
+impl fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Watcher").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A valid file with `extra` appended, or `policy` in place of the one policy's body.
+    fn file(policy: &str, extra: &str) -> String {
+        format!("[layer]\ndefault = \"api\"\n\n[policies.api]\n{policy}\n{extra}")
+    }
+
+    const API: &str = "algorithm = \"gcra\"\nlimit = 10\nperiod = \"1s\"";
+
+    /// The error `text` gets, which must start with `limits.toml:line:column:`.
+    fn error(text: &str, line: usize, column: usize) -> String {
+        let err = LimitsFile::parse("limits.toml", text)
+            .unwrap_err()
+            .to_string();
+        let at = format!("limits.toml:{line}:{column}: ");
+        assert!(err.starts_with(&at), "{err:?} is not at {at:?}\n{text}");
+        err
+    }
+
+    #[test]
+    fn a_valid_file_describes_its_limits() {
+        let text = file(
+            API,
+            "\n[policies.export]\nalgorithm = \"fixed_window\"\nlimit = 2\nperiod = \"1h\"\n\n[[routes]]\ngrpc_method = \"/demo.Catalog/Export\"\npolicy = \"export\"\n",
+        );
+        let limits = LimitsFile::parse("limits.toml", &text).unwrap();
+        let summary = limits.summary();
+        assert!(
+            summary.contains("policy api: gcra of 10 per 1s, burst 10 (default)"),
+            "{summary}"
+        );
+        assert!(
+            summary.contains("route: * /demo.Catalog/Export -> export"),
+            "{summary}"
+        );
+    }
+
+    #[test]
+    fn a_quota_of_zero_is_refused_at_its_limit() {
+        let err = error(
+            &file("algorithm = \"gcra\"\nlimit = 0\nperiod = \"1s\"", ""),
+            6,
+            9,
+        );
+        assert!(err.contains("write a limit of 1"), "{err}");
+    }
+
+    #[test]
+    fn an_unknown_algorithm_lists_the_known_ones() {
+        let err = error(
+            &file("algorithm = \"leaky\"\nlimit = 1\nperiod = \"1s\"", ""),
+            5,
+            13,
+        );
+        assert!(err.contains("\"token_bucket\""), "{err}");
+    }
+
+    #[test]
+    fn a_route_naming_an_unknown_policy_says_which_exist() {
+        let text = file(API, "\n[[routes]]\npath = \"/x\"\npolicy = \"nope\"\n");
+        let err = error(&text, 11, 10);
+        assert!(
+            err.contains("no policy is named \"nope\"") && err.contains("[\"api\"]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_network_that_does_not_parse_says_how_to_write_one() {
+        let text = file(
+            API,
+            "\n[lists]\nallow_networks = [\"10.0.0.0/8\", \"10.0.0.0/33\"]\n",
+        );
+        let err = error(&text, 10, 33);
+        assert!(err.contains("10.0.0.0/8"), "{err}");
+    }
+
+    #[test]
+    fn a_burst_below_the_limit_is_refused_at_the_burst() {
+        let text = file(
+            "algorithm = \"token_bucket\"\nlimit = 10\nperiod = \"1s\"\nburst = 5",
+            "",
+        );
+        let err = error(&text, 8, 9);
+        assert!(err.contains("at least 10"), "{err}");
+    }
+
+    #[test]
+    fn a_period_that_is_not_one_says_how_to_write_one() {
+        let err = error(
+            &file("algorithm = \"gcra\"\nlimit = 1\nperiod = \"soon\"", ""),
+            7,
+            10,
+        );
+        assert!(err.contains("\"1m\""), "{err}");
+    }
+
+    #[test]
+    fn an_unknown_field_is_refused_where_it_is() {
+        let err = error(&file(API, "limt = 3\n"), 8, 1);
+        assert!(err.contains("limt"), "{err}");
+    }
+
+    #[test]
+    fn a_route_may_not_share_a_policy_with_the_default() {
+        let text = file(API, "\n[[routes]]\npath = \"/x\"\npolicy = \"api\"\n");
+        let err = error(&text, 11, 10);
+        assert!(err.contains("a policy of its own"), "{err}");
+    }
+
+    #[test]
+    fn a_choice_that_is_not_one_lists_the_choices() {
+        let text = "[layer]\ndefault = \"api\"\nheaders = \"fancy\"\n\n[policies.api]\nalgorithm = \"gcra\"\nlimit = 1\nperiod = \"1s\"\n";
+        let err = error(text, 3, 11);
+        assert!(
+            err.contains("[\"legacy\", \"ietf\", \"both\", \"none\"]"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn periods_are_a_number_and_a_unit() {
+        assert_eq!(parse_period("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_period("1m"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_period("2d"), Some(Duration::from_secs(172_800)));
+        assert_eq!(parse_period("m"), None);
+        assert_eq!(parse_period("10"), None);
+    }
+}
