@@ -426,8 +426,10 @@ impl LimitsFile {
         let default = self.policy_named(&layer.default)?;
         let mut builder = RateLimitLayer::builder(store, default.clone())
             .key(key)
-            .tiers(self.tier_map())
             .shadow(layer.shadow);
+        if !file.tiers.is_empty() {
+            builder = builder.tiers(self.tier_map());
+        }
         // Each policy serves one place: the default, a tier (however many keys name it),
         // or one route — two places sharing one policy would share its counts.
         let mut used: Vec<&str> = vec![default.name()];

@@ -65,8 +65,9 @@
 //! `tollway-shadow` (the whole layer in shadow mode, every request allowed),
 //! `tollway-shadowed` (in shadow mode at 1 per hour: every measured request one the
 //! layer would refuse, let through), `tollway-listener` (a listener that does nothing)
-//! and `tollway-metrics` (metrics recorded into `metrics-exporter-prometheus`; built with
-//! `--features metrics`), beside `tollway`, `tollway-429` and `tollway-bare`.
+//! `tollway-metrics` (metrics recorded into `metrics-exporter-prometheus`; built with
+//! `--features metrics`) and `tollway-config` (`tollway`'s limits from a limits file, with
+//! a `config::Reloader` behind them), beside `tollway`, `tollway-429` and `tollway-bare`.
 //!
 //! The binary does nothing unless run by `cargo bench` (which passes `--bench`), so
 //! `cargo test --benches` stays quick.
@@ -111,11 +112,12 @@ enum Variant {
     TollwayShadowed,
     TollwayListener,
     TollwayMetrics,
+    TollwayConfig,
 }
 
 impl Variant {
     /// Every variant; the first ten are the default suite.
-    const ALL: [Variant; 18] = [
+    const ALL: [Variant; 19] = [
         Variant::Axum,
         Variant::Tollway,
         Variant::Governor,
@@ -134,13 +136,15 @@ impl Variant {
         Variant::TollwayShadowed,
         Variant::TollwayListener,
         Variant::TollwayMetrics,
+        Variant::TollwayConfig,
     ];
 
     /// The variants of the operating suite (`HTTP_BENCH_SUITE=operate`): what shadow
     /// mode, a listener and metrics cost beside the plain layer. `tollway-metrics` needs
     /// the bench built with `--features metrics`.
-    const OPERATE: [Variant; 7] = [
+    const OPERATE: [Variant; 8] = [
         Variant::Tollway,
+        Variant::TollwayConfig,
         Variant::TollwayRejecting,
         Variant::TollwayNoHeaders,
         Variant::TollwayShadow,
@@ -189,6 +193,7 @@ impl Variant {
             Variant::TollwayShadowed => "tollway, shadow, all over",
             Variant::TollwayListener => "tollway, no-op listener",
             Variant::TollwayMetrics => "tollway, Prometheus metrics",
+            Variant::TollwayConfig => "tollway from a limits file",
         }
     }
 
@@ -223,6 +228,7 @@ impl Variant {
             Variant::TollwayShadowed => "tollway-shadowed",
             Variant::TollwayListener => "tollway-listener",
             Variant::TollwayMetrics => "tollway-metrics",
+            Variant::TollwayConfig => "tollway-config",
         }
     }
 
@@ -314,6 +320,16 @@ fn app(variant: Variant, fleet: Option<&Fleet>) -> Result<Router, BoxError> {
                     .on_decision(|_: &tollway_tower::DecisionEvent<'_>| {})
                     .build()?,
             )
+        }
+        Variant::TollwayConfig => {
+            // The `tollway` variant's limits, from a file, with a reloader behind them.
+            let text = "[layer]\ndefault = \"bench\"\nheaders = \"legacy\"\n\n\
+                        [policies.bench]\nalgorithm = \"gcra\"\nlimit = 1_000_000\n\
+                        period = \"1s\"\nburst = 1_000_000_000\n";
+            let file = tollway_tower::config::LimitsFile::parse("bench.toml", text)?;
+            let reloader =
+                tollway_tower::config::Reloader::from_file("bench.toml", file, MemoryStore::new())?;
+            router.layer(reloader.layer())
         }
         Variant::TollwayMetrics => {
             install_metrics_recorder()?;
