@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod lookup;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

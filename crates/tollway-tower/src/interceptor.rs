@@ -10,6 +10,7 @@ use tonic::metadata::MetadataMap;
 use crate::grpc::{denial_status, refusal_status};
 use crate::key::KeyExtractor;
 use crate::pipeline::{Limiter, Outcome, Start, Step};
+use crate::rejection::Refusal;
 
 /// A synchronous tonic `Interceptor` that applies a layer's limits, for users who wrap
 /// services with `InterceptedService` (or `Server::add_service(Svc::with_interceptor(..))`)
@@ -44,6 +45,12 @@ impl<C, K> RateLimitInterceptor<C, K> {
                  use the layer (Server::builder().layer(..)) for shaping",
                 p.name()
             )));
+        }
+        if limiter.lookups.is_some() {
+            return Err(ConfigError::new(
+                "the layer looks tiers up, which takes a wait an interceptor cannot take: \
+                 use the layer (Server::builder().layer(..)), or tiers() with a map",
+            ));
         }
         Ok(RateLimitInterceptor { limiter, key })
     }
@@ -90,6 +97,8 @@ where
 
         let outcome = match limiter.start(&*self.key, &http) {
             Start::Decided(outcome) => outcome,
+            // Refused when the interceptor is made: it cannot wait for a lookup.
+            Start::Lookup(_) => return Err(refusal_status(Refusal::LookupFailed)),
             // The memory store answers at once: its future is a ready value.
             Start::Evaluate(mut evaluation) => {
                 let mut step = evaluation.check(limiter);

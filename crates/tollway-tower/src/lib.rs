@@ -47,6 +47,7 @@ mod headers;
 mod interceptor;
 mod key;
 mod limits;
+mod lookup;
 mod pipeline;
 pub mod rate_limit;
 mod rejection;
@@ -65,6 +66,7 @@ pub use key::{
     Or, PeerIp, UserId, peer_addr,
 };
 pub use limits::Tiers;
+pub use lookup::{LookupFuture, OnLookupError, TierLookup};
 pub use pipeline::{MissingKey, OnStoreError, Protocol};
 pub use rate_limit::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
 pub use rejection::{Rejection, default_rejection};

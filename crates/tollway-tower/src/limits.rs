@@ -296,16 +296,27 @@ impl Limits {
         }
     }
 
-    /// The limits for a request from `key`: the caller's tier (or the default), then
-    /// every route limit it matches, in the order they were added.
-    pub(crate) fn select<B>(&self, key: &Key, request: &http::Request<B>) -> Selected {
-        let tier = match &self.tiers {
+    /// The index of the policy of `key`'s tier, by the layer's [`Tiers`] (the default's,
+    /// 0, without one or for a caller in no tier).
+    pub(crate) fn tier_for(&self, key: &Key) -> usize {
+        match &self.tiers {
             None => 0,
-            Some(tiers) => tiers
-                .tier(key)
-                .and_then(|name| self.tier_names.iter().find(|(n, _)| n == name))
-                .map_or(0, |(_, index)| *index),
-        };
+            Some(tiers) => tiers.tier(key).map_or(0, |name| self.tier_index(name)),
+        }
+    }
+
+    /// The index of the tier policy named `name`; the default's (0) for a name that is
+    /// not one of the layer's tiers.
+    pub(crate) fn tier_index(&self, name: &str) -> usize {
+        self.tier_names
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0, |(_, index)| *index)
+    }
+
+    /// The limits for a request of the caller whose tier policy is at `tier`: it, then
+    /// every route limit the request matches.
+    pub(crate) fn select_tier<B>(&self, tier: usize, request: &http::Request<B>) -> Selected {
         let mut selected = Selected::new();
         selected.push(tier);
         if !self.routes.is_empty() {

@@ -24,8 +24,9 @@ use crate::access::{AccessLists, Listed};
 use crate::headers::{HeaderStyle, RateLimitHeaders};
 use crate::key::{Key, KeyExtractor};
 use crate::limits::{Limits, Selected};
+use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, unknown_key};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
-use crate::report::{DecisionEvent, DecisionOutcome, Reporter, StoreFailures};
+use crate::report::{DecisionEvent, DecisionOutcome, Failures, Reporter};
 use crate::verdict::{Verdict, most_restrictive, restriction};
 
 /// What to do with a request for which the key extractor (and every fallback chained to
@@ -168,14 +169,23 @@ pub(crate) struct Limiter<St> {
     pub(crate) lists: AccessLists,
     pub(crate) shadow: Shadow,
     pub(crate) reporter: Reporter,
-    pub(crate) failures: StoreFailures,
+    pub(crate) failures: Failures,
     pub(crate) charge_after: Option<AfterCharge>,
+    pub(crate) lookups: Option<Lookups>,
 }
 
 /// How a request starts: decided before any limit is asked, or to be evaluated.
 pub(crate) enum Start<'l> {
     Decided(Outcome<'l>),
     Evaluate(Evaluation),
+    /// The caller's tier is being looked up: [`Limiter::looked_up`] goes on.
+    Lookup(Lookup),
+}
+
+/// A tier lookup under way for a request's caller.
+pub(crate) struct Lookup {
+    key: Key,
+    pub(crate) future: LookupFuture,
 }
 
 /// A request to check against its limits: who, which limits, how many units.
@@ -254,7 +264,51 @@ impl<St: Store> Limiter<St> {
                 }
             },
         };
-        let selected = self.limits.select(&key, request);
+        let found = match &self.lookups {
+            None => Found::Tier(self.limits.tier_for(&key)),
+            Some(lookups) => match lookups.cached(&key) {
+                Some(found) => found,
+                None => {
+                    let future = lookups.start(&key);
+                    return Start::Lookup(Lookup { key, future });
+                }
+            },
+        };
+        self.evaluate(key, found, request)
+    }
+
+    /// Goes on with `request` once its caller's tier lookup answered.
+    pub(crate) fn looked_up<B>(
+        &self,
+        lookup: Lookup,
+        answer: Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>,
+        request: &Request<B>,
+    ) -> Start<'_> {
+        let Some(lookups) = &self.lookups else {
+            return self.evaluate(lookup.key, Found::Unknown, request);
+        };
+        match lookups.found(&lookup.key, answer, &self.limits) {
+            Some(found) => self.evaluate(lookup.key, found, request),
+            None => match lookups.on_error {
+                OnLookupError::Reject => {
+                    self.report(Some(&lookup.key), DecisionOutcome::StoreError);
+                    Start::Decided(Outcome::Refuse(Refusal::LookupFailed))
+                }
+                // `Anonymous`, and any rule added later: the caller is not known.
+                _ => self.evaluate(lookup.key, Found::Unknown, request),
+            },
+        }
+    }
+
+    /// The evaluation of `request` from the caller of `key`, whose tier is `found`: an
+    /// unknown caller is limited by the default policy, in the budget every unknown caller
+    /// shares.
+    fn evaluate<B>(&self, key: Key, found: Found, request: &Request<B>) -> Start<'_> {
+        let (key, tier) = match found {
+            Found::Tier(tier) => (key, tier),
+            Found::Unknown => (unknown_key(), 0),
+        };
+        let selected = self.limits.select_tier(tier, request);
         let cost = self.cost.as_ref().map_or(1, |cost| {
             cost(request.method(), request.uri(), request.headers())
         });

@@ -79,6 +79,8 @@ pub(crate) enum Refusal {
     StoreFailed,
     /// The caller is on the deny list.
     Denied,
+    /// The caller's tier lookup failed, and the layer refuses such requests.
+    LookupFailed,
 }
 
 impl Refusal {
@@ -96,6 +98,10 @@ impl Refusal {
             Refusal::Denied => (
                 StatusCode::FORBIDDEN,
                 "This client may not call this service.",
+            ),
+            Refusal::LookupFailed => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Rate limiting cannot tell this caller's tier now. Please retry later.",
             ),
         }
     }

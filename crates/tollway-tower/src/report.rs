@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use tollway_core::{Clock, StoreError};
+use tollway_core::Clock;
 
 use crate::key::Key;
 use crate::verdict::Verdict;
@@ -302,10 +302,13 @@ fn describe_metrics() {
     );
 }
 
-/// Store failures, told at `warn` when they start and stop, and in between as a summary
-/// every [`SUMMARY_EVERY_US`] rather than a line a request: a 5 s Redis stall under load
-/// is thousands of failed requests, and one of them says as much as all.
-pub(crate) struct StoreFailures {
+/// Failures of something the layer asks (its store, a tier lookup), told at `warn` when
+/// they start and stop, and in between as a summary every [`SUMMARY_EVERY_US`] rather than
+/// a line a request: a 5 s Redis stall under load is thousands of failed requests, and
+/// one of them says as much as all.
+pub(crate) struct Failures {
+    /// What fails: "rate limit store", "tier lookup".
+    subject: &'static str,
     clock: Arc<dyn Clock>,
     failing: AtomicBool,
     /// Failures since the last warning.
@@ -317,9 +320,10 @@ pub(crate) struct StoreFailures {
 /// How often a store that keeps failing is summarised.
 const SUMMARY_EVERY_US: u64 = 10_000_000;
 
-impl StoreFailures {
-    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
-        StoreFailures {
+impl Failures {
+    pub(crate) fn new(subject: &'static str, clock: Arc<dyn Clock>) -> Self {
+        Failures {
+            subject,
             clock,
             failing: AtomicBool::new(false),
             unreported: AtomicU64::new(0),
@@ -327,15 +331,16 @@ impl StoreFailures {
         }
     }
 
-    /// A request the store failed to decide; `action` is what the layer did instead.
-    pub(crate) fn failed(&self, error: &StoreError, action: &'static str) {
+    /// A request it failed; `action` is what the layer did instead.
+    pub(crate) fn failed(&self, error: &dyn fmt::Display, action: &'static str) {
+        let subject = self.subject;
         let now = self.clock.now_micros();
         if !self.failing.swap(true, Ordering::Relaxed) {
             self.warned_at.store(now, Ordering::Relaxed);
             tracing::warn!(
                 %error,
-                "rate limit store failed; {action} until it answers again (further failures \
-                 are summarised every {} s)",
+                "{subject} failed; {action} until it answers again (further failures are \
+                 summarised every {} s)",
                 SUMMARY_EVERY_US / 1_000_000
             );
             return;
@@ -352,28 +357,30 @@ impl StoreFailures {
             tracing::warn!(
                 failures,
                 %error,
-                "rate limit store still failing: {failures} more requests in the last {} s; {action}",
+                "{subject} still failing: {failures} more requests in the last {} s; {action}",
                 (now - warned_at) / 1_000_000
             );
         }
     }
 
-    /// A request the store decided: the end of a failure, if there was one.
+    /// A request it answered: the end of a failure, if there was one.
     #[inline]
     pub(crate) fn succeeded(&self) {
         if self.failing.load(Ordering::Relaxed) && self.failing.swap(false, Ordering::Relaxed) {
             let failures = self.unreported.swap(0, Ordering::Relaxed);
+            let subject = self.subject;
             tracing::warn!(
                 failures,
-                "rate limit store answering again ({failures} more failed requests since the last warning)"
+                "{subject} answering again ({failures} more failed requests since the last warning)"
             );
         }
     }
 }
 
-impl fmt::Debug for StoreFailures {
+impl fmt::Debug for Failures {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StoreFailures")
+        f.debug_struct("Failures")
+            .field("subject", &self.subject)
             .field("failing", &self.failing.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
@@ -384,7 +391,7 @@ mod tests {
     use std::sync::Mutex;
     use std::time::Duration;
 
-    use tollway_core::{ManualClock, StoreErrorKind};
+    use tollway_core::{ManualClock, StoreError, StoreErrorKind};
     use tracing::subscriber::with_default;
     use tracing::{Event, Level, Metadata, Subscriber, span};
 
@@ -394,9 +401,9 @@ mod tests {
     #[derive(Default)]
     struct Warnings(Mutex<Vec<Option<u64>>>);
 
-    struct Failures(Option<u64>);
+    struct Counted(Option<u64>);
 
-    impl tracing::field::Visit for Failures {
+    impl tracing::field::Visit for Counted {
         fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
             if field.name() == "failures" {
                 self.0 = Some(value);
@@ -415,9 +422,9 @@ mod tests {
         fn record(&self, _: &span::Id, _: &span::Record<'_>) {}
         fn record_follows_from(&self, _: &span::Id, _: &span::Id) {}
         fn event(&self, event: &Event<'_>) {
-            let mut failures = Failures(None);
-            event.record(&mut failures);
-            self.0.lock().unwrap().push(failures.0);
+            let mut counted = Counted(None);
+            event.record(&mut counted);
+            self.0.lock().unwrap().push(counted.0);
         }
         fn enter(&self, _: &span::Id) {}
         fn exit(&self, _: &span::Id) {}
@@ -430,7 +437,7 @@ mod tests {
     fn a_failing_store_is_told_when_it_starts_then_summarised_then_when_it_ends() {
         let warnings: &'static Warnings = Box::leak(Box::default());
         let clock = ManualClock::new();
-        let failures = StoreFailures::new(Arc::new(clock.clone()));
+        let failures = Failures::new("rate limit store", Arc::new(clock.clone()));
         let error = StoreError::new(StoreErrorKind::Timeout, "stalled");
         with_default(warnings, || {
             failures.succeeded();

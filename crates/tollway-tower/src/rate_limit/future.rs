@@ -16,12 +16,13 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::headers::RateLimitHeaders;
-use crate::pipeline::{Evaluation, Limiter, Next, Step};
+use crate::pipeline::{Evaluation, Limiter, Lookup, Next, Start, Step};
 
 pin_project! {
     /// The future of a [`RateLimit`](super::RateLimit) service's response.
     ///
-    /// A state machine: `Checking` (the store's future) → `Delaying` (a shaping delay)
+    /// A state machine: `LookingUp` (the caller's tier, when the layer looks tiers up and
+    /// has not cached it) → `Checking` (the store's future) → `Delaying` (a shaping delay)
     /// → `Calling` (the inner service's future) → `Charging` (the store charging what
     /// the response reports it used, when the layer charges after responses), or
     /// `Answered` in the service's place. A request the store decides at once starts in
@@ -45,6 +46,8 @@ pin_project! {
     #[project = StateProj]
     #[project_replace = StateOwned]
     enum State<C, F, S, B, St, R> {
+        // The caller's tier is being looked up; the request waits in a box, as below.
+        LookingUp { lookup: Lookup, waiting: Box<Waiting<S, B, St>> },
         // The store is deciding the request's limits. The request waits in a box:
         // it waits for I/O anyway, and the future of a request decided at once stays small.
         Checking { #[pin] check: C, pending: Box<Pending<S, B, St>> },
@@ -71,6 +74,14 @@ pin_project! {
 pub(super) struct Pending<S, B, St> {
     limiter: Arc<Limiter<St>>,
     evaluation: Evaluation,
+    service: S,
+    request: Request<B>,
+}
+
+/// A request waiting for its caller's tier, and the ready service to call if its limits
+/// let it through.
+pub(super) struct Waiting<S, B, St> {
+    limiter: Arc<Limiter<St>>,
     service: S,
     request: Request<B>,
 }
@@ -141,6 +152,23 @@ where
     S: Service<Request<B>>,
     St: Store,
 {
+    /// Waits for the tier `lookup` of `request`'s caller, then decides it.
+    pub(super) fn looking_up(
+        lookup: Lookup,
+        limiter: Arc<Limiter<St>>,
+        service: S,
+        request: Request<B>,
+    ) -> Self {
+        Self::from(State::LookingUp {
+            lookup,
+            waiting: Box::new(Waiting {
+                limiter,
+                service,
+                request,
+            }),
+        })
+    }
+
     /// Waits for the store's `check`, then goes on with `pending`.
     pub(super) fn checking(check: St::Future, pending: Pending<S, B, St>) -> Self {
         Self::from(State::Checking {
@@ -245,12 +273,74 @@ where
         let Pending {
             limiter,
             evaluation,
-            mut service,
+            service,
             request,
         } = *self;
+        State::next(next, &limiter, Some(evaluation), service, request)
+    }
+}
+
+impl<S, B, St> Waiting<S, B, St>
+where
+    S: Service<Request<B>>,
+    St: Store,
+{
+    /// The next state once the caller's tier is known: decided now, or the store's check.
+    fn resume(
+        self,
+        lookup: Lookup,
+        answer: Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>,
+    ) -> State<St::Future, S::Future, S, B, St, S::Response> {
+        let Waiting {
+            limiter,
+            service,
+            request,
+        } = self;
+        let (outcome, evaluation) = match limiter.looked_up(lookup, answer, &request) {
+            Start::Decided(outcome) => (outcome, None),
+            Start::Evaluate(mut evaluation) => match evaluation.check(&limiter) {
+                Step::Done(outcome) => (outcome, Some(evaluation)),
+                Step::Wait(check) => {
+                    let limiter = Arc::clone(&limiter);
+                    let pending = Pending::new(limiter, evaluation, service, request);
+                    return State::Checking {
+                        check,
+                        pending: Box::new(pending),
+                    };
+                }
+            },
+            // A lookup answers for good (or the caller is unknown): never asked twice.
+            Start::Lookup(lookup) => {
+                let waiting = Box::new(Waiting {
+                    limiter: Arc::clone(&limiter),
+                    service,
+                    request,
+                });
+                return State::LookingUp { lookup, waiting };
+            }
+        };
+        let next = limiter.next(outcome, &request);
+        State::next(next, &limiter, evaluation, service, request)
+    }
+}
+
+impl<C, S, B, St> State<C, S::Future, S, B, St, S::Response>
+where
+    S: Service<Request<B>>,
+    St: Store,
+{
+    /// The state that does what `next` says: call the service (after a delay), or
+    /// answer in its place.
+    fn next(
+        next: Next,
+        limiter: &Arc<Limiter<St>>,
+        evaluation: Option<Evaluation>,
+        mut service: S,
+        request: Request<B>,
+    ) -> Self {
         match next {
             Next::Call { headers, delay } => {
-                let after = AfterResponse::new(&limiter, evaluation);
+                let after = evaluation.and_then(|e| AfterResponse::new(limiter, e));
                 match delay {
                     None => State::Calling {
                         future: service.call(request),
@@ -298,6 +388,15 @@ where
             // Each state's pinned future is polled in place; once it is ready, the state's
             // other fields are moved out (leaving `Done`) into the next state.
             match state.as_mut().project() {
+                StateProj::LookingUp { lookup, .. } => {
+                    let answer = ready!(lookup.future.as_mut().poll(cx));
+                    let StateOwned::LookingUp { lookup, waiting } =
+                        state.as_mut().project_replace(State::Done)
+                    else {
+                        unreachable!("the state was LookingUp")
+                    };
+                    state.set((*waiting).resume(lookup, answer));
+                }
                 StateProj::Checking { check, .. } => {
                     let result = ready!(check.poll(cx));
                     let StateOwned::Checking { pending, .. } =

@@ -3,6 +3,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -15,11 +16,12 @@ use crate::access::AccessLists;
 use crate::headers::HeaderStyle;
 use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
+use crate::lookup::{DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, Lookups, OnLookupError, TierLookup};
 use crate::pipeline::{
     AfterCharge, ChargeFn, CostFn, Current, Limiter, MissingKey, OnStoreError, Protocol, Shadow,
 };
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
-use crate::report::{DecisionListener, Reporter, StoreFailures};
+use crate::report::{DecisionListener, Failures, Reporter};
 
 /// Applies rate limits to a service: see the [module docs](super) for a tour.
 ///
@@ -72,6 +74,9 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
             shadow_policies: Vec::new(),
             listener: None,
             charge_after: None,
+            lookup: None,
+            lookup_cache: (DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL),
+            on_lookup_error: OnLookupError::Anonymous,
         }
     }
 }
@@ -206,6 +211,9 @@ pub struct RateLimitLayerBuilder<St, K> {
     shadow_policies: Vec<String>,
     listener: Option<Arc<dyn DecisionListener>>,
     charge_after: Option<(String, ChargeFn)>,
+    lookup: Option<Arc<dyn TierLookup>>,
+    lookup_cache: (u64, Duration),
+    on_lookup_error: OnLookupError,
 }
 
 impl<St, K> fmt::Debug for RateLimitLayerBuilder<St, K> {
@@ -243,6 +251,9 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             shadow_policies: self.shadow_policies,
             listener: self.listener,
             charge_after: self.charge_after,
+            lookup: self.lookup,
+            lookup_cache: self.lookup_cache,
+            on_lookup_error: self.on_lookup_error,
         }
     }
 
@@ -258,6 +269,33 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// Resolves each caller's tier (by name) from its key.
     pub fn tiers(mut self, tiers: impl Tiers) -> Self {
         self.tiers = Some(Box::new(tiers));
+        self
+    }
+
+    /// Looks each caller's tier up with `lookup` (a database, an auth service) instead
+    /// of [`tiers`](Self::tiers): a caller's first request waits for the answer, which is
+    /// then cached (see [`tier_cache`](Self::tier_cache)). A caller the lookup does not
+    /// know (`None`) gets no budget of its own: every such caller shares one, the
+    /// default policy's under the key `unknown:` — so made-up keys cannot mint fresh
+    /// limits. A lookup that fails is handled per
+    /// [`on_tier_lookup_error`](Self::on_tier_lookup_error).
+    pub fn tier_lookup(mut self, lookup: impl TierLookup) -> Self {
+        self.lookup = Some(Arc::new(lookup));
+        self
+    }
+
+    /// Keeps at most `entries` looked-up tiers, each for `ttl` (default 100,000 for 60 s):
+    /// a changed tier takes effect within `ttl`.
+    pub fn tier_cache(mut self, entries: u64, ttl: Duration) -> Self {
+        self.lookup_cache = (entries, ttl);
+        self
+    }
+
+    /// What to do with a request whose tier lookup failed (default
+    /// [`OnLookupError::Anonymous`]). Failures are logged at warn when they start and end,
+    /// and summarised in between.
+    pub fn on_tier_lookup_error(mut self, rule: OnLookupError) -> Self {
+        self.on_lookup_error = rule;
         self
     }
 
@@ -494,8 +532,13 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             }),
             None => None,
         };
-        let failures = StoreFailures::new(Arc::clone(&self.wall_clock));
+        let failures = Failures::new("rate limit store", Arc::clone(&self.wall_clock));
         let reporter = Reporter::new(self.listener, limits.policies());
+        let (entries, ttl) = self.lookup_cache;
+        let lookups = self.lookup.map(|lookup| {
+            let failures = Failures::new("tier lookup", Arc::clone(&self.wall_clock));
+            Lookups::new(lookup, entries, ttl, self.on_lookup_error, failures)
+        });
         Ok(RateLimitLayer {
             limiter: Arc::new(ArcSwap::from_pointee(Limiter {
                 store: self.store,
@@ -512,6 +555,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 reporter,
                 failures,
                 charge_after,
+                lookups,
             })),
             key: Arc::new(self.key),
         })

@@ -86,6 +86,11 @@ where
         let limiter: &Limiter<St> = &current;
         let (outcome, evaluation) = match limiter.start(&*self.key, &request) {
             Start::Decided(outcome) => (outcome, None),
+            Start::Lookup(lookup) => {
+                let limiter = Arc::clone(&current);
+                let service = take_ready(&mut self.inner);
+                return ResponseFuture::looking_up(lookup, limiter, service, request);
+            }
             Start::Evaluate(mut evaluation) => match evaluation.check(limiter) {
                 Step::Done(outcome) => (outcome, Some(evaluation)),
                 Step::Wait(check) => {

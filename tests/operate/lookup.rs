@@ -1,0 +1,149 @@
+//! Tiers looked up at run time, at the service on a paused clock: a slow lookup waited
+//! for once and cached, a failing one handled by its rule, unknown keys sharing one
+//! budget.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use tokio::time::Instant;
+use tollway_core::{ManualClock, Policy};
+use tollway_tower::{ApiKey, Key, OnLookupError, RateLimitLayer, ResponseBody};
+use tower::{Layer, ServiceExt, service_fn};
+
+use support::stores::{EPOCH_US, memory_store, per_minute};
+
+type Reply = Response<ResponseBody<String>>;
+
+/// A request from 203.0.113.9 with `X-API-Key: key`.
+fn request(key: &str) -> Request<()> {
+    let mut request = Request::get("/").header("x-api-key", key).body(()).unwrap();
+    let peer: SocketAddr = "203.0.113.9:4000".parse().unwrap();
+    request.extensions_mut().insert(peer);
+    request
+}
+
+/// Sends one request through a fresh service of `layer`.
+async fn send<K>(
+    layer: &RateLimitLayer<tollway_core::MemoryStore<ManualClock>, K>,
+    key: &str,
+) -> Reply
+where
+    K: tollway_tower::KeyExtractor<()>,
+{
+    let service = layer.layer(service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new("ok".to_owned()))
+    }));
+    service.oneshot(request(key)).await.unwrap()
+}
+
+fn limit(reply: &Reply) -> Option<&str> {
+    reply
+        .headers()
+        .get("x-ratelimit-limit")
+        .map(|v| v.to_str().unwrap())
+}
+
+fn layer_with(
+    lookup: impl tollway_tower::TierLookup,
+    rule: OnLookupError,
+) -> RateLimitLayer<tollway_core::MemoryStore<ManualClock>, ApiKey> {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let pro: Policy = per_minute("pro", 1_000);
+    RateLimitLayer::builder(memory_store(&clock), per_minute("anonymous", 100))
+        .key(ApiKey::header("x-api-key").unwrap())
+        .tier(pro)
+        .tier_lookup(lookup)
+        .tier_cache(100_000, Duration::from_secs(60))
+        .on_tier_lookup_error(rule)
+        .build()
+        .unwrap()
+}
+
+/// The lookup takes 2 s: the first request waits for it; the next is answered from the
+/// cache at once; after the cache's 60 s the key is looked up again.
+#[tokio::test(start_paused = true)]
+async fn a_slow_lookup_is_waited_for_once_then_cached_until_its_ttl() {
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&lookups);
+    let layer = layer_with(
+        move |key: Key| {
+            let counted = Arc::clone(&counted);
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                let tier = (key.value() == b"k-pro").then(|| "pro".to_owned());
+                Ok::<_, std::io::Error>(tier)
+            }
+        },
+        OnLookupError::Anonymous,
+    );
+    let start = Instant::now();
+    let first = send(&layer, "k-pro").await;
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+    assert_eq!(limit(&first), Some("1000"));
+    let second = send(&layer, "k-pro").await;
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+    assert_eq!(limit(&second), Some("1000"));
+    assert_eq!(lookups.load(Ordering::SeqCst), 1);
+
+    tokio::time::advance(Duration::from_secs(61)).await;
+    assert_eq!(limit(&send(&layer, "k-pro").await), Some("1000"));
+    assert_eq!(lookups.load(Ordering::SeqCst), 2);
+}
+
+/// A lookup that fails: by default the caller is limited as unknown (the anonymous
+/// budget) and asked about again next time; with `Reject`, 503 and the JSON body.
+#[tokio::test(start_paused = true)]
+async fn a_failing_lookup_follows_its_rule() {
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&lookups);
+    let failing = move |_: Key| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Err::<Option<String>, _>(std::io::Error::other("database down")) }
+    };
+    let anonymous = layer_with(failing.clone(), OnLookupError::Anonymous);
+    for _ in 0..3 {
+        let reply = send(&anonymous, "k-pro").await;
+        assert_eq!(reply.status(), StatusCode::OK);
+        assert_eq!(limit(&reply), Some("100"));
+    }
+    assert_eq!(lookups.load(Ordering::SeqCst), 3);
+
+    let reject = layer_with(failing, OnLookupError::Reject);
+    let refused = send(&reject, "k-pro").await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = http_body_util::BodyExt::collect(refused.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(
+        body,
+        r#"{"error":"Service Unavailable","message":"Rate limiting cannot tell this caller's tier now. Please retry later."}"#
+    );
+}
+
+/// 10,000 made-up keys, none of which the lookup knows, share one anonymous budget of
+/// 100: exactly 100 requests pass.
+#[tokio::test(start_paused = true)]
+async fn ten_thousand_unknown_keys_share_one_anonymous_budget() {
+    let layer = layer_with(
+        |_: Key| async { Ok::<Option<String>, std::io::Error>(None) },
+        OnLookupError::Anonymous,
+    );
+    let mut passed = 0;
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    for _ in 0..10_000 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let reply = send(&layer, &format!("made-up-{seed:016x}")).await;
+        if reply.status() == StatusCode::OK {
+            passed += 1;
+        }
+    }
+    assert_eq!(passed, 100);
+}
