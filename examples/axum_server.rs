@@ -11,7 +11,8 @@
 //!
 //! The limits below come from `examples/tollway.toml`, watched while the server runs:
 //! edit a limit and save, and the next request sees it; a broken edit is refused with its
-//! line and column in the log, and the running limits stay.
+//! line and column in the log, and the running limits stay. SIGHUP and
+//! `POST /admin/reload` read the file again too.
 //!
 //! Policies:
 //!
@@ -43,6 +44,7 @@ use demo::axum_app::{self, DEFAULT_ADMIN_TOKEN, DEFAULT_CONFIG};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tokio::net::TcpListener;
 use tollway_tower::BoxStore;
+use tollway_tower::config::Reloader;
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -74,8 +76,9 @@ async fn serve(
     let token = std::env::var("ADMIN_TOKEN").unwrap_or_else(|_| DEFAULT_ADMIN_TOKEN.to_owned());
     let config = std::env::var("TOLLWAY_CONFIG").unwrap_or_else(|_| DEFAULT_CONFIG.to_owned());
     let (app, reloader) = axum_app::app(Path::new(&config), store, metrics, &token)?;
-    // Reloaded whenever the file changes, while this lives.
+    // Reloaded whenever the file changes, while this lives, and on SIGHUP.
     let _watcher = reloader.watch()?;
+    reload_on_hangup(reloader.clone());
     println!("limits: {config} (watched: edit it and the next request sees the change)");
 
     print_usage(addr, &token);
@@ -92,6 +95,27 @@ async fn serve(
     .await?;
     Ok(())
 }
+
+/// Reads the limits file again on every SIGHUP (`kill -HUP <pid>`), as daemons do.
+#[cfg(unix)]
+fn reload_on_hangup(reloader: Reloader<BoxStore>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+        eprintln!("SIGHUP cannot be caught here: the limits file is still watched");
+        return;
+    };
+    tokio::spawn(async move {
+        while hangups.recv().await.is_some() {
+            match reloader.reload() {
+                Ok(()) => println!("SIGHUP: limits reloaded"),
+                Err(e) => eprintln!("SIGHUP: limits not reloaded, the running ones stay: {e}"),
+            }
+        }
+    });
+}
+
+#[cfg(not(unix))]
+fn reload_on_hangup(_: Reloader<BoxStore>) {}
 
 fn print_usage(addr: SocketAddr, token: &str) {
     let base = format!("localhost:{}", addr.port());

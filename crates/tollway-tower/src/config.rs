@@ -424,9 +424,17 @@ impl LimitsFile {
         let file = &self.file;
         let layer = &file.layer;
         let default = self.policy_named(&layer.default)?;
+        // The lists' networks match the client's address as the keys find it.
+        let client_ip = match &key.address {
+            Address::Client(client_ip) => Some(client_ip.clone()),
+            Address::Peer(_) => None,
+        };
         let mut builder = RateLimitLayer::builder(store, default.clone())
             .key(key)
             .shadow(layer.shadow);
+        if let Some(client_ip) = client_ip {
+            builder = builder.list_address(client_ip);
+        }
         if !file.tiers.is_empty() {
             builder = builder.tiers(self.tier_map());
         }

@@ -184,7 +184,7 @@ pub(crate) enum Start<'l> {
 
 /// A tier lookup under way for a request's caller.
 pub(crate) struct Lookup {
-    key: Key,
+    pub(crate) key: Key,
     pub(crate) future: LookupFuture,
 }
 
@@ -280,22 +280,22 @@ impl<St: Store> Limiter<St> {
     /// Goes on with `request` once its caller's tier lookup answered.
     pub(crate) fn looked_up<B>(
         &self,
-        lookup: Lookup,
+        key: Key,
         answer: Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>,
         request: &Request<B>,
     ) -> Start<'_> {
         let Some(lookups) = &self.lookups else {
-            return self.evaluate(lookup.key, Found::Unknown, request);
+            return self.evaluate(key, Found::Unknown, request);
         };
-        match lookups.found(&lookup.key, answer, &self.limits) {
-            Some(found) => self.evaluate(lookup.key, found, request),
+        match lookups.found(&key, answer, &self.limits) {
+            Some(found) => self.evaluate(key, found, request),
             None => match lookups.on_error {
                 OnLookupError::Reject => {
-                    self.report(Some(&lookup.key), DecisionOutcome::StoreError);
+                    self.report(Some(&key), DecisionOutcome::StoreError);
                     Start::Decided(Outcome::Refuse(Refusal::LookupFailed))
                 }
                 // `Anonymous`, and any rule added later: the caller is not known.
-                _ => self.evaluate(lookup.key, Found::Unknown, request),
+                _ => self.evaluate(key, Found::Unknown, request),
             },
         }
     }

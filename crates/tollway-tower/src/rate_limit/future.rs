@@ -16,6 +16,8 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::headers::RateLimitHeaders;
+use crate::key::Key;
+use crate::lookup::LookupFuture;
 use crate::pipeline::{Evaluation, Limiter, Lookup, Next, Start, Step};
 
 pin_project! {
@@ -47,7 +49,7 @@ pin_project! {
     #[project_replace = StateOwned]
     enum State<C, F, S, B, St, R> {
         // The caller's tier is being looked up; the request waits in a box, as below.
-        LookingUp { lookup: Lookup, waiting: Box<Waiting<S, B, St>> },
+        LookingUp { lookup: LookupFuture, waiting: Box<Waiting<S, B, St>> },
         // The store is deciding the request's limits. The request waits in a box:
         // it waits for I/O anyway, and the future of a request decided at once stays small.
         Checking { #[pin] check: C, pending: Box<Pending<S, B, St>> },
@@ -82,6 +84,7 @@ pub(super) struct Pending<S, B, St> {
 /// let it through.
 pub(super) struct Waiting<S, B, St> {
     limiter: Arc<Limiter<St>>,
+    key: Key,
     service: S,
     request: Request<B>,
 }
@@ -160,9 +163,10 @@ where
         request: Request<B>,
     ) -> Self {
         Self::from(State::LookingUp {
-            lookup,
+            lookup: lookup.future,
             waiting: Box::new(Waiting {
                 limiter,
+                key: lookup.key,
                 service,
                 request,
             }),
@@ -288,15 +292,15 @@ where
     /// The next state once the caller's tier is known: decided now, or the store's check.
     fn resume(
         self,
-        lookup: Lookup,
         answer: Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>,
     ) -> State<St::Future, S::Future, S, B, St, S::Response> {
         let Waiting {
             limiter,
+            key,
             service,
             request,
         } = self;
-        let (outcome, evaluation) = match limiter.looked_up(lookup, answer, &request) {
+        let (outcome, evaluation) = match limiter.looked_up(key, answer, &request) {
             Start::Decided(outcome) => (outcome, None),
             Start::Evaluate(mut evaluation) => match evaluation.check(&limiter) {
                 Step::Done(outcome) => (outcome, Some(evaluation)),
@@ -313,10 +317,14 @@ where
             Start::Lookup(lookup) => {
                 let waiting = Box::new(Waiting {
                     limiter: Arc::clone(&limiter),
+                    key: lookup.key,
                     service,
                     request,
                 });
-                return State::LookingUp { lookup, waiting };
+                return State::LookingUp {
+                    lookup: lookup.future,
+                    waiting,
+                };
             }
         };
         let next = limiter.next(outcome, &request);
@@ -389,13 +397,13 @@ where
             // other fields are moved out (leaving `Done`) into the next state.
             match state.as_mut().project() {
                 StateProj::LookingUp { lookup, .. } => {
-                    let answer = ready!(lookup.future.as_mut().poll(cx));
-                    let StateOwned::LookingUp { lookup, waiting } =
+                    let answer = ready!(lookup.as_mut().poll(cx));
+                    let StateOwned::LookingUp { waiting, .. } =
                         state.as_mut().project_replace(State::Done)
                     else {
                         unreachable!("the state was LookingUp")
                     };
-                    state.set((*waiting).resume(lookup, answer));
+                    state.set((*waiting).resume(answer));
                 }
                 StateProj::Checking { check, .. } => {
                     let result = ready!(check.poll(cx));
