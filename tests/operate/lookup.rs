@@ -58,6 +58,7 @@ fn layer_with(
         .tier(pro)
         .tier_lookup(lookup)
         .tier_cache(100_000, Duration::from_secs(60))
+        .tier_lookup_timeout(Duration::from_secs(5))
         .on_tier_lookup_error(rule)
         .build()
         .unwrap()
@@ -146,4 +147,34 @@ async fn ten_thousand_unknown_keys_share_one_anonymous_budget() {
         }
     }
     assert_eq!(passed, 100);
+}
+
+/// A cache kept "forever" is refused when the layer is built, not a panic.
+#[test]
+fn a_cache_time_to_live_beyond_reason_is_a_configuration_error() {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let err = RateLimitLayer::builder(memory_store(&clock), per_minute("anonymous", 1))
+        .tier_lookup(|_: Key| async { Ok::<Option<String>, std::io::Error>(None) })
+        .tier_cache(10, Duration::MAX)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("at most 100 years"), "{err}");
+}
+
+/// A lookup that does not answer within the layer's bound (5 s here) fails: the caller
+/// is limited as unknown, after exactly the bound.
+#[tokio::test(start_paused = true)]
+async fn a_lookup_that_hangs_fails_at_its_timeout() {
+    let layer = layer_with(
+        |_: Key| async {
+            tokio::time::sleep(Duration::from_secs(3_600)).await;
+            Ok::<_, std::io::Error>(Some("pro".to_owned()))
+        },
+        OnLookupError::Anonymous,
+    );
+    let start = Instant::now();
+    let reply = send(&layer, "k-pro").await;
+    assert_eq!(start.elapsed(), Duration::from_secs(5));
+    assert_eq!(reply.status(), StatusCode::OK);
+    assert_eq!(limit(&reply), Some("100"));
 }

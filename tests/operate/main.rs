@@ -144,8 +144,12 @@ both_stores! {
         let server = Server::start(app).await;
         let client = server.client();
 
-        let statuses: Vec<u16> = futures_in_order(&client, "/export", 4).await;
-        assert_eq!(statuses, [200, 200, 200, 429]);
+        // Allowed by both: the headers speak only of the policy that enforces.
+        let first = client.get("/export").await;
+        assert_eq!(first.header("x-ratelimit-limit"), Some("3"));
+        assert_eq!(first.header("x-ratelimit-remaining"), Some("2"));
+        let statuses: Vec<u16> = futures_in_order(&client, "/export", 3).await;
+        assert_eq!(statuses, [200, 200, 429]);
         use DecisionOutcome::{Allowed, Limited, ShadowLimited};
         let export = Some("export".to_owned());
         let caller = Some("caller".to_owned());

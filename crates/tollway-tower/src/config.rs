@@ -78,10 +78,11 @@
 //! assert!(err.contains("limit"), "{err}");
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::{self, Write as _};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -126,8 +127,23 @@ struct StoreSection {
     nodes: Option<Vec<String>>,
     prefix: Option<String>,
     timeout_ms: Option<u64>,
-    breaker: Option<Spanned<toml::Value>>,
-    local_fallback: Option<Spanned<toml::Value>>,
+    breaker: Option<Spanned<Switch<BreakerSection>>>,
+    local_fallback: Option<Spanned<Switch<f64>>>,
+}
+
+/// A setting that is `false` (off), `true` (on, the defaults) or its settings.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+enum Switch<T> {
+    Toggle(bool),
+    Set(T),
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct BreakerSection {
+    threshold: Option<u32>,
+    cool_down_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize, PartialEq)]
@@ -204,6 +220,15 @@ struct ListsSection {
     deny_keys: Vec<Spanned<String>>,
 }
 
+/// The store a file describes, ready to build.
+enum StoreBuilder<'f> {
+    Memory(tollway_core::MemoryStoreBuilder),
+    Redis(tollway_core::RedisStoreBuilder, &'f StoreSection),
+}
+
+/// How long a limits file's events must have stopped before it is read.
+const SETTLE: Duration = Duration::from_millis(100);
+
 const REDIS_WHERE: &str = "a Redis store has url = \"redis://host:6379\" or nodes = [...] for a cluster, not both or neither";
 
 /// A limits file, read and validated: every policy, tier, route, list entry and setting
@@ -242,7 +267,16 @@ impl LimitsFile {
     /// As [`read`](Self::read).
     pub fn parse(name: &str, text: &str) -> Result<Self, ConfigError> {
         let at = |span: Option<Range<usize>>, message: &str| locate(name, text, span, message);
-        let file: File = toml::from_str(text).map_err(|e| at(e.span(), e.message()))?;
+        let file: File = toml::from_str(text).map_err(|e| {
+            // serde's words for a `Switch` that is neither: say what to write instead.
+            let message = if e.message().contains("untagged enum Switch") {
+                "write breaker = false, true or { threshold = 5, cool_down_ms = 250 }, and \
+                 local_fallback = false, true or a share of each quota like 0.1"
+            } else {
+                e.message()
+            };
+            at(e.span(), message)
+        })?;
         let mut policies = BTreeMap::new();
         for (policy_name, section) in &file.policies {
             let policy = policy(policy_name, section.get_ref())
@@ -275,48 +309,14 @@ impl LimitsFile {
     ///
     /// When Redis cannot be reached or refuses the settings.
     pub async fn store(&self) -> Result<BoxStore, ConfigError> {
-        let Some(spanned) = &self.file.store else {
-            return Ok(BoxStore::new(MemoryStore::new()));
+        let span = self.file.store.as_ref().map(Spanned::span);
+        let (builder, section) = match self.store_builder()? {
+            StoreBuilder::Memory(memory) => {
+                let store = memory.build().map_err(|e| self.err(span, e))?;
+                return Ok(BoxStore::new(store));
+            }
+            StoreBuilder::Redis(builder, section) => (builder, section),
         };
-        let (section, span) = (spanned.get_ref(), Some(spanned.span()));
-        let kind = section
-            .kind
-            .as_ref()
-            .map_or("memory", |k| k.get_ref().as_str());
-        if kind == "memory" {
-            let mut builder = MemoryStore::builder();
-            if let Some(max) = &section.max_keys {
-                builder = builder.max_keys(*max.get_ref());
-            }
-            let span = section.max_keys.as_ref().map(Spanned::span);
-            let store = builder.build().map_err(|e| self.err(span, e))?;
-            return Ok(BoxStore::new(store));
-        }
-        let mut builder = RedisStore::builder();
-        if let Some(prefix) = &section.prefix {
-            builder = builder.prefix(prefix.clone());
-        }
-        if let Some(ms) = section.timeout_ms {
-            builder = builder.timeout(Duration::from_millis(ms));
-        }
-        match section.breaker.as_ref().map(Spanned::get_ref) {
-            Some(toml::Value::Boolean(false)) => builder = builder.without_breaker(),
-            Some(toml::Value::Table(t)) => {
-                let number = |name: &str| t.get(name).and_then(toml::Value::as_integer);
-                let threshold = number("threshold").unwrap_or(5);
-                let cool_down = number("cool_down_ms").unwrap_or(250);
-                builder = builder.breaker(
-                    u32::try_from(threshold).unwrap_or(u32::MAX),
-                    Duration::from_millis(u64::try_from(cool_down).unwrap_or(0)),
-                );
-            }
-            _ => {}
-        }
-        match section.local_fallback.as_ref().map(Spanned::get_ref) {
-            Some(toml::Value::Boolean(false)) => builder = builder.without_local_fallback(),
-            Some(toml::Value::Float(share)) => builder = builder.local_fallback(*share),
-            _ => {}
-        }
         let connected = match (&section.url, &section.nodes) {
             (Some(url), None) => builder.connect(url).await,
             (None, Some(nodes)) => {
@@ -328,6 +328,54 @@ impl LimitsFile {
         connected
             .map(BoxStore::new)
             .map_err(|e| self.at(span, &e.to_string()))
+    }
+
+    /// The builder of the store the file describes, its settings checked.
+    fn store_builder(&self) -> Result<StoreBuilder<'_>, ConfigError> {
+        let Some(spanned) = &self.file.store else {
+            return Ok(StoreBuilder::Memory(MemoryStore::builder()));
+        };
+        let (section, span) = (spanned.get_ref(), Some(spanned.span()));
+        let kind = section
+            .kind
+            .as_ref()
+            .map_or("memory", |k| k.get_ref().as_str());
+        if kind == "memory" {
+            let mut builder = MemoryStore::builder();
+            if let Some(max) = &section.max_keys {
+                builder = builder.max_keys(*max.get_ref());
+                // The bound's own check, now rather than at start.
+                builder
+                    .clone()
+                    .build()
+                    .map_err(|e| self.err(Some(max.span()), e))?;
+            }
+            return Ok(StoreBuilder::Memory(builder));
+        }
+        let mut builder = RedisStore::builder();
+        if let Some(prefix) = &section.prefix {
+            builder = builder.prefix(prefix.clone());
+        }
+        if let Some(ms) = section.timeout_ms {
+            builder = builder.timeout(Duration::from_millis(ms));
+        }
+        match section.breaker.as_ref().map(Spanned::get_ref) {
+            Some(Switch::Toggle(false)) => builder = builder.without_breaker(),
+            Some(Switch::Set(b)) => {
+                builder = builder.breaker(
+                    b.threshold.unwrap_or(5),
+                    Duration::from_millis(b.cool_down_ms.unwrap_or(250)),
+                );
+            }
+            Some(Switch::Toggle(true)) | None => {}
+        }
+        match section.local_fallback.as_ref().map(Spanned::get_ref) {
+            Some(Switch::Toggle(false)) => builder = builder.without_local_fallback(),
+            Some(Switch::Set(share)) => builder = builder.local_fallback(*share),
+            Some(Switch::Toggle(true)) | None => {}
+        }
+        builder.validate().map_err(|e| self.err(span, e))?;
+        Ok(StoreBuilder::Redis(builder, section))
     }
 
     /// How the file says to find a caller's key.
@@ -392,7 +440,7 @@ impl LimitsFile {
         Ok(ConfigKey {
             api_key,
             address,
-            tiers: Arc::new(ArcSwap::from_pointee(self.tier_map())),
+            known: Arc::new(ArcSwap::from_pointee(self.known_keys())),
         })
     }
 
@@ -613,6 +661,15 @@ impl LimitsFile {
         out
     }
 
+    /// The API keys the file names: in `[tiers]`, and as `key:` entries of the lists (a
+    /// key on the deny list must be seen to be denied).
+    fn known_keys(&self) -> HashSet<String> {
+        let lists = &self.file.lists;
+        let listed = lists.allow_keys.iter().chain(&lists.deny_keys);
+        let listed = listed.filter_map(|k| k.get_ref().strip_prefix("key:").map(str::to_owned));
+        self.file.tiers.keys().cloned().chain(listed).collect()
+    }
+
     fn tier_map(&self) -> HashMap<String, String> {
         self.file
             .tiers
@@ -651,6 +708,11 @@ impl LimitsFile {
         let Some(spanned) = &self.file.store else {
             return Ok(());
         };
+        self.check_store_kind(spanned)?;
+        self.store_builder().map(|_| ())
+    }
+
+    fn check_store_kind(&self, spanned: &Spanned<StoreSection>) -> Result<(), ConfigError> {
         let section = spanned.get_ref();
         let kind = section.kind.as_ref();
         match (
@@ -806,8 +868,8 @@ fn locate(name: &str, text: &str, span: Option<Range<usize>>, message: &str) -> 
 pub struct ConfigKey {
     api_key: Option<Known>,
     address: Address,
-    /// The keys of `[tiers]` and their tiers, swapped on reload.
-    tiers: Arc<ArcSwap<HashMap<String, String>>>,
+    /// The API keys the file names — in `[tiers]` and on the lists — swapped on reload.
+    known: Arc<ArcSwap<HashSet<String>>>,
 }
 
 #[derive(Clone)]
@@ -837,7 +899,7 @@ impl<B> KeyExtractor<B> for ConfigKey {
     fn extract(&self, request: &Request<B>) -> Option<Key> {
         if let Some(api) = &self.api_key {
             if let Some(key) = api.header.extract(request) {
-                if !api.only_known || self.tiers.load().is_known(key.value()) {
+                if !api.only_known || self.known.load().is_known(key.value()) {
                     return Some(key);
                 }
             }
@@ -978,15 +1040,29 @@ impl<St: Store + Clone> Reloader<St> {
             .map_err(|_| ConfigError::new("a reload panicked"))?;
         current.same_foundations(&file)?;
         let fresh = (self.extend)(file.builder(self.store.clone(), self.key.clone())?).build()?;
-        self.key.tiers.store(Arc::new(file.tier_map()));
+        self.key.known.store(Arc::new(file.known_keys()));
         self.layer.swap_limits(fresh);
         *current = file;
         Ok(())
     }
 
-    /// Reloads whenever the file changes, until the returned watcher is dropped. It
-    /// watches the file's directory, so an editor that replaces the file (write a copy,
-    /// rename it over) is seen too.
+    /// [`reload`](Self::reload), told: at info when it worked, at warn (and in
+    /// `tollway_config_reload_errors_total`) when it did not.
+    fn reload_and_tell(&self) {
+        match self.reload() {
+            Ok(()) => tracing::info!(path = %self.path.display(), "rate limits reloaded"),
+            Err(error) => {
+                #[cfg(feature = "metrics")]
+                metrics::counter!("tollway_config_reload_errors_total").increment(1);
+                tracing::warn!(%error, "rate limits not reloaded; the running limits stay");
+            }
+        }
+    }
+
+    /// Reloads whenever the file changes, until the returned watcher is dropped: once
+    /// the file's events have stopped for 100 ms (a file being written is not read half
+    /// way). It watches the file's directory, so an editor that replaces the file (write
+    /// a copy, rename it over) is seen too.
     ///
     /// # Errors
     ///
@@ -998,6 +1074,9 @@ impl<St: Store + Clone> Reloader<St> {
         use notify::Watcher as _;
         let reloader = self.clone();
         let name = self.path.file_name().map(ToOwned::to_owned);
+        // Events come in bursts (an editor's write, truncate, rename): the file is read
+        // once they have stopped for SETTLE, so that a file half written is not loaded.
+        let latest = Arc::new(AtomicU64::new(0));
         let mut watcher =
             notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
                 let Ok(event) = event else { return };
@@ -1005,16 +1084,14 @@ impl<St: Store + Clone> Reloader<St> {
                 if !ours || event.kind.is_access() {
                     return;
                 }
-                match reloader.reload() {
-                    Ok(()) => {
-                        tracing::info!(path = %reloader.path.display(), "rate limits reloaded")
+                let this = latest.fetch_add(1, Ordering::SeqCst) + 1;
+                let (reloader, latest) = (reloader.clone(), Arc::clone(&latest));
+                std::thread::spawn(move || {
+                    std::thread::sleep(SETTLE);
+                    if latest.load(Ordering::SeqCst) == this {
+                        reloader.reload_and_tell();
                     }
-                    Err(error) => {
-                        #[cfg(feature = "metrics")]
-                        metrics::counter!("tollway_config_reload_errors_total").increment(1);
-                        tracing::warn!(%error, "rate limits not reloaded; the running limits stay");
-                    }
-                }
+                });
             })
             .map_err(|e| ConfigError::new(format!("cannot watch {}: {e}", self.path.display())))?;
         let dir = self
@@ -1159,6 +1236,49 @@ mod tests {
         assert!(
             err.contains("[\"legacy\", \"ietf\", \"both\", \"none\"]"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn store_settings_are_checked_before_start() {
+        let store = |settings: &str| format!("[store]\n{settings}\n\n{}", file(API, ""));
+        let err = error(
+            &store("kind = \"redis\"\nurl = \"redis://127.0.0.1\"\ntimeout_ms = 0"),
+            1,
+            1,
+        );
+        assert!(err.contains("timeout"), "{err}");
+        let err = error(
+            &store("kind = \"redis\"\nurl = \"redis://127.0.0.1\"\nbreaker = { treshold = 3 }"),
+            4,
+            11,
+        );
+        assert!(err.contains("cool_down_ms = 250"), "{err}");
+        let err = error(&store("max_keys = 0"), 2, 12);
+        assert!(err.contains("max_keys"), "{err}");
+    }
+
+    #[test]
+    fn a_listed_api_key_is_seen_even_outside_the_tiers() {
+        let text = format!(
+            "[key]\napi_key = {{ header = \"x-api-key\" }}\n\n{}",
+            file(API, "\n[lists]\ndeny_keys = [\"key:stolen\"]\n")
+        );
+        let limits = LimitsFile::parse("limits.toml", &text).unwrap();
+        let request = Request::get("/")
+            .header("x-api-key", "stolen")
+            .body(())
+            .unwrap();
+        let key = KeyExtractor::<()>::extract(&limits.key().unwrap(), &request);
+        assert_eq!(key, Some(Key::new("key", "stolen")));
+        let unknown = Request::get("/")
+            .header("x-api-key", "made-up")
+            .body(())
+            .unwrap();
+        // Not known, and no peer address in this request: no key.
+        assert_eq!(
+            KeyExtractor::<()>::extract(&limits.key().unwrap(), &unknown),
+            None
         );
     }
 

@@ -9,7 +9,7 @@ use tonic::metadata::MetadataMap;
 
 use crate::grpc::{denial_status, refusal_status};
 use crate::key::KeyExtractor;
-use crate::pipeline::{Limiter, Outcome, Start, Step};
+use crate::pipeline::{Current, Limiter, Outcome, Start, Step};
 use crate::rejection::Refusal;
 
 /// A synchronous tonic `Interceptor` that applies a layer's limits, for users who wrap
@@ -20,20 +20,20 @@ use crate::rejection::Refusal;
 ///
 /// An interceptor sees the request's metadata and extensions but not its path, so route
 /// (per-method) limits apply only where a `tonic::GrpcMethod` extension names the method;
-/// it cannot add headers to responses or hold a request, so shaping policies are refused
-/// when it is made. Denials are [`rejection_status`](crate::grpc::rejection_status):
+/// it cannot add headers to responses or hold a request, so shaping policies and tier
+/// lookups are refused when it is made (limits swapped in later are applied, and a
+/// shaping policy among them admits without its delay), and it charges nothing after
+/// responses. Denials are [`rejection_status`](crate::grpc::rejection_status):
 /// `RESOURCE_EXHAUSTED` with `RetryInfo`, `QuotaFailure`, `retry-after` and
 /// `grpc-retry-pushback-ms`, and the rate-limit headers as metadata.
 pub struct RateLimitInterceptor<C, K> {
-    limiter: Arc<Limiter<MemoryStore<C>>>,
+    limiter: Current<MemoryStore<C>>,
     key: Arc<K>,
 }
 
 impl<C, K> RateLimitInterceptor<C, K> {
-    pub(crate) fn new(
-        limiter: Arc<Limiter<MemoryStore<C>>>,
-        key: Arc<K>,
-    ) -> Result<Self, ConfigError> {
+    pub(crate) fn new(current: Current<MemoryStore<C>>, key: Arc<K>) -> Result<Self, ConfigError> {
+        let limiter = current.load();
         if let Some(p) = limiter
             .limits
             .policies()
@@ -52,7 +52,11 @@ impl<C, K> RateLimitInterceptor<C, K> {
                  use the layer (Server::builder().layer(..)), or tiers() with a map",
             ));
         }
-        Ok(RateLimitInterceptor { limiter, key })
+        drop(limiter);
+        Ok(RateLimitInterceptor {
+            limiter: current,
+            key,
+        })
     }
 }
 
@@ -68,7 +72,7 @@ impl<C, K> Clone for RateLimitInterceptor<C, K> {
 impl<C, K> fmt::Debug for RateLimitInterceptor<C, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitInterceptor")
-            .field("limits", &self.limiter.limits)
+            .field("limits", &self.limiter.load().limits)
             .finish_non_exhaustive()
     }
 }
@@ -79,7 +83,9 @@ where
     K: KeyExtractor<()>,
 {
     fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
-        let limiter = &*self.limiter;
+        // The limits current now, as the layer's (swapped by `swap_limits` or a reload).
+        let current = self.limiter.load();
+        let limiter: &Limiter<MemoryStore<C>> = &current;
         // The call as the layer sees it, for the key extractor and the cost function: a
         // POST, to the method's path when a `GrpcMethod` extension names it.
         let (metadata, extensions, ()) = request.into_parts();

@@ -98,6 +98,8 @@ pub(crate) struct Lookups {
     /// them too); the cache also drops them then by its own.
     cache: moka::sync::Cache<Key, (Found, Instant)>,
     ttl: Duration,
+    /// How long a lookup may take before it counts as failed.
+    timeout: Duration,
     pub(crate) on_error: OnLookupError,
     pub(crate) failures: Failures,
 }
@@ -106,12 +108,15 @@ pub(crate) struct Lookups {
 pub(crate) const DEFAULT_CACHE_ENTRIES: u64 = 100_000;
 /// How long a cached answer is kept by default.
 pub(crate) const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(60);
+/// How long a lookup may take by default.
+pub(crate) const DEFAULT_LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
+/// The longest time to live the cache takes (moka's bound, less a margin).
+pub(crate) const MAX_CACHE_TTL: Duration = Duration::from_secs(100 * 365 * 86_400);
 
 impl Lookups {
     pub(crate) fn new(
         lookup: Arc<dyn TierLookup>,
-        entries: u64,
-        ttl: Duration,
+        (entries, ttl, timeout): (u64, Duration, Duration),
         on_error: OnLookupError,
         failures: Failures,
     ) -> Self {
@@ -122,6 +127,7 @@ impl Lookups {
                 .time_to_live(ttl)
                 .build(),
             ttl,
+            timeout,
             on_error,
             failures,
         }
@@ -134,9 +140,16 @@ impl Lookups {
         (Instant::now() < expires).then_some(found)
     }
 
-    /// Starts a lookup of `key`.
+    /// Starts a lookup of `key`, failing it if it takes longer than the layer's bound.
     pub(crate) fn start(&self, key: &Key) -> LookupFuture {
-        self.lookup.lookup(key)
+        let lookup = self.lookup.lookup(key);
+        let timeout = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, lookup).await {
+                Ok(answer) => answer,
+                Err(_) => Err(format!("no answer within {timeout:?}").into()),
+            }
+        })
     }
 
     /// What the lookup of `key` found, kept for the next requests; `None` when it

@@ -170,6 +170,8 @@ pub(crate) struct Limiter<St> {
     pub(crate) shadow: Shadow,
     pub(crate) reporter: Reporter,
     pub(crate) failures: Failures,
+    /// Failures of the charges after responses (`charge_after`).
+    pub(crate) charge_failures: Failures,
     pub(crate) charge_after: Option<AfterCharge>,
     pub(crate) lookups: Option<Lookups>,
 }
@@ -194,6 +196,8 @@ pub(crate) struct Evaluation {
     key: Key,
     selected: Selected,
     cost: u32,
+    /// The store failed to decide it (nothing to charge after the response).
+    failed: bool,
 }
 
 /// Where an evaluation got to: decided, or waiting for the store's future.
@@ -316,6 +320,7 @@ impl<St: Store> Limiter<St> {
             key,
             selected,
             cost,
+            failed: false,
         })
     }
 
@@ -454,10 +459,16 @@ impl Evaluation {
         };
         limiter.failures.succeeded();
         let allowed = decisions.is_allowed();
-        if allowed && limiter.header_style == HeaderStyle::None && !limiter.reporter.active() {
+        let shadow = &limiter.shadow;
+        let in_shadow = shadow.layer() || self.selected.iter().any(|&i| shadow.policy(i));
+        if allowed
+            && limiter.header_style == HeaderStyle::None
+            && !limiter.reporter.active()
+            && !in_shadow
+        {
             return Step::Done(Outcome::Allow {
                 headers: RateLimitHeaders::none(),
-                delay: max_delay(&decisions),
+                delay: max_delay(decisions.iter()),
             });
         }
         let verdicts: SmallVec<[Verdict<'l>; 2]> = self
@@ -483,12 +494,20 @@ impl Evaluation {
             limiter
                 .reporter
                 .report(&event, Some(self.selected[shadowed]));
-            let shadow = &limiter.shadow;
             if shadow.layer() {
                 return Step::Done(Outcome::pass());
             }
-            self.selected.retain(|index| !shadow.policy(*index));
-            if self.selected.is_empty() {
+            // Asked again without the shadow limits that denied; those that allowed stay,
+            // to be charged with the rest.
+            let denied: Selected = self
+                .selected
+                .iter()
+                .zip(decisions.iter())
+                .filter(|&(&index, d)| !d.is_allowed() && shadow.policy(index))
+                .map(|(&index, _)| index)
+                .collect();
+            self.selected.retain(|index| !denied.contains(index));
+            if self.selected.iter().all(|&index| shadow.policy(index)) {
                 return Step::Done(Outcome::pass());
             }
             return self.check(limiter);
@@ -498,24 +517,62 @@ impl Evaluation {
             let event = DecisionEvent::new(Some(&self.key), outcome, &verdicts, Some(most));
             limiter.reporter.report(&event, Some(self.selected[most]));
         }
-        if allowed && limiter.header_style == HeaderStyle::None {
-            return Step::Done(Outcome::Allow {
-                headers: RateLimitHeaders::none(),
-                delay: max_delay(&decisions),
-            });
+        if !in_shadow {
+            return Step::Done(self.outcome(limiter, &self.selected, &verdicts, most, allowed));
         }
-        let headers = limiter.rate_limit_headers(&self.selected, &verdicts, most);
-        Step::Done(if allowed {
+        // Limits in shadow mode are not enforced: they neither delay a request nor speak
+        // in its headers. (A denial here is an enforcing limit's: shadow denials were
+        // asked again above.)
+        if shadow.layer() {
+            return Step::Done(Outcome::pass());
+        }
+        let (selected, verdicts): (Selected, SmallVec<[Verdict<'l>; 2]>) = self
+            .selected
+            .iter()
+            .zip(verdicts.iter())
+            .filter(|&(&index, _)| !shadow.policy(index))
+            .map(|(&index, verdict)| (index, *verdict))
+            .unzip();
+        match most_restrictive(&verdicts) {
+            Some(most) => Step::Done(self.outcome(limiter, &selected, &verdicts, most, allowed)),
+            None => Step::Done(Outcome::pass()),
+        }
+    }
+
+    /// The outcome of the limits `selected`, whose `verdicts` are these (`most` the one to
+    /// report): let through with their headers and the longest delay, or denied.
+    fn outcome<'l, St: Store>(
+        &self,
+        limiter: &'l Limiter<St>,
+        selected: &[usize],
+        verdicts: &[Verdict<'l>],
+        most: usize,
+        allowed: bool,
+    ) -> Outcome<'l> {
+        let delay = || max_delay(verdicts.iter().map(|v| &v.decision));
+        if allowed && limiter.header_style == HeaderStyle::None {
+            return Outcome::Allow {
+                headers: RateLimitHeaders::none(),
+                delay: delay(),
+            };
+        }
+        let headers = limiter.rate_limit_headers(selected, verdicts, most);
+        if allowed {
             Outcome::Allow {
                 headers,
-                delay: max_delay(&decisions),
+                delay: delay(),
             }
         } else {
             Outcome::Deny {
                 verdict: verdicts[most],
                 headers,
             }
-        })
+        }
+    }
+
+    /// Whether the store failed to decide the request.
+    pub(crate) fn failed(&self) -> bool {
+        self.failed
     }
 
     /// The most restrictive denial by a limit in shadow mode (any limit, when the whole
@@ -531,7 +588,8 @@ impl Evaluation {
     }
 
     /// The outcome when the store failed to decide.
-    fn store_failed<St>(&self, limiter: &Limiter<St>, error: &StoreError) -> Outcome<'static> {
+    fn store_failed<St>(&mut self, limiter: &Limiter<St>, error: &StoreError) -> Outcome<'static> {
+        self.failed = true;
         let event = DecisionEvent::new(Some(&self.key), DecisionOutcome::StoreError, &[], None);
         limiter.reporter.report(&event, None);
         match limiter.on_error {
@@ -548,7 +606,7 @@ impl Evaluation {
 }
 
 /// The longest shaping delay among `decisions`, if any.
-fn max_delay(decisions: &Decisions) -> Option<Duration> {
-    let delay_us = decisions.iter().map(Decision::delay_micros).max();
+fn max_delay<'d>(decisions: impl Iterator<Item = &'d Decision>) -> Option<Duration> {
+    let delay_us = decisions.map(Decision::delay_micros).max();
     delay_us.filter(|&us| us > 0).map(Duration::from_micros)
 }

@@ -130,8 +130,10 @@ impl<'a> DecisionEvent<'a> {
 /// Hears every decision of a layer: to report it somewhere the layer does not (an audit
 /// log, a billing system, your own metrics).
 ///
-/// Called once per request, on the request's task, before the response is sent: keep it
-/// quick, and hand slow work to a channel. Implemented by closures
+/// Called once per decision, on the request's task, before the response is sent: keep
+/// it quick, and hand slow work to a channel. A request makes one decision, except one
+/// that a policy in shadow mode would have refused while others enforce: it is told as
+/// `shadow_limited`, then as the enforcing policies decided it. Implemented by closures
 /// `Fn(&DecisionEvent<'_>)`.
 ///
 /// # Examples

@@ -344,16 +344,24 @@ where
         }
     }
 
-    /// Straight to the primary store, whatever the breaker says, and never to the
-    /// fallback: looking at or correcting a caller's shared state is something only the
-    /// primary can do, and asking it of a dead primary gets its error. The outcome does
-    /// not move the breaker.
+    /// Straight to the primary store, never to the fallback: looking at or correcting a
+    /// caller's shared state is something only the primary can do, and asking it of a
+    /// dead primary gets its error. A peek, refund or reset goes whatever the breaker
+    /// says (an administrator's request); a charge — part of serving a request, after
+    /// its response — is not sent while the breaker is not closed, and fails at once.
+    /// The outcome does not move the breaker.
     fn operate(
         &self,
         key: &[u8],
         policies: &[&Policy],
         operation: Operation,
     ) -> Checked<Self::Future> {
+        if matches!(operation, Operation::Charge(_)) && self.state() != BreakerState::Closed {
+            return Checked::Ready(Err(StoreError::new(
+                StoreErrorKind::Other,
+                "rate limit store unavailable: breaker open, the charge is not sent",
+            )));
+        }
         boxed(self.inner.primary.operate(key, policies, operation))
     }
 }
@@ -575,9 +583,13 @@ mod tests {
             assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_err());
         }
         assert_eq!(flaky.calls.load(Ordering::SeqCst), 3);
-        // An operation goes to the store all the same, and does not move the breaker.
+        // An operation goes to the store all the same, and does not move the breaker —
+        // but a charge (serving requests) is not sent while it is open.
         let peek = store.operate(b"k", &[&policy], Operation::Peek(1));
         assert!(poll(peek.into_future()).is_err());
+        assert_eq!(flaky.calls.load(Ordering::SeqCst), 4);
+        let charge = store.operate(b"k", &[&policy], Operation::Charge(5));
+        assert!(poll(charge.into_future()).is_err());
         assert_eq!(flaky.calls.load(Ordering::SeqCst), 4);
         flaky.calls.store(3, Ordering::SeqCst);
         // After the cool-down one probe goes through; it fails, so open again.

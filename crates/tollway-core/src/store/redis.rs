@@ -605,12 +605,29 @@ impl Store for Scripts {
             Operation::Refund(units) => (Kind::Operate("refund"), units),
             Operation::Reset => (Kind::Operate("reset"), 0),
         };
-        if !matches!(operation, Operation::Peek(_)) {
-            if let Some(cache) = &self.inner.deny_cache {
+        let answer = self.call(key, policies, kind, units, None);
+        if matches!(operation, Operation::Peek(_)) || self.inner.deny_cache.is_none() {
+            return answer;
+        }
+        // Forgotten before and after: a refusal remembered while the script ran (a check
+        // that was under way) must not outlive the change either.
+        let forget = |this: &Scripts, key: &[u8]| {
+            if let Some(cache) = &this.inner.deny_cache {
                 cache.forget(key);
             }
+        };
+        forget(self, key);
+        match answer {
+            Checked::Ready(answer) => Checked::Ready(answer),
+            Checked::Pending(call) => {
+                let (this, key) = (self.clone(), key.to_vec());
+                Checked::Pending(Box::pin(async move {
+                    let answer = call.await;
+                    forget(&this, &key);
+                    answer
+                }))
+            }
         }
-        self.call(key, policies, kind, units, None)
     }
 }
 
@@ -880,7 +897,14 @@ impl RedisStoreBuilder {
         Ok(client)
     }
 
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks the settings without connecting: what `connect` and the other builds
+    /// refuse first (a limits file validates its `[store]` with it).
+    ///
+    /// # Errors
+    ///
+    /// When the prefix, timeout, breaker threshold or fallback share is one the store
+    /// cannot use.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
         if self.prefix.is_empty() || self.prefix.len() > 64 || !self.prefix.chars().all(ok) {
             return Err(ConfigError::new(format!(

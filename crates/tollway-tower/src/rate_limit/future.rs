@@ -109,7 +109,8 @@ impl<St: Store> AfterResponse<St> {
     /// charges after responses.
     pub(super) fn new(limiter: &Arc<Limiter<St>>, evaluation: Evaluation) -> Option<Box<Self>> {
         let after = limiter.charge_after.as_ref()?;
-        if !evaluation.applies(after.policy) {
+        // A request the store failed to decide is not charged either: the store is down.
+        if evaluation.failed() || !evaluation.applies(after.policy) {
             return None;
         }
         Some(Box::new(AfterResponse {
@@ -141,12 +142,14 @@ impl<St: Store> AfterResponse<St> {
     }
 }
 
-/// Tells a failed charge the way a failed decision is told.
+/// Tells a failed charge the way a failed decision is told (apart: the decisions may go
+/// on from a fallback while charges fail).
 fn charged<St>(limiter: &Limiter<St>, answer: Result<Decisions, StoreError>) {
-    if let Err(error) = answer {
-        limiter
-            .failures
-            .failed(&error, "responses go uncharged for what they used");
+    match answer {
+        Ok(_) => limiter.charge_failures.succeeded(),
+        Err(error) => limiter
+            .charge_failures
+            .failed(&error, "responses go uncharged for what they used"),
     }
 }
 

@@ -16,7 +16,10 @@ use crate::access::AccessLists;
 use crate::headers::HeaderStyle;
 use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
-use crate::lookup::{DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, Lookups, OnLookupError, TierLookup};
+use crate::lookup::{
+    DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, DEFAULT_LOOKUP_TIMEOUT, Lookups, MAX_CACHE_TTL,
+    OnLookupError, TierLookup,
+};
 use crate::pipeline::{
     AfterCharge, ChargeFn, CostFn, Current, Limiter, MissingKey, OnStoreError, Protocol, Shadow,
 };
@@ -75,7 +78,11 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
             listener: None,
             charge_after: None,
             lookup: None,
-            lookup_cache: (DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL),
+            lookup_cache: (
+                DEFAULT_CACHE_ENTRIES,
+                DEFAULT_CACHE_TTL,
+                DEFAULT_LOOKUP_TIMEOUT,
+            ),
             on_lookup_error: OnLookupError::Anonymous,
         }
     }
@@ -177,7 +184,7 @@ impl<C: tollway_core::Clock, K> RateLimitLayer<tollway_core::MemoryStore<C>, K> 
     /// When one of the layer's policies shapes (delays) requests: an interceptor cannot
     /// hold a request, so it would admit them undelayed.
     pub fn interceptor(&self) -> Result<crate::RateLimitInterceptor<C, K>, ConfigError> {
-        crate::RateLimitInterceptor::new(self.limiter.load_full(), Arc::clone(&self.key))
+        crate::RateLimitInterceptor::new(Arc::clone(&self.limiter), Arc::clone(&self.key))
     }
 }
 
@@ -212,7 +219,7 @@ pub struct RateLimitLayerBuilder<St, K> {
     listener: Option<Arc<dyn DecisionListener>>,
     charge_after: Option<(String, ChargeFn)>,
     lookup: Option<Arc<dyn TierLookup>>,
-    lookup_cache: (u64, Duration),
+    lookup_cache: (u64, Duration, Duration),
     on_lookup_error: OnLookupError,
 }
 
@@ -287,7 +294,15 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// Keeps at most `entries` looked-up tiers, each for `ttl` (default 100,000 for 60 s):
     /// a changed tier takes effect within `ttl`.
     pub fn tier_cache(mut self, entries: u64, ttl: Duration) -> Self {
-        self.lookup_cache = (entries, ttl);
+        self.lookup_cache.0 = entries;
+        self.lookup_cache.1 = ttl;
+        self
+    }
+
+    /// How long a tier lookup may take (default 1 s): one that takes longer fails, per
+    /// [`on_tier_lookup_error`](Self::on_tier_lookup_error).
+    pub fn tier_lookup_timeout(mut self, timeout: Duration) -> Self {
+        self.lookup_cache.2 = timeout;
         self
     }
 
@@ -533,11 +548,20 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             None => None,
         };
         let failures = Failures::new("rate limit store", Arc::clone(&self.wall_clock));
+        let charge_failures = Failures::new("post-response charge", Arc::clone(&self.wall_clock));
         let reporter = Reporter::new(self.listener, limits.policies());
-        let (entries, ttl) = self.lookup_cache;
+        if self.lookup_cache.1 > MAX_CACHE_TTL || self.lookup_cache.2.is_zero() {
+            return Err(ConfigError::new(format!(
+                "tier_cache's time to live must be at most {} years (got {:?}), and \
+                 tier_lookup_timeout more than zero (got {:?})",
+                MAX_CACHE_TTL.as_secs() / (365 * 86_400),
+                self.lookup_cache.1,
+                self.lookup_cache.2
+            )));
+        }
         let lookups = self.lookup.map(|lookup| {
             let failures = Failures::new("tier lookup", Arc::clone(&self.wall_clock));
-            Lookups::new(lookup, entries, ttl, self.on_lookup_error, failures)
+            Lookups::new(lookup, self.lookup_cache, self.on_lookup_error, failures)
         });
         Ok(RateLimitLayer {
             limiter: Arc::new(ArcSwap::from_pointee(Limiter {
@@ -554,6 +578,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 shadow: Shadow::new(self.shadow, in_shadow.into_iter()),
                 reporter,
                 failures,
+                charge_failures,
                 charge_after,
                 lookups,
             })),
