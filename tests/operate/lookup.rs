@@ -178,3 +178,25 @@ async fn a_lookup_that_hangs_fails_at_its_timeout() {
     assert_eq!(reply.status(), StatusCode::OK);
     assert_eq!(limit(&reply), Some("100"));
 }
+
+/// 50 requests of one caller arriving together while its tier is looked up wait for the
+/// same lookup: one call, and every request limited by its answer.
+#[tokio::test(start_paused = true)]
+async fn requests_arriving_together_wait_for_one_lookup() {
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&lookups);
+    let layer = layer_with(
+        move |_: Key| {
+            let counted = Arc::clone(&counted);
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                Ok::<_, std::io::Error>(Some("pro".to_owned()))
+            }
+        },
+        OnLookupError::Anonymous,
+    );
+    let replies = futures_util::future::join_all((0..50).map(|_| send(&layer, "k-pro"))).await;
+    assert!(replies.iter().all(|r| limit(r) == Some("1000")));
+    assert_eq!(lookups.load(Ordering::SeqCst), 1);
+}

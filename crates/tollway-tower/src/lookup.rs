@@ -1,6 +1,7 @@
 //! Tiers looked up at run time: a caller's tier from a database or an auth service,
 //! asked once and cached.
 
+use std::collections::HashMap;
 use std::error::Error;
 use std::fmt;
 use std::future::Future;
@@ -8,6 +9,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
+use futures_util::future::Shared;
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::key::Key;
@@ -100,9 +104,18 @@ pub(crate) struct Lookups {
     ttl: Duration,
     /// How long a lookup may take before it counts as failed.
     timeout: Duration,
+    /// Lookups under way, by key: the requests of one caller that arrive while its tier
+    /// is being looked up wait for the same answer.
+    in_flight: Mutex<HashMap<Key, Shared<Pending>>>,
     pub(crate) on_error: OnLookupError,
     pub(crate) failures: Failures,
 }
+
+/// A lookup shared by the requests that wait for it.
+type Pending = Pin<Box<dyn Future<Output = Result<Option<String>, Arc<str>>> + Send>>;
+
+/// The most lookups kept to be joined at once.
+const MAX_IN_FLIGHT: usize = 10_000;
 
 /// The default bound on cached answers.
 pub(crate) const DEFAULT_CACHE_ENTRIES: u64 = 100_000;
@@ -128,6 +141,7 @@ impl Lookups {
                 .build(),
             ttl,
             timeout,
+            in_flight: Mutex::default(),
             on_error,
             failures,
         }
@@ -140,14 +154,35 @@ impl Lookups {
         (Instant::now() < expires).then_some(found)
     }
 
-    /// Starts a lookup of `key`, failing it if it takes longer than the layer's bound.
+    /// Starts a lookup of `key`, or joins the one under way, failing it if it takes
+    /// longer than the layer's bound.
     pub(crate) fn start(&self, key: &Key) -> LookupFuture {
+        let shared = {
+            let mut in_flight = self.in_flight.lock();
+            match in_flight.get(key) {
+                Some(shared) => shared.clone(),
+                None => {
+                    let shared = self.timed(key).shared();
+                    // Bounded: past it (requests given up while their lookup ran leave
+                    // entries until their key comes again), lookups run alone.
+                    if in_flight.len() < MAX_IN_FLIGHT {
+                        in_flight.insert(key.clone(), shared.clone());
+                    }
+                    shared
+                }
+            }
+        };
+        Box::pin(async move { shared.await.map_err(|e| e.to_string().into()) })
+    }
+
+    /// One lookup of `key`, bounded by the layer's timeout, its error shareable.
+    fn timed(&self, key: &Key) -> Pending {
         let lookup = self.lookup.lookup(key);
         let timeout = self.timeout;
         Box::pin(async move {
             match tokio::time::timeout(timeout, lookup).await {
-                Ok(answer) => answer,
-                Err(_) => Err(format!("no answer within {timeout:?}").into()),
+                Ok(answer) => answer.map_err(|e| Arc::from(e.to_string())),
+                Err(_) => Err(Arc::from(format!("no answer within {timeout:?}"))),
             }
         })
     }
@@ -160,6 +195,7 @@ impl Lookups {
         answer: Result<Option<String>, Box<dyn Error + Send + Sync>>,
         limits: &Limits,
     ) -> Option<Found> {
+        self.in_flight.lock().remove(key);
         let found = match answer {
             Ok(Some(tier)) => Found::Tier(limits.tier_index(&tier)),
             Ok(None) => Found::Unknown,
