@@ -12,6 +12,7 @@
 //! | `DELETE /admin/limits/{policy}/{key}` | the caller back to fresh under that policy (`all`: every one) |
 //! | `PUT /admin/shadow/{policy}` (body `on` / `off`; `all`: the whole layer) | shadow mode |
 //! | `POST /admin/reload` | the limits file read again (it is also watched) |
+//! | `GET /lab` | the live lab: the seven algorithms, each limiting `/lab/api/{algorithm}` (see `lab.rs`) |
 //!
 //! `{key}` is the caller's key as the store sees it: `ip:203.0.113.9`, `key:demo-free-key`.
 //! The admin routes want `Authorization: Bearer <token>`: none is 401, another is 403.
@@ -57,6 +58,7 @@ pub fn app(
     admin_token: &str,
 ) -> Result<(Router, Reloader<BoxStore>), ConfigError> {
     let file = LimitsFile::read(config)?;
+    let lab = crate::lab::router(store.clone())?;
     // What a file cannot say: how many tokens a completion used.
     let reloader = Reloader::from_file_with(config, file, store, |builder| {
         builder.charge_after("tokens", |_, headers, _| {
@@ -88,7 +90,9 @@ pub fn app(
         )
         .route("/admin/shadow/{policy}", put(set_shadow))
         .route("/admin/reload", post(reload))
-        .with_state(admin);
+        .with_state(admin)
+        // The lab: its own limits, one a algorithm.
+        .merge(lab);
     Ok((router, reloader))
 }
 

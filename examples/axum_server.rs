@@ -120,6 +120,7 @@ fn reload_on_hangup(_: Reloader<BoxStore>) {}
 fn print_usage(addr: SocketAddr, token: &str) {
     let base = format!("localhost:{}", addr.port());
     println!("listening on http://{addr}");
+    println!("the live lab: http://{base}/lab");
     println!();
     println!("demo API keys:");
     for (key, tier) in demo::DEMO_KEYS {

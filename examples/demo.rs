@@ -15,6 +15,7 @@ use tollway_tower::{
 use tracing_subscriber::EnvFilter;
 
 pub mod axum_app;
+pub mod lab;
 
 /// The demo API keys and the tier each belongs to.
 pub const DEMO_KEYS: [(&str, &str); 2] = [("demo-free-key", "free"), ("demo-pro-key", "pro")];

@@ -1,0 +1,123 @@
+//! The live rate-limiter lab, `GET /lab`: one page that drives tollway itself. Each of
+//! the seven algorithms limits an endpoint of its own (`/lab/api/{algorithm}`), at a
+//! capacity of 10 refilled at 2 a second (the window algorithms: 10 per 5-second window,
+//! the same average rate), keyed by the caller's address; `/lab/state/{algorithm}` is
+//! what the store holds for the caller now (a peek: it consumes nothing), which the page
+//! polls to draw the bucket as it refills.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde_json::json;
+use tollway_tower::{
+    Algorithm, BoxStore, ConfigError, HeaderStyle, Key, Operation, Policy, Quota, RateLimitLayer,
+    Store,
+};
+
+/// The page: HTML, CSS and script in one file, embedded (it works offline).
+const PAGE: &str = include_str!("lab.html");
+
+/// Each algorithm's lab policy: a capacity of 10 refilled at 2 a second, or for the
+/// window algorithms 10 per 5-second window.
+///
+/// # Errors
+///
+/// Never: the quotas are the lab's own.
+pub fn policies() -> Result<Vec<Policy>, ConfigError> {
+    Algorithm::ALL
+        .into_iter()
+        .map(|algorithm| {
+            let quota = if algorithm.uses_burst() {
+                Quota::per_second(2)?.with_burst(10)?
+            } else {
+                Quota::with_period(10, Duration::from_secs(5))?
+            };
+            Policy::new(format!("lab-{}", algorithm.name()), algorithm, quota)
+        })
+        .collect()
+}
+
+/// The lab's routes over `store`: the page, an endpoint a algorithm, and their states.
+///
+/// # Errors
+///
+/// Never: the lab's layers are its own.
+pub fn router(store: BoxStore) -> Result<Router, ConfigError> {
+    let policies = policies()?;
+    let mut lab = Router::new();
+    for policy in &policies {
+        let name = policy.algorithm().name();
+        let layer = RateLimitLayer::builder(store.clone(), policy.clone())
+            .headers(HeaderStyle::Legacy)
+            .build()?;
+        lab = lab.route(
+            &format!("/lab/api/{name}"),
+            get(move || async move { format!("{name}: allowed\n") }).layer(layer),
+        );
+    }
+    let state = Arc::new(Lab { store, policies });
+    Ok(lab
+        .route("/lab", get(page))
+        .route("/lab/state/{algorithm}", get(bucket))
+        .with_state(state))
+}
+
+struct Lab {
+    store: BoxStore,
+    policies: Vec<Policy>,
+}
+
+async fn page() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], PAGE)
+}
+
+/// What the store holds for the caller under an algorithm's policy, consuming nothing:
+/// units left, the capacity, when it is full again, and whether a request would pass.
+async fn bucket(
+    State(lab): State<Arc<Lab>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Path(algorithm): Path<String>,
+) -> Response {
+    let Some(policy) = lab
+        .policies
+        .iter()
+        .find(|p| p.algorithm().name() == algorithm)
+    else {
+        let message = format!("no lab for {algorithm:?}");
+        return (StatusCode::NOT_FOUND, message).into_response();
+    };
+    // The key the layer gives this caller: its address.
+    let key = Key::ip(peer.ip(), 64);
+    let store = &lab.store;
+    let now = store
+        .operate(key.as_bytes(), &[policy], Operation::Peek(0))
+        .await;
+    let next = store
+        .operate(key.as_bytes(), &[policy], Operation::Peek(1))
+        .await;
+    let (now, next) = match (now, next) {
+        (Ok(now), Ok(next)) => (now[0], next[0]),
+        (Err(e), _) | (_, Err(e)) => {
+            return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
+        }
+    };
+    let body = json!({
+        "algorithm": algorithm,
+        "limit": now.limit(),
+        "remaining": now.remaining(),
+        "reset_after_ms": now.reset_after().as_millis() as u64,
+        "next_request_allowed": next.is_allowed(),
+        "retry_after_ms": next.retry_after().map(|wait| wait.as_millis() as u64),
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}

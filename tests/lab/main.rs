@@ -1,0 +1,86 @@
+//! The lab's server side over real HTTP, on a manual clock: the page lists the seven
+//! algorithms, each algorithm's endpoint answers and is limited by that algorithm, and
+//! the state the page draws is the store's. (The page in a browser: not yet tested here.)
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use http::StatusCode;
+use support::http::{Client, Server};
+use support::stores::{EPOCH_US, memory_store};
+use tollway_core::{Algorithm, ManualClock};
+use tollway_tower::BoxStore;
+
+async fn lab(clock: &ManualClock) -> (Server, Client) {
+    let router = demo::lab::router(BoxStore::new(memory_store(clock))).unwrap();
+    let server = Server::start(router).await;
+    let client = server.client();
+    (server, client)
+}
+
+fn state(body: &str) -> serde_json::Value {
+    serde_json::from_str(body).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_lists_all_seven_algorithms_and_each_endpoint_answers() {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let (_server, client) = lab(&clock).await;
+    let page = client.get("/lab").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert_eq!(
+        page.header("content-type"),
+        Some("text/html; charset=utf-8")
+    );
+    for algorithm in Algorithm::ALL {
+        let name = algorithm.name();
+        assert!(
+            page.body.contains(&format!("<option value=\"{name}\">")),
+            "{name}"
+        );
+        let reply = client.get(&format!("/lab/api/{name}")).await;
+        assert_eq!(reply.status, StatusCode::OK, "{name}");
+        assert_eq!(reply.header("x-ratelimit-limit"), Some("10"), "{name}");
+        assert_eq!(reply.header("x-ratelimit-remaining"), Some("9"), "{name}");
+        let now = state(&client.get(&format!("/lab/state/{name}")).await.body);
+        assert_eq!(
+            (now["limit"].as_u64(), now["remaining"].as_u64()),
+            (Some(10), Some(9)),
+            "{name}"
+        );
+    }
+    assert_eq!(
+        client.get("/lab/state/nope").await.status,
+        StatusCode::NOT_FOUND
+    );
+}
+
+/// What the page's burst button does, against the token bucket: 15 requests, 10 pass and
+/// 5 are refused with `X-RateLimit-Remaining: 0`; the state shows the bucket empty, and
+/// after a second of the manual clock, 2 tokens back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_fifteen_drains_the_bucket_and_it_refills_at_two_a_second() {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let (_server, client) = lab(&clock).await;
+    let mut statuses = Vec::new();
+    let mut last = None;
+    for _ in 0..15 {
+        let reply = client.get("/lab/api/token_bucket").await;
+        statuses.push(reply.status.as_u16());
+        last = Some(reply);
+    }
+    assert_eq!(statuses.iter().filter(|&&s| s == 200).count(), 10);
+    assert_eq!(statuses.iter().filter(|&&s| s == 429).count(), 5);
+    let last = last.unwrap();
+    assert_eq!(last.header("x-ratelimit-remaining"), Some("0"));
+    assert_eq!(last.header("retry-after"), Some("1"));
+    let empty = state(&client.get("/lab/state/token_bucket").await.body);
+    assert_eq!(empty["remaining"], 0);
+    assert_eq!(empty["next_request_allowed"], false);
+    assert_eq!(empty["retry_after_ms"], 500);
+    clock.advance(Duration::from_secs(1));
+    let refilled = state(&client.get("/lab/state/token_bucket").await.body);
+    assert_eq!(refilled["remaining"], 2);
+    assert_eq!(refilled["next_request_allowed"], true);
+}
