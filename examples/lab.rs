@@ -3,21 +3,27 @@
 //! capacity of 10 refilled at 2 a second (the window algorithms: 10 per 5-second window,
 //! the same average rate), keyed by the caller's address; `/lab/state/{algorithm}` is
 //! what the store holds for the caller now (a peek: it consumes nothing), which the page
-//! polls to draw the bucket as it refills.
+//! polls to draw the bucket as it refills. `POST /lab/race` runs scenario 2, the
+//! distributed race: two gateways on one store, tollway against a naive read-then-write
+//! limiter.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
+use futures_util::future::join_all;
+use parking_lot::Mutex;
 use serde_json::json;
 use tollway_tower::{
-    Algorithm, BoxStore, ConfigError, HeaderStyle, Key, Operation, Policy, Quota, RateLimitLayer,
-    Store,
+    Algorithm, BoxStore, ConfigError, Decisions, HeaderStyle, Key, Operation, Policy, Quota,
+    RateLimitLayer, Store,
 };
 
 /// The page: HTML, CSS and script in one file, embedded (it works offline).
@@ -61,16 +67,89 @@ pub fn router(store: BoxStore) -> Result<Router, ConfigError> {
             get(move || async move { format!("{name}: allowed\n") }).layer(layer),
         );
     }
-    let state = Arc::new(Lab { store, policies });
+    let limit = Policy::new("lab-race", Algorithm::FixedWindow, Quota::per_minute(10)?)?;
+    let state = Arc::new(Lab {
+        store,
+        policies,
+        race: limit,
+        races: AtomicU64::new(0),
+    });
     Ok(lab
         .route("/lab", get(page))
         .route("/lab/state/{algorithm}", get(bucket))
+        .route("/lab/race", post(race))
         .with_state(state))
 }
 
 struct Lab {
     store: BoxStore,
     policies: Vec<Policy>,
+    /// The race's limit: 10 a minute.
+    race: Policy,
+    /// Races run, so that each starts from a fresh key.
+    races: AtomicU64,
+}
+
+/// How many requests a race sends.
+const RACE_REQUESTS: usize = 30;
+
+/// Scenario 2, the distributed race: two gateways share one store and a limit of 10,
+/// and 30 requests arrive at once, split between them. With tollway each decision is one
+/// atomic store call, and exactly 10 pass. A naive limiter that reads the count, then
+/// (a network round trip later) writes it back, lets every request that read before the
+/// others wrote pass. Both run here, in this process, on this store (the naive one on a
+/// map of its own, read and written in two steps).
+async fn race(State(lab): State<Arc<Lab>>) -> Response {
+    let run = lab.races.fetch_add(1, Ordering::Relaxed);
+    let key = format!("race:{run}");
+    let gateways = [lab.store.clone(), lab.store.clone()];
+    let tollway = join_all((0..RACE_REQUESTS).map(|i| {
+        let (gateway, key, policy) = (&gateways[i % 2], key.as_bytes(), &lab.race);
+        async move { gateway.check(key, &[policy], 1).await }
+    }))
+    .await;
+    let tollway_admitted = tollway
+        .iter()
+        .filter(|d| d.as_ref().is_ok_and(Decisions::is_allowed))
+        .count();
+    let naive = NaiveLimiter::default();
+    let naive_admitted = join_all((0..RACE_REQUESTS).map(|_| naive.admit(&key, 10)))
+        .await
+        .into_iter()
+        .filter(|&admitted| admitted)
+        .count();
+    let body = json!({
+        "limit": 10,
+        "sent": RACE_REQUESTS,
+        "gateways": 2,
+        "tollway_admitted": tollway_admitted,
+        "naive_admitted": naive_admitted,
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// The limiter the race shows the flaw of: it reads a count, and writes the count plus
+/// one in a second step, a round trip later, as a GET then SET to a shared store would.
+#[derive(Default)]
+struct NaiveLimiter {
+    counts: Mutex<HashMap<String, u64>>,
+}
+
+impl NaiveLimiter {
+    async fn admit(&self, key: &str, limit: u64) -> bool {
+        let count = self.counts.lock().get(key).copied().unwrap_or(0);
+        // The round trip between the read and the write, when other requests run.
+        tokio::task::yield_now().await;
+        if count >= limit {
+            return false;
+        }
+        self.counts.lock().insert(key.to_owned(), count + 1);
+        true
+    }
 }
 
 async fn page() -> impl IntoResponse {

@@ -84,3 +84,25 @@ async fn a_burst_of_fifteen_drains_the_bucket_and_it_refills_at_two_a_second() {
     assert_eq!(refilled["remaining"], 2);
     assert_eq!(refilled["next_request_allowed"], true);
 }
+
+/// Scenario 2: 30 requests at once through two gateways sharing one store and a limit of
+/// 10 — tollway admits exactly 10, the naive read-then-write limiter more; a second race
+/// starts afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_race_admits_exactly_the_limit_with_tollway_and_more_without() {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let (_server, client) = lab(&clock).await;
+    for _ in 0..2 {
+        let reply = client.send(http::Method::POST, "/lab/race", &[]).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        let race = state(&reply.body);
+        assert_eq!(
+            (race["limit"].as_u64(), race["sent"].as_u64()),
+            (Some(10), Some(30))
+        );
+        assert_eq!(race["tollway_admitted"], 10);
+        assert!(race["naive_admitted"].as_u64().unwrap() > 10, "{race}");
+    }
+    let page = client.get("/lab").await;
+    assert!(page.body.contains("id=\"race\""));
+}
