@@ -3,7 +3,8 @@
 //! capacity of 10 refilled at 2 a second (the window algorithms: 10 per 5-second window,
 //! the same average rate), keyed by the caller's address; `/lab/state/{algorithm}` is
 //! what the store holds for the caller now (a peek: it consumes nothing), which the page
-//! polls to draw the bucket as it refills. `POST /lab/race` runs scenario 2, the
+//! polls to draw the bucket as it refills. `POST /lab/boundary` runs scenario 1, the
+//! boundary burst (a fixed window against the log); `POST /lab/race` runs scenario 2, the
 //! distributed race: two gateways on one store, tollway against a naive read-then-write
 //! limiter.
 
@@ -21,9 +22,10 @@ use axum::routing::{get, post};
 use futures_util::future::join_all;
 use parking_lot::Mutex;
 use serde_json::json;
+use tollway_tower::tollway_core::Clock;
 use tollway_tower::{
-    Algorithm, BoxStore, ConfigError, Decisions, HeaderStyle, Key, Operation, Policy, Quota,
-    RateLimitLayer, Store,
+    Algorithm, BoxStore, ConfigError, Decisions, HeaderStyle, Key, MemoryStore, Operation, Policy,
+    Quota, RateLimitLayer, Store,
 };
 
 /// The page: HTML, CSS and script in one file, embedded (it works offline).
@@ -68,17 +70,85 @@ pub fn router(store: BoxStore) -> Result<Router, ConfigError> {
         );
     }
     let limit = Policy::new("lab-race", Algorithm::FixedWindow, Quota::per_minute(10)?)?;
+    let window = Quota::with_period(10, WINDOW)?;
+    let clock = TokioClock::new();
     let state = Arc::new(Lab {
         store,
         policies,
         race: limit,
         races: AtomicU64::new(0),
+        windows: MemoryStore::builder().clock(clock.clone()).build()?,
+        clock,
+        fixed: Policy::new("lab-boundary-fixed", Algorithm::FixedWindow, window)?,
+        log: Policy::new("lab-boundary-log", Algorithm::SlidingWindowLog, window)?,
     });
     Ok(lab
         .route("/lab", get(page))
         .route("/lab/state/{algorithm}", get(bucket))
         .route("/lab/race", post(race))
+        .route("/lab/boundary", post(boundary))
         .with_state(state))
+}
+
+/// The boundary scenario's window.
+const WINDOW: Duration = Duration::from_secs(5);
+
+/// Time as tokio keeps it, from when the lab was made: the monotonic clock, or a test's
+/// paused one. The boundary scenario's store reads it, so the server knows where its
+/// windows end.
+#[derive(Clone, Debug)]
+struct TokioClock {
+    origin: tokio::time::Instant,
+}
+
+impl TokioClock {
+    fn new() -> Self {
+        TokioClock {
+            origin: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl Clock for TokioClock {
+    fn now_micros(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+}
+
+/// Scenario 1, the boundary burst: a fixed window and a sliding window log, each 10 per
+/// 5 seconds, meet a burst of 10 just before a window ends and another just after it.
+/// The fixed window starts counting afresh at the boundary and admits both, 20 in a
+/// quarter of a second; the log, counting the last 5 seconds wherever they fall, admits
+/// the first 10 only. The server waits for the boundary itself (up to 5 s), on a memory
+/// store of its own whose windows it can see.
+async fn boundary(State(lab): State<Arc<Lab>>) -> Response {
+    let run = lab.races.fetch_add(1, Ordering::Relaxed);
+    let key = format!("boundary:{run}");
+    let period = u64::try_from(WINDOW.as_micros()).unwrap_or(u64::MAX);
+    // 200 ms before the next boundary (the one after, if that is too close).
+    let to_boundary = period - lab.clock.now_micros() % period;
+    let wait = if to_boundary < 300_000 {
+        to_boundary + period
+    } else {
+        to_boundary
+    } - 200_000;
+    tokio::time::sleep(Duration::from_micros(wait)).await;
+    let before = lab.burst(&key);
+    // 10 ms after it.
+    tokio::time::sleep(Duration::from_millis(210)).await;
+    let after = lab.burst(&key);
+    let body = json!({
+        "window_ms": WINDOW.as_millis() as u64,
+        "limit": 10,
+        "waited_ms": wait / 1_000,
+        "fixed_window": { "before": before.0, "after": after.0, "admitted": before.0 + after.0 },
+        "sliding_window_log": { "before": before.1, "after": after.1, "admitted": before.1 + after.1 },
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 struct Lab {
@@ -86,8 +156,29 @@ struct Lab {
     policies: Vec<Policy>,
     /// The race's limit: 10 a minute.
     race: Policy,
-    /// Races run, so that each starts from a fresh key.
+    /// Races and boundary runs, so that each starts from a fresh key.
     races: AtomicU64,
+    /// The boundary scenario's store, and the clock it reads.
+    windows: MemoryStore<TokioClock>,
+    clock: TokioClock,
+    fixed: Policy,
+    log: Policy,
+}
+
+impl Lab {
+    /// 10 requests for `key` to the fixed window and to the log: how many each admitted.
+    fn burst(&self, key: &str) -> (usize, usize) {
+        let admitted = |policy: &Policy| {
+            (0..10)
+                .filter(|_| {
+                    self.windows
+                        .check_sync(key.as_bytes(), policy, 1)
+                        .is_allowed()
+                })
+                .count()
+        };
+        (admitted(&self.fixed), admitted(&self.log))
+    }
 }
 
 /// How many requests a race sends.

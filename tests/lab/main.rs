@@ -106,3 +106,36 @@ async fn the_race_admits_exactly_the_limit_with_tollway_and_more_without() {
     let page = client.get("/lab").await;
     assert!(page.body.contains("id=\"race\""));
 }
+
+/// Scenario 1 on a paused clock: the server waits for a window boundary (4.8 s after the
+/// lab was made, its windows being 5 s), sends 10 just before it and 10 just after: the
+/// fixed window admits all 20, the log the first 10.
+#[tokio::test(start_paused = true)]
+async fn the_boundary_burst_passes_twice_the_limit_in_a_fixed_window_and_the_limit_in_the_log() {
+    use tower::ServiceExt;
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let router = demo::lab::router(BoxStore::new(memory_store(&clock))).unwrap();
+    let start = tokio::time::Instant::now();
+    let request = http::Request::post("/lab/boundary")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let reply = router.oneshot(request).await.unwrap();
+    assert_eq!(reply.status(), StatusCode::OK);
+    assert_eq!(start.elapsed(), Duration::from_millis(4_800 + 210));
+    let body = http_body_util::BodyExt::collect(reply.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let result = state(std::str::from_utf8(&body).unwrap());
+    assert_eq!(result["waited_ms"], 4_800);
+    let fixed = &result["fixed_window"];
+    assert_eq!(
+        (fixed["before"].as_u64(), fixed["after"].as_u64()),
+        (Some(10), Some(10))
+    );
+    let log = &result["sliding_window_log"];
+    assert_eq!(
+        (log["before"].as_u64(), log["after"].as_u64()),
+        (Some(10), Some(0))
+    );
+}
