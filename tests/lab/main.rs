@@ -1,8 +1,11 @@
 //! The lab's server side over real HTTP, on a manual clock: the page lists the seven
 //! algorithms, each algorithm's endpoint answers and is limited by that algorithm, and
-//! the state the page draws is the store's. (The page in a browser: not yet tested here.)
+//! the state the page draws is the store's; and (`browser`) the page itself in headless
+//! Chromium.
 
 #![allow(clippy::unwrap_used)]
+
+mod browser;
 
 use std::time::Duration;
 
