@@ -58,7 +58,11 @@ pub fn app(
     admin_token: &str,
 ) -> Result<(Router, Reloader<BoxStore>), ConfigError> {
     let file = LimitsFile::read(config)?;
-    let lab = crate::lab::router(store.clone())?;
+    // The lab's race runs its naive limiter on Redis too when the store is Redis.
+    let naive_redis = std::env::var("REDIS_URL")
+        .ok()
+        .and_then(|url| redis::Client::open(url).ok());
+    let lab = crate::lab::router(store.clone(), naive_redis)?;
     // What a file cannot say: how many tokens a completion used.
     let reloader = Reloader::from_file_with(config, file, store, |builder| {
         builder.charge_after("tokens", |_, headers, _| {

@@ -51,12 +51,14 @@ pub fn policies() -> Result<Vec<Policy>, ConfigError> {
         .collect()
 }
 
-/// The lab's routes over `store`: the page, an endpoint a algorithm, and their states.
+/// The lab's routes over `store`: the page, an endpoint a algorithm, their states, and
+/// the two scenarios. `naive_redis` is the Redis the race's naive limiter reads and
+/// writes when the store is Redis (`None`: a map in this process).
 ///
 /// # Errors
 ///
 /// Never: the lab's layers are its own.
-pub fn router(store: BoxStore) -> Result<Router, ConfigError> {
+pub fn router(store: BoxStore, naive_redis: Option<redis::Client>) -> Result<Router, ConfigError> {
     let policies = policies()?;
     let mut lab = Router::new();
     for policy in &policies {
@@ -75,6 +77,7 @@ pub fn router(store: BoxStore) -> Result<Router, ConfigError> {
     let state = Arc::new(Lab {
         store,
         policies,
+        naive_redis,
         race: limit,
         races: AtomicU64::new(0),
         windows: MemoryStore::builder().clock(clock.clone()).build()?,
@@ -154,6 +157,7 @@ async fn boundary(State(lab): State<Arc<Lab>>) -> Response {
 struct Lab {
     store: BoxStore,
     policies: Vec<Policy>,
+    naive_redis: Option<redis::Client>,
     /// The race's limit: 10 a minute.
     race: Policy,
     /// Races and boundary runs, so that each starts from a fresh key.
@@ -203,8 +207,15 @@ async fn race(State(lab): State<Arc<Lab>>) -> Response {
         .iter()
         .filter(|d| d.as_ref().is_ok_and(Decisions::is_allowed))
         .count();
-    let naive = NaiveLimiter::default();
-    let naive_admitted = join_all((0..RACE_REQUESTS).map(|_| naive.admit(&key, 10)))
+    let naive = match &lab.naive_redis {
+        None => NaiveLimiter::Memory(Mutex::default()),
+        Some(client) => match client.get_multiplexed_async_connection().await {
+            Ok(connection) => NaiveLimiter::Redis(connection),
+            Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+        },
+    };
+    let naive_key = format!("tollway-lab:naive:{run}:{}", std::process::id());
+    let naive_admitted = join_all((0..RACE_REQUESTS).map(|_| naive.admit(&naive_key, 10)))
         .await
         .into_iter()
         .filter(|&admitted| admitted)
@@ -213,6 +224,7 @@ async fn race(State(lab): State<Arc<Lab>>) -> Response {
         "limit": 10,
         "sent": RACE_REQUESTS,
         "gateways": 2,
+        "naive_store": if lab.naive_redis.is_some() { "redis" } else { "memory" },
         "tollway_admitted": tollway_admitted,
         "naive_admitted": naive_admitted,
     });
@@ -224,22 +236,50 @@ async fn race(State(lab): State<Arc<Lab>>) -> Response {
 }
 
 /// The limiter the race shows the flaw of: it reads a count, and writes the count plus
-/// one in a second step, a round trip later, as a GET then SET to a shared store would.
-#[derive(Default)]
-struct NaiveLimiter {
-    counts: Mutex<HashMap<String, u64>>,
+/// one in a second step, a round trip later — a GET then a SET on Redis, or the same on
+/// a map in this process.
+enum NaiveLimiter {
+    Memory(Mutex<HashMap<String, u64>>),
+    Redis(redis::aio::MultiplexedConnection),
 }
 
 impl NaiveLimiter {
     async fn admit(&self, key: &str, limit: u64) -> bool {
-        let count = self.counts.lock().get(key).copied().unwrap_or(0);
-        // The round trip between the read and the write, when other requests run.
-        tokio::task::yield_now().await;
-        if count >= limit {
-            return false;
+        match self {
+            NaiveLimiter::Memory(counts) => {
+                let count = counts.lock().get(key).copied().unwrap_or(0);
+                // The round trip between the read and the write, when others run.
+                tokio::task::yield_now().await;
+                if count >= limit {
+                    return false;
+                }
+                counts.lock().insert(key.to_owned(), count + 1);
+                true
+            }
+            NaiveLimiter::Redis(connection) => {
+                let mut connection = connection.clone();
+                let count: Option<u64> = match redis::cmd("GET")
+                    .arg(key)
+                    .query_async(&mut connection)
+                    .await
+                {
+                    Ok(count) => count,
+                    Err(_) => return false,
+                };
+                let count = count.unwrap_or(0);
+                if count >= limit {
+                    return false;
+                }
+                let set: redis::RedisResult<()> = redis::cmd("SET")
+                    .arg(key)
+                    .arg(count + 1)
+                    .arg("EX")
+                    .arg(60)
+                    .query_async(&mut connection)
+                    .await;
+                set.is_ok()
+            }
         }
-        self.counts.lock().insert(key.to_owned(), count + 1);
-        true
     }
 }
 

@@ -81,8 +81,18 @@ async fn text(browser: &Client, id: &str) -> String {
 /// Waits (at most 10 s) until the element with id `id` says `wanted`: the page updates
 /// as its requests come back and as it polls.
 async fn until(browser: &Client, id: &str, wanted: impl Fn(&str) -> bool) -> String {
+    until_within(browser, id, 10, wanted).await
+}
+
+/// [`until`], waiting at most `seconds`.
+async fn until_within(
+    browser: &Client,
+    id: &str,
+    seconds: u64,
+    wanted: impl Fn(&str) -> bool,
+) -> String {
     let mut seen = String::new();
-    for _ in 0..200 {
+    for _ in 0..seconds * 20 {
         seen = text(browser, id).await;
         if wanted(&seen) {
             return seen;
@@ -94,12 +104,12 @@ async fn until(browser: &Client, id: &str, wanted: impl Fn(&str) -> bool) -> Str
 
 /// Selects the token bucket, fires the burst: exactly 10 allowed and 5 blocked, the last
 /// a 429 with `X-RateLimit-Remaining: 0`; one second later on the store's clock the page
-/// draws 2 tokens back; the race shows the server's own counts. A screenshot is saved
-/// under `target/lab/`.
+/// draws 2 tokens back; the race and the boundary burst show the server's counts. A
+/// screenshot is saved under `target/lab/`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_drives_the_real_limiter() {
     let clock = ManualClock::at_micros(EPOCH_US);
-    let lab = demo::lab::router(BoxStore::new(memory_store(&clock))).unwrap();
+    let lab = demo::lab::router(BoxStore::new(memory_store(&clock)), None).unwrap();
     let server = Server::start(lab).await;
     let addr: SocketAddr = server.addr();
     let driver = Driver::start().await;
@@ -137,6 +147,28 @@ async fn the_page_drives_the_real_limiter() {
     assert!(tollway.starts_with("10 of 30"), "{tollway}");
     let naive = text(&browser, "race-naive").await;
     assert!(naive.starts_with("30 of 30"), "{naive}");
+
+    // The boundary burst waits for the lab's window to end: up to 5 s of real time.
+    browser
+        .find(Locator::Id("boundary"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let fixed = until_within(&browser, "boundary-fixed", 12, |t| {
+        t.starts_with(char::is_numeric)
+    })
+    .await;
+    assert!(
+        fixed.starts_with("20 in a quarter of a second (10 before the boundary, 10 after)"),
+        "{fixed}"
+    );
+    let log = text(&browser, "boundary-log").await;
+    assert!(
+        log.starts_with("10 in a quarter of a second (10 before the boundary, 0 after)"),
+        "{log}"
+    );
 
     let png = browser.screenshot().await.unwrap();
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/lab");

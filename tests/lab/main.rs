@@ -16,7 +16,7 @@ use tollway_core::{Algorithm, ManualClock};
 use tollway_tower::BoxStore;
 
 async fn lab(clock: &ManualClock) -> (Server, Client) {
-    let router = demo::lab::router(BoxStore::new(memory_store(clock))).unwrap();
+    let router = demo::lab::router(BoxStore::new(memory_store(clock)), None).unwrap();
     let server = Server::start(router).await;
     let client = server.client();
     (server, client)
@@ -117,7 +117,7 @@ async fn the_race_admits_exactly_the_limit_with_tollway_and_more_without() {
 async fn the_boundary_burst_passes_twice_the_limit_in_a_fixed_window_and_the_limit_in_the_log() {
     use tower::ServiceExt;
     let clock = ManualClock::at_micros(EPOCH_US);
-    let router = demo::lab::router(BoxStore::new(memory_store(&clock))).unwrap();
+    let router = demo::lab::router(BoxStore::new(memory_store(&clock)), None).unwrap();
     let start = tokio::time::Instant::now();
     let request = http::Request::post("/lab/boundary")
         .body(axum::body::Body::empty())
@@ -141,4 +141,23 @@ async fn the_boundary_burst_passes_twice_the_limit_in_a_fixed_window_and_the_lim
         (log["before"].as_u64(), log["after"].as_u64()),
         (Some(10), Some(0))
     );
+}
+
+/// The race on Redis: tollway on a Redis store shared by the two gateways admits exactly
+/// 10; the naive limiter's GET then SET on the same server admits more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_race_on_redis_admits_the_limit_with_tollway_and_more_without() {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let store = BoxStore::new(support::stores::redis_store(&clock).await);
+    let naive = redis::Client::open(support::shared_server().url()).unwrap();
+    let router = demo::lab::router(store, Some(naive)).unwrap();
+    let server = Server::start(router).await;
+    let reply = server
+        .client()
+        .send(http::Method::POST, "/lab/race", &[])
+        .await;
+    let race = state(&reply.body);
+    assert_eq!(race["naive_store"], "redis");
+    assert_eq!(race["tollway_admitted"], 10);
+    assert!(race["naive_admitted"].as_u64().unwrap() > 10, "{race}");
 }
