@@ -78,28 +78,28 @@ async fn text(browser: &Client, id: &str) -> String {
     found.text().await.unwrap()
 }
 
-/// Waits (at most 10 s) until the element with id `id` says `wanted`: the page updates
-/// as its requests come back and as it polls.
-async fn until(browser: &Client, id: &str, wanted: impl Fn(&str) -> bool) -> String {
-    until_within(browser, id, 10, wanted).await
-}
-
-/// [`until`], waiting at most `seconds`.
-async fn until_within(
-    browser: &Client,
-    id: &str,
-    seconds: u64,
-    wanted: impl Fn(&str) -> bool,
-) -> String {
-    let mut seen = String::new();
-    for _ in 0..seconds * 20 {
-        seen = text(browser, id).await;
-        if wanted(&seen) {
-            return seen;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+/// Waits until the element with id `id` says `wanted` (or, with `prefix`, begins so):
+/// the page updates as its requests come back and as it polls. The browser waits, with a
+/// `MutationObserver` on the element, within the session's script timeout (15 s).
+async fn until(browser: &Client, id: &str, wanted: &str, prefix: bool) -> String {
+    const WAIT: &str = r#"
+        const [id, wanted, prefix, done] = arguments;
+        const element = document.getElementById(id);
+        const says = () => prefix ? element.textContent.startsWith(wanted)
+                                  : element.textContent === wanted;
+        if (says()) return done(element.textContent);
+        new MutationObserver((_, observer) => {
+            if (says()) { observer.disconnect(); done(element.textContent); }
+        }).observe(element, { childList: true, characterData: true, subtree: true });
+    "#;
+    let args = vec![json!(id), json!(wanted), json!(prefix)];
+    match browser.execute_async(WAIT, args).await {
+        Ok(serde_json::Value::String(text)) => text,
+        other => panic!(
+            "#{id} never said {wanted:?}: {other:?}, now {:?}",
+            text(browser, id).await
+        ),
     }
-    panic!("#{id} still says {seen:?}");
 }
 
 /// Selects the token bucket, fires the burst: exactly 10 allowed and 5 blocked, the last
@@ -114,8 +114,11 @@ async fn the_page_drives_the_real_limiter() {
     let addr: SocketAddr = server.addr();
     let driver = Driver::start().await;
     let browser = driver.browser().await;
+    let script = Some(Duration::from_secs(15));
+    let timeouts = fantoccini::wd::TimeoutConfiguration::new(script, None, None);
+    browser.update_timeouts(timeouts).await.unwrap();
     browser.goto(&format!("http://{addr}/lab")).await.unwrap();
-    until(&browser, "units", |t| t == "10 of 10").await;
+    until(&browser, "units", "10 of 10", false).await;
 
     let picker = browser.find(Locator::Id("algorithm")).await.unwrap();
     picker.select_by_value("token_bucket").await.unwrap();
@@ -126,15 +129,15 @@ async fn the_page_drives_the_real_limiter() {
         .click()
         .await
         .unwrap();
-    until(&browser, "blocked", |t| t == "5").await;
+    until(&browser, "blocked", "5", false).await;
     assert_eq!(text(&browser, "allowed").await, "10");
     assert!(text(&browser, "status").await.starts_with("429"));
     assert_eq!(text(&browser, "remaining").await, "0");
     assert_eq!(text(&browser, "retry").await, "1 s");
-    until(&browser, "units", |t| t == "0 of 10").await;
+    until(&browser, "units", "0 of 10", false).await;
 
     clock.advance(Duration::from_secs(1));
-    until(&browser, "units", |t| t == "2 of 10").await;
+    until(&browser, "units", "2 of 10", false).await;
 
     browser
         .find(Locator::Id("race"))
@@ -143,8 +146,7 @@ async fn the_page_drives_the_real_limiter() {
         .click()
         .await
         .unwrap();
-    let tollway = until(&browser, "race-tollway", |t| t != "–").await;
-    assert!(tollway.starts_with("10 of 30"), "{tollway}");
+    until(&browser, "race-tollway", "10 of 30", true).await;
     let naive = text(&browser, "race-naive").await;
     assert!(naive.starts_with("30 of 30"), "{naive}");
 
@@ -156,14 +158,8 @@ async fn the_page_drives_the_real_limiter() {
         .click()
         .await
         .unwrap();
-    let fixed = until_within(&browser, "boundary-fixed", 12, |t| {
-        t.starts_with(char::is_numeric)
-    })
-    .await;
-    assert!(
-        fixed.starts_with("20 in a quarter of a second (10 before the boundary, 10 after)"),
-        "{fixed}"
-    );
+    let fixed = "20 in a quarter of a second (10 before the boundary, 10 after)";
+    until(&browser, "boundary-fixed", fixed, true).await;
     let log = text(&browser, "boundary-log").await;
     assert!(
         log.starts_with("10 in a quarter of a second (10 before the boundary, 0 after)"),

@@ -82,7 +82,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::{self, Write as _};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -1072,26 +1072,35 @@ impl<St: Store + Clone> Reloader<St> {
         St: 'static,
     {
         use notify::Watcher as _;
-        let reloader = self.clone();
         let name = self.path.file_name().map(ToOwned::to_owned);
-        // Events come in bursts (an editor's write, truncate, rename): the file is read
-        // once they have stopped for SETTLE, so that a file half written is not loaded.
-        let latest = Arc::new(AtomicU64::new(0));
+        // Events come in bursts (an editor's write, truncate, rename): one thread takes
+        // them and reads the file once they have stopped for SETTLE, so that a file half
+        // written is not loaded. It ends when the watcher is dropped (its sender with it).
+        let (events, bursts) = std::sync::mpsc::channel::<()>();
+        let reloader = self.clone();
+        std::thread::Builder::new()
+            .name("tollway-limits-watch".to_owned())
+            .spawn(move || {
+                while bursts.recv().is_ok() {
+                    loop {
+                        match bursts.recv_timeout(SETTLE) {
+                            Ok(()) => {}
+                            Err(RecvTimeoutError::Timeout) => break,
+                            Err(RecvTimeoutError::Disconnected) => return,
+                        }
+                    }
+                    reloader.reload_and_tell();
+                }
+            })
+            .map_err(|e| ConfigError::new(format!("cannot start the file watcher: {e}")))?;
         let mut watcher =
             notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
                 let Ok(event) = event else { return };
                 let ours = event.paths.iter().any(|p| p.file_name() == name.as_deref());
-                if !ours || event.kind.is_access() {
-                    return;
+                // Reading the file (a reload does) is not a change.
+                if ours && !event.kind.is_access() {
+                    let _ = events.send(());
                 }
-                let this = latest.fetch_add(1, Ordering::SeqCst) + 1;
-                let (reloader, latest) = (reloader.clone(), Arc::clone(&latest));
-                std::thread::spawn(move || {
-                    std::thread::sleep(SETTLE);
-                    if latest.load(Ordering::SeqCst) == this {
-                        reloader.reload_and_tell();
-                    }
-                });
             })
             .map_err(|e| ConfigError::new(format!("cannot watch {}: {e}", self.path.display())))?;
         let dir = self

@@ -399,9 +399,9 @@ mod tests {
 
     use super::*;
 
-    /// Counts the warnings written, and keeps their `failures` fields.
-    #[derive(Default)]
-    struct Warnings(Mutex<Vec<Option<u64>>>);
+    /// Keeps the warnings written: their `failures` fields.
+    #[derive(Clone, Default)]
+    struct Warnings(Arc<Mutex<Vec<Option<u64>>>>);
 
     struct Counted(Option<u64>);
 
@@ -414,7 +414,7 @@ mod tests {
         fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn fmt::Debug) {}
     }
 
-    impl Subscriber for &'static Warnings {
+    impl Subscriber for Warnings {
         fn enabled(&self, metadata: &Metadata<'_>) -> bool {
             *metadata.level() <= Level::WARN
         }
@@ -437,11 +437,11 @@ mod tests {
     // axum example once wrote 1,570 in 5 s).
     #[test]
     fn a_failing_store_is_told_when_it_starts_then_summarised_then_when_it_ends() {
-        let warnings: &'static Warnings = Box::leak(Box::default());
+        let warnings = Warnings::default();
         let clock = ManualClock::new();
         let failures = Failures::new("rate limit store", Arc::new(clock.clone()));
         let error = StoreError::new(StoreErrorKind::Timeout, "stalled");
-        with_default(warnings, || {
+        with_default(warnings.clone(), || {
             failures.succeeded();
             // 5 s of failures, 1,000 a second.
             for _ in 0..5_000 {
