@@ -30,7 +30,7 @@ use axum::routing::{get, post, put};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 use tollway_tower::config::{ConfigKey, LimitsFile, Reloader};
-use tollway_tower::{BoxStore, ConfigError, Decisions, Operation, Policy, RateLimitLayer, Store};
+use tollway_tower::{BoxStore, ConfigError, Operation, Policy, RateLimitLayer, Store, StoreError};
 
 /// The example's layer: limits from its file, keys by API key, else the peer address.
 pub type Limits = RateLimitLayer<BoxStore, ConfigKey>;
@@ -198,13 +198,13 @@ async fn operate(
     // One policy at a time: a peek at several would be all or nothing.
     let mut described = Vec::new();
     for policy in policies {
-        let state = store.operate(key, &[policy], operation).await;
-        let next = store.operate(key, &[policy], Operation::Peek(1)).await;
-        match (state, next) {
-            (Ok(state), Ok(next)) => described.push(describe(policy, key, &state, &next)),
-            (Err(e), _) | (_, Err(e)) => {
-                return error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string());
+        match state_after(&store, key, policy, operation).await {
+            Ok(mut state) => {
+                state["policy"] = json!(policy.name());
+                state["key"] = json!(String::from_utf8_lossy(key));
+                described.push(state);
             }
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
         }
     }
     match <[_; 1]>::try_from(described) {
@@ -213,18 +213,24 @@ async fn operate(
     }
 }
 
-/// A caller's state under a policy, and whether its next request would pass.
-fn describe(policy: &Policy, key: &[u8], state: &Decisions, next: &Decisions) -> serde_json::Value {
+/// `key`'s state under `policy` after `operation` (a peek, a reset...), and whether its
+/// next request would pass: what the admin API and the lab show.
+pub(crate) async fn state_after(
+    store: &BoxStore,
+    key: &[u8],
+    policy: &Policy,
+    operation: Operation,
+) -> Result<serde_json::Value, StoreError> {
+    let state = store.operate(key, &[policy], operation).await?;
+    let next = store.operate(key, &[policy], Operation::Peek(1)).await?;
     let (now, next) = (&state[0], &next[0]);
-    json!({
-        "policy": policy.name(),
-        "key": String::from_utf8_lossy(key),
+    Ok(json!({
         "limit": now.limit(),
         "remaining": now.remaining(),
         "reset_after_ms": now.reset_after().as_millis() as u64,
         "next_request_allowed": next.is_allowed(),
         "retry_after_ms": next.retry_after().map(|wait| wait.as_millis() as u64),
-    })
+    }))
 }
 
 async fn set_shadow(

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use axum::Json;
 use axum::Router;
 use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{StatusCode, header};
@@ -304,30 +305,12 @@ async fn bucket(
     };
     // The key the layer gives this caller: its address.
     let key = Key::ip(peer.ip(), 64);
-    let store = &lab.store;
-    let now = store
-        .operate(key.as_bytes(), &[policy], Operation::Peek(0))
-        .await;
-    let next = store
-        .operate(key.as_bytes(), &[policy], Operation::Peek(1))
-        .await;
-    let (now, next) = match (now, next) {
-        (Ok(now), Ok(next)) => (now[0], next[0]),
-        (Err(e), _) | (_, Err(e)) => {
-            return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
+    match crate::axum_app::state_after(&lab.store, key.as_bytes(), policy, Operation::Peek(0)).await
+    {
+        Ok(mut state) => {
+            state["algorithm"] = json!(algorithm);
+            Json(state).into_response()
         }
-    };
-    let body = json!({
-        "algorithm": algorithm,
-        "limit": now.limit(),
-        "remaining": now.remaining(),
-        "reset_after_ms": now.reset_after().as_millis() as u64,
-        "next_request_allowed": next.is_allowed(),
-        "retry_after_ms": next.retry_after().map(|wait| wait.as_millis() as u64),
-    });
-    (
-        [(header::CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
 }

@@ -288,8 +288,9 @@ impl<St: Store> Limiter<St> {
         answer: Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>,
         request: &Request<B>,
     ) -> Start<'_> {
+        // Only a lookup this limiter started comes back here.
         let Some(lookups) = &self.lookups else {
-            return self.evaluate(key, Found::Unknown, request);
+            unreachable!("a lookup answered for a limiter that looks nothing up")
         };
         match lookups.found(&key, answer, &self.limits) {
             Some(found) => self.evaluate(key, found, request),
@@ -499,14 +500,10 @@ impl Evaluation {
             }
             // Asked again without the shadow limits that denied; those that allowed stay,
             // to be charged with the rest.
-            let denied: Selected = self
-                .selected
-                .iter()
-                .zip(decisions.iter())
-                .filter(|&(&index, d)| !d.is_allowed() && shadow.policy(index))
-                .map(|(&index, _)| index)
-                .collect();
-            self.selected.retain(|index| !denied.contains(index));
+            let mut decided = decisions.iter();
+            self.selected.retain(|index| {
+                decided.next().is_none_or(Decision::is_allowed) || !shadow.policy(*index)
+            });
             if self.selected.iter().all(|&index| shadow.policy(index)) {
                 return Step::Done(Outcome::pass());
             }
@@ -588,10 +585,13 @@ impl Evaluation {
     }
 
     /// The outcome when the store failed to decide.
-    fn store_failed<St>(&mut self, limiter: &Limiter<St>, error: &StoreError) -> Outcome<'static> {
+    fn store_failed<St: Store>(
+        &mut self,
+        limiter: &Limiter<St>,
+        error: &StoreError,
+    ) -> Outcome<'static> {
         self.failed = true;
-        let event = DecisionEvent::new(Some(&self.key), DecisionOutcome::StoreError, &[], None);
-        limiter.reporter.report(&event, None);
+        limiter.report(Some(&self.key), DecisionOutcome::StoreError);
         match limiter.on_error {
             OnStoreError::Allow => {
                 limiter.failures.failed(error, "letting requests through");

@@ -18,7 +18,7 @@ use crate::algorithm::{
 };
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
-use crate::{Decision, Decisions, Denial, Policy, StoreError};
+use crate::{Decision, Decisions, Denial, Policy, Quota, StoreError};
 
 /// What the memory store does with a new key when it already holds `max_keys` keys and
 /// none of them is idle enough to drop.
@@ -441,35 +441,34 @@ impl Table {
     fn refund(&mut self, hash: u64, now: u64, policy: &Policy, units: u32) {
         let (q, u) = (policy.quota(), units);
         match policy.algorithm() {
+            Algorithm::TokenBucket => {
+                self.refund_slot(hash, |s| repacked(token_bucket::refund, s, now, q, u))
+            }
+            Algorithm::LeakyBucket => {
+                self.refund_slot(hash, |s| repacked(leaky_bucket::meter_refund, s, now, q, u))
+            }
+            Algorithm::LeakyBucketShaper => {
+                self.refund_slot(hash, |s| repacked(leaky_bucket::shape_refund, s, now, q, u))
+            }
+            Algorithm::FixedWindow => {
+                self.refund_slot(hash, |s| repacked(fixed_window::refund, s, now, q, u))
+            }
+            Algorithm::SlidingWindowCounter => {
+                self.refund_slot(hash, |s| repacked(sliding_counter::refund, s, now, q, u))
+            }
+            Algorithm::Gcra => self.refund_slot(hash, |s| repacked(gcra::refund, s, now, q, u)),
             Algorithm::SlidingWindowLog => {
                 if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
                     sliding_log::refund(log, now, q, u);
                 }
             }
-            algorithm => {
-                if let Some((_, slot)) = self.slots.find_mut(hash, |e| e.0 == hash) {
-                    *slot = match algorithm {
-                        Algorithm::TokenBucket => {
-                            token_bucket::refund(from(*slot), now, q, u).to_slot()
-                        }
-                        Algorithm::LeakyBucket => {
-                            leaky_bucket::meter_refund(from(*slot), now, q, u).to_slot()
-                        }
-                        Algorithm::LeakyBucketShaper => {
-                            leaky_bucket::shape_refund(from(*slot), now, q, u).to_slot()
-                        }
-                        Algorithm::FixedWindow => {
-                            fixed_window::refund(from(*slot), now, q, u).to_slot()
-                        }
-                        Algorithm::SlidingWindowCounter => {
-                            sliding_counter::refund(from(*slot), now, q, u).to_slot()
-                        }
-                        Algorithm::Gcra => gcra::refund(from(*slot), now, q, u).to_slot(),
-                        // Kept in `logs`, handled above.
-                        Algorithm::SlidingWindowLog => *slot,
-                    };
-                }
-            }
+        }
+    }
+
+    /// Replaces the fixed-size state kept under `hash`, if there is one, by `refund`'s.
+    fn refund_slot(&mut self, hash: u64, refund: impl FnOnce(Slot) -> Slot) {
+        if let Some((_, slot)) = self.slots.find_mut(hash, |e| e.0 == hash) {
+            *slot = refund(*slot);
         }
     }
 
@@ -635,9 +634,15 @@ impl Table {
     }
 }
 
-/// A fixed-size state from its slot.
-fn from<S: SlotState>(slot: Slot) -> S {
-    S::from_slot(slot)
+/// Runs a fixed-size state's refund on its packed [`Slot`].
+fn repacked<S: SlotState>(
+    refund: fn(S, u64, &Quota, u32) -> S,
+    slot: Slot,
+    now: u64,
+    quota: &Quota,
+    units: u32,
+) -> Slot {
+    refund(S::from_slot(slot), now, quota, units).to_slot()
 }
 
 fn full(decision: Decision, when_full: WhenFull) -> Decision {

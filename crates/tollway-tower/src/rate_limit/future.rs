@@ -316,19 +316,8 @@ where
                     };
                 }
             },
-            // A lookup answers for good (or the caller is unknown): never asked twice.
-            Start::Lookup(lookup) => {
-                let waiting = Box::new(Waiting {
-                    limiter: Arc::clone(&limiter),
-                    key: lookup.key,
-                    service,
-                    request,
-                });
-                return State::LookingUp {
-                    lookup: lookup.future,
-                    waiting,
-                };
-            }
+            // A lookup's answer decides the tier: nothing is looked up twice.
+            Start::Lookup(_) => unreachable!("looked_up never starts another lookup"),
         };
         let next = limiter.next(outcome, &request);
         State::next(next, &limiter, evaluation, service, request)
