@@ -42,7 +42,7 @@ if n == 1 then
       call('DEL', key)
     end
   end
-  return { denial, remaining, reset, wait }
+  return { denial, remaining, reset, wait, told }
 end
 
 -- Several limits. `held`, per limit: the value it read (false if none), and its new state
@@ -107,4 +107,5 @@ if commit and not denied then
     end
   end
 end
+reply[4 * n + 1] = told
 return reply

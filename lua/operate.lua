@@ -179,4 +179,5 @@ for i = 1, n do
   local denial, remaining, reset, wait = decide(i, 0, v)
   reply[4 * i - 3], reply[4 * i - 2], reply[4 * i - 1], reply[4 * i] = denial, remaining, reset, wait
 end
+reply[4 * n + 1] = told
 return reply

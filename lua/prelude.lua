@@ -8,7 +8,8 @@
 --
 -- KEYS[i], i = 1..N (N >= 1): limit i's state, all of it in that one key (one hash tag).
 -- ARGV:
---   [1] now in µs, or "" to read the server's clock (TIME)
+--   [1] now in µs, or "" to read the server's clock (TIME), or "TIME" to read it and
+--       reply the time read after the decisions (tests compare it with the Rust functions)
 --   [2] cost in units, the same for every limit (may be 0)
 --   [3] grace in ms, added to every time-to-live (0 normally); or "peek": decide as
 --       usual and write nothing
@@ -17,6 +18,7 @@
 --         4 fixed window, 5 sliding window log, 6 sliding window counter, 7 GCRA
 --   [b+2] limit   [b+3] period (µs)   [b+4] burst   [b+5] emission interval (µs) = ceil(period / limit)
 -- Reply: four integers per limit, in KEYS order: { denial, remaining, reset_after_us, wait_us }
+--   (then the time read, when ARGV[1] is "TIME")
 --   denial 0: allowed, wait_us = the shaper's delay (0 for the others)
 --   denial 1: limited, wait_us = retry after (> 0)
 --   denial 2: the cost exceeds the limit's capacity, wait_us = 0
@@ -43,10 +45,16 @@ local call, pack, unpack, unpack_list = redis.call, struct.pack, struct.unpack, 
 local argv, keys = ARGV, KEYS
 local n = #keys
 
-local now = argv[1]
+-- `told`: the time read, replied after the decisions when ARGV[1] asks for it; nil (and
+-- so no reply entry) otherwise.
+local now, told = argv[1], nil
 if now == '' then
   local t = call('TIME')
   now = t[1] * 1000000 + t[2]
+elseif now == 'TIME' then
+  local t = call('TIME')
+  now = t[1] * 1000000 + t[2]
+  told = now
 else
   now = now + 0
 end

@@ -20,6 +20,13 @@ async fn the_cluster_decides_exactly_like_the_rust_functions() {
     shared_cluster().assert_on_every_master(&keys).await;
 }
 
+/// On the servers' clocks too (each master reads its own `TIME`; here they share the
+/// machine's clock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_servers_clocks_the_cluster_decides_exactly_like_the_rust_functions() {
+    suites::conformance_server_time(&cluster(), 200).await;
+}
+
 /// All of a caller's limits share its hash tag, so one script decides them on the master
 /// that owns the caller's slot: no `CROSSSLOT`, whatever limits a request has.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,6 +28,44 @@ async fn the_script_decides_exactly_like_the_rust_functions() {
     suites::conformance(&shared(), 10_000).await;
 }
 
+/// Server-time mode (the default): every script call reads Redis's `TIME`, and the Rust
+/// functions fed the time it read decide the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_servers_clock_the_script_decides_exactly_like_the_rust_functions() {
+    suites::conformance_server_time(&shared(), 400).await;
+}
+
+/// Two gateways in caller-time mode whose clocks are 500 ms apart decide differently from
+/// two whose clocks agree; in server-time mode every decision is the one the model makes
+/// at the time Redis read, so skew between gateways cannot move it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clock_skew_moves_caller_time_decisions_and_server_time_removes_it() {
+    let (rows, _) = suites::clock_skew(&shared()).await;
+    for (algorithm, skewed, agreed) in &rows {
+        println!("{algorithm:?}: clocks 500 ms apart admitted {skewed}, clocks agreeing {agreed}");
+    }
+    // 600 requests over 3 s at 10 per second, as measured. The buckets and GCRA admit one
+    // more: the gateway ahead sees refill the other has not. The log admits 5 more: the
+    // slow gateway's entries slide out half a second early for the fast one. The fixed
+    // window and the counter lose count altogether: for 0.5 s of every second the two
+    // gateways are in different windows, and each takes the other's count for another
+    // window's and starts afresh — eight to nine times the limit.
+    let admitted: Vec<(u64, u64)> = rows.iter().map(|&(_, s, a)| (s, a)).collect();
+    assert_eq!(
+        admitted,
+        [
+            (40, 39),
+            (40, 39),
+            (40, 39),
+            (324, 40),
+            (35, 30),
+            (321, 35),
+            (40, 39)
+        ],
+        "{rows:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_with_several_limits_decide_exactly_like_the_memory_store() {
     suites::conformance_multi(&shared(), 5_000).await;

@@ -265,6 +265,163 @@ pub async fn conformance(target: &Target, events: usize) -> Vec<String> {
     keys.into_iter().collect()
 }
 
+/// The conformance trace in server-time mode: each script call reads Redis's `TIME` and
+/// tells the time it read, and the memory store, fed that time, must decide the same,
+/// field by field. The gaps are what the calls take (tens to hundreds of µs), so the
+/// quotas are short enough for refills and window boundaries to happen among them.
+/// Returns the Redis keys it used.
+pub async fn conformance_server_time(target: &Target, events: usize) -> Vec<String> {
+    const CALLERS: u64 = 4;
+    let clock = ManualClock::at_micros(0);
+    let scripts = target
+        .connect(
+            RedisStore::builder()
+                .without_local_fallback()
+                .timeout(Duration::from_secs(5))
+                .prefix(unique_prefix("server-time"))
+                .deny_cache(0),
+        )
+        .await;
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let mut rng = Rng(0x5e77_e7ed);
+    let specs: [(u32, u64, u32); 4] = [
+        (5, 2_000, 8),
+        (50, 1_000, 64),
+        (3, 20_000, 2),
+        (100, 60_000_000, 100),
+    ];
+    let segment = events.div_ceil(specs.len());
+    let mut keys = BTreeSet::new();
+    for algorithm in Algorithm::ALL {
+        let mut counts = [0u64; 3];
+        for i in 0..events {
+            let (limit, period, burst) = specs[i / segment];
+            let quota = Quota::with_period(limit, Duration::from_micros(period)).unwrap();
+            let quota = if algorithm.uses_burst() {
+                quota.with_burst(burst).unwrap()
+            } else {
+                quota
+            };
+            let policy = Policy::new(format!("time{}", i / segment), algorithm, quota).unwrap();
+            let cost = cost(&mut rng, &quota, algorithm);
+            let caller = format!("caller-{}", rng.below(CALLERS));
+            let (decisions, told) = scripts
+                .check_telling_time(caller.as_bytes(), &[&policy], cost)
+                .await
+                .unwrap();
+            assert!(
+                told >= clock.now_micros_for_test(),
+                "Redis's TIME went back: {told}"
+            );
+            clock.set_micros(told);
+            let expected = memory.check_sync(caller.as_bytes(), &policy, cost);
+            assert_eq!(
+                decisions[0], expected,
+                "{algorithm:?} event {i} {caller} at TIME {told} cost {cost} quota {quota:?}"
+            );
+            counts[match expected.denial() {
+                None => 0,
+                Some(Denial::Limited) => 1,
+                Some(_) => 2,
+            }] += 1;
+            keys.insert(scripts.state_key(caller.as_bytes(), &policy));
+        }
+        assert!(
+            counts.iter().all(|&n| n >= events as u64 / 100),
+            "{algorithm:?}: {counts:?}"
+        );
+    }
+    keys.into_iter().collect()
+}
+
+/// A gateway's clock that runs `ahead` µs ahead of the true (manual) one.
+#[derive(Clone, Debug)]
+struct Ahead(ManualClock, u64);
+
+impl tollway_core::Clock for Ahead {
+    fn now_micros(&self) -> u64 {
+        self.0.now_micros_for_test() + self.1
+    }
+}
+
+/// What clock skew does, per algorithm, at 10 per second (burst 10): two gateways share a
+/// limit in caller-time mode, one with its clock 500 ms ahead of the other's; both send
+/// a request every 10 ms of true time for 3 s. Admissions are compared with the same
+/// traffic through gateways whose clocks agree. Then the same two gateways' traffic in
+/// server-time mode: each script call tells the `TIME` it read, and the memory store fed
+/// those times decides every request the same, so skew cannot move a decision.
+/// Returns (algorithm, admitted with skew, admitted without) and the Redis keys it used.
+pub async fn clock_skew(target: &Target) -> (Vec<(Algorithm, u64, u64)>, Vec<String>) {
+    const SKEW_US: u64 = 500_000;
+    let quota = Quota::per_second(10).unwrap();
+    let mut keys = Vec::new();
+    let mut rows = Vec::new();
+    for algorithm in Algorithm::ALL {
+        let policy = Policy::new(format!("skew-{algorithm:?}"), algorithm, quota).unwrap();
+        let mut admitted = [0u64; 2];
+        for (skewed, count) in [true, false].into_iter().zip(&mut admitted) {
+            // Start 0.7 s into a window, so the clocks disagree about which window it is.
+            let truth = ManualClock::at_micros(EPOCH_US + 700_000);
+            let prefix = unique_prefix("skew");
+            let slow = target
+                .connect(builder(&truth).prefix(prefix.clone()).deny_cache(0))
+                .await;
+            let ahead = Ahead(truth.clone(), if skewed { SKEW_US } else { 0 });
+            let fast = target
+                .connect(
+                    builder(&truth)
+                        .caller_time(ahead)
+                        .prefix(prefix)
+                        .deny_cache(0),
+                )
+                .await;
+            for _ in 0..300 {
+                for gateway in [&slow, &fast] {
+                    let d = gateway.check_one(b"caller", &policy, 1).await.unwrap();
+                    *count += u64::from(d.is_allowed());
+                }
+                truth.advance(Duration::from_millis(10));
+            }
+            keys.push(slow.state_key(b"caller", &policy));
+        }
+        rows.push((algorithm, admitted[0], admitted[1]));
+    }
+
+    // Server time: the same two gateways' requests (they have no clock to skew), decided
+    // at the time Redis read.
+    let prefix = unique_prefix("skew-server");
+    let server_time = || {
+        RedisStore::builder()
+            .without_local_fallback()
+            .timeout(Duration::from_secs(5))
+            .prefix(prefix.clone())
+            .deny_cache(0)
+    };
+    let gateways = [
+        target.connect(server_time()).await,
+        target.connect(server_time()).await,
+    ];
+    let clock = ManualClock::at_micros(0);
+    let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    for algorithm in Algorithm::ALL {
+        let policy = Policy::new(format!("skew-server-{algorithm:?}"), algorithm, quota).unwrap();
+        for i in 0..40 {
+            let (decisions, told) = gateways[i % 2]
+                .check_telling_time(b"caller", &[&policy], 1)
+                .await
+                .unwrap();
+            clock.set_micros(told);
+            assert_eq!(
+                decisions[0],
+                memory.check_sync(b"caller", &policy, 1),
+                "{algorithm:?} request {i} at TIME {told}"
+            );
+        }
+        keys.push(gateways[0].state_key(b"caller", &policy));
+    }
+    (rows, keys)
+}
+
 /// Replays `events` random requests, each against one to four limits of different
 /// algorithms (chosen afresh for every request, so the limits' states interleave), through
 /// Redis and through the memory store on one pinned clock: every decision of every limit
@@ -481,15 +638,17 @@ pub async fn a_changed_quota_starts_afresh(target: &Target) -> Vec<String> {
 
 /// Runs `tasks` concurrent tasks, task `t` on gateway `t % gateways` for key
 /// `t / gateways % keys` (so every key is hammered through every gateway), each sending
-/// `per_task` requests, and returns how many each key admitted.
+/// `per_task` requests, and returns the delays of the requests each key admitted, in
+/// order (all 0 but the shaper's).
 async fn hammer(
     gateways: &[RedisStore],
     policy: &Policy,
     keys: &[String],
     tasks: usize,
     per_task: usize,
-) -> Vec<u64> {
-    let admitted: Arc<Vec<AtomicU64>> = Arc::new(keys.iter().map(|_| AtomicU64::new(0)).collect());
+) -> Vec<Vec<u64>> {
+    let admitted: Arc<Vec<std::sync::Mutex<Vec<u64>>>> =
+        Arc::new(keys.iter().map(|_| Default::default()).collect());
     let mut handles = Vec::new();
     for t in 0..tasks {
         let store = gateways[t % gateways.len()].clone();
@@ -499,13 +658,9 @@ async fn hammer(
         let admitted = Arc::clone(&admitted);
         handles.push(tokio::spawn(async move {
             for _ in 0..per_task {
-                if store
-                    .check_one(key.as_bytes(), &policy, 1)
-                    .await
-                    .unwrap()
-                    .is_allowed()
-                {
-                    admitted[k].fetch_add(1, Ordering::Relaxed);
+                let d = store.check_one(key.as_bytes(), &policy, 1).await.unwrap();
+                if d.is_allowed() {
+                    admitted[k].lock().unwrap().push(d.delay_micros());
                 }
             }
         }));
@@ -513,7 +668,14 @@ async fn hammer(
     for h in handles {
         h.await.unwrap();
     }
-    admitted.iter().map(|a| a.load(Ordering::Relaxed)).collect()
+    admitted
+        .iter()
+        .map(|delays| {
+            let mut delays = delays.lock().unwrap().clone();
+            delays.sort_unstable();
+            delays
+        })
+        .collect()
 }
 
 /// What a limiter without a script does: read, decide, write — two round trips with a
@@ -554,8 +716,10 @@ async fn naive_get_then_set(
 }
 
 /// Three gateways and 66 tasks hammer three keys per algorithm on a pinned clock: each
-/// key admits exactly its capacity, never more; a GET-then-SET limiter under the same
-/// load over-admits. Returns the Redis keys it used.
+/// key admits exactly what the memory store admits to the same number of requests one at
+/// a time — its capacity, never more — and the shaper gives each admitted request a
+/// departure slot of its own, the model's delays exactly (no two requests sent at once);
+/// a GET-then-SET limiter under the same load over-admits. Returns the Redis keys it used.
 pub async fn atomicity(target: &Target) -> Vec<String> {
     const TASKS: usize = 66;
     const PER_TASK: usize = 30;
@@ -575,23 +739,35 @@ pub async fn atomicity(target: &Target) -> Vec<String> {
     // A caller's keys share its hash tag; these three callers' tags hash to slots 5356,
     // 9359 and 13486: one on each master of a three-master cluster's default split.
     let callers: Vec<String> = ["hot-0", "hot-3", "hot-2"].map(String::from).to_vec();
+    let per_key = TASKS * PER_TASK / callers.len();
     let mut keys = Vec::new();
-    for algorithm in [
-        Algorithm::TokenBucket,
-        Algorithm::Gcra,
-        Algorithm::FixedWindow,
-        Algorithm::SlidingWindowLog,
-        Algorithm::SlidingWindowCounter,
-        Algorithm::LeakyBucket,
-    ] {
+    for algorithm in Algorithm::ALL {
         let policy = Policy::new(format!("atomic-{algorithm:?}"), algorithm, quota).unwrap();
+        // The model: the same requests one at a time, on the same pinned clock.
+        let model = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+        let expected: Vec<u64> = (0..per_key)
+            .map(|_| model.check_sync(b"model", &policy, 1))
+            .filter(Decision::is_allowed)
+            .map(|d| d.delay_micros())
+            .collect();
+        assert_eq!(expected.len(), 100, "{algorithm:?}: the capacity");
         let admitted = hammer(&gateways, &policy, &callers, TASKS, PER_TASK).await;
-        assert_eq!(
-            admitted,
-            [100, 100, 100],
-            "{algorithm:?} admitted {admitted:?} of {} per key",
-            TASKS * PER_TASK / callers.len()
-        );
+        for (caller, delays) in callers.iter().zip(&admitted) {
+            assert_eq!(
+                delays.len(),
+                expected.len(),
+                "{algorithm:?} admitted {} of {per_key} for {caller}",
+                delays.len()
+            );
+            assert_eq!(
+                delays, &expected,
+                "{algorithm:?}: the delays given to {caller}"
+            );
+        }
+        if algorithm == Algorithm::LeakyBucketShaper {
+            // Not vacuous: 100 distinct slots, 0.6 s apart.
+            assert_eq!(expected[99], 99 * 600_000);
+        }
         for caller in &callers {
             keys.push(gateways[0].state_key(caller.as_bytes(), &policy));
         }
