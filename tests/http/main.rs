@@ -10,6 +10,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod extractors;
 mod fleet;
 mod headers;
 mod keys;

@@ -193,23 +193,28 @@ pub(crate) struct RequestPaths<'r> {
     matched: Option<&'r str>,
 }
 
+/// The URI the request was sent to: axum's `OriginalUri`, which a nested router leaves
+/// whole, else the request's own. Route limits and the cost closure both read it.
+pub(crate) fn sent_uri<B>(request: &http::Request<B>) -> &http::Uri {
+    #[cfg(feature = "axum")]
+    if let Some(original) = request.extensions().get::<axum::extract::OriginalUri>() {
+        return &original.0;
+    }
+    request.uri()
+}
+
 impl<'r> RequestPaths<'r> {
     pub(crate) fn of<B>(request: &'r http::Request<B>) -> Self {
         #[cfg(feature = "axum")]
-        {
-            let extensions = request.extensions();
-            let whole = extensions
-                .get::<axum::extract::OriginalUri>()
-                .map_or(request.uri().path(), |uri| uri.0.path());
-            let matched = extensions
-                .get::<axum::extract::MatchedPath>()
-                .map(axum::extract::MatchedPath::as_str);
-            RequestPaths { whole, matched }
-        }
+        let matched = request
+            .extensions()
+            .get::<axum::extract::MatchedPath>()
+            .map(axum::extract::MatchedPath::as_str);
         #[cfg(not(feature = "axum"))]
+        let matched = None;
         RequestPaths {
-            whole: request.uri().path(),
-            matched: None,
+            whole: sent_uri(request).path(),
+            matched,
         }
     }
 

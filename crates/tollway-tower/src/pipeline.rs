@@ -23,7 +23,7 @@ use tollway_core::{
 use crate::access::{AccessLists, Listed};
 use crate::headers::{HeaderStyle, RateLimitHeaders};
 use crate::key::{Key, KeyExtractor};
-use crate::limits::{Limits, Selected};
+use crate::limits::{Limits, Selected, sent_uri};
 use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, unknown_key};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
 use crate::report::{DecisionEvent, DecisionOutcome, Failures, Reporter};
@@ -315,7 +315,7 @@ impl<St: Store> Limiter<St> {
         };
         let selected = self.limits.select_tier(tier, request);
         let cost = self.cost.as_ref().map_or(1, |cost| {
-            cost(request.method(), request.uri(), request.headers())
+            cost(request.method(), sent_uri(request), request.headers())
         });
         Start::Evaluate(Evaluation {
             key,

@@ -2,7 +2,7 @@
 //! client that talks to it over TCP, the application the tests limit, and assertions on
 //! what comes back.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -76,6 +76,18 @@ impl Client {
     pub fn new(addr: SocketAddr) -> Self {
         Client {
             http: HyperClient::builder(TokioExecutor::new()).build_http(),
+            base: format!("http://{addr}"),
+        }
+    }
+
+    /// An HTTP/1.1 client for the server at `addr` whose connections leave from `local`:
+    /// another peer address as the server sees it (any address in 127.0.0.0/8 reaches a
+    /// loopback server).
+    pub fn from_address(addr: SocketAddr, local: IpAddr) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_local_address(Some(local));
+        Client {
+            http: HyperClient::builder(TokioExecutor::new()).build(connector),
             base: format!("http://{addr}"),
         }
     }

@@ -356,6 +356,10 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     }
 
     /// How many units a request costs (default 1), from its method, URI and headers.
+    ///
+    /// The URI is the one the client sent, as route limits see it: inside a nested axum
+    /// router, its prefix included. A cost above a limit's capacity is refused with a 429
+    /// that has no `Retry-After` (it can never pass).
     pub fn cost(
         mut self,
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
