@@ -1,6 +1,6 @@
 -- Fixed window: the twin of crates/tollway-core/src/algorithm/fixed_window.rs.
 -- State '<dd' { a = the end of the window (µs), b = units admitted in it }. Windows are
--- aligned to multiples of the period since the epoch.
+-- aligned to multiples of the period since the epoch; a stored later window is current.
 -- Returns denial, remaining, reset, wait, and when allowed the new state and its `a`.
 
 local fixed_window
@@ -10,7 +10,9 @@ if not only or only == '4' then
     window_end = (window_end - window_end % 1) * period + period
     local count = 0
     if v then
+      -- A later window than now's (a node whose clock runs ahead) is the current one.
       local stored_end, stored_count = unpack('<dd', v)
+      if stored_end > window_end then window_end = stored_end end
       if stored_end == window_end then count = stored_count end
     end
     if cost <= limit and count + cost <= limit then

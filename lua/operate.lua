@@ -86,6 +86,7 @@ local function fixed_window_refund(period, v)
   local stored_end, count = unpack('<dd', v)
   local window_end = now / period
   window_end = (window_end - window_end % 1) * period + period
+  if stored_end > window_end then window_end = stored_end end
   count = count - units
   if stored_end ~= window_end or count <= 0 then return false, 0 end
   return pack('<dd', window_end, count), window_end
@@ -105,6 +106,7 @@ local function sliding_window_counter_refund(period, v)
     own_start = expires_at - period
     if own_start < 0 then own_start = 0 end
   end
+  if own_start > start then start = own_start end
   if own_start == start then
     prev, curr = stored_prev, stored_curr
   elseif own_start >= 0 and own_start + period == start then

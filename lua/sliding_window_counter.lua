@@ -21,13 +21,18 @@ if not only or only == '6' then
         own_start = expires_at - period
         if own_start < 0 then own_start = 0 end
       end
+      -- A later window than now's (a node whose clock runs ahead) is the current one,
+      -- at its very start.
+      if own_start > start then start = own_start end
       if own_start == start then
         prev, curr = stored_prev, stored_curr
       elseif own_start >= 0 and own_start + period == start then
         prev = stored_curr
       end
     end
-    local weighted, full = prev * (period - (now - start)), limit * period
+    local elapsed = now - start
+    if elapsed < 0 then elapsed = 0 end
+    local weighted, full = prev * (period - elapsed), limit * period
     if cost <= limit and weighted + (curr + cost) * period <= full then
       curr = curr + cost
       local left = (full - weighted - curr * period) / period

@@ -18,8 +18,9 @@ if not only or only == '5' then
       reset = newest + period - now
     end
     if cost <= limit and total + cost <= limit then
-      -- Admitted now, the newest entry is now's, unless the request is free.
-      if cost > 0 then reset = period end
+      -- Admitted now, the newest entry is now's, unless the request is free (or a clock
+      -- behind wrote a newer one).
+      if cost > 0 and reset < period then reset = period end
       return 0, limit - total - cost, reset, 0, seq, newest
     end
     local left = limit - total

@@ -36,7 +36,8 @@ async fn on_the_servers_clock_the_script_decides_exactly_like_the_rust_functions
 }
 
 /// Two gateways in caller-time mode whose clocks are 500 ms apart decide differently from
-/// two whose clocks agree; in server-time mode every decision is the one the model makes
+/// two whose clocks agree — by a few requests, and exactly as the Rust functions do fed
+/// each gateway's own time; in server-time mode every decision is the one the model makes
 /// at the time Redis read, so skew between gateways cannot move it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clock_skew_moves_caller_time_decisions_and_server_time_removes_it() {
@@ -44,12 +45,14 @@ async fn clock_skew_moves_caller_time_decisions_and_server_time_removes_it() {
     for (algorithm, skewed, agreed) in &rows {
         println!("{algorithm:?}: clocks 500 ms apart admitted {skewed}, clocks agreeing {agreed}");
     }
-    // 600 requests over 3 s at 10 per second, as measured. The buckets and GCRA admit one
-    // more: the gateway ahead sees refill the other has not. The log admits 5 more: the
-    // slow gateway's entries slide out half a second early for the fast one. The fixed
-    // window and the counter lose count altogether: for 0.5 s of every second the two
-    // gateways are in different windows, and each takes the other's count for another
-    // window's and starts afresh — eight to nine times the limit.
+    // 600 requests over 3 s at 10 per second, as measured. The buckets, GCRA and the
+    // fixed window admit one more: the gateway ahead sees refill (or a window) the other
+    // has not yet. The log admits 5 more: the slow gateway's entries slide out half a
+    // second early for the fast one. The counter admits 5 fewer: the fast gateway's
+    // window is the current one for both, and the slow one weighs the previous window
+    // from its very start. (Before windows were made to take a later stored window as
+    // the current one, each gateway started the other's window afresh: the fixed window
+    // admitted 324, the counter 321.)
     let admitted: Vec<(u64, u64)> = rows.iter().map(|&(_, s, a)| (s, a)).collect();
     assert_eq!(
         admitted,
@@ -57,9 +60,9 @@ async fn clock_skew_moves_caller_time_decisions_and_server_time_removes_it() {
             (40, 39),
             (40, 39),
             (40, 39),
-            (324, 40),
+            (41, 40),
             (35, 30),
-            (321, 35),
+            (30, 35),
             (40, 39)
         ],
         "{rows:?}"

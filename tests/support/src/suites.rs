@@ -347,7 +347,8 @@ impl tollway_core::Clock for Ahead {
 /// What clock skew does, per algorithm, at 10 per second (burst 10): two gateways share a
 /// limit in caller-time mode, one with its clock 500 ms ahead of the other's; both send
 /// a request every 10 ms of true time for 3 s. Admissions are compared with the same
-/// traffic through gateways whose clocks agree. Then the same two gateways' traffic in
+/// traffic through gateways whose clocks agree, and every decision with the Rust
+/// functions fed the deciding gateway's own time (which runs back and forth). Then the same two gateways' traffic in
 /// server-time mode: each script call tells the `TIME` it read, and the memory store fed
 /// those times decides every request the same, so skew cannot move a decision.
 /// Returns (algorithm, admitted with skew, admitted without) and the Redis keys it used.
@@ -375,9 +376,16 @@ pub async fn clock_skew(target: &Target) -> (Vec<(Algorithm, u64, u64)>, Vec<Str
                         .deny_cache(0),
                 )
                 .await;
-            for _ in 0..300 {
-                for gateway in [&slow, &fast] {
+            // The Rust functions fed each gateway's own time, which runs back and forth
+            // between the two, must decide as the script does.
+            let fed = ManualClock::new();
+            let memory = MemoryStore::builder().clock(fed.clone()).build().unwrap();
+            for step in 0..300 {
+                for (gateway, ahead) in [(&slow, false), (&fast, skewed)] {
                     let d = gateway.check_one(b"caller", &policy, 1).await.unwrap();
+                    fed.set_micros(truth.now_micros_for_test() + u64::from(ahead) * SKEW_US);
+                    let expected = memory.check_sync(b"caller", &policy, 1);
+                    assert_eq!(d, expected, "{algorithm:?} step {step}, skewed {skewed}");
                     *count += u64::from(d.is_allowed());
                 }
                 truth.advance(Duration::from_millis(10));

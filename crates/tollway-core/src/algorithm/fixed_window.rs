@@ -7,7 +7,9 @@
 //! sliding window algorithms exist to close that gap.
 //!
 //! Windows are aligned to multiples of the period on the clock that supplies `now`
-//! (the Unix epoch in Redis).
+//! (the Unix epoch in Redis). A state from a later window than `now`'s — written by a
+//! node whose clock runs ahead — is taken as the current window, so clock skew between
+//! nodes shifts a window's end but never starts a window afresh.
 
 use super::{Slot, SlotState};
 use crate::{Decision, Denial, Quota};
@@ -33,11 +35,16 @@ impl SlotState for State {
     }
 }
 
+/// The end of the current window: `now`'s, or the state's when that is later.
+fn window_end(state: State, now: u64, quota: &Quota) -> u64 {
+    (now - quota.rem_period(now) + quota.period_micros()).max(state.end)
+}
+
 /// Decides one request of `cost` units at `now` (microseconds).
 #[must_use]
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
-    let (limit, period) = (quota.limit(), quota.period_micros());
-    let end = now - quota.rem_period(now) + period;
+    let limit = quota.limit();
+    let end = window_end(state, now, quota);
     let count = if state.end == end { state.count } else { 0 };
     let reset = |count: u64| if count > 0 { end - now } else { 0 };
     let cost = u64::from(cost);
@@ -66,7 +73,7 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 /// already).
 #[must_use]
 pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
-    let end = now - quota.rem_period(now) + quota.period_micros();
+    let end = window_end(state, now, quota);
     match state.count.saturating_sub(u64::from(units)) {
         count if state.end == end && count > 0 => State { end, count },
         _ => State::default(),
@@ -77,6 +84,20 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
 mod tests {
     use super::*;
     use crate::algorithm::testing::run;
+
+    /// Two nodes whose clocks are 0.5 s apart share a key: the one behind sees the
+    /// window the one ahead wrote as the current one, and does not start a new count
+    /// (it once did, and together they admitted eight times the limit).
+    #[test]
+    fn a_later_window_written_by_a_clock_ahead_is_the_current_one() {
+        let q = Quota::per_second(10).unwrap();
+        // Ahead: 1.2 s (window 1) takes all 10. Behind: 0.7 s (window 0) gets none, and
+        // is told to wait for window 1's end, 1.3 s away.
+        let ds = run(check, &q, &[(1_200_000, 10), (700_000, 1)]);
+        assert!(ds[0].is_allowed());
+        assert!(!ds[1].is_allowed());
+        assert_eq!(ds[1].retry_after_micros(), 1_300_000);
+    }
 
     #[test]
     fn the_window_boundary_admits_twice_the_limit_within_one_period() {

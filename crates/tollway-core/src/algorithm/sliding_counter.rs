@@ -48,14 +48,29 @@ impl SlotState for State {
 }
 
 impl State {
+    /// The start of the window `curr` counts, if any count is kept.
+    fn own_start(self, period: u64) -> Option<u64> {
+        if self.curr > 0 {
+            Some(self.expires_at.saturating_sub(2 * period))
+        } else if self.prev > 0 {
+            Some(self.expires_at.saturating_sub(period))
+        } else {
+            None
+        }
+    }
+
+    /// The start of the current window: `now`'s, or the state's when that is later (a
+    /// node whose clock runs ahead wrote it), so skew never starts a window afresh.
+    fn current_start(self, now: u64, quota: &Quota) -> u64 {
+        let start = now - quota.rem_period(now);
+        self.own_start(quota.period_micros())
+            .map_or(start, |own| own.max(start))
+    }
+
     /// The (prev, curr) counts as seen from the window starting at `start`.
     fn counts_at(self, start: u64, period: u64) -> (u64, u64) {
         let (prev, curr) = (u64::from(self.prev), u64::from(self.curr));
-        let own_start = if curr > 0 {
-            self.expires_at.saturating_sub(2 * period)
-        } else if prev > 0 {
-            self.expires_at.saturating_sub(period)
-        } else {
+        let Some(own_start) = self.own_start(period) else {
             return (0, 0);
         };
         if own_start == start {
@@ -86,8 +101,8 @@ impl State {
 #[must_use]
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
     let (limit, period) = (quota.limit(), quota.period_micros());
-    let start = now - quota.rem_period(now);
-    let elapsed = now - start;
+    let start = state.current_start(now, quota);
+    let elapsed = now.saturating_sub(start);
     let (prev, curr) = state.counts_at(start, period);
     // Everything below is scaled by the period: `used` is the weighted count × P.
     let used = |curr: u64| prev * (period - elapsed) + curr * period;
@@ -122,7 +137,7 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 #[must_use]
 pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
     let period = quota.period_micros();
-    let start = now - quota.rem_period(now);
+    let start = state.current_start(now, quota);
     let (prev, curr) = state.counts_at(start, period);
     let units = u64::from(units);
     let from_prev = units.saturating_sub(curr);
@@ -157,6 +172,18 @@ fn retry_at(start: u64, period: u64, limit: u64, prev: u64, curr: u64, cost: u64
 mod tests {
     use super::*;
     use crate::algorithm::testing::run;
+
+    /// Two nodes whose clocks are 0.5 s apart share a key: the one behind sees the
+    /// window the one ahead wrote as the current one, at its very start, and does not
+    /// start a new count (it once did, and together they admitted nine times the limit).
+    #[test]
+    fn a_later_window_written_by_a_clock_ahead_is_the_current_one() {
+        let q = Quota::per_second(10).unwrap();
+        let ds = run(check, &q, &[(1_200_000, 10), (700_000, 1)]);
+        assert!(ds[0].is_allowed());
+        assert!(!ds[1].is_allowed());
+        assert_eq!(ds[1].remaining(), 0);
+    }
 
     #[test]
     fn the_previous_window_is_weighted_by_how_much_of_it_is_still_in_the_period() {

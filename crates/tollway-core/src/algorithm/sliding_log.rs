@@ -75,8 +75,9 @@ pub fn decide(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
         );
     }
     if log.total + cost <= limit {
-        // Admitted now, the newest entry is now's, unless the request is free.
-        let reset = if cost > 0 { period } else { reset };
+        // Admitted now, the newest entry is now's, unless the request is free (or a clock
+        // behind wrote a newer one).
+        let reset = if cost > 0 { reset.max(period) } else { reset };
         return Decision::allow(limit, limit - log.total - cost, reset, 0);
     }
     // Wait until enough of the oldest entries have slid out.
@@ -98,9 +99,12 @@ pub fn admit(log: &mut Log, now: u64, quota: &Quota, cost: u32) {
     if cost == 0 {
         return;
     }
-    match log.entries.back_mut() {
-        Some((at, units)) if *at == now => *units += cost,
-        _ => log.entries.push_back((now, cost)),
+    // Entries stay in time order even when `now` is before the newest (a node whose
+    // clock runs behind another's), as in Redis's sorted set: usually at the back.
+    let at = log.entries.partition_point(|&(t, _)| t <= now);
+    match at.checked_sub(1).and_then(|i| log.entries.get_mut(i)) {
+        Some((t, units)) if *t == now => *units += cost,
+        _ => log.entries.insert(at, (now, cost)),
     }
     log.total += cost;
     log.expires_at = log.expires_at.max(now + quota.period_micros());
@@ -136,6 +140,19 @@ mod tests {
             .iter()
             .map(|&(now, cost)| check(&mut log, now, q, cost))
             .collect()
+    }
+
+    /// An entry from a clock behind the newest entry's goes where its time sorts, as in
+    /// Redis's sorted set: it slides out first, and the reset time is the newest entry's.
+    #[test]
+    fn an_entry_from_a_clock_behind_sorts_by_its_time() {
+        let q = Quota::per_second(2).unwrap();
+        let ds = run(&q, &[(1_500_000, 1), (1_000_000, 1), (2_100_000, 1)]);
+        assert!(ds[1].is_allowed());
+        assert_eq!(ds[1].reset_after_micros(), 1_500_000);
+        // At 2.1 s the 1.0 s entry has slid out, the 1.5 s one has not.
+        assert!(ds[2].is_allowed());
+        assert_eq!(ds[2].remaining(), 0);
     }
 
     #[test]
