@@ -39,6 +39,25 @@
 //! assert!(store.check_sync(b"team-7", &export, 1).is_allowed());
 //! # Ok::<(), tollway_core::ConfigError>(())
 //! ```
+//!
+//! # Feature flags
+//!
+//! None is on by default: without them the crate is the algorithms, the memory store and
+//! the circuit breaker.
+//!
+//! - `redis`: the Redis store (`RedisStore`, `RedisStoreBuilder`, `MAX_LITERAL_KEY`),
+//!   standalone or Cluster, one atomic Lua script a request. Optional dependencies
+//!   `redis`, `sha2`, `tokio`.
+//! - `deadpool`: `RedisStoreBuilder::with_pool`, a `deadpool_redis::Pool` as the Redis
+//!   store's connections. Implies `redis`; optional dependency `deadpool-redis`.
+//! - `tls`: `rediss://` URLs and `RedisStoreBuilder::tls_root_certificate`: TLS to Redis
+//!   through rustls with the `ring` crypto provider. Implies `redis` and enables
+//!   `redis/tokio-rustls-comp`; optional dependency `rustls`.
+//! - `metrics`: the stores' metrics through the `metrics` facade (Redis call latency,
+//!   deny-cache hits, breaker state, keys held by the memory store). Optional dependency
+//!   `metrics`.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod algorithm;
 mod clock;

@@ -129,7 +129,7 @@ impl Quota {
                 "quota period must be at least 1 microsecond (got {period:?})"
             )));
         }
-        if nanos % 1_000 != 0 {
+        if !nanos.is_multiple_of(1_000) {
             return Err(ConfigError::new(format!(
                 "quota period must be a whole number of microseconds (got {period:?})"
             )));

@@ -897,12 +897,11 @@ impl fmt::Debug for ConfigKey {
 
 impl<B> KeyExtractor<B> for ConfigKey {
     fn extract(&self, request: &Request<B>) -> Option<Key> {
-        if let Some(api) = &self.api_key {
-            if let Some(key) = api.header.extract(request) {
-                if !api.only_known || self.known.load().is_known(key.value()) {
-                    return Some(key);
-                }
-            }
+        if let Some(api) = &self.api_key
+            && let Some(key) = api.header.extract(request)
+            && (!api.only_known || self.known.load().is_known(key.value()))
+        {
+            return Some(key);
         }
         match &self.address {
             Address::Peer(peer) => KeyExtractor::<B>::extract(peer, request),

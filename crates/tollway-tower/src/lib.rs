@@ -11,11 +11,6 @@
 //! rate-limit headers ([`HeaderStyle`]), or the layer's own — a 429 with `Retry-After`
 //! and a JSON body ([`default_rejection`]), or over gRPC a `RESOURCE_EXHAUSTED` status.
 //!
-//! Features: `axum` reads peer addresses from axum's `ConnectInfo`; `tonic` answers gRPC
-//! requests with `RESOURCE_EXHAUSTED` and retry details ([`grpc`]), reads tonic's
-//! `TcpConnectInfo`, and adds a synchronous [`RateLimitInterceptor`]; `redis` re-exports
-//! the Redis store.
-//!
 //! A Redis store has a circuit breaker and a local fallback limiter by default, so a slow
 //! or gone Redis costs a few timeouts and then decisions in this node's memory. A store
 //! without a fallback that fails is answered per [`OnStoreError`]: the request goes
@@ -35,6 +30,30 @@
 //! Who a caller is, which routes a request is on, and what a client can or cannot
 //! influence: see the README's "Security model", and [`ClientIp`], [`ApiKey::known`],
 //! [`Fallback::or`] and [`MissingKey`].
+//!
+//! # Feature flags
+//!
+//! None is on by default: without them the layer serves any tower stack over the memory
+//! store (or any `Store`), the peer address read from a plain `SocketAddr` in the
+//! request's extensions ([`peer_addr`]).
+//!
+//! - `axum`: peer addresses from axum's `ConnectInfo<SocketAddr>`, and route limits
+//!   matched against axum's `MatchedPath` (route templates) and `OriginalUri` (nested
+//!   routers). Optional dependency `axum`.
+//! - `tonic`: the `grpc` module (a refusal as `RESOURCE_EXHAUSTED` with `RetryInfo` and
+//!   `QuotaFailure` details), peer addresses from tonic's `TcpConnectInfo`, and the
+//!   synchronous `RateLimitInterceptor` (`RateLimitLayer::interceptor`). Optional
+//!   dependencies `tonic`, `tonic-types`.
+//! - `redis`: re-exports the Redis store, `RedisStore`. Enables `tollway-core/redis`.
+//! - `metrics`: decisions counted in `tollway_decisions_total` by policy and outcome
+//!   (and, with `config`, failed reloads in `tollway_config_reload_errors_total`), and
+//!   the stores' metrics through `tollway-core/metrics`. Optional dependency `metrics`.
+//! - `config`: the `config` module: limits from a TOML file, validated as a whole
+//!   (`LimitsFile`, each error at its line and column), and reloaded on demand or when
+//!   the file changes (`Reloader`). Implies `redis` (a file's `[store]` may name Redis);
+//!   optional dependencies `serde`, `toml`, `notify`.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod access;
 mod body;

@@ -737,13 +737,13 @@ impl<C: Clock> MemoryStoreBuilder<C> {
                 "memory store max_keys must be at least 1: a store that can hold no key limits nobody",
             ));
         }
-        if let Some(shards) = self.shards {
-            if !shards.is_power_of_two() || shards > 1024 || shards > self.max_keys {
-                return Err(ConfigError::new(format!(
-                    "memory store shards must be a power of two from 1 to 1024 and at most max_keys ({}); got {shards}",
-                    self.max_keys
-                )));
-            }
+        if let Some(shards) = self.shards
+            && (!shards.is_power_of_two() || shards > 1024 || shards > self.max_keys)
+        {
+            return Err(ConfigError::new(format!(
+                "memory store shards must be a power of two from 1 to 1024 and at most max_keys ({}); got {shards}",
+                self.max_keys
+            )));
         }
         Ok(MemoryStore::from_builder(self))
     }

@@ -686,10 +686,10 @@ impl Scripts {
         let this = self.clone();
         Checked::Pending(Box::pin(async move {
             let decisions = parse(&this.run(&call).await?, &capacities)?;
-            if let (Some(cache), Some(entry)) = (&this.inner.deny_cache, entry) {
-                if !decisions.is_allowed() {
-                    cache.remember(entry, &decisions);
-                }
+            if let (Some(cache), Some(entry)) = (&this.inner.deny_cache, entry)
+                && !decisions.is_allowed()
+            {
+                cache.remember(entry, &decisions);
             }
             Ok(decisions)
         }))
@@ -854,11 +854,11 @@ impl RedisStoreBuilder {
     /// Every node must then count from the same origin (use [`crate::SystemClock`], or a
     /// manual clock in tests), and skew between nodes moves their decisions. Measured
     /// with two gateways 500 ms apart sending 600 requests over 3 s at 10 per second
-    /// (`tests/redis`, `clock_skew_...`): the buckets and GCRA admitted 40 where agreeing
-    /// clocks admit 39, the sliding log 35 where they admit 30, but the fixed window 324
-    /// (40) and the sliding counter 321 (35) — while the clocks disagree about the window,
-    /// each node takes the other's count for another window's. Keep clocks synchronised
-    /// well within the period, or keep the default (server time). Keys live a little longer than their state needs (see
+    /// (`tests/redis`, `clock_skew_...`): the buckets, GCRA and the fixed window admitted
+    /// one more than with agreeing clocks (40 for 39; 41 for 40), the sliding log five
+    /// more (35 for 30), the sliding counter five fewer (30 for 35). Keep clocks
+    /// synchronised well within the period, or keep the default (server time). Keys live
+    /// a little longer than their state needs (see
     /// [`RedisStoreBuilder::grace`], default 1 s in this mode), since Redis expires them
     /// by its own clock.
     pub fn caller_time(mut self, clock: impl Clock) -> Self {

@@ -564,10 +564,10 @@ fn main() -> Result<(), BoxError> {
         addrs.push(Some(addr));
     }
 
-    if layout == Layout::Pinned {
-        if let Some(&core) = cores.get(1) {
-            core_affinity::set_for_current(core);
-        }
+    if layout == Layout::Pinned
+        && let Some(&core) = cores.get(1)
+    {
+        core_affinity::set_for_current(core);
     }
     let client = tokio::runtime::Builder::new_current_thread()
         .enable_all()

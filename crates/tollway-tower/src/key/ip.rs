@@ -19,10 +19,10 @@ pub fn peer_addr<B>(request: &Request<B>) -> Option<IpAddr> {
         return Some(info.0.ip());
     }
     #[cfg(feature = "tonic")]
-    if let Some(info) = ext.get::<tonic::transport::server::TcpConnectInfo>() {
-        if let Some(addr) = info.remote_addr() {
-            return Some(addr.ip());
-        }
+    if let Some(info) = ext.get::<tonic::transport::server::TcpConnectInfo>()
+        && let Some(addr) = info.remote_addr()
+    {
+        return Some(addr.ip());
     }
     ext.get::<SocketAddr>().map(SocketAddr::ip)
 }

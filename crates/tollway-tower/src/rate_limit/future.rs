@@ -422,15 +422,15 @@ where
                 } => {
                     let mut response = ready!(future.poll(cx))?;
                     std::mem::take(headers).insert_into(response.headers_mut());
-                    if let Some(after) = after.take() {
-                        if let Some(charge) = after.charge(&response) {
-                            state.set(State::Charging {
-                                charge,
-                                response,
-                                after,
-                            });
-                            continue;
-                        }
+                    if let Some(after) = after.take()
+                        && let Some(charge) = after.charge(&response)
+                    {
+                        state.set(State::Charging {
+                            charge,
+                            response,
+                            after,
+                        });
+                        continue;
                     }
                     state.set(State::Done);
                     return Poll::Ready(Ok(response.map(ResponseBody::service)));
