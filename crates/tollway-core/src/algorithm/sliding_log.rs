@@ -100,8 +100,11 @@ pub fn admit(log: &mut Log, now: u64, quota: &Quota, cost: u32) {
         return;
     }
     // Entries stay in time order even when `now` is before the newest (a node whose
-    // clock runs behind another's), as in Redis's sorted set: usually at the back.
-    let at = log.entries.partition_point(|&(t, _)| t <= now);
+    // clock runs behind another's), as in Redis's sorted set.
+    let at = match log.entries.back() {
+        Some(&(newest, _)) if newest > now => log.entries.partition_point(|&(t, _)| t <= now),
+        _ => log.entries.len(),
+    };
     match at.checked_sub(1).and_then(|i| log.entries.get_mut(i)) {
         Some((t, units)) if *t == now => *units += cost,
         _ => log.entries.insert(at, (now, cost)),
