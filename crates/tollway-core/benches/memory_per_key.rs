@@ -12,11 +12,13 @@
 //! read the bytes per key as an upper bound on the live data, at 4 KiB resolution.
 //!
 //! Cases:
-//! - **per key**: 1,000,000 distinct keys inserted into a `MemoryStore` (`max_keys`
-//!   2,000,000, a `ManualClock` that never moves, so nothing expires) under GCRA and
-//!   under the token bucket, and into `governor::RateLimiter::keyed` with `u64` keys.
-//!   tollway gets each `u64`'s 8-byte little-endian encoding, built on the stack, so
-//!   neither side allocates per key outside its own table.
+//! - **per key**: 100,000 to 2,000,000 distinct keys (six counts, so that no one table
+//!   size decides the figure; their mean is printed too) inserted into a `MemoryStore`
+//!   (`max_keys` 4,000,000: room for every key in every shard; a `ManualClock` that
+//!   never moves, so nothing expires) under GCRA and under the token bucket, and into
+//!   `governor::RateLimiter::keyed` with `u64` keys. tollway gets each `u64`'s 8-byte
+//!   little-endian encoding, built on the stack, so neither side allocates per key
+//!   outside its own table.
 //! - **unique-key flood**: 5,000,000 requests, each from a new key, into a `MemoryStore`
 //!   with `max_keys` 100,000 on a `ManualClock` advanced 10 µs per request. At 10 per
 //!   second a key's state is back to fresh 100 ms (10,000 requests) after its request,
@@ -38,10 +40,12 @@ use tollway_core::{Algorithm, Denial, ManualClock, MemoryStore, Policy, Quota};
 /// The environment variable that makes this binary run one case as a child.
 const CASE_ENV: &str = "TOLLWAY_MEM_CASE";
 
-/// Keys inserted in the per-key cases.
-const PER_KEY_KEYS: u64 = 1_000_000;
+/// Keys inserted in the per-key cases: each count is a case of its own.
+const PER_KEY_COUNTS: [u64; 6] = [100_000, 250_000, 500_000, 1_000_000, 1_500_000, 2_000_000];
+/// The environment variable that gives a per-key child its key count.
+const KEYS_ENV: &str = "TOLLWAY_MEM_KEYS";
 /// `max_keys` of the per-key store: room for every key.
-const PER_KEY_MAX: usize = 2_000_000;
+const PER_KEY_MAX: usize = 4_000_000;
 
 /// Requests in a flood, one new key each.
 const FLOOD_REQUESTS: u64 = 5_000_000;
@@ -69,7 +73,7 @@ fn main() {
     let started = Instant::now();
 
     println!();
-    println!("Memory per key: RSS growth after inserting {PER_KEY_KEYS} distinct keys");
+    println!("Memory per key: RSS growth after inserting N distinct keys");
     println!("(each case in a fresh process; RSS at 4 KiB resolution, an upper bound)");
     println!();
     println!(
@@ -80,21 +84,31 @@ fn main() {
         "|{:-<24}|{:->11}|{:->16}|{:->15}|{:->14}|{:->11}|",
         "", "", "", "", "", ""
     );
+    let mut means = Vec::new();
     for case in PER_KEY_CASES {
-        let out = child(case);
-        let line = out
-            .lines()
-            .find_map(|l| l.strip_prefix("result "))
-            .unwrap_or_else(|| panic!("case {case} printed no result:\n{out}"));
-        let v: Vec<u64> = line
-            .split_whitespace()
-            .map(|n| n.parse().unwrap())
-            .collect();
-        let (held, before, after, peak) = (v[0], v[1], v[2], v[3]);
-        let per_key = (after.saturating_sub(before) * 1024) as f64 / held as f64;
-        println!(
-            "| {case:<22} | {held:>9} | {before:>14} | {after:>13} | {peak:>12} | {per_key:>9.1} |"
-        );
+        let mut sum = 0.0;
+        for keys in PER_KEY_COUNTS {
+            let out = child(case, &[(KEYS_ENV, &keys.to_string())]);
+            let line = out
+                .lines()
+                .find_map(|l| l.strip_prefix("result "))
+                .unwrap_or_else(|| panic!("case {case} printed no result:\n{out}"));
+            let v: Vec<u64> = line
+                .split_whitespace()
+                .map(|n| n.parse().unwrap())
+                .collect();
+            let (held, before, after, peak) = (v[0], v[1], v[2], v[3]);
+            let per_key = (after.saturating_sub(before) * 1024) as f64 / held as f64;
+            sum += per_key;
+            println!(
+                "| {case:<22} | {held:>9} | {before:>14} | {after:>13} | {peak:>12} | {per_key:>9.1} |"
+            );
+        }
+        means.push((case, sum / PER_KEY_COUNTS.len() as f64));
+    }
+    println!();
+    for (case, mean) in means {
+        println!("{case}: mean over the six counts {mean:.1} bytes/key");
     }
 
     println!();
@@ -104,7 +118,7 @@ fn main() {
         FLOOD_STEP.as_micros()
     );
     for case in FLOOD_CASES {
-        let out = child(case);
+        let out = child(case, &[]);
         println!();
         println!("{case}:");
         println!(
@@ -131,9 +145,13 @@ fn main() {
 }
 
 /// Runs this binary again with one case selected and returns what it printed.
-fn child(case: &str) -> String {
+fn child(case: &str, env: &[(&str, &str)]) -> String {
     let exe = std::env::current_exe().unwrap();
-    let out = Command::new(exe).env(CASE_ENV, case).output().unwrap();
+    let out = Command::new(exe)
+        .env(CASE_ENV, case)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -172,6 +190,14 @@ fn rss_kib() -> u64 {
     status_kib("VmRSS:")
 }
 
+/// The key count a per-key child inserts.
+fn per_key_keys() -> u64 {
+    std::env::var(KEYS_ENV)
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1_000_000)
+}
+
 fn per_key_tollway(algorithm: Algorithm) {
     let policy = Policy::new("mem", algorithm, Quota::per_second(10).unwrap()).unwrap();
     let before = rss_kib();
@@ -180,7 +206,7 @@ fn per_key_tollway(algorithm: Algorithm) {
         .clock(ManualClock::new())
         .build()
         .unwrap();
-    for k in 0..PER_KEY_KEYS {
+    for k in 0..per_key_keys() {
         assert!(store.check_sync(&k.to_le_bytes(), &policy, 1).is_allowed());
     }
     let after = rss_kib();
@@ -193,7 +219,7 @@ fn per_key_governor() {
     let quota = GovQuota::per_second(NonZeroU32::new(10).unwrap());
     let before = rss_kib();
     let limiter = RateLimiter::keyed(quota);
-    for k in 0..PER_KEY_KEYS {
+    for k in 0..per_key_keys() {
         assert!(limiter.check_key(&k).is_ok());
     }
     let after = rss_kib();

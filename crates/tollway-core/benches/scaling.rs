@@ -1,0 +1,409 @@
+//! How the memory store scales with threads, beside governor and beside a share-nothing
+//! baseline, and what a sweep does to the checks running beside it (issue 19).
+//!
+//! ```sh
+//! cargo bench -p tollway-core --bench scaling             # 10 rounds
+//! SCALING_ROUNDS=30 cargo bench -p tollway-core --bench scaling
+//! ```
+//!
+//! **Scaling.** Three patterns over 10,000 keys, at 1 and 2 threads (and at every
+//! thread count up to the machine's cores, if it has more):
+//! - `own`: each thread checks its own share of the keys, in a random order of its own;
+//! - `shared`: every thread checks all the keys, each in a random order of its own;
+//! - `hot`: every thread checks one key.
+//!
+//! Three contenders, each built afresh every round (untimed), the same GCRA quota that
+//! allows every check: tollway's `MemoryStore` (one store shared by the threads),
+//! governor's keyed limiter (one, shared), and `share_nothing`: one `MemoryStore` per
+//! thread, each holding the keys its thread checks — the same table work with nothing
+//! shared between threads, which is what the machine gives at best. Each case runs
+//! about 100 ms a round, the cases in rotating order round after round, so that a slow
+//! spell of a shared host falls on all of them. Printed: the median total checks per
+//! second of each case, and per contender and pattern the median of the per-round
+//! ratios of N threads to 1.
+//!
+//! **A sweep beside checks.** 1,000,000 keys of which half have expired; one thread
+//! checks live keys in a random order, timing each check, while another sweeps the
+//! store (`MemoryStore::sweep`; governor: `retain_recent`) over and over. Printed: the
+//! checking thread's latency percentiles with and without the sweeper.
+
+#![allow(clippy::unwrap_used)]
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use governor::clock::FakeRelativeClock;
+use governor::{Quota as GovQuota, RateLimiter};
+use tollway_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota};
+
+const KEYS: usize = 10_000;
+/// One unit a microsecond and a burst no run exhausts: every check is allowed.
+const RATE: u32 = 1_000_000;
+const BURST: u32 = 1_000_000_000;
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap()
+}
+
+fn policy() -> Policy {
+    let quota = Quota::per_second(RATE).unwrap().with_burst(BURST).unwrap();
+    Policy::new("bench", Algorithm::Gcra, quota).unwrap()
+}
+
+fn governor() -> governor::DefaultKeyedRateLimiter<u64> {
+    RateLimiter::keyed(GovQuota::per_second(nz(RATE)).allow_burst(nz(BURST)))
+}
+
+/// A small deterministic generator (splitmix64) for the random orders.
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        order.swap(i, (next() % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Pattern {
+    Own,
+    Shared,
+    Hot,
+}
+
+impl Pattern {
+    const ALL: [Pattern; 3] = [Pattern::Own, Pattern::Shared, Pattern::Hot];
+
+    fn name(self) -> &'static str {
+        match self {
+            Pattern::Own => "own",
+            Pattern::Shared => "shared",
+            Pattern::Hot => "hot",
+        }
+    }
+
+    /// The key ids thread `t` of `threads` checks, in its order.
+    fn keys(self, ids: &[u64], t: usize, threads: usize) -> Vec<u64> {
+        match self {
+            Pattern::Own => {
+                let share = ids.len() / threads;
+                let mine = &ids[t * share..(t + 1) * share];
+                shuffled(mine.len(), 7 + t as u64)
+                    .into_iter()
+                    .map(|i| mine[i])
+                    .collect()
+            }
+            Pattern::Shared => shuffled(ids.len(), 7 + t as u64)
+                .into_iter()
+                .map(|i| ids[i])
+                .collect(),
+            Pattern::Hot => vec![ids[0]],
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Contender {
+    Tollway,
+    Governor,
+    ShareNothing,
+}
+
+impl Contender {
+    const ALL: [Contender; 3] = [
+        Contender::Tollway,
+        Contender::Governor,
+        Contender::ShareNothing,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Contender::Tollway => "tollway",
+            Contender::Governor => "governor",
+            Contender::ShareNothing => "share_nothing",
+        }
+    }
+}
+
+/// One thread's loop: `n` checks cycling through `keys`.
+fn drive(n: u64, keys: &[u64], check: impl Fn(u64)) {
+    let mut i = 0;
+    for _ in 0..n {
+        check(black_box(keys[i]));
+        i = if i + 1 == keys.len() { 0 } else { i + 1 };
+    }
+}
+
+/// Runs `n` checks in total on `threads` threads and returns the wall time from the
+/// moment all are released to the moment the last finishes.
+fn run(contender: Contender, pattern: Pattern, threads: usize, n: u64, ids: &[u64]) -> Duration {
+    let per_thread: Vec<Vec<u64>> = (0..threads)
+        .map(|t| pattern.keys(ids, t, threads))
+        .collect();
+    let policy = policy();
+    let shared_store = MemoryStore::new();
+    let limiter = governor();
+    // One store per thread for the share-nothing baseline; the shared ones otherwise.
+    let own_stores: Vec<MemoryStore> = (0..threads).map(|_| MemoryStore::new()).collect();
+    for (t, keys) in per_thread.iter().enumerate() {
+        for &k in keys {
+            match contender {
+                Contender::Tollway => {
+                    shared_store.check_sync(&k.to_le_bytes(), &policy, 1);
+                }
+                Contender::Governor => {
+                    let _ = limiter.check_key(&k);
+                }
+                Contender::ShareNothing => {
+                    own_stores[t].check_sync(&k.to_le_bytes(), &policy, 1);
+                }
+            }
+        }
+    }
+    let start = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = per_thread
+            .iter()
+            .enumerate()
+            .map(|(t, keys)| {
+                let count = n / threads as u64;
+                let (start, policy, shared_store, limiter, own) =
+                    (&start, &policy, &shared_store, &limiter, &own_stores[t]);
+                s.spawn(move || {
+                    start.wait();
+                    match contender {
+                        Contender::Tollway => drive(count, keys, |k| {
+                            black_box(shared_store.check_sync(&k.to_le_bytes(), policy, 1));
+                        }),
+                        Contender::Governor => drive(count, keys, |k| {
+                            let _ = black_box(limiter.check_key(&k));
+                        }),
+                        Contender::ShareNothing => drive(count, keys, |k| {
+                            black_box(own.check_sync(&k.to_le_bytes(), policy, 1));
+                        }),
+                    }
+                })
+            })
+            .collect();
+        start.wait();
+        let began = Instant::now();
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        began.elapsed()
+    })
+}
+
+fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+fn scaling(rounds: usize) {
+    let ids: Vec<u64> = (0..KEYS as u64)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect();
+    let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    let thread_counts: Vec<usize> = (1..=cores.max(2)).collect();
+    let mut cases = Vec::new();
+    for pattern in Pattern::ALL {
+        for contender in Contender::ALL {
+            for &threads in &thread_counts {
+                cases.push((pattern, contender, threads));
+            }
+        }
+    }
+    // About 100 ms a case: the count calibrated on a first, unrecorded round.
+    let mut counts = vec![0u64; cases.len()];
+    let mut per_s: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    for round in 0..=rounds {
+        for k in 0..cases.len() {
+            let c = (round + k) % cases.len();
+            let (pattern, contender, threads) = cases[c];
+            if round == 0 {
+                let probe = 200_000;
+                let t = run(contender, pattern, threads, probe, &ids).as_secs_f64();
+                counts[c] = ((0.1 / t.max(1e-9)) * probe as f64) as u64;
+                continue;
+            }
+            let n = counts[c] - counts[c] % threads as u64;
+            let t = run(contender, pattern, threads, n, &ids);
+            per_s[c].push(n as f64 / t.as_secs_f64());
+        }
+    }
+    println!("scaling: {rounds} rounds, every case about 100 ms a round, in rotating order");
+    println!(
+        "{:<8} {:<14} {:>8} {:>16} {:>14} {:>14}",
+        "pattern", "contender", "threads", "checks/s median", "lowest", "highest"
+    );
+    for (c, (pattern, contender, threads)) in cases.iter().enumerate() {
+        let (m, lo, hi) = median(per_s[c].clone());
+        println!(
+            "{:<8} {:<14} {:>8} {:>16.0} {:>14.0} {:>14.0}",
+            pattern.name(),
+            contender.name(),
+            threads,
+            m,
+            lo,
+            hi
+        );
+    }
+    println!();
+    println!("N threads / 1 thread, total checks per second, median of the per-round ratios");
+    for pattern in Pattern::ALL {
+        for contender in Contender::ALL {
+            let of = |threads| {
+                cases
+                    .iter()
+                    .position(|&c| c == (pattern, contender, threads))
+                    .unwrap()
+            };
+            for &threads in &thread_counts[1..] {
+                let ratios: Vec<f64> = per_s[of(threads)]
+                    .iter()
+                    .zip(&per_s[of(1)])
+                    .map(|(n, one)| n / one)
+                    .collect();
+                let (m, lo, hi) = median(ratios);
+                println!(
+                    "{:<8} {:<14} {threads}/1 {m:>6.2}x  [{lo:.2} .. {hi:.2}]",
+                    pattern.name(),
+                    contender.name()
+                );
+            }
+        }
+    }
+}
+
+/// Latency percentiles (ns) of one thread's checks of live keys, with another thread
+/// sweeping the same store over and over, or not.
+fn sweep_latency() {
+    const KEYS: u64 = 1_000_000;
+    const CHECKS: usize = 2_000_000;
+    let ids: Vec<u64> = (0..KEYS)
+        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect();
+    // Live keys: the odd ones, which a fresh check keeps for an hour; the even ones were
+    // checked an hour ago on a 10 per second quota and have expired.
+    let live: Vec<u64> = shuffled(KEYS as usize / 2, 3)
+        .into_iter()
+        .map(|i| ids[2 * i + 1])
+        .collect();
+    let percentiles = |mut ns: Vec<u64>| {
+        ns.sort_unstable();
+        let at = |p: f64| ns[((ns.len() as f64 * p) as usize).min(ns.len() - 1)];
+        format!(
+            "p50 {:>6}  p99 {:>7}  p99.9 {:>8}  max {:>9}",
+            at(0.5),
+            at(0.99),
+            at(0.999),
+            ns[ns.len() - 1]
+        )
+    };
+    let short = Quota::per_second(10).unwrap();
+    let long = Quota::per_hour(10).unwrap();
+    for sweeping in [false, true] {
+        // tollway
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .max_keys(2 * KEYS as usize)
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let (expiring, lasting) = (
+            Policy::new("short", Algorithm::Gcra, short).unwrap(),
+            Policy::new("long", Algorithm::Gcra, long).unwrap(),
+        );
+        for (i, id) in ids.iter().enumerate() {
+            let policy = if i % 2 == 0 { &expiring } else { &lasting };
+            store.check_sync(&id.to_le_bytes(), policy, 1);
+        }
+        clock.advance(Duration::from_secs(60));
+        let stop = AtomicBool::new(false);
+        let (lat, sweeps) = std::thread::scope(|s| {
+            let sweeper = s.spawn(|| {
+                let mut sweeps = 0u64;
+                while sweeping && !stop.load(Ordering::Relaxed) {
+                    store.sweep();
+                    sweeps += 1;
+                }
+                sweeps
+            });
+            let mut lat = Vec::with_capacity(CHECKS);
+            for i in 0..CHECKS {
+                let key = live[i % live.len()].to_le_bytes();
+                let began = Instant::now();
+                black_box(store.check_sync(&key, &lasting, 1));
+                lat.push(began.elapsed().as_nanos() as u64);
+            }
+            stop.store(true, Ordering::Relaxed);
+            (lat, sweeper.join().unwrap())
+        });
+        println!(
+            "tollway  {:<16} {} ns  ({sweeps} sweeps)",
+            if sweeping { "while sweeping" } else { "alone" },
+            percentiles(lat)
+        );
+        // governor, keyed on a fake clock moved the same way.
+        let clock = FakeRelativeClock::default();
+        let short = RateLimiter::dashmap_with_clock(GovQuota::per_second(nz(10)), clock.clone());
+        // One limiter holds both kinds of key in governor: the expiring ones checked at
+        // the start, the live ones checked again after the clock moves.
+        for id in &ids {
+            let _ = short.check_key(id);
+        }
+        clock.advance(Duration::from_secs(60));
+        for id in &live {
+            let _ = short.check_key(id);
+        }
+        let stop = AtomicBool::new(false);
+        let (lat, sweeps) = std::thread::scope(|s| {
+            let sweeper = s.spawn(|| {
+                let mut sweeps = 0u64;
+                while sweeping && !stop.load(Ordering::Relaxed) {
+                    short.retain_recent();
+                    sweeps += 1;
+                }
+                sweeps
+            });
+            let mut lat = Vec::with_capacity(CHECKS);
+            for i in 0..CHECKS {
+                let key = live[i % live.len()];
+                let began = Instant::now();
+                let _ = black_box(short.check_key(&key));
+                lat.push(began.elapsed().as_nanos() as u64);
+            }
+            stop.store(true, Ordering::Relaxed);
+            (lat, sweeper.join().unwrap())
+        });
+        println!(
+            "governor {:<16} {} ns  ({sweeps} sweeps)",
+            if sweeping { "while sweeping" } else { "alone" },
+            percentiles(lat)
+        );
+    }
+}
+
+fn main() {
+    // `cargo test --benches` runs this binary without --bench: do nothing then.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    let rounds = std::env::var("SCALING_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(10);
+    scaling(rounds);
+    println!();
+    sweep_latency();
+}
