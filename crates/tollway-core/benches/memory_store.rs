@@ -5,7 +5,7 @@
 //! libraries round by round (on a host with slow spells, the figures to compare), with
 //! `MEMORY_BENCH_ROUNDS=30 cargo bench -p tollway-core --bench memory_store`.
 //!
-//! Both libraries run as their defaults: `MemoryStore::new()` (64 shards, a seeded foldhash,
+//! Both libraries run as their defaults: `MemoryStore::new()` (1,024 shards, a seeded foldhash,
 //! the TSC clock through `quanta`) and `governor::RateLimiter::keyed` (a `DashMap` with the std
 //! SipHash `RandomState`, the `quanta` TSC clock). Keys are `u64`s: governor is keyed by
 //! the `u64` itself, tollway by its 8-byte little-endian encoding, built once up front,
