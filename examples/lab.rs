@@ -26,7 +26,7 @@ use serde_json::json;
 use tollway_tower::tollway_core::Clock;
 use tollway_tower::{
     Algorithm, BoxStore, ConfigError, Decisions, HeaderStyle, Key, MemoryStore, Operation, Policy,
-    Quota, RateLimitLayer, Store,
+    Quota, RateLimitLayer, Store, TokioClock,
 };
 
 /// The page: HTML, CSS and script in one file, embedded (it works offline).
@@ -96,28 +96,6 @@ pub fn router(store: BoxStore, naive_redis: Option<redis::Client>) -> Result<Rou
 
 /// The boundary scenario's window.
 const WINDOW: Duration = Duration::from_secs(5);
-
-/// Time as tokio keeps it, from when the lab was made: the monotonic clock, or a test's
-/// paused one. The boundary scenario's store reads it, so the server knows where its
-/// windows end.
-#[derive(Clone, Debug)]
-struct TokioClock {
-    origin: tokio::time::Instant,
-}
-
-impl TokioClock {
-    fn new() -> Self {
-        TokioClock {
-            origin: tokio::time::Instant::now(),
-        }
-    }
-}
-
-impl Clock for TokioClock {
-    fn now_micros(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX)
-    }
-}
 
 /// Scenario 1, the boundary burst: a fixed window and a sliding window log, each 10 per
 /// 5 seconds, meet a burst of 10 just before a window ends and another just after it.

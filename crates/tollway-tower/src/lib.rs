@@ -57,6 +57,7 @@
 
 mod access;
 mod body;
+mod clock;
 #[cfg(feature = "config")]
 pub mod config;
 #[cfg(feature = "tonic")]
@@ -67,6 +68,7 @@ mod interceptor;
 mod key;
 mod limits;
 mod lookup;
+pub mod outbound;
 mod pipeline;
 pub mod rate_limit;
 mod rejection;
@@ -74,6 +76,7 @@ mod report;
 mod verdict;
 
 pub use body::ResponseBody;
+pub use clock::TokioClock;
 pub use headers::{
     HeaderStyle, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING,
     X_RATELIMIT_RESET,

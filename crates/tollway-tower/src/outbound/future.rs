@@ -1,0 +1,325 @@
+//! The response future: check, wait while over the limit, call, then tell the store
+//! what the response said.
+
+use std::error::Error;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use smallvec::SmallVec;
+use tollway_core::{Checked, Decisions, Denial, Operation, Policy, Store, StoreError};
+use tower_service::Service;
+
+use super::layer::{OutboundError, Shared};
+use super::pause_of;
+
+type BoxError = Box<dyn Error + Send + Sync>;
+/// The store operations a response calls for, run before the response is handed on.
+type Work = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+pin_project! {
+    /// The future of an [`Outbound`](super::Outbound) request, a state machine:
+    /// `Start` → `Pausing` (is a pause running for the key?) → `Checking` (the limits) →
+    /// `Sleeping` while over them (then `Start` again) → `Ready` (the inner service made
+    /// ready) → `Calling` → `After` (the store told of a 429's pause or the real cost),
+    /// or an [`OutboundError`].
+    pub struct ResponseFuture<S, St, B>
+    where
+        S: Service<Request<B>>,
+        St: Store,
+    {
+        #[pin]
+        state: State<S::Future, St::Future, S::Response>,
+        inner: S,
+        shared: Arc<Shared<St>>,
+        key: Option<String>,
+        cost: u32,
+        request: Option<Request<B>>,
+        waited: Duration,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, C, R> {
+        Start,
+        Pausing { #[pin] check: C },
+        Checking { #[pin] check: C },
+        // Over a limit or paused: back to `Start` when it ends; or admitted with a
+        // shaper's delay: on to `Ready`.
+        Sleeping { #[pin] sleep: tokio::time::Sleep, then_call: bool },
+        Ready,
+        Calling { #[pin] call: F },
+        After { work: Work, response: Option<R> },
+    }
+}
+
+impl<S, St, B> ResponseFuture<S, St, B>
+where
+    S: Service<Request<B>>,
+    St: Store,
+{
+    pub(super) fn new(
+        inner: S,
+        shared: Arc<Shared<St>>,
+        key: Option<String>,
+        cost: u32,
+        request: Request<B>,
+    ) -> Self {
+        ResponseFuture {
+            state: State::Start,
+            inner,
+            shared,
+            key,
+            cost,
+            request: Some(request),
+            waited: Duration::ZERO,
+        }
+    }
+}
+
+impl<S, St, B> std::fmt::Debug for ResponseFuture<S, St, B>
+where
+    S: Service<Request<B>>,
+    St: Store,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("key", &self.key)
+            .field("cost", &self.cost)
+            .field("waited", &self.waited)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St, B, RB> Future for ResponseFuture<S, St, B>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    S::Error: Into<BoxError>,
+    St: Store,
+{
+    type Output = Result<S::Response, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            let next =
+                match this.state.as_mut().project() {
+                    StateProj::Start => match (this.key.as_deref(), &this.shared.pause) {
+                        // No key: not limited.
+                        (None, _) => State::Ready,
+                        (Some(key), Some(pause)) => {
+                            let whole = Operation::Peek(capacity(pause));
+                            match this.shared.store.operate(key.as_bytes(), &[pause], whole) {
+                                Checked::Ready(answer) => {
+                                    unpaused(answer, this.shared, key, *this.cost, this.waited)?
+                                }
+                                Checked::Pending(check) => State::Pausing { check },
+                            }
+                        }
+                        (Some(key), None) => limits(this.shared, key, *this.cost, this.waited)?,
+                    },
+                    StateProj::Pausing { check } => {
+                        let answer = ready!(check.poll(cx));
+                        let key = this.key.as_deref().unwrap_or_default();
+                        unpaused(answer, this.shared, key, *this.cost, this.waited)?
+                    }
+                    StateProj::Checking { check } => {
+                        let answer = ready!(check.poll(cx));
+                        after(answer, this.shared, this.waited)?
+                    }
+                    StateProj::Sleeping { sleep, then_call } => {
+                        ready!(sleep.poll(cx));
+                        if *then_call {
+                            State::Ready
+                        } else {
+                            State::Start
+                        }
+                    }
+                    StateProj::Ready => {
+                        ready!(this.inner.poll_ready(cx)).map_err(Into::into)?;
+                        let Some(request) = this.request.take() else {
+                            return Poll::Ready(Err(
+                                "outbound request polled after it was sent".into()
+                            ));
+                        };
+                        State::Calling {
+                            call: this.inner.call(request),
+                        }
+                    }
+                    StateProj::Calling { call } => {
+                        let response = ready!(call.poll(cx)).map_err(Into::into)?;
+                        let work = this
+                            .key
+                            .as_deref()
+                            .and_then(|key| told(this.shared, key, *this.cost, &response));
+                        match work {
+                            Some(work) => State::After {
+                                work,
+                                response: Some(response),
+                            },
+                            None => return Poll::Ready(Ok(response)),
+                        }
+                    }
+                    StateProj::After { work, response } => {
+                        ready!(work.as_mut().poll(cx));
+                        return Poll::Ready(response.take().ok_or_else(|| {
+                            "outbound response polled after it was handed on".into()
+                        }));
+                    }
+                };
+            this.state.set(next);
+        }
+    }
+}
+
+/// The whole of the pause policy's capacity, in milliseconds: it fits only while no
+/// pause runs.
+fn capacity(pause: &Policy) -> u32 {
+    u32::try_from(pause.quota().burst()).unwrap_or(u32::MAX)
+}
+
+/// Asks the store to decide the request's limits.
+fn limits<F, C, R, St>(
+    shared: &Shared<St>,
+    key: &str,
+    cost: u32,
+    waited: &mut Duration,
+) -> Result<State<F, C, R>, BoxError>
+where
+    St: Store<Future = C>,
+{
+    let policies: SmallVec<[&Policy; 4]> = shared.policies.iter().collect();
+    match shared.store.check(key.as_bytes(), &policies, cost) {
+        Checked::Ready(answer) => after(answer, shared, waited),
+        Checked::Pending(check) => Ok(State::Checking { check }),
+    }
+}
+
+/// What follows the pause store's answer: the limits when no pause runs, else a sleep
+/// until it ends (or the error, past `max_wait`).
+fn unpaused<F, C, R, St>(
+    answer: Result<Decisions, StoreError>,
+    shared: &Shared<St>,
+    key: &str,
+    cost: u32,
+    waited: &mut Duration,
+) -> Result<State<F, C, R>, BoxError>
+where
+    St: Store<Future = C>,
+{
+    let decisions = answer.map_err(|e| Box::new(OutboundError::Store(e)))?;
+    if decisions.is_allowed() {
+        limits(shared, key, cost, waited)
+    } else {
+        after(Ok(decisions), shared, waited)
+    }
+}
+
+/// What follows the store's answer: the call (after a shaper's delay, if any), a sleep
+/// until the limits would admit the request, or the error that ends it.
+fn after<F, C, R, St>(
+    answer: Result<Decisions, StoreError>,
+    shared: &Shared<St>,
+    waited: &mut Duration,
+) -> Result<State<F, C, R>, BoxError> {
+    let decisions = answer.map_err(|e| Box::new(OutboundError::Store(e)))?;
+    if decisions.is_allowed() {
+        let delay = decisions
+            .iter()
+            .map(|d| d.delay())
+            .max()
+            .unwrap_or_default();
+        if delay.is_zero() {
+            return Ok(State::Ready);
+        }
+        return Ok(State::Sleeping {
+            sleep: tokio::time::sleep(delay),
+            then_call: true,
+        });
+    }
+    let mut retry_after = Duration::ZERO;
+    for decision in decisions.iter() {
+        match decision.denial() {
+            None => {}
+            Some(Denial::CostExceedsCapacity) => {
+                return Err(Box::new(OutboundError::CostExceedsCapacity));
+            }
+            Some(Denial::StoreFull) => return Err(Box::new(OutboundError::StoreFull)),
+            // Limited, and any later reason that comes with a retry time.
+            Some(_) => retry_after = retry_after.max(decision.retry_after().unwrap_or_default()),
+        }
+    }
+    let left = shared.max_wait.saturating_sub(*waited);
+    if retry_after.is_zero() || retry_after > left {
+        return Err(Box::new(OutboundError::Limited { retry_after }));
+    }
+    let wait = shared.jittered(retry_after).min(left);
+    *waited += wait;
+    Ok(State::Sleeping {
+        sleep: tokio::time::sleep(wait),
+        then_call: false,
+    })
+}
+
+/// What the response tells the store, if anything: a pause for every worker sharing the
+/// key, when it is a refusal (see [`pause_of`]); the difference between the real cost
+/// and the estimate charged, when the layer settles costs.
+fn told<St: Store, RB>(
+    shared: &Arc<Shared<St>>,
+    key: &str,
+    cost: u32,
+    response: &Response<RB>,
+) -> Option<Work> {
+    let (status, headers) = (response.status(), response.headers());
+    let pause = shared.pause.as_ref().and_then(|policy| {
+        let longest = Duration::from_millis(u64::from(capacity(policy)));
+        pause_of(status, headers, longest).map(|pause| (policy.clone(), pause))
+    });
+    let used = shared
+        .settle
+        .as_ref()
+        .and_then(|settle| settle(&status, headers))
+        .filter(|&used| used != cost);
+    if pause.is_none() && used.is_none() {
+        return None;
+    }
+    let (shared, key) = (Arc::clone(shared), key.to_owned());
+    Some(Box::pin(async move {
+        let store = &shared.store;
+        if let Some((policy, pause)) = pause {
+            // A longer pause already running stands; a shorter one is lengthened.
+            let whole = Operation::Peek(capacity(&policy));
+            let running = match store.operate(key.as_bytes(), &[&policy], whole).await {
+                Ok(decisions) => decisions.iter().filter_map(|d| d.retry_after()).max(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "outbound: the store failed to read a pause");
+                    None
+                }
+            };
+            let more = pause.saturating_sub(running.unwrap_or_default());
+            let ms = u32::try_from(more.as_micros().div_ceil(1_000)).unwrap_or(u32::MAX);
+            if ms > 0 {
+                let charge = Operation::Charge(ms);
+                if let Err(e) = store.operate(key.as_bytes(), &[&policy], charge).await {
+                    tracing::warn!(error = %e, "outbound: the store failed to record a pause");
+                }
+            }
+        }
+        if let Some(used) = used {
+            let operation = if used > cost {
+                Operation::Charge(used - cost)
+            } else {
+                Operation::Refund(cost - used)
+            };
+            let policies: SmallVec<[&Policy; 4]> = shared.policies.iter().collect();
+            if let Err(e) = store.operate(key.as_bytes(), &policies, operation).await {
+                tracing::warn!(error = %e, "outbound: the store failed to settle a cost");
+            }
+        }
+    }))
+}

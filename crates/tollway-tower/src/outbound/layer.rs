@@ -1,0 +1,326 @@
+//! The layer, its builder, the service and its error.
+
+use std::error::Error;
+use std::fmt;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{HeaderMap, Method, Request, StatusCode, Uri};
+use tollway_core::{ConfigError, Policy, Store, StoreError};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::future::ResponseFuture;
+
+type KeyFn = dyn Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync;
+type CostFn = dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync;
+pub(super) type SettleFn = dyn Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync;
+
+/// The longest pause an upstream can ask for: an hour.
+const PAUSE_CEILING: Duration = Duration::from_secs(3_600);
+
+/// What every clone of a layer and its services share.
+pub(super) struct Shared<St> {
+    pub(super) store: St,
+    pub(super) policies: Vec<Policy>,
+    key: Box<KeyFn>,
+    cost: Option<Box<CostFn>>,
+    pub(super) max_wait: Duration,
+    jitter: f64,
+    seeds: std::hash::RandomState,
+    /// The pause an upstream's 429 asks of every worker sharing the key: a GCRA of one
+    /// unit a millisecond whose capacity is the longest pause (see [`super::pause`]).
+    pub(super) pause: Option<Policy>,
+    pub(super) settle: Option<Box<SettleFn>>,
+}
+
+impl<St> Shared<St> {
+    /// `wait`, stretched by a random share of up to the jitter: the share is a hash of
+    /// the wall-clock instant under this layer's random seed, so it differs from request
+    /// to request and from process to process.
+    pub(super) fn jittered(&self, wait: Duration) -> Duration {
+        let salt = self.seeds.hash_one(std::time::SystemTime::now());
+        let unit = (salt >> 11) as f64 / (1u64 << 53) as f64;
+        wait.mul_f64(1.0 + self.jitter * unit)
+    }
+}
+
+/// Limits outbound requests: see the [module docs](super).
+pub struct OutboundLayer<St> {
+    shared: Arc<Shared<St>>,
+}
+
+impl<St> Clone for OutboundLayer<St> {
+    fn clone(&self) -> Self {
+        OutboundLayer {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<St> fmt::Debug for OutboundLayer<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OutboundLayer")
+            .field("policies", &self.shared.policies)
+            .field("max_wait", &self.shared.max_wait)
+            .field("jitter", &self.shared.jitter)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store> OutboundLayer<St> {
+    /// A builder limiting requests by `policy` in `store`, keyed per upstream.
+    pub fn builder(store: St, policy: Policy) -> OutboundLayerBuilder<St> {
+        OutboundLayerBuilder {
+            store,
+            policies: vec![policy],
+            key: Box::new(|_, uri, _| Some(uri.authority().map_or("", |a| a.as_str()).to_owned())),
+            cost: None,
+            max_wait: Duration::from_secs(30),
+            jitter: 0.1,
+            max_pause: Duration::from_secs(60),
+            settle: None,
+        }
+    }
+}
+
+impl<S, St> Layer<S> for OutboundLayer<St> {
+    type Service = Outbound<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Outbound {
+            inner,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// Builds an [`OutboundLayer`].
+#[must_use]
+pub struct OutboundLayerBuilder<St> {
+    store: St,
+    policies: Vec<Policy>,
+    key: Box<KeyFn>,
+    cost: Option<Box<CostFn>>,
+    max_wait: Duration,
+    jitter: f64,
+    max_pause: Duration,
+    settle: Option<Box<SettleFn>>,
+}
+
+impl<St> fmt::Debug for OutboundLayerBuilder<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OutboundLayerBuilder")
+            .field("policies", &self.policies)
+            .field("max_wait", &self.max_wait)
+            .field("jitter", &self.jitter)
+            .field("max_pause", &self.max_pause)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store> OutboundLayerBuilder<St> {
+    /// Another limit every request must also fit (all or nothing, as on the server
+    /// side): say 100 requests a second and 10,000 a day.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policies.push(policy);
+        self
+    }
+
+    /// Whose budget a request draws on, from its method, URI and headers (default: the
+    /// URI's authority, `api.example.com`, so every upstream has its own). Return the
+    /// account or API key as well to keep one budget per account; `None` sends the
+    /// request unlimited.
+    pub fn key(
+        mut self,
+        key: impl Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.key = Box::new(key);
+        self
+    }
+
+    /// How many units a request costs (default 1).
+    pub fn cost(
+        mut self,
+        cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
+    ) -> Self {
+        self.cost = Some(Box::new(cost));
+        self
+    }
+
+    /// The longest a request waits for the limit in all (default 30 s); one that would
+    /// wait longer fails with [`OutboundError::Limited`] at once.
+    pub fn max_wait(mut self, max_wait: Duration) -> Self {
+        self.max_wait = max_wait;
+        self
+    }
+
+    /// Never waits: a request over the limit fails at once with
+    /// [`OutboundError::Limited`] (a `max_wait` of zero).
+    pub fn fail_fast(self) -> Self {
+        self.max_wait(Duration::ZERO)
+    }
+
+    /// How much longer than the retry time a waiting request may sleep, as a share of
+    /// it, chosen at random per request (default 0.1: up to 10% more), so that the
+    /// workers refused together do not all come back at the same instant.
+    pub fn jitter(mut self, share: f64) -> Self {
+        self.jitter = share;
+        self
+    }
+
+    /// The longest an upstream's 429 pauses the workers sharing its key (default 60 s;
+    /// at most an hour; zero: a 429 pauses nobody). See [`super::pause_of`] for how a
+    /// `Retry-After` becomes a pause.
+    pub fn max_pause(mut self, max_pause: Duration) -> Self {
+        self.max_pause = max_pause;
+        self
+    }
+
+    /// Settles what a request really cost once its response says so: `settle` reads the
+    /// response's status and headers and returns the units used (say an LLM API's
+    /// tokens), or `None` to keep the estimate. The difference from the estimate the
+    /// request was charged ([`cost`](Self::cost)) is charged or refunded, so the budget
+    /// holds what the fleet really used.
+    pub fn settle(
+        mut self,
+        settle: impl Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync + 'static,
+    ) -> Self {
+        self.settle = Some(Box::new(settle));
+        self
+    }
+
+    /// Builds the layer.
+    ///
+    /// # Errors
+    ///
+    /// When the jitter is not a share from 0 to 1, or the longest pause is over an hour.
+    pub fn build(self) -> Result<OutboundLayer<St>, ConfigError> {
+        if !(0.0..=1.0).contains(&self.jitter) {
+            return Err(ConfigError::new(format!(
+                "outbound jitter must be a share from 0 to 1 (0.1: up to 10% longer than the retry time); got {}",
+                self.jitter
+            )));
+        }
+        if self.max_pause > PAUSE_CEILING {
+            return Err(ConfigError::new(format!(
+                "outbound max_pause must be at most an hour; got {:?}",
+                self.max_pause
+            )));
+        }
+        let pause = super::pause::policy(self.max_pause)?;
+        Ok(OutboundLayer {
+            shared: Arc::new(Shared {
+                store: self.store,
+                policies: self.policies,
+                key: self.key,
+                cost: self.cost,
+                max_wait: self.max_wait,
+                jitter: self.jitter,
+                seeds: std::hash::RandomState::new(),
+                pause,
+                settle: self.settle,
+            }),
+        })
+    }
+}
+
+/// The service an [`OutboundLayer`] makes around a client.
+pub struct Outbound<S, St> {
+    inner: S,
+    shared: Arc<Shared<St>>,
+}
+
+impl<S: Clone, St> Clone for Outbound<S, St> {
+    fn clone(&self) -> Self {
+        Outbound {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St> fmt::Debug for Outbound<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbound")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St, B, RB> Service<Request<B>> for Outbound<S, St>
+where
+    S: Service<Request<B>, Response = http::Response<RB>> + Clone,
+    S::Error: Into<Box<dyn Error + Send + Sync>>,
+    St: Store,
+{
+    type Response = S::Response;
+    type Error = Box<dyn Error + Send + Sync>;
+    type Future = ResponseFuture<S, St, B>;
+
+    /// Always ready: a request may wait for the limit first, and holding the inner
+    /// service's readiness meanwhile would starve it. The future makes its own clone of
+    /// the inner service ready once the request is admitted.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let shared = &self.shared;
+        let (method, uri, headers) = (request.method(), request.uri(), request.headers());
+        let key = (shared.key)(method, uri, headers);
+        let cost = shared
+            .cost
+            .as_ref()
+            .map_or(1, |cost| cost(method, uri, headers));
+        ResponseFuture::new(self.inner.clone(), Arc::clone(shared), key, cost, request)
+    }
+}
+
+/// Why the limiter itself failed an outbound request (the inner service's own errors
+/// pass through as they are). Downcast the service's boxed error to tell.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum OutboundError {
+    /// Over the limit for longer than the request may wait: the same request fits in
+    /// `retry_after`.
+    Limited {
+        /// When the limit would admit the request.
+        retry_after: Duration,
+    },
+    /// The request costs more than a limit holds at once: it never fits.
+    CostExceedsCapacity,
+    /// A memory store holding its bound of keys refused a new one.
+    StoreFull,
+    /// The store failed (Redis down, a timeout): nothing was sent.
+    Store(StoreError),
+}
+
+impl fmt::Display for OutboundError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OutboundError::Limited { retry_after } => write!(
+                f,
+                "outbound rate limit reached: the request fits in {retry_after:?}, longer than it may wait"
+            ),
+            OutboundError::CostExceedsCapacity => {
+                f.write_str("the request costs more than the outbound limit holds at once")
+            }
+            OutboundError::StoreFull => {
+                f.write_str("the limiter's store is full and refused a new key")
+            }
+            OutboundError::Store(e) => write!(f, "the outbound limiter's store failed: {e}"),
+        }
+    }
+}
+
+impl Error for OutboundError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        match self {
+            OutboundError::Store(e) => Some(e),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! Outbound limits: the same policies and stores on the client side, so that a fleet of
+//! workers calling a third-party API stays under *its* quota together.
+//!
+//! Ten workers each limiting themselves to 100 a second send 1,000 a second; workers that
+//! share a [`RedisStore`](tollway_core::RedisStore) (or, in one process, a
+//! [`MemoryStore`](tollway_core::MemoryStore)) share one budget. [`OutboundLayer`] wraps
+//! any tower HTTP client service (hyper-util's `Client`, or anything that is a
+//! `Service<http::Request<B>>`), keyed by default per upstream (the URI's authority).
+//!
+//! **Wait, don't fail.** A request over the limit waits until the store would admit it —
+//! the decision's retry time, stretched by a random share (default up to 10%) so that a
+//! fleet does not wake in lockstep — and is then checked again, for at most
+//! [`max_wait`](OutboundLayerBuilder::max_wait) in all (default 30 s); past that, or at
+//! once with [`fail_fast`](OutboundLayerBuilder::fail_fast), it fails with
+//! [`OutboundError::Limited`] and its retry time. A waiting request holds nothing: it is
+//! charged only when admitted, so a request dropped while it waits (a timeout around it,
+//! a caller gone) costs the budget nothing. The inner service is made ready after
+//! admission, so a waiting request holds none of its capacity either.
+//!
+//! **Listen to the upstream.** A response that is a 429 (or a gRPC `RESOURCE_EXHAUSTED`)
+//! pauses every worker sharing its key, through the store, for what its `Retry-After`
+//! says, by the rule of [`pause_of`], and never longer than
+//! [`max_pause`](OutboundLayerBuilder::max_pause) (default 60 s). The response is handed
+//! on as it is; the caller decides whether to send the request again.
+//!
+//! **Costs the response decides.** With [`settle`](OutboundLayerBuilder::settle), a
+//! request is charged its estimated [`cost`](OutboundLayerBuilder::cost) up front, and
+//! the difference from what its response reports it used is charged or refunded after,
+//! so a tokens-per-minute budget holds fleet-wide.
+//!
+//! Not here yet: sending a refused idempotent request again within its deadline.
+//!
+//! # Examples
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use std::time::Duration;
+//!
+//! use http::{Request, Response};
+//! use tollway_tower::TokioClock;
+//! use tollway_tower::outbound::{OutboundError, OutboundLayer};
+//! use tollway_tower::tollway_core::{Algorithm, MemoryStore, Policy, Quota};
+//! use tower_layer::Layer;
+//! use tower_service::Service;
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! // Stand-in for an HTTP client: answers every request.
+//! let client = tower_service_fn(|_req: Request<()>| async {
+//!     Ok::<_, Infallible>(Response::new(()))
+//! });
+//!
+//! // The upstream allows 2 a second; every worker of the fleet shares this store (on
+//! // tokio's clock, which this example pauses).
+//! let quota = Quota::per_second(2)?;
+//! let policy = Policy::new("stripe", Algorithm::Gcra, quota)?;
+//! let store = MemoryStore::builder().clock(TokioClock::new()).build()?;
+//!
+//! // Waits for its turn (the default)...
+//! let mut waiting = OutboundLayer::builder(store.clone(), policy.clone()).build()?.layer(client.clone());
+//! // ...or fails at once.
+//! let mut failing = OutboundLayer::builder(store, policy).fail_fast().build()?.layer(client);
+//!
+//! let call = || Request::get("https://api.example.com/v1/charges").body(()).unwrap();
+//! waiting.call(call()).await?;
+//! waiting.call(call()).await?;
+//! let refused = failing.call(call()).await.unwrap_err();
+//! match refused.downcast_ref::<OutboundError>() {
+//!     Some(OutboundError::Limited { retry_after }) => assert!(*retry_after > Duration::ZERO),
+//!     other => panic!("{other:?}"),
+//! }
+//! // The third call waits about half a second (the paused clock moves on by itself).
+//! let before = tokio::time::Instant::now();
+//! waiting.call(call()).await?;
+//! assert!(before.elapsed() >= Duration::from_millis(500));
+//! # Ok(())
+//! # }
+//! # #[derive(Clone)]
+//! # struct ServiceFn<F>(F);
+//! # fn tower_service_fn<F>(f: F) -> ServiceFn<F> { ServiceFn(f) }
+//! # impl<F, Fut, R> Service<Request<()>> for ServiceFn<F>
+//! # where F: FnMut(Request<()>) -> Fut, Fut: std::future::Future<Output = Result<R, Infallible>> {
+//! #     type Response = R; type Error = Infallible; type Future = Fut;
+//! #     fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Infallible>> { std::task::Poll::Ready(Ok(())) }
+//! #     fn call(&mut self, req: Request<()>) -> Fut { (self.0)(req) }
+//! # }
+//! ```
+
+mod future;
+mod layer;
+mod pause;
+
+pub use future::ResponseFuture;
+pub use layer::{Outbound, OutboundError, OutboundLayer, OutboundLayerBuilder};
+pub use pause::{DEFAULT_PAUSE, pause_of};

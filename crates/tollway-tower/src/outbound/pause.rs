@@ -1,0 +1,72 @@
+//! An upstream's 429, as a pause every worker sharing the key sees.
+
+use std::time::{Duration, SystemTime};
+
+use http::{HeaderMap, StatusCode, header};
+use tollway_core::{Algorithm, ConfigError, Policy, Quota};
+
+/// A pause no `Retry-After` states: a 429 without one, or with one that is not a
+/// number of seconds or an HTTP date.
+pub const DEFAULT_PAUSE: Duration = Duration::from_secs(1);
+
+/// The pause store's policy for pauses up to `max_pause`: a GCRA of one unit a
+/// millisecond whose capacity is the longest pause in milliseconds. A request peeks at
+/// the whole capacity (it fits only while no pause runs, and peeking charges nothing); a
+/// pause of `d` charges `d` in milliseconds, so the capacity is whole again — the pause
+/// over — `d` later, for every worker that shares the store. `None` for no pausing.
+pub(super) fn policy(max_pause: Duration) -> Result<Option<Policy>, ConfigError> {
+    let ms = u32::try_from(max_pause.as_millis()).unwrap_or(u32::MAX);
+    if ms == 0 {
+        return Ok(None);
+    }
+    let quota = Quota::with_period(ms, Duration::from_millis(u64::from(ms)))?;
+    Policy::new("outbound-pause", Algorithm::Gcra, quota).map(Some)
+}
+
+/// The pause a response asks for, if it is a refusal: a 429, or a gRPC
+/// `RESOURCE_EXHAUSTED` (`grpc-status: 8`).
+///
+/// The rule for its `Retry-After`: a whole number of seconds is that long; an HTTP date
+/// is the time from now until then (nothing, if it has passed); anything else — missing,
+/// negative, fractional, garbage — is [`DEFAULT_PAUSE`]. Whatever it says, the pause is
+/// at most `max_pause`, so one bad answer cannot stall the fleet for a day.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use http::{HeaderMap, HeaderValue, StatusCode};
+/// use tollway_tower::outbound::pause_of;
+///
+/// let max = Duration::from_secs(60);
+/// let mut headers = HeaderMap::new();
+/// assert_eq!(pause_of(StatusCode::OK, &headers, max), None);
+/// assert_eq!(pause_of(StatusCode::TOO_MANY_REQUESTS, &headers, max), Some(Duration::from_secs(1)));
+/// for (value, pause) in [("2", 2), ("-5", 1), ("soon", 1), ("86400", 60)] {
+///     headers.insert("retry-after", HeaderValue::from_static(value));
+///     let got = pause_of(StatusCode::TOO_MANY_REQUESTS, &headers, max);
+///     assert_eq!(got, Some(Duration::from_secs(pause)), "{value}");
+/// }
+/// ```
+#[must_use]
+pub fn pause_of(status: StatusCode, headers: &HeaderMap, max_pause: Duration) -> Option<Duration> {
+    let refused = status == StatusCode::TOO_MANY_REQUESTS
+        || headers
+            .get("grpc-status")
+            .is_some_and(|s| s.as_bytes() == b"8");
+    if !refused {
+        return None;
+    }
+    let stated = headers
+        .get(header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .and_then(|v| {
+            if let Ok(seconds) = v.parse::<u64>() {
+                return Some(Duration::from_secs(seconds));
+            }
+            let at = httpdate::parse_http_date(v).ok()?;
+            Some(at.duration_since(SystemTime::now()).unwrap_or_default())
+        });
+    Some(stated.unwrap_or(DEFAULT_PAUSE).min(max_pause))
+}

@@ -1,0 +1,586 @@
+//! Outbound limits end to end: workers calling a real upstream on 127.0.0.1 (an axum
+//! server that enforces its own quota with tollway and answers 429 past it) through
+//! `OutboundLayer` around hyper-util's client, on tokio's paused clock, which the
+//! stores read through `TokioClock` so that waiting and limiting agree about time.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::Empty;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use support::http::{Hits, Server, routes};
+use tollway_core::{Algorithm, MemoryStore, Operation, Policy, Quota, Store};
+use tollway_tower::outbound::{OutboundError, OutboundLayer};
+use tollway_tower::{GlobalKey, RateLimitLayer, TokioClock};
+use tower::{Layer, Service, ServiceExt};
+
+type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>;
+
+fn http_client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// An upstream that allows `per_second` requests a second (burst as many) from everyone
+/// together, on tokio's clock, and answers 429 past it.
+async fn upstream(per_second: u32, hits: &Hits) -> Server {
+    let store = MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let policy = Policy::new(
+        "upstream",
+        Algorithm::Gcra,
+        Quota::per_second(per_second).unwrap(),
+    )
+    .unwrap();
+    let layer = RateLimitLayer::builder(store, policy)
+        .key(GlobalKey)
+        .build()
+        .unwrap();
+    Server::start(routes(hits).layer(layer)).await
+}
+
+fn get(server: &Server) -> Request<Empty<Bytes>> {
+    Request::get(format!("http://{}/", server.addr()))
+        .body(Empty::new())
+        .unwrap()
+}
+
+/// Statuses the upstream answered, and the limiter's own refusals.
+#[derive(Default)]
+struct Tally {
+    ok: AtomicU64,
+    too_many: AtomicU64,
+    refused_here: AtomicU64,
+}
+
+/// Four clients (each its own layer and connection pool, one store between them, as
+/// four processes would share a Redis) with 64 tasks each, sending as fast as they may
+/// for 10 s of tokio's time against an upstream that allows 50 a second: the upstream's
+/// 429s stay under 1% of what it received, and it serves at least 95% of its quota.
+/// Without the layer, the same tasks sending 10 requests each get 429s for nearly all.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_fleet_sharing_one_budget_stays_under_the_upstreams_quota() {
+    const PER_SECOND: u32 = 50;
+    const SECONDS: u64 = 10;
+    let hits = Hits::default();
+    let server = Arc::new(upstream(PER_SECOND, &hits).await);
+    let budget = MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let policy = Policy::new(
+        "fleet",
+        Algorithm::Gcra,
+        Quota::per_second(PER_SECOND).unwrap(),
+    )
+    .unwrap();
+    let tally = Arc::new(Tally::default());
+    let started = tokio::time::Instant::now();
+    let deadline = started + Duration::from_secs(SECONDS);
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let layer = OutboundLayer::builder(budget.clone(), policy.clone())
+            .max_wait(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        let client = layer.layer(http_client());
+        for _ in 0..64 {
+            let (mut client, server, tally) =
+                (client.clone(), Arc::clone(&server), Arc::clone(&tally));
+            tasks.push(tokio::spawn(async move {
+                while tokio::time::Instant::now() < deadline {
+                    match client.ready().await.unwrap().call(get(&server)).await {
+                        Ok(response) if response.status() == StatusCode::OK => {
+                            tally.ok.fetch_add(1, Ordering::Relaxed)
+                        }
+                        Ok(response) => {
+                            assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+                            tally.too_many.fetch_add(1, Ordering::Relaxed)
+                        }
+                        Err(e) => {
+                            assert!(e.downcast_ref::<OutboundError>().is_some(), "{e}");
+                            tally.refused_here.fetch_add(1, Ordering::Relaxed)
+                        }
+                    };
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let (ok, too_many) = (
+        tally.ok.load(Ordering::Relaxed),
+        tally.too_many.load(Ordering::Relaxed),
+    );
+    // The burst, then the refill over the time the fleet ran: tasks that entered their
+    // loop before the deadline finish the request they waited for after it.
+    let ran = started.elapsed();
+    let quota = (f64::from(PER_SECOND) * (1.0 + ran.as_secs_f64())) as u64;
+    println!("with the layer: {ok} served, {too_many} answered 429 in {ran:?}, quota {quota}");
+    assert!(
+        too_many * 100 <= ok + too_many,
+        "{too_many} 429s of {}",
+        ok + too_many
+    );
+    assert!(ok * 100 >= quota * 95, "served {ok} of a quota of {quota}");
+    assert!(ok <= quota + 1, "served {ok}, more than the quota {quota}");
+    assert_eq!(tally.refused_here.load(Ordering::Relaxed), 0);
+
+    // The same fleet without the layer, ten requests a task, 10 s later (a fresh budget).
+    tokio::time::sleep(Duration::from_secs(SECONDS)).await;
+    let unlimited = Arc::new(Tally::default());
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let client = http_client();
+        for _ in 0..64 {
+            let (client, server, tally) =
+                (client.clone(), Arc::clone(&server), Arc::clone(&unlimited));
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..10 {
+                    let response = client.request(get(&server)).await.unwrap();
+                    if response.status() == StatusCode::OK {
+                        tally.ok.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        tally.too_many.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let (ok, too_many) = (
+        unlimited.ok.load(Ordering::Relaxed),
+        unlimited.too_many.load(Ordering::Relaxed),
+    );
+    println!("without it: {ok} served, {too_many} answered 429");
+    assert!(
+        too_many > 2_000,
+        "without the layer only {too_many} of 2560 got 429"
+    );
+}
+
+/// A request waiting for the limit that is dropped (a timeout around it, a caller gone)
+/// charges nothing: after the refill the budget is whole again, and the next request
+/// goes at once.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_waiting_request_dropped_consumes_nothing() {
+    let hits = Hits::default();
+    let server = upstream(1_000, &hits).await;
+    let store = MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let policy = Policy::new(
+        "one-a-second",
+        Algorithm::TokenBucket,
+        Quota::per_second(1).unwrap(),
+    )
+    .unwrap();
+    let layer = OutboundLayer::builder(store.clone(), policy.clone())
+        .build()
+        .unwrap();
+    let mut client = layer.layer(http_client());
+
+    let response = client
+        .ready()
+        .await
+        .unwrap()
+        .call(get(&server))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    // The second waits about a second: give up after 300 ms.
+    let waiting = client.ready().await.unwrap().call(get(&server));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), waiting)
+            .await
+            .is_err()
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    // The default key: the upstream's authority.
+    let key = server.addr().to_string();
+    let peek_upstream = store
+        .operate(key.as_bytes(), &[&policy], Operation::Peek(0))
+        .await
+        .unwrap();
+    assert_eq!(
+        peek_upstream[0].remaining(),
+        1,
+        "the dropped request was charged"
+    );
+    let before = tokio::time::Instant::now();
+    let response = client
+        .ready()
+        .await
+        .unwrap()
+        .call(get(&server))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(before.elapsed(), Duration::ZERO);
+    assert_eq!(hits.get(), 2);
+}
+
+/// What fails instead of waiting: `fail_fast`, a wait longer than `max_wait`, a cost the
+/// limit can never hold; and a request without a key is not limited at all. A jitter
+/// outside 0..=1 fails when the layer is built.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn refusals_are_typed_errors_and_a_request_without_a_key_is_not_limited() {
+    let hits = Hits::default();
+    let server = upstream(1_000, &hits).await;
+    let store = MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let policy = Policy::new(
+        "two-a-minute",
+        Algorithm::Gcra,
+        Quota::per_minute(2).unwrap(),
+    )
+    .unwrap();
+    let build = |b: tollway_tower::outbound::OutboundLayerBuilder<MemoryStore<TokioClock>>| {
+        b.build().unwrap().layer(http_client())
+    };
+    let mut waiting = build(
+        OutboundLayer::builder(store.clone(), policy.clone()).max_wait(Duration::from_secs(10)),
+    );
+    let mut failing = build(OutboundLayer::builder(store.clone(), policy.clone()).fail_fast());
+    let mut weighted =
+        build(OutboundLayer::builder(store.clone(), policy.clone()).cost(|_, _, _| 3));
+    let mut unkeyed =
+        build(OutboundLayer::builder(store.clone(), policy.clone()).key(|_, _, _| None));
+
+    for _ in 0..2 {
+        let response = waiting
+            .ready()
+            .await
+            .unwrap()
+            .call(get(&server))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let limited = |e: Box<dyn std::error::Error + Send + Sync>| match e.downcast::<OutboundError>()
+    {
+        Ok(e) => *e,
+        Err(other) => panic!("not the limiter's error: {other}"),
+    };
+    // The next unit comes in 30 s: failing at once, and past a 10 s wait.
+    let before = tokio::time::Instant::now();
+    let e = limited(
+        failing
+            .ready()
+            .await
+            .unwrap()
+            .call(get(&server))
+            .await
+            .unwrap_err(),
+    );
+    assert!(
+        matches!(e, OutboundError::Limited { retry_after } if retry_after == Duration::from_secs(30)),
+        "{e:?}"
+    );
+    let e = limited(
+        waiting
+            .ready()
+            .await
+            .unwrap()
+            .call(get(&server))
+            .await
+            .unwrap_err(),
+    );
+    assert!(matches!(e, OutboundError::Limited { .. }), "{e:?}");
+    assert_eq!(
+        before.elapsed(),
+        Duration::ZERO,
+        "no wait when it cannot end in time"
+    );
+    let e = limited(
+        weighted
+            .ready()
+            .await
+            .unwrap()
+            .call(get(&server))
+            .await
+            .unwrap_err(),
+    );
+    assert!(matches!(e, OutboundError::CostExceedsCapacity), "{e:?}");
+    // No key: through, whatever the budget.
+    for _ in 0..3 {
+        let response = unkeyed
+            .ready()
+            .await
+            .unwrap()
+            .call(get(&server))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    assert_eq!(hits.get(), 5);
+
+    let err = OutboundLayer::builder(store, policy)
+        .jitter(1.5)
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("jitter"), "{err}");
+}
+
+/// A request over the limit waits the retry time (and at most 10% more), then goes.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_over_the_limit_waits_its_turn_then_goes() {
+    let hits = Hits::default();
+    let server = upstream(1_000, &hits).await;
+    let store = MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let policy = Policy::new(
+        "one-a-second",
+        Algorithm::Gcra,
+        Quota::per_second(1).unwrap(),
+    )
+    .unwrap();
+    let mut client = OutboundLayer::builder(store, policy)
+        .build()
+        .unwrap()
+        .layer(http_client());
+    let started = tokio::time::Instant::now();
+    for n in 0..4u32 {
+        let response = client
+            .ready()
+            .await
+            .unwrap()
+            .call(get(&server))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let elapsed = started.elapsed();
+        // Request n goes n seconds in, give or take the jitter of the waits before it.
+        assert!(
+            elapsed >= Duration::from_secs(u64::from(n)),
+            "{n}: {elapsed:?}"
+        );
+        assert!(
+            elapsed <= Duration::from_secs(u64::from(n)).mul_f64(1.1),
+            "{n}: {elapsed:?}"
+        );
+    }
+    assert_eq!(hits.get(), 4);
+}
+
+/// An upstream whose first answer is a 429 with `Retry-After: {retry_after}`, then 200s;
+/// it records when (tokio time) each request reached it.
+async fn refusing_once(
+    retry_after: &str,
+) -> (Server, Arc<std::sync::Mutex<Vec<tokio::time::Instant>>>) {
+    use axum::response::IntoResponse;
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&arrivals);
+    let retry_after = retry_after.to_owned();
+    let app = axum::Router::new().route(
+        "/",
+        axum::routing::get(move || {
+            let (seen, retry_after) = (Arc::clone(&seen), retry_after.clone());
+            async move {
+                let mut seen = seen.lock().unwrap();
+                seen.push(tokio::time::Instant::now());
+                if seen.len() == 1 {
+                    (
+                        StatusCode::TOO_MANY_REQUESTS,
+                        [("retry-after", retry_after)],
+                    )
+                        .into_response()
+                } else {
+                    StatusCode::OK.into_response()
+                }
+            }
+        }),
+    );
+    (Server::start(app).await, arrivals)
+}
+
+/// An upstream 429 with `Retry-After: 2` pauses all three clients sharing the key: the
+/// next request reaches the upstream 2 s after the refusal, not before, though the
+/// budget itself (1,000 a second) would have let them through.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_upstream_429_pauses_every_client_sharing_the_key() {
+    let (server, arrivals) = refusing_once("2").await;
+    let server = Arc::new(server);
+    let store = MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let mut client = OutboundLayer::builder(store.clone(), policy.clone())
+            .build()
+            .unwrap()
+            .layer(http_client());
+        let server = Arc::clone(&server);
+        tasks.push(tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            for _ in 0..3 {
+                let response = client
+                    .ready()
+                    .await
+                    .unwrap()
+                    .call(get(&server))
+                    .await
+                    .unwrap();
+                statuses.push(response.status());
+            }
+            statuses
+        }));
+    }
+    let mut statuses = Vec::new();
+    for task in tasks {
+        statuses.extend(task.await.unwrap());
+    }
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 9);
+    let refused_at = arrivals[0];
+    // Requests sent before the refusal came back were already on their way; every one
+    // sent after it waited out the pause.
+    let after_pause: Vec<_> = arrivals[1..].iter().filter(|&&t| t > refused_at).collect();
+    assert!(!after_pause.is_empty());
+    for &&t in &after_pause {
+        assert!(
+            t - refused_at >= Duration::from_secs(2),
+            "{:?} after the 429",
+            t - refused_at
+        );
+    }
+    assert_eq!(
+        statuses
+            .iter()
+            .filter(|&&s| s == StatusCode::TOO_MANY_REQUESTS)
+            .count(),
+        1
+    );
+}
+
+/// However the upstream states it — an HTTP date 3 s ahead (whole seconds: 2 to 3 s
+/// from now), garbage, -5, a day — the pause follows the rule of `pause_of` and is never
+/// longer than `max_pause` (5 s here).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn retry_after_in_any_form_pauses_by_the_rule_and_never_past_the_maximum() {
+    let in_3_s = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(3));
+    // (Retry-After, the least and the most pause the next request sees)
+    let cases: [(&str, u64, u64); 4] = [
+        (in_3_s.as_str(), 2_000, 3_000),
+        ("soon", 1_000, 1_001),
+        ("-5", 1_000, 1_001),
+        ("86400", 5_000, 5_001),
+    ];
+    for (retry_after, least_ms, most_ms) in cases {
+        let (server, arrivals) = refusing_once(retry_after).await;
+        let store = MemoryStore::builder()
+            .clock(TokioClock::new())
+            .build()
+            .unwrap();
+        let policy =
+            Policy::new("api", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
+        let mut client = OutboundLayer::builder(store, policy)
+            .max_pause(Duration::from_secs(5))
+            // No jitter, so the wait is the pause itself (with it, up to 10% more).
+            .jitter(0.0)
+            .build()
+            .unwrap()
+            .layer(http_client());
+        for _ in 0..2 {
+            client
+                .ready()
+                .await
+                .unwrap()
+                .call(get(&server))
+                .await
+                .unwrap();
+        }
+        let arrivals = arrivals.lock().unwrap().clone();
+        let pause = arrivals[1] - arrivals[0];
+        assert!(
+            pause >= Duration::from_millis(least_ms) && pause <= Duration::from_millis(most_ms),
+            "Retry-After {retry_after:?}: paused {pause:?}"
+        );
+    }
+}
+
+/// A token-metered API: each call is charged an estimate (100 tokens) up front and
+/// settled with what the response reports (`x-tokens-used`): the budget holds exactly
+/// what was used, above the estimate or below it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn costs_are_settled_with_what_the_response_reports() {
+    use axum::response::IntoResponse;
+    let used = Arc::new(std::sync::Mutex::new(vec!["40", "250"]));
+    let app = axum::Router::new().route(
+        "/",
+        axum::routing::get(move || {
+            let used = Arc::clone(&used);
+            async move {
+                let tokens = used.lock().unwrap().pop().unwrap_or("0");
+                (StatusCode::OK, [("x-tokens-used", tokens)]).into_response()
+            }
+        }),
+    );
+    let server = Server::start(app).await;
+    let store = MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let tokens = Policy::new(
+        "tokens",
+        Algorithm::TokenBucket,
+        Quota::per_minute(1_000).unwrap(),
+    )
+    .unwrap();
+    let mut client = OutboundLayer::builder(store.clone(), tokens.clone())
+        .cost(|_, _, _| 100)
+        .settle(|_, headers| headers.get("x-tokens-used")?.to_str().ok()?.parse().ok())
+        .build()
+        .unwrap()
+        .layer(http_client());
+    let key = server.addr().to_string();
+    let remaining = || async {
+        let peek = store
+            .operate(key.as_bytes(), &[&tokens], Operation::Peek(0))
+            .await
+            .unwrap();
+        peek[0].remaining()
+    };
+    client
+        .ready()
+        .await
+        .unwrap()
+        .call(get(&server))
+        .await
+        .unwrap();
+    assert_eq!(
+        remaining().await,
+        1_000 - 250,
+        "charged 150 more than the estimate"
+    );
+    client
+        .ready()
+        .await
+        .unwrap()
+        .call(get(&server))
+        .await
+        .unwrap();
+    assert_eq!(
+        remaining().await,
+        1_000 - 250 - 40,
+        "refunded 60 of the estimate"
+    );
+}
