@@ -55,6 +55,8 @@ pin_project! {
         Ready,
         Calling { #[pin] call: F },
         After { work: Work, response: Option<R> },
+        // Finished: polled again, it answers an error rather than resume what ended.
+        Done,
     }
 }
 
@@ -104,74 +106,92 @@ where
 {
     type Output = Result<S::Response, BoxError>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let output = ready!(self.as_mut().drive(cx));
+        self.project().state.set(State::Done);
+        Poll::Ready(output)
+    }
+}
+
+impl<S, St, B, RB> ResponseFuture<S, St, B>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    S::Error: Into<BoxError>,
+    St: Store,
+{
+    /// Runs the state machine until it answers or waits.
+    fn drive(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<S::Response, BoxError>> {
         let mut this = self.project();
         loop {
-            let next =
-                match this.state.as_mut().project() {
-                    StateProj::Start => match (this.key.as_deref(), &this.shared.pause) {
-                        // No key: not limited.
-                        (None, _) => State::Ready,
-                        (Some(key), Some(pause)) => {
-                            let whole = Operation::Peek(capacity(pause));
-                            match this.shared.store.operate(key.as_bytes(), &[pause], whole) {
-                                Checked::Ready(answer) => {
-                                    unpaused(answer, this.shared, key, *this.cost, this.waited)?
-                                }
-                                Checked::Pending(check) => State::Pausing { check },
+            let next = match this.state.as_mut().project() {
+                StateProj::Start => match (this.key.as_deref(), &this.shared.pause) {
+                    // No key: not limited.
+                    (None, _) => State::Ready,
+                    (Some(key), Some(pause)) => {
+                        let whole = Operation::Peek(capacity(pause));
+                        match this.shared.store.operate(key.as_bytes(), &[pause], whole) {
+                            Checked::Ready(answer) => {
+                                unpaused(answer, this.shared, key, *this.cost, this.waited)?
                             }
-                        }
-                        (Some(key), None) => limits(this.shared, key, *this.cost, this.waited)?,
-                    },
-                    StateProj::Pausing { check } => {
-                        let answer = ready!(check.poll(cx));
-                        let key = this.key.as_deref().unwrap_or_default();
-                        unpaused(answer, this.shared, key, *this.cost, this.waited)?
-                    }
-                    StateProj::Checking { check } => {
-                        let answer = ready!(check.poll(cx));
-                        after(answer, this.shared, this.waited)?
-                    }
-                    StateProj::Sleeping { sleep, then_call } => {
-                        ready!(sleep.poll(cx));
-                        if *then_call {
-                            State::Ready
-                        } else {
-                            State::Start
+                            Checked::Pending(check) => State::Pausing { check },
                         }
                     }
-                    StateProj::Ready => {
-                        ready!(this.inner.poll_ready(cx)).map_err(Into::into)?;
-                        let Some(request) = this.request.take() else {
-                            return Poll::Ready(Err(
-                                "outbound request polled after it was sent".into()
-                            ));
-                        };
-                        State::Calling {
-                            call: this.inner.call(request),
-                        }
+                    (Some(key), None) => limits(this.shared, key, *this.cost, this.waited)?,
+                },
+                StateProj::Pausing { check } => {
+                    let answer = ready!(check.poll(cx));
+                    let key = this.key.as_deref().unwrap_or_default();
+                    unpaused(answer, this.shared, key, *this.cost, this.waited)?
+                }
+                StateProj::Checking { check } => {
+                    let answer = ready!(check.poll(cx));
+                    after(answer, this.shared, this.waited)?
+                }
+                StateProj::Sleeping { sleep, then_call } => {
+                    ready!(sleep.poll(cx));
+                    if *then_call {
+                        State::Ready
+                    } else {
+                        State::Start
                     }
-                    StateProj::Calling { call } => {
-                        let response = ready!(call.poll(cx)).map_err(Into::into)?;
-                        let work = this
-                            .key
-                            .as_deref()
-                            .and_then(|key| told(this.shared, key, *this.cost, &response));
-                        match work {
-                            Some(work) => State::After {
-                                work,
-                                response: Some(response),
-                            },
-                            None => return Poll::Ready(Ok(response)),
-                        }
+                }
+                StateProj::Ready => {
+                    ready!(this.inner.poll_ready(cx)).map_err(Into::into)?;
+                    let Some(request) = this.request.take() else {
+                        return Poll::Ready(
+                            Err("outbound request polled after it was sent".into()),
+                        );
+                    };
+                    State::Calling {
+                        call: this.inner.call(request),
                     }
-                    StateProj::After { work, response } => {
-                        ready!(work.as_mut().poll(cx));
-                        return Poll::Ready(response.take().ok_or_else(|| {
+                }
+                StateProj::Calling { call } => {
+                    let response = ready!(call.poll(cx)).map_err(Into::into)?;
+                    let work = this
+                        .key
+                        .as_deref()
+                        .and_then(|key| told(this.shared, key, *this.cost, &response));
+                    match work {
+                        Some(work) => State::After {
+                            work,
+                            response: Some(response),
+                        },
+                        None => return Poll::Ready(Ok(response)),
+                    }
+                }
+                StateProj::After { work, response } => {
+                    ready!(work.as_mut().poll(cx));
+                    return Poll::Ready(
+                        response.take().ok_or_else(|| {
                             "outbound response polled after it was handed on".into()
-                        }));
-                    }
-                };
+                        }),
+                    );
+                }
+                StateProj::Done => {
+                    return Poll::Ready(Err("outbound future polled after it completed".into()));
+                }
+            };
             this.state.set(next);
         }
     }
@@ -229,6 +249,8 @@ fn after<F, C, R, St>(
 ) -> Result<State<F, C, R>, BoxError> {
     let decisions = answer.map_err(|e| Box::new(OutboundError::Store(e)))?;
     if decisions.is_allowed() {
+        // A shaper's delay: the request is admitted (and charged) already, so it goes
+        // after the delay whatever `max_wait` says, and a drop during it keeps the charge.
         let delay = decisions
             .iter()
             .map(|d| d.delay())
@@ -292,7 +314,10 @@ fn told<St: Store, RB>(
     Some(Box::pin(async move {
         let store = &shared.store;
         if let Some((policy, pause)) = pause {
-            // A longer pause already running stands; a shorter one is lengthened.
+            // A longer pause already running stands; a shorter one is lengthened. The
+            // read and the charge are two operations: 429s that race each add their own
+            // share, so concurrent ones can lengthen a pause past what each asked, never
+            // past the pause policy's capacity, `max_pause`.
             let whole = Operation::Peek(capacity(&policy));
             let running = match store.operate(key.as_bytes(), &[&policy], whole).await {
                 Ok(decisions) => decisions.iter().filter_map(|d| d.retry_after()).max(),

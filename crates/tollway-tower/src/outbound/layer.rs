@@ -182,8 +182,8 @@ impl<St: Store> OutboundLayerBuilder<St> {
     /// Settles what a request really cost once its response says so: `settle` reads the
     /// response's status and headers and returns the units used (say an LLM API's
     /// tokens), or `None` to keep the estimate. The difference from the estimate the
-    /// request was charged ([`cost`](Self::cost)) is charged or refunded, so the budget
-    /// holds what the fleet really used.
+    /// request was charged ([`cost`](Self::cost)) is charged or refunded; a charge takes
+    /// what is left and no more (see the [module docs](super)).
     pub fn settle(
         mut self,
         settle: impl Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync + 'static,

@@ -14,7 +14,8 @@
 //! once with [`fail_fast`](OutboundLayerBuilder::fail_fast), it fails with
 //! [`OutboundError::Limited`] and its retry time. A waiting request holds nothing: it is
 //! charged only when admitted, so a request dropped while it waits (a timeout around it,
-//! a caller gone) costs the budget nothing. The inner service is made ready after
+//! a caller gone) costs the budget nothing — except during a shaper's delay (a leaky
+//! bucket that shapes), which comes after admission. The inner service is made ready after
 //! admission, so a waiting request holds none of its capacity either.
 //!
 //! **Listen to the upstream.** A response that is a 429 (or a gRPC `RESOURCE_EXHAUSTED`)
@@ -26,7 +27,12 @@
 //! **Costs the response decides.** With [`settle`](OutboundLayerBuilder::settle), a
 //! request is charged its estimated [`cost`](OutboundLayerBuilder::cost) up front, and
 //! the difference from what its response reports it used is charged or refunded after,
-//! so a tokens-per-minute budget holds fleet-wide.
+//! so a tokens-per-minute budget counts what the fleet used. A charge after the fact
+//! takes what is left and no more (the stores keep no debt): when responses use more
+//! than the estimates and the budget runs dry, the excess goes uncounted — estimate
+//! high. A layer's cost applies to each of its limits: for requests a second and tokens
+//! a minute, stack two layers; a request admitted by the outer one keeps that charge if
+//! the inner one then refuses it.
 //!
 //! Not here yet: sending a refused idempotent request again within its deadline.
 //!

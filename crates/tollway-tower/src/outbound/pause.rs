@@ -26,10 +26,13 @@ pub(super) fn policy(max_pause: Duration) -> Result<Option<Policy>, ConfigError>
 /// The pause a response asks for, if it is a refusal: a 429, or a gRPC
 /// `RESOURCE_EXHAUSTED` (`grpc-status: 8`).
 ///
-/// The rule for its `Retry-After`: a whole number of seconds is that long; an HTTP date
-/// is the time from now until then (nothing, if it has passed); anything else — missing,
-/// negative, fractional, garbage — is [`DEFAULT_PAUSE`]. Whatever it says, the pause is
-/// at most `max_pause`, so one bad answer cannot stall the fleet for a day.
+/// The rule for its `Retry-After`: a whole number of seconds (digits only) is that long,
+/// however many digits; an HTTP date is the time from now until then (nothing, if it has
+/// passed: the upstream says to retry now); anything else — missing, negative, signed,
+/// fractional, garbage — is [`DEFAULT_PAUSE`]. Whatever it says, the pause is at most
+/// `max_pause`, so one bad answer cannot stall the fleet for a day. A gRPC status is read
+/// from the response's headers: a trailers-only refusal, not one sent in trailers after
+/// a stream began.
 ///
 /// # Examples
 ///
@@ -42,7 +45,7 @@ pub(super) fn policy(max_pause: Duration) -> Result<Option<Policy>, ConfigError>
 /// let mut headers = HeaderMap::new();
 /// assert_eq!(pause_of(StatusCode::OK, &headers, max), None);
 /// assert_eq!(pause_of(StatusCode::TOO_MANY_REQUESTS, &headers, max), Some(Duration::from_secs(1)));
-/// for (value, pause) in [("2", 2), ("-5", 1), ("soon", 1), ("86400", 60)] {
+/// for (value, pause) in [("2", 2), ("-5", 1), ("+5", 1), ("soon", 1), ("86400", 60), ("99999999999999999999", 60)] {
 ///     headers.insert("retry-after", HeaderValue::from_static(value));
 ///     let got = pause_of(StatusCode::TOO_MANY_REQUESTS, &headers, max);
 ///     assert_eq!(got, Some(Duration::from_secs(pause)), "{value}");
@@ -62,8 +65,9 @@ pub fn pause_of(status: StatusCode, headers: &HeaderMap, max_pause: Duration) ->
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .and_then(|v| {
-            if let Ok(seconds) = v.parse::<u64>() {
-                return Some(Duration::from_secs(seconds));
+            if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+                // Too many digits for a u64 is longer than any pause.
+                return Some(v.parse::<u64>().map_or(max_pause, Duration::from_secs));
             }
             let at = httpdate::parse_http_date(v).ok()?;
             Some(at.duration_since(SystemTime::now()).unwrap_or_default())
