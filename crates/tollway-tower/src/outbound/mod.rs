@@ -34,6 +34,11 @@
 //! a minute, stack two layers; a request admitted by the outer one keeps that charge if
 //! the inner one then refuses it.
 //!
+//! Give the clients a burst a little under the upstream's: requests reach it a little
+//! later and less evenly than they were admitted, and the difference absorbs that
+//! (measured through Redis, 4 clients × 64 tasks against 50 a second: the same burst drew
+//! 0.2–1.1% 429s, a burst of 40 for the upstream's 50 none).
+//!
 //! Not here yet: sending a refused idempotent request again within its deadline.
 //!
 //! # Examples
