@@ -4,7 +4,8 @@
 -- memory store's Table::apply (crates/tollway-core/src/store/memory.rs) and of each
 -- algorithm's `refund` in crates/tollway-core/src/algorithm/.
 -- ARGV as prelude.lua describes, with [2] the units, and one more after the limits:
--- [4 + 5N] the operation, 'charge', 'refund' or 'reset'.
+-- [4 + 5N] the operation, 'charge', 'refund', 'reset' or 'drain' (take what is left over
+-- the units: at most that many remain).
 -- Not on the request path, so it is written for reading: helper functions, one loop.
 
 local units, grace, op = argv[2] + 0, argv[3] + 0, argv[4 + 5 * n]
@@ -150,11 +151,17 @@ local function refund(i, v)
 end
 
 -- Takes the units from limit i, or what it has left if less (whole units, which always
--- fit); returns what its key now holds.
-local function charge(i, v)
+-- fit); with `drain`, what it has left over the units instead. Returns what its key now
+-- holds.
+local function charge(i, v, drain)
   local _, left = decide(i, 0, v)
   local c = units
-  if left < c then c = left end
+  if drain then
+    c = left - units
+    if c <= 0 then return v end
+  elseif left < c then
+    c = left
+  end
   local denial, _, _, _, x, a = decide(i, c, v)
   if denial ~= 0 then return error('tollway: a charge of what is left was refused') end
   if argv[5 * i - 1] == '5' then
@@ -174,7 +181,9 @@ for i = 1, n do
   elseif op == 'refund' then
     v = refund(i, v)
   elseif op == 'charge' then
-    v = charge(i, v)
+    v = charge(i, v, false)
+  elseif op == 'drain' then
+    v = charge(i, v, true)
   else
     return error('tollway: unknown operation ' .. tostring(op))
   end

@@ -384,6 +384,15 @@ async fn a_request_over_the_limit_waits_its_turn_then_goes() {
 async fn refusing_once(
     retry_after: &str,
 ) -> (Server, Arc<std::sync::Mutex<Vec<tokio::time::Instant>>>) {
+    refusing_first(1, retry_after).await
+}
+
+/// An upstream whose first `refusals` answers are 429s with `Retry-After: {retry_after}`,
+/// then 200s; it records when (tokio time) each request reached it.
+async fn refusing_first(
+    refusals: usize,
+    retry_after: &str,
+) -> (Server, Arc<std::sync::Mutex<Vec<tokio::time::Instant>>>) {
     use axum::response::IntoResponse;
     let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = Arc::clone(&arrivals);
@@ -395,7 +404,7 @@ async fn refusing_once(
             async move {
                 let mut seen = seen.lock().unwrap();
                 seen.push(tokio::time::Instant::now());
-                if seen.len() == 1 {
+                if seen.len() <= refusals {
                     (
                         StatusCode::TOO_MANY_REQUESTS,
                         [("retry-after", retry_after)],
@@ -615,6 +624,9 @@ async fn a_fleet_sharing_redis_stays_under_the_upstreams_quota() {
         let store = tollway_core::RedisStore::builder()
             .prefix(prefix.clone())
             .without_local_fallback()
+            // Beside the other tests on two cores a call can take longer than the
+            // default 100 ms; a pause that timed out would not be recorded.
+            .timeout(Duration::from_secs(5))
             .connect(&support::shared_server().url())
             .await
             .unwrap();
@@ -670,4 +682,61 @@ async fn upstream_on_real_time(per_second: u32, hits: &Hits) -> Server {
         .build()
         .unwrap();
     Server::start(routes(hits).layer(layer)).await
+}
+
+/// Three 429s at once (three clients' first requests, each `Retry-After: 2`) pause the
+/// fleet for 2 s, not 6: each asks the store for "at least 2 s" in one atomic step
+/// (`Operation::Drain`), so racing pauses do not add up. Through Redis, where the three
+/// responses' store calls interleave (in real time: a Redis round trip cannot run on
+/// tokio's paused clock); a read-then-charge pause paused them for up to 6 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pauses_from_racing_429s_do_not_add_up() {
+    let (server, arrivals) = refusing_first(3, "2").await;
+    let server = Arc::new(server);
+    let prefix = support::unique_prefix("outbound-pause");
+    let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let store = tollway_core::RedisStore::builder()
+            .prefix(prefix.clone())
+            .without_local_fallback()
+            // Beside the other tests on two cores a call can take longer than the
+            // default 100 ms; a pause that timed out would not be recorded.
+            .timeout(Duration::from_secs(5))
+            .connect(&support::shared_server().url())
+            .await
+            .unwrap();
+        let mut client = OutboundLayer::builder(store, policy.clone())
+            .jitter(0.0)
+            .build()
+            .unwrap()
+            .layer(http_client());
+        let server = Arc::clone(&server);
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..2 {
+                client
+                    .ready()
+                    .await
+                    .unwrap()
+                    .call(get(&server))
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 6);
+    // The first three arrivals were refused. Nothing got through before the first pause
+    // ended, and the first request that did came when one pause would end, not two or
+    // three added up (under load a client may start late and meet the pause with its
+    // first request, refused after it: that one pauses the fleet again, by itself).
+    let offsets: Vec<Duration> = arrivals.iter().map(|&a| a - arrivals[0]).collect();
+    let first_through = offsets[3];
+    assert!(
+        first_through >= Duration::from_millis(1_900) && first_through <= Duration::from_secs(3),
+        "the first request through came {first_through:?} after the first 429; arrivals: {offsets:?}"
+    );
 }

@@ -58,6 +58,11 @@ both_stores! {
             let full = run(&store, &policy, Operation::Refund(1_000)).await;
             assert_eq!(full[0].remaining(), 10, "{name}");
             assert_eq!(full[0].reset_after(), Duration::ZERO, "{name}");
+            // A drain leaves at most so many, and takes nothing from a limit with fewer.
+            assert_eq!(run(&store, &policy, Operation::Drain(3)).await[0].remaining(), 3, "{name}");
+            assert_eq!(run(&store, &policy, Operation::Drain(5)).await[0].remaining(), 3, "{name}");
+            assert_eq!(run(&store, &policy, Operation::Drain(0)).await[0].remaining(), 0, "{name}");
+            let _ = run(&store, &policy, Operation::Reset).await;
         }
     }
 }

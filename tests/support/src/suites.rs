@@ -460,7 +460,7 @@ pub async fn conformance_multi(target: &Target, events: usize) -> Vec<String> {
         .collect();
     let mut keys = BTreeSet::new();
     let (mut admitted, mut refused_with_room) = (0, 0);
-    let mut operations = [0usize; 4];
+    let mut operations = [0usize; 5];
     for i in 0..events {
         let n = 1 + rng.below(4) as usize;
         let mut chosen: Vec<&Policy> = Vec::new();
@@ -475,11 +475,12 @@ pub async fn conformance_multi(target: &Target, events: usize) -> Vec<String> {
         let cost = cost(&mut rng, chosen[0].quota(), chosen[0].algorithm()).min(3);
         let caller = format!("caller-{}", rng.below(CALLERS));
         // One event in four looks at or corrects the state instead of checking a request.
-        let operation = match rng.below(16) {
+        let operation = match rng.below(20) {
             0 => Some(Operation::Peek(cost)),
             1 => Some(Operation::Charge(1 + rng.below(12) as u32)),
             2 => Some(Operation::Refund(1 + rng.below(12) as u32)),
             3 => Some(Operation::Reset),
+            4 => Some(Operation::Drain(rng.below(12) as u32)),
             _ => None,
         };
         if let Some(operation) = operation {
@@ -503,7 +504,8 @@ pub async fn conformance_multi(target: &Target, events: usize) -> Vec<String> {
                 Operation::Peek(_) => 0,
                 Operation::Charge(_) => 1,
                 Operation::Refund(_) => 2,
-                _ => 3,
+                Operation::Reset => 3,
+                _ => 4,
             }] += 1;
             continue;
         }
@@ -555,7 +557,7 @@ pub async fn conformance_multi(target: &Target, events: usize) -> Vec<String> {
     assert!(admitted >= events / 10, "{admitted} admitted");
     assert!(
         operations.iter().all(|&n| n >= events / 100),
-        "operations (peek, charge, refund, reset): {operations:?}"
+        "operations (peek, charge, refund, reset, drain): {operations:?}"
     );
     assert!(
         refused_with_room >= events / 20,

@@ -356,7 +356,9 @@ where
         policies: &[&Policy],
         operation: Operation,
     ) -> Checked<Self::Future> {
-        if matches!(operation, Operation::Charge(_)) && self.state() != BreakerState::Closed {
+        if matches!(operation, Operation::Charge(_) | Operation::Drain(_))
+            && self.state() != BreakerState::Closed
+        {
             return Checked::Ready(Err(StoreError::new(
                 StoreErrorKind::Other,
                 "rate limit store unavailable: breaker open, the charge is not sent",

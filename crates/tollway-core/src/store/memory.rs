@@ -428,6 +428,15 @@ impl Table {
                         let cost = u32::try_from(left).map_or(units, |left| units.min(left));
                         self.decide(key_hash, now, &[policy], cost, bounds, true);
                     }
+                    Operation::Drain(keep) => {
+                        // What is left over `keep`: `remaining` units always fit.
+                        let left = self.read(hash, now, policy, 0).0.remaining();
+                        let over = left.saturating_sub(u64::from(keep));
+                        let cost = u32::try_from(over).unwrap_or(u32::MAX);
+                        if cost > 0 {
+                            self.decide(key_hash, now, &[policy], cost, bounds, true);
+                        }
+                    }
                     Operation::Refund(units) => self.refund(hash, now, policy, units),
                     Operation::Reset => self.forget(hash),
                     // Answered above.

@@ -134,6 +134,11 @@ pub enum Operation {
     Refund(u32),
     /// Forgets the caller's state: every policy as for a new caller.
     Reset,
+    /// Takes units from every policy until at most this many remain (none from a policy
+    /// with no more than that left), in one atomic step: "at least this empty", which
+    /// callers racing with different amounts can ask without adding up. The outbound
+    /// layer's pause is one.
+    Drain(u32),
 }
 
 /// A store's answer: ready now, or a future to wait for.

@@ -639,6 +639,7 @@ impl Store for Scripts {
             Operation::Charge(units) => (Kind::Operate("charge"), units),
             Operation::Refund(units) => (Kind::Operate("refund"), units),
             Operation::Reset => (Kind::Operate("reset"), 0),
+            Operation::Drain(keep) => (Kind::Operate("drain"), keep),
         };
         let answer = self.call(key, policies, kind, units, None);
         if matches!(operation, Operation::Peek(_)) || self.inner.deny_cache.is_none() {

@@ -314,25 +314,13 @@ fn told<St: Store, RB>(
     Some(Box::pin(async move {
         let store = &shared.store;
         if let Some((policy, pause)) = pause {
-            // A longer pause already running stands; a shorter one is lengthened. The
-            // read and the charge are two operations: 429s that race each add their own
-            // share, so concurrent ones can lengthen a pause past what each asked, never
-            // past the pause policy's capacity, `max_pause`.
-            let whole = Operation::Peek(capacity(&policy));
-            let running = match store.operate(key.as_bytes(), &[&policy], whole).await {
-                Ok(decisions) => decisions.iter().filter_map(|d| d.retry_after()).max(),
-                Err(e) => {
-                    tracing::warn!(error = %e, "outbound: the store failed to read a pause");
-                    None
-                }
-            };
-            let more = pause.saturating_sub(running.unwrap_or_default());
-            let ms = u32::try_from(more.as_micros().div_ceil(1_000)).unwrap_or(u32::MAX);
-            if ms > 0 {
-                let charge = Operation::Charge(ms);
-                if let Err(e) = store.operate(key.as_bytes(), &[&policy], charge).await {
-                    tracing::warn!(error = %e, "outbound: the store failed to record a pause");
-                }
+            // At most `capacity − pause` left: the capacity is whole again `pause` from
+            // now. One operation, so that 429s racing each other do not add up, and a
+            // longer pause already running stands.
+            let ms = u32::try_from(pause.as_micros().div_ceil(1_000)).unwrap_or(u32::MAX);
+            let drain = Operation::Drain(capacity(&policy).saturating_sub(ms));
+            if let Err(e) = store.operate(key.as_bytes(), &[&policy], drain).await {
+                tracing::warn!(error = %e, "outbound: the store failed to record a pause");
             }
         }
         if let Some(used) = used {

@@ -12,8 +12,10 @@ pub const DEFAULT_PAUSE: Duration = Duration::from_secs(1);
 /// The pause store's policy for pauses up to `max_pause`: a GCRA of one unit a
 /// millisecond whose capacity is the longest pause in milliseconds. A request peeks at
 /// the whole capacity (it fits only while no pause runs, and peeking charges nothing); a
-/// pause of `d` charges `d` in milliseconds, so the capacity is whole again — the pause
-/// over — `d` later, for every worker that shares the store. `None` for no pausing.
+/// pause of `d` drains it to at most `capacity − d` units (`Operation::Drain`, one atomic
+/// step, so racing pauses do not add up and a longer one running stands), so the
+/// capacity is whole again — the pause over — `d` later, for every worker that shares
+/// the store. `None` for no pausing.
 pub(super) fn policy(max_pause: Duration) -> Result<Option<Policy>, ConfigError> {
     let ms = u32::try_from(max_pause.as_millis()).unwrap_or(u32::MAX);
     if ms == 0 {
