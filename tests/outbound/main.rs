@@ -29,10 +29,7 @@ fn http_client() -> HttpClient {
 /// An upstream that allows `per_second` requests a second (burst as many) from everyone
 /// together, on tokio's clock, and answers 429 past it.
 async fn upstream(per_second: u32, hits: &Hits) -> Server {
-    let store = MemoryStore::builder()
-        .clock(TokioClock::new())
-        .build()
-        .unwrap();
+    let store = paused_store();
     let policy = Policy::new(
         "upstream",
         Algorithm::Gcra,
@@ -50,6 +47,63 @@ fn get(server: &Server) -> Request<Empty<Bytes>> {
     Request::get(format!("http://{}/", server.addr()))
         .body(Empty::new())
         .unwrap()
+}
+
+/// A memory store on tokio's (paused) clock.
+fn paused_store() -> MemoryStore<TokioClock> {
+    MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap()
+}
+
+/// A client of its own of the shared `redis-server`, as a separate process would have,
+/// under `prefix`, deciding on tokio's (paused) clock. An hour's timeout and grace: the
+/// paused clock moves while a reply is on its way (see [`keep_time_moving`]), and Redis
+/// expires keys by its own clock.
+async fn redis_store(prefix: &str) -> tollway_core::RedisStore {
+    tollway_core::RedisStore::builder()
+        .prefix(prefix)
+        .without_local_fallback()
+        .caller_time(TokioClock::new())
+        .timeout(Duration::from_secs(3_600))
+        .grace(Duration::from_secs(3_600))
+        .connect(&support::shared_server().url())
+        .await
+        .unwrap()
+}
+
+/// With tokio's clock paused, a runtime with nothing to do but wait for I/O moves the
+/// clock to its next timer at once: without a nearer one, that is a Redis call's timeout,
+/// and the call would time out before its reply came. This task keeps the runtime busy
+/// for a while (yielding, which polls for I/O without moving the clock) before each
+/// millisecond it lets pass, so that a reply on its way arrives within about a
+/// millisecond of the paused clock. Aborted on drop.
+struct TimeKeeper(tokio::task::JoinHandle<()>);
+
+fn keep_time_moving() -> TimeKeeper {
+    TimeKeeper(tokio::spawn(async {
+        loop {
+            for _ in 0..50 {
+                tokio::task::yield_now().await;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }))
+}
+
+impl Drop for TimeKeeper {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// One request through `client`.
+async fn send<S>(client: &mut S, server: &Server) -> Result<S::Response, S::Error>
+where
+    S: Service<Request<Empty<Bytes>>>,
+{
+    client.ready().await?.call(get(server)).await
 }
 
 /// Statuses the upstream answered, and the limiter's own refusals.
@@ -71,10 +125,7 @@ async fn a_fleet_sharing_one_budget_stays_under_the_upstreams_quota() {
     const SECONDS: u64 = 10;
     let hits = Hits::default();
     let server = Arc::new(upstream(PER_SECOND, &hits).await);
-    let budget = MemoryStore::builder()
-        .clock(TokioClock::new())
-        .build()
-        .unwrap();
+    let budget = paused_store();
     let policy = Policy::new(
         "fleet",
         Algorithm::Gcra,
@@ -96,7 +147,7 @@ async fn a_fleet_sharing_one_budget_stays_under_the_upstreams_quota() {
                 (client.clone(), Arc::clone(&server), Arc::clone(&tally));
             tasks.push(tokio::spawn(async move {
                 while tokio::time::Instant::now() < deadline {
-                    match client.ready().await.unwrap().call(get(&server)).await {
+                    match send(&mut client, &server).await {
                         Ok(response) if response.status() == StatusCode::OK => {
                             tally.ok.fetch_add(1, Ordering::Relaxed)
                         }
@@ -135,7 +186,7 @@ async fn a_fleet_sharing_one_budget_stays_under_the_upstreams_quota() {
     assert_eq!(tally.refused_here.load(Ordering::Relaxed), 0);
 
     // The same fleet without the layer, ten requests a task, 10 s later (a fresh budget).
-    tokio::time::sleep(Duration::from_secs(SECONDS)).await;
+    tokio::time::advance(Duration::from_secs(SECONDS)).await;
     let unlimited = Arc::new(Tally::default());
     let mut tasks = Vec::new();
     for _ in 0..4 {
@@ -176,10 +227,7 @@ async fn a_fleet_sharing_one_budget_stays_under_the_upstreams_quota() {
 async fn a_waiting_request_dropped_consumes_nothing() {
     let hits = Hits::default();
     let server = upstream(1_000, &hits).await;
-    let store = MemoryStore::builder()
-        .clock(TokioClock::new())
-        .build()
-        .unwrap();
+    let store = paused_store();
     let policy = Policy::new(
         "one-a-second",
         Algorithm::TokenBucket,
@@ -191,13 +239,7 @@ async fn a_waiting_request_dropped_consumes_nothing() {
         .unwrap();
     let mut client = layer.layer(http_client());
 
-    let response = client
-        .ready()
-        .await
-        .unwrap()
-        .call(get(&server))
-        .await
-        .unwrap();
+    let response = send(&mut client, &server).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     // The second waits about a second: give up after 300 ms.
     let waiting = client.ready().await.unwrap().call(get(&server));
@@ -206,7 +248,7 @@ async fn a_waiting_request_dropped_consumes_nothing() {
             .await
             .is_err()
     );
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::advance(Duration::from_millis(700)).await;
 
     // The default key: the upstream's authority.
     let key = server.addr().to_string();
@@ -220,13 +262,7 @@ async fn a_waiting_request_dropped_consumes_nothing() {
         "the dropped request was charged"
     );
     let before = tokio::time::Instant::now();
-    let response = client
-        .ready()
-        .await
-        .unwrap()
-        .call(get(&server))
-        .await
-        .unwrap();
+    let response = send(&mut client, &server).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(before.elapsed(), Duration::ZERO);
     assert_eq!(hits.get(), 2);
@@ -239,10 +275,7 @@ async fn a_waiting_request_dropped_consumes_nothing() {
 async fn refusals_are_typed_errors_and_a_request_without_a_key_is_not_limited() {
     let hits = Hits::default();
     let server = upstream(1_000, &hits).await;
-    let store = MemoryStore::builder()
-        .clock(TokioClock::new())
-        .build()
-        .unwrap();
+    let store = paused_store();
     let policy = Policy::new(
         "two-a-minute",
         Algorithm::Gcra,
@@ -262,13 +295,7 @@ async fn refusals_are_typed_errors_and_a_request_without_a_key_is_not_limited() 
         build(OutboundLayer::builder(store.clone(), policy.clone()).key(|_, _, _| None));
 
     for _ in 0..2 {
-        let response = waiting
-            .ready()
-            .await
-            .unwrap()
-            .call(get(&server))
-            .await
-            .unwrap();
+        let response = send(&mut waiting, &server).await.unwrap();
         assert_eq!(response.status(), StatusCode::OK);
     }
     let limited = |e: Box<dyn std::error::Error + Send + Sync>| match e.downcast::<OutboundError>()
@@ -278,53 +305,23 @@ async fn refusals_are_typed_errors_and_a_request_without_a_key_is_not_limited() 
     };
     // The next unit comes in 30 s: failing at once, and past a 10 s wait.
     let before = tokio::time::Instant::now();
-    let e = limited(
-        failing
-            .ready()
-            .await
-            .unwrap()
-            .call(get(&server))
-            .await
-            .unwrap_err(),
-    );
+    let e = limited(send(&mut failing, &server).await.unwrap_err());
     assert!(
         matches!(e, OutboundError::Limited { retry_after } if retry_after == Duration::from_secs(30)),
         "{e:?}"
     );
-    let e = limited(
-        waiting
-            .ready()
-            .await
-            .unwrap()
-            .call(get(&server))
-            .await
-            .unwrap_err(),
-    );
+    let e = limited(send(&mut waiting, &server).await.unwrap_err());
     assert!(matches!(e, OutboundError::Limited { .. }), "{e:?}");
     assert_eq!(
         before.elapsed(),
         Duration::ZERO,
         "no wait when it cannot end in time"
     );
-    let e = limited(
-        weighted
-            .ready()
-            .await
-            .unwrap()
-            .call(get(&server))
-            .await
-            .unwrap_err(),
-    );
+    let e = limited(send(&mut weighted, &server).await.unwrap_err());
     assert!(matches!(e, OutboundError::CostExceedsCapacity), "{e:?}");
     // No key: through, whatever the budget.
     for _ in 0..3 {
-        let response = unkeyed
-            .ready()
-            .await
-            .unwrap()
-            .call(get(&server))
-            .await
-            .unwrap();
+        let response = send(&mut unkeyed, &server).await.unwrap();
         assert_eq!(response.status(), StatusCode::OK);
     }
     assert_eq!(hits.get(), 5);
@@ -341,10 +338,7 @@ async fn refusals_are_typed_errors_and_a_request_without_a_key_is_not_limited() 
 async fn a_request_over_the_limit_waits_its_turn_then_goes() {
     let hits = Hits::default();
     let server = upstream(1_000, &hits).await;
-    let store = MemoryStore::builder()
-        .clock(TokioClock::new())
-        .build()
-        .unwrap();
+    let store = paused_store();
     let policy = Policy::new(
         "one-a-second",
         Algorithm::Gcra,
@@ -357,13 +351,7 @@ async fn a_request_over_the_limit_waits_its_turn_then_goes() {
         .layer(http_client());
     let started = tokio::time::Instant::now();
     for n in 0..4u32 {
-        let response = client
-            .ready()
-            .await
-            .unwrap()
-            .call(get(&server))
-            .await
-            .unwrap();
+        let response = send(&mut client, &server).await.unwrap();
         assert_eq!(response.status(), StatusCode::OK);
         let elapsed = started.elapsed();
         // Request n goes n seconds in, give or take the jitter of the waits before it.
@@ -426,10 +414,7 @@ async fn refusing_first(
 async fn an_upstream_429_pauses_every_client_sharing_the_key() {
     let (server, arrivals) = refusing_once("2").await;
     let server = Arc::new(server);
-    let store = MemoryStore::builder()
-        .clock(TokioClock::new())
-        .build()
-        .unwrap();
+    let store = paused_store();
     let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
     let mut tasks = Vec::new();
     for _ in 0..3 {
@@ -441,13 +426,7 @@ async fn an_upstream_429_pauses_every_client_sharing_the_key() {
         tasks.push(tokio::spawn(async move {
             let mut statuses = Vec::new();
             for _ in 0..3 {
-                let response = client
-                    .ready()
-                    .await
-                    .unwrap()
-                    .call(get(&server))
-                    .await
-                    .unwrap();
+                let response = send(&mut client, &server).await.unwrap();
                 statuses.push(response.status());
             }
             statuses
@@ -496,10 +475,7 @@ async fn retry_after_in_any_form_pauses_by_the_rule_and_never_past_the_maximum()
     ];
     for (retry_after, least_ms, most_ms) in cases {
         let (server, arrivals) = refusing_once(retry_after).await;
-        let store = MemoryStore::builder()
-            .clock(TokioClock::new())
-            .build()
-            .unwrap();
+        let store = paused_store();
         let policy =
             Policy::new("api", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
         let mut client = OutboundLayer::builder(store, policy)
@@ -510,13 +486,7 @@ async fn retry_after_in_any_form_pauses_by_the_rule_and_never_past_the_maximum()
             .unwrap()
             .layer(http_client());
         for _ in 0..2 {
-            client
-                .ready()
-                .await
-                .unwrap()
-                .call(get(&server))
-                .await
-                .unwrap();
+            send(&mut client, &server).await.unwrap();
         }
         let arrivals = arrivals.lock().unwrap().clone();
         let pause = arrivals[1] - arrivals[0];
@@ -545,10 +515,7 @@ async fn costs_are_settled_with_what_the_response_reports() {
         }),
     );
     let server = Server::start(app).await;
-    let store = MemoryStore::builder()
-        .clock(TokioClock::new())
-        .build()
-        .unwrap();
+    let store = paused_store();
     let tokens = Policy::new(
         "tokens",
         Algorithm::TokenBucket,
@@ -569,25 +536,13 @@ async fn costs_are_settled_with_what_the_response_reports() {
             .unwrap();
         peek[0].remaining()
     };
-    client
-        .ready()
-        .await
-        .unwrap()
-        .call(get(&server))
-        .await
-        .unwrap();
+    send(&mut client, &server).await.unwrap();
     assert_eq!(
         remaining().await,
         1_000 - 250,
         "charged 150 more than the estimate"
     );
-    client
-        .ready()
-        .await
-        .unwrap()
-        .call(get(&server))
-        .await
-        .unwrap();
+    send(&mut client, &server).await.unwrap();
     assert_eq!(
         remaining().await,
         1_000 - 250 - 40,
@@ -596,17 +551,16 @@ async fn costs_are_settled_with_what_the_response_reports() {
 }
 
 /// The fleet through Redis, as separate processes would share it: four clients, each with
-/// its own `RedisStore` connection to one `redis-server` (server time), 64 tasks each,
-/// sending as fast as they may for 3 s of real time (a bounded load: Redis round trips
-/// cannot run on tokio's paused clock, which would jump to the store's timeout while a
-/// reply is on its way) against an upstream allowing 50 a second. The upstream's 429s stay
+/// its own `RedisStore` connection to one `redis-server`, 64 tasks each, sending as fast
+/// as they may for 3 s of tokio's paused clock against an upstream allowing 50 a second. The upstream's 429s stay
 /// under 1% of what it received, and it serves at least 95% of its quota over the time
 /// the fleet ran (the tasks that were waiting at the deadline finish their request).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_fleet_sharing_redis_stays_under_the_upstreams_quota() {
     const PER_SECOND: u32 = 50;
     let hits = Hits::default();
-    let server = Arc::new(upstream_on_real_time(PER_SECOND, &hits).await);
+    let _time = keep_time_moving();
+    let server = Arc::new(upstream(PER_SECOND, &hits).await);
     // The upstream's rate with a burst of 40, not its 50: requests reach it a little
     // later and a little less evenly than they were admitted, and ten units of burst
     // absorb that (at the same burst, 0.2–1.1% of requests were refused in three runs).
@@ -617,19 +571,11 @@ async fn a_fleet_sharing_redis_stays_under_the_upstreams_quota() {
     let policy = Policy::new("fleet", Algorithm::Gcra, quota).unwrap();
     let prefix = support::unique_prefix("outbound");
     let tally = Arc::new(Tally::default());
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let deadline = started + Duration::from_secs(3);
     let mut tasks = Vec::new();
     for _ in 0..4 {
-        let store = tollway_core::RedisStore::builder()
-            .prefix(prefix.clone())
-            .without_local_fallback()
-            // Beside the other tests on two cores a call can take longer than the
-            // default 100 ms; a pause that timed out would not be recorded.
-            .timeout(Duration::from_secs(5))
-            .connect(&support::shared_server().url())
-            .await
-            .unwrap();
+        let store = redis_store(&prefix).await;
         let client = OutboundLayer::builder(store, policy.clone())
             .build()
             .unwrap()
@@ -638,8 +584,8 @@ async fn a_fleet_sharing_redis_stays_under_the_upstreams_quota() {
             let (mut client, server, tally) =
                 (client.clone(), Arc::clone(&server), Arc::clone(&tally));
             tasks.push(tokio::spawn(async move {
-                while std::time::Instant::now() < deadline {
-                    let answer = client.ready().await.unwrap().call(get(&server)).await;
+                while tokio::time::Instant::now() < deadline {
+                    let answer = send(&mut client, &server).await;
                     let counter = match answer {
                         Ok(r) if r.status() == StatusCode::OK => &tally.ok,
                         Ok(_) => &tally.too_many,
@@ -669,43 +615,20 @@ async fn a_fleet_sharing_redis_stays_under_the_upstreams_quota() {
     assert_eq!(tally.refused_here.load(Ordering::Relaxed), 0);
 }
 
-/// [`upstream`] on the monotonic clock, for the tests that run in real time.
-async fn upstream_on_real_time(per_second: u32, hits: &Hits) -> Server {
-    let policy = Policy::new(
-        "upstream",
-        Algorithm::Gcra,
-        Quota::per_second(per_second).unwrap(),
-    )
-    .unwrap();
-    let layer = RateLimitLayer::builder(MemoryStore::new(), policy)
-        .key(GlobalKey)
-        .build()
-        .unwrap();
-    Server::start(routes(hits).layer(layer)).await
-}
-
 /// Three 429s at once (three clients' first requests, each `Retry-After: 2`) pause the
 /// fleet for 2 s, not 6: each asks the store for "at least 2 s" in one atomic step
 /// (`Operation::Drain`), so racing pauses do not add up. Through Redis, where the three
-/// responses' store calls interleave (in real time: a Redis round trip cannot run on
-/// tokio's paused clock); a read-then-charge pause paused them for up to 6 s.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// responses' store calls interleave; a read-then-charge pause paused them for 4 to 6 s.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn pauses_from_racing_429s_do_not_add_up() {
+    let _time = keep_time_moving();
     let (server, arrivals) = refusing_first(3, "2").await;
     let server = Arc::new(server);
     let prefix = support::unique_prefix("outbound-pause");
     let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
     let mut tasks = Vec::new();
     for _ in 0..3 {
-        let store = tollway_core::RedisStore::builder()
-            .prefix(prefix.clone())
-            .without_local_fallback()
-            // Beside the other tests on two cores a call can take longer than the
-            // default 100 ms; a pause that timed out would not be recorded.
-            .timeout(Duration::from_secs(5))
-            .connect(&support::shared_server().url())
-            .await
-            .unwrap();
+        let store = redis_store(&prefix).await;
         let mut client = OutboundLayer::builder(store, policy.clone())
             .jitter(0.0)
             .build()
@@ -714,13 +637,7 @@ async fn pauses_from_racing_429s_do_not_add_up() {
         let server = Arc::clone(&server);
         tasks.push(tokio::spawn(async move {
             for _ in 0..2 {
-                client
-                    .ready()
-                    .await
-                    .unwrap()
-                    .call(get(&server))
-                    .await
-                    .unwrap();
+                send(&mut client, &server).await.unwrap();
             }
         }));
     }

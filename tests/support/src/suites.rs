@@ -192,6 +192,16 @@ fn cost(rng: &mut Rng, quota: &Quota, algorithm: Algorithm) -> u32 {
     u32::try_from(c).unwrap()
 }
 
+/// Which of allowed (0), limited (1) and refused (2) a decision is, to show a trace
+/// exercises all three.
+fn outcome(decision: &Decision) -> usize {
+    match decision.denial() {
+        None => 0,
+        Some(Denial::Limited) => 1,
+        Some(_) => 2,
+    }
+}
+
 /// Test-only reading of the manual clock without importing the trait everywhere.
 trait NowForTest {
     fn now_micros_for_test(&self) -> u64;
@@ -249,11 +259,7 @@ pub async fn conformance(target: &Target, events: usize) -> Vec<String> {
             };
             assert_eq!(script.unwrap(), expected, "script: {}", context());
             assert_eq!(local.unwrap(), expected, "deny cache: {}", context());
-            counts[match expected.denial() {
-                None => 0,
-                Some(Denial::Limited) => 1,
-                Some(_) => 2,
-            }] += 1;
+            counts[outcome(&expected)] += 1;
             keys.insert(scripts.state_key(caller.as_bytes(), &policy));
         }
         // The trace is not vacuous: it admits, limits and refuses (each at least 1%).
@@ -319,11 +325,7 @@ pub async fn conformance_server_time(target: &Target, events: usize) -> Vec<Stri
                 decisions[0], expected,
                 "{algorithm:?} event {i} {caller} at TIME {told} cost {cost} quota {quota:?}"
             );
-            counts[match expected.denial() {
-                None => 0,
-                Some(Denial::Limited) => 1,
-                Some(_) => 2,
-            }] += 1;
+            counts[outcome(&expected)] += 1;
             keys.insert(scripts.state_key(caller.as_bytes(), &policy));
         }
         assert!(
