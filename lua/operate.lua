@@ -49,6 +49,15 @@ local function store(key, v, x, a)
   return false
 end
 
+-- How far a bucket's state may run past empty, `full` being its whole capacity (µs for
+-- GCRA, ticks for the token bucket): as much again, within 2^52 in all (the twin of
+-- `with_debt` in crates/tollway-core/src/quota.rs).
+local function owing(full)
+  local most = 2 * full
+  if most > 4503599627370496 then most = 4503599627370496 end
+  return most
+end
+
 -- The refunds of the fixed-size states: each returns the new state and its `a` (false, 0
 -- for a fresh one).
 
@@ -58,12 +67,12 @@ local function token_bucket_refund(limit, period, burst, v)
   local full_at, frac = unpack('<dd', v)
   if now >= full_at then return false, 0 end
   local cap, u = burst * period, units
-  local ahead, fill = full_at - now, cap / limit
+  local ahead, fill, most = full_at - now, cap / limit, owing(cap)
   fill = fill + (-fill) % 1
-  if ahead > fill then ahead = fill end
+  if ahead > 2 * fill then ahead = 2 * fill end
   local deficit = ahead * limit - frac
-  if deficit < 0 then deficit = 0 elseif deficit > cap then deficit = cap end
-  if u > burst then u = burst end
+  if deficit < 0 then deficit = 0 elseif deficit > most then deficit = most end
+  if u > 2 * burst then u = 2 * burst end
   deficit = deficit - u * period
   if deficit <= 0 then return false, 0 end
   local us = deficit / limit
@@ -75,7 +84,7 @@ end
 local function gcra_refund(burst, emission, v)
   if not v then return false, 0 end
   local u = units
-  if u > burst then u = burst end
+  if u > 2 * burst then u = 2 * burst end
   local tat = unpack('<d', v) - u * emission
   if tat <= now then return false, 0 end
   return pack('<d', tat), tat
@@ -150,9 +159,44 @@ local function refund(i, v)
   return store(key, v, x, a)
 end
 
--- Takes the units from limit i, or what it has left if less (whole units, which always
--- fit); with `drain`, what it has left over the units instead. Returns what its key now
--- holds.
+-- The overdrafts of the buckets and GCRA: `owed` units past what fits in the state `x`
+-- (which is not fresh: the units that fit were just taken), up to a capacity; each
+-- returns the new state and its `a`.
+
+-- Token bucket (and the meter): the deficit grows by the units' ticks.
+local function token_bucket_overdraw(limit, period, burst, x, owed)
+  local full_at, frac = unpack('<dd', x)
+  local cap, deficit = burst * period, 0
+  local most = owing(cap)
+  if now < full_at then
+    local ahead, fill = full_at - now, cap / limit
+    fill = fill + (-fill) % 1
+    if ahead > 2 * fill then ahead = 2 * fill end
+    deficit = ahead * limit - frac
+    if deficit < 0 then deficit = 0 elseif deficit > most then deficit = most end
+  end
+  if owed > 2 * burst then owed = 2 * burst end
+  deficit = deficit + owed * period
+  if deficit > most then deficit = most end
+  local us = deficit / limit
+  us = us + (-us) % 1
+  return pack('<dd', now + us, us * limit - deficit), now + us
+end
+
+-- GCRA (and the shaper): the arrival time on by the units' intervals.
+local function gcra_overdraw(burst, emission, x, owed)
+  local ahead = unpack('<d', x) - now
+  if ahead < 0 then ahead = 0 end
+  if owed > 2 * burst then owed = 2 * burst end
+  ahead = ahead + owed * emission
+  local most = owing(burst * emission)
+  if ahead > most then ahead = most end
+  return pack('<d', now + ahead), now + ahead
+end
+
+-- Takes the units from limit i: what it has left, as a request (whole units, which always
+-- fit), and the buckets and GCRA owe the rest (see Operation::Charge); with `drain`, what
+-- it has left over the units instead. Returns what its key now holds.
 local function charge(i, v, drain)
   local _, left = decide(i, 0, v)
   local c = units
@@ -162,12 +206,25 @@ local function charge(i, v, drain)
   elseif left < c then
     c = left
   end
-  local denial, _, _, _, x, a = decide(i, c, v)
-  if denial ~= 0 then return error('tollway: a charge of what is left was refused') end
-  if argv[5 * i - 1] == '5' then
-    if c > 0 then sliding_window_log_admit(keys[i], now, c, argv[5 * i + 1] + 0, grace, x, a) end
-    return false
+  local x, a = v, 0
+  if c > 0 then
+    local denial
+    denial, _, _, _, x, a = decide(i, c, v)
+    if denial ~= 0 then return error('tollway: a charge of what is left was refused') end
+    if argv[5 * i - 1] == '5' then
+      sliding_window_log_admit(keys[i], now, c, argv[5 * i + 1] + 0, grace, x, a)
+      return false
+    end
   end
+  local code, limit, period, burst, emission = limit_of(i)
+  if not drain and units > c and x then
+    if code == '1' or code == '2' then
+      x, a = token_bucket_overdraw(limit, period, burst, x, units - c)
+    elseif code == '7' or code == '3' then
+      x, a = gcra_overdraw(burst, emission, x, units - c)
+    end
+  end
+  if c == 0 and x == v then return v end
   return store(keys[i], v, x, a)
 end
 

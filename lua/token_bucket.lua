@@ -10,11 +10,15 @@ if not only or only == '1' or only == '2' then
     if v then
       local full_at, frac = unpack('<dd', v)
       if now < full_at then
-        local ahead, fill = full_at - now, cap / limit
+        -- Up to the capacity owed past empty (charges that did not fit): twice the
+        -- capacity, at most 2^52 (`with_debt` in crates/tollway-core/src/quota.rs),
+        -- refilled within twice the time to fill. Inline: a function costs a closure.
+        local ahead, fill, most = full_at - now, cap / limit, 2 * cap
+        if most > 4503599627370496 then most = 4503599627370496 end
         fill = fill + (-fill) % 1
-        if ahead > fill then ahead = fill end
+        if ahead > 2 * fill then ahead = 2 * fill end
         deficit = ahead * limit - frac
-        if deficit < 0 then deficit = 0 elseif deficit > cap then deficit = cap end
+        if deficit < 0 then deficit = 0 elseif deficit > most then deficit = most end
       end
     end
     local after = deficit + cost * period
@@ -24,6 +28,7 @@ if not only or only == '1' or only == '2' then
       return 0, left - left % 1, us, 0, pack('<dd', now + us, us * limit - after), now + us
     end
     local left, reset = (cap - deficit) / period, deficit / limit
+    if left < 0 then left = 0 end
     left, reset = left - left % 1, reset + (-reset) % 1
     if cost > burst then return 2, left, reset, 0 end
     local retry = (after - cap) / limit

@@ -93,9 +93,10 @@ both_stores! {
 
 both_stores! {
     /// A completion reports the tokens it used, and the layer charges them to the
-    /// caller's 1,000-token-a-minute budget after the response: two completions of 600
-    /// use it up (the second takes the 398 left), and the next is refused with the exact
-    /// wait for a token — 60 ms, `Retry-After: 1` — and passes once it has passed.
+    /// caller's 1,000-token-a-minute budget (a token bucket) after the response: two
+    /// completions of 600 use it up — the second takes the 398 left and owes 202 — and
+    /// the next is refused with the exact wait for the debt and its own token, 203 tokens
+    /// at 60 ms (`Retry-After: 13`), and passes once that has passed, not before.
     async fn a_response_is_charged_what_it_used_and_the_next_request_waits(store, clock) {
         let (_server, client) = example(store).await;
         let path = "/admin/limits/tokens/ip:127.0.0.1";
@@ -111,12 +112,14 @@ both_stores! {
 
         let refused = client.send(Method::POST, completion, &[]).await;
         assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
-        assert_eq!(refused.header("retry-after"), Some("1"));
-        assert!(refused.body.contains("retry after 1 seconds"), "{}", refused.body);
+        assert_eq!(refused.header("retry-after"), Some("13"));
+        assert!(refused.body.contains("retry after 13 seconds"), "{}", refused.body);
         let waiting = json(&client.get_with(path, &[ADMIN]).await.body);
-        assert_eq!(waiting["retry_after_ms"], 60);
+        assert_eq!(waiting["retry_after_ms"], 12_180);
 
-        clock.advance(Duration::from_millis(60));
+        clock.advance(Duration::from_millis(12_179));
+        assert_eq!(client.send(Method::POST, completion, &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
+        clock.advance(Duration::from_millis(1));
         assert_eq!(client.send(Method::POST, completion, &[]).await.status, StatusCode::OK);
     }
 }

@@ -14,6 +14,15 @@ use crate::error::ConfigError;
 /// bit of headroom for the sums they form, so Rust and Lua never round differently.
 pub(crate) const MAX_EXACT: u64 = 1 << 52;
 
+/// How far a bucket's state may run past empty after charges that did not fit
+/// ([`Operation::Charge`](crate::Operation::Charge)): `full`, its whole capacity (in the
+/// algorithm's units: µs for GCRA, ticks for the token bucket), owed once more, within
+/// [`MAX_EXACT`] in all so Rust and Lua still compute it exactly.
+pub(crate) const fn with_debt(full: u64) -> u64 {
+    let most = full.saturating_mul(2);
+    if most < MAX_EXACT { most } else { MAX_EXACT }
+}
+
 /// The longest period, in microseconds (about 35.7 years): a window algorithm reaches two
 /// periods past now, and today's Unix time plus that stays below 2^53 (exact in Lua's
 /// doubles) until about 2170.

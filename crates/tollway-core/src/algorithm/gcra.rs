@@ -64,10 +64,24 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 /// time moves back by their emission intervals, never before `now`.
 #[must_use]
 pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
-    // At most the whole capacity, so the product stays within the quota's bounds.
-    let back = u64::from(units).min(quota.burst()) * quota.emission_micros();
+    // At most the capacity and as much owed, so the product stays within the quota's
+    // bounds.
+    let back = u64::from(units).min(2 * quota.burst()) * quota.emission_micros();
     State {
         tat: state.tat.saturating_sub(back).max(now),
+    }
+}
+
+/// Takes `units` at `now` whether or not they fit (a cost learnt after the fact): the
+/// arrival time moves on by their emission intervals, up to one capacity past empty —
+/// a debt the caller then waits out before anything fits again.
+#[must_use]
+pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
+    let t = quota.emission_micros();
+    let most = crate::quota::with_debt(quota.burst() * t);
+    let ahead = state.tat.saturating_sub(now) + u64::from(units).min(2 * quota.burst()) * t;
+    State {
+        tat: now + ahead.min(most),
     }
 }
 
@@ -75,6 +89,21 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
 mod tests {
     use super::*;
     use crate::algorithm::testing::run;
+
+    #[test]
+    fn a_charge_past_empty_is_owed_and_waited_out() {
+        // 10 a second, capacity 10: 15 charged at once leave 5 owed, so the next unit
+        // fits 0.6 s later (the 5 owed and its own), and 30 owe at most one capacity.
+        let q = Quota::per_second(10).unwrap();
+        let owed = charge(State::default(), 0, &q, 15);
+        assert_eq!(owed.tat, 1_500_000);
+        let (d, _) = check(owed, 0, &q, 1);
+        assert!(!d.is_allowed());
+        assert_eq!((d.remaining(), d.retry_after_micros()), (0, 600_000));
+        let (d, _) = check(owed, 600_000, &q, 1);
+        assert!(d.is_allowed());
+        assert_eq!(charge(State::default(), 0, &q, 30).tat, 2_000_000);
+    }
 
     #[test]
     fn a_burst_of_capacity_passes_then_one_per_emission_interval() {

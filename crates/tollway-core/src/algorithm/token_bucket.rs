@@ -13,6 +13,7 @@
 //! `(full_at - now) × limit - frac`.
 
 use super::{Slot, SlotState};
+use crate::quota::with_debt;
 use crate::{Decision, Denial, Quota};
 
 /// Token bucket state for one key. `Default` is a full bucket.
@@ -25,19 +26,19 @@ pub struct State {
 }
 
 impl State {
-    /// Ticks missing from a full bucket at `now` (at most the capacity), and the
-    /// microseconds until it is full again: `ceil(ticks / limit)`, found without a
-    /// division when it can be.
+    /// Ticks missing from a full bucket at `now` (at most the capacity and as much
+    /// again owed, see [`charge`]), and the microseconds until it is full again:
+    /// `ceil(ticks / limit)`, found without a division when it can be.
     fn deficit(self, now: u64, quota: &Quota) -> (u64, u64) {
         if now >= self.full_at {
             return (0, 0);
         }
-        let cap = quota.burst() * quota.period_micros();
-        let ahead = (self.full_at - now).min(quota.fill_micros());
+        let most = with_debt(quota.burst() * quota.period_micros());
+        // `fill_micros` is `ceil(cap / limit)`: twice it refills `most` or more.
+        let ahead = (self.full_at - now).min(2 * quota.fill_micros());
         let ticks = (ahead * quota.limit()).saturating_sub(self.frac);
-        if ticks >= cap {
-            // `fill_micros` is `ceil(cap / limit)`.
-            return (cap, quota.fill_micros());
+        if ticks >= most {
+            return (most, quota.per_limit_ceil(most));
         }
         // Every state this module makes keeps `frac` below one microsecond's worth of
         // ticks (`limit`), so `ticks` needs all `ahead` microseconds to refill, no fewer.
@@ -78,7 +79,7 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
     let period = quota.period_micros();
     let cap = quota.burst() * period;
     let (deficit, reset) = state.deficit(now, quota);
-    let remaining = |deficit: u64| quota.per_period(cap - deficit);
+    let remaining = |deficit: u64| quota.per_period(cap.saturating_sub(deficit));
     let cost = u64::from(cost);
     if cost > quota.burst() {
         let d = Decision::refused(
@@ -106,15 +107,47 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 #[must_use]
 pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
     let (deficit, _) = state.deficit(now, quota);
-    // At most a full bucket's worth, so the product stays within the quota's bounds.
-    let back = u64::from(units).min(quota.burst()) * quota.period_micros();
+    // At most what a bucket owing its capacity misses, so the product stays within the
+    // quota's bounds.
+    let back = u64::from(units).min(2 * quota.burst()) * quota.period_micros();
     State::with_deficit(now, deficit.saturating_sub(back), quota).0
+}
+
+/// Takes `units` at `now` whether or not they fit (a cost learnt after the fact): the
+/// bucket runs past empty by up to its capacity — a debt the caller then waits out,
+/// refilled at the usual rate, before anything fits again.
+#[must_use]
+pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
+    let (deficit, _) = state.deficit(now, quota);
+    let most = with_debt(quota.burst() * quota.period_micros());
+    // At most twice the capacity, so the product stays within the quota's bounds.
+    let owed = u64::from(units).min(2 * quota.burst()) * quota.period_micros();
+    State::with_deficit(now, (deficit + owed).min(most), quota).0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::algorithm::testing::run;
+
+    #[test]
+    fn a_charge_past_empty_is_owed_and_waited_out() {
+        // 2 a second, capacity 4: 7 charged at once leave 3 owed, so one unit fits
+        // 2 s later (the 3 owed and its own), and 20 owe at most one capacity.
+        let q = Quota::per_second(2).unwrap().with_burst(4).unwrap();
+        let owed = charge(State::default(), 0, &q, 7);
+        let (d, _) = check(owed, 0, &q, 1);
+        assert!(!d.is_allowed());
+        assert_eq!(d.remaining(), 0);
+        assert_eq!(d.retry_after_micros(), 2_000_000);
+        assert_eq!(d.reset_after_micros(), 3_500_000);
+        assert!(check(owed, 2_000_000, &q, 1).0.is_allowed());
+        let most = charge(State::default(), 0, &q, 20);
+        assert_eq!(check(most, 0, &q, 0).0.reset_after_micros(), 4_000_000);
+        // A refund pays the debt back first: 3 back leave the bucket empty, 4 a unit.
+        assert!(!check(refund(owed, 0, &q, 3), 0, &q, 1).0.is_allowed());
+        assert!(check(refund(owed, 0, &q, 4), 0, &q, 1).0.is_allowed());
+    }
 
     #[test]
     fn a_full_bucket_lets_a_burst_through_then_the_refill_rate() {

@@ -423,10 +423,14 @@ impl Table {
                 let hash = key_hash ^ policy.id();
                 match operation {
                     Operation::Charge(units) => {
-                        // Whatever is left, if less: `remaining` units always fit.
+                        // Whatever is left, if less (`remaining` units always fit), as a
+                        // request; then what did not fit, owed.
                         let left = self.read(hash, now, policy, 0).0.remaining();
                         let cost = u32::try_from(left).map_or(units, |left| units.min(left));
                         self.decide(key_hash, now, &[policy], cost, bounds, true);
+                        if units > cost {
+                            self.overdraw(hash, now, policy, units - cost);
+                        }
                     }
                     Operation::Drain(keep) => {
                         // What is left over `keep`: `remaining` units always fit.
@@ -452,21 +456,21 @@ impl Table {
         let (q, u) = (policy.quota(), units);
         match policy.algorithm() {
             Algorithm::TokenBucket => {
-                self.refund_slot(hash, |s| repacked(token_bucket::refund, s, now, q, u))
+                self.update_slot(hash, |s| repacked(token_bucket::refund, s, now, q, u))
             }
             Algorithm::LeakyBucket => {
-                self.refund_slot(hash, |s| repacked(leaky_bucket::meter_refund, s, now, q, u))
+                self.update_slot(hash, |s| repacked(leaky_bucket::meter_refund, s, now, q, u))
             }
             Algorithm::LeakyBucketShaper => {
-                self.refund_slot(hash, |s| repacked(leaky_bucket::shape_refund, s, now, q, u))
+                self.update_slot(hash, |s| repacked(leaky_bucket::shape_refund, s, now, q, u))
             }
             Algorithm::FixedWindow => {
-                self.refund_slot(hash, |s| repacked(fixed_window::refund, s, now, q, u))
+                self.update_slot(hash, |s| repacked(fixed_window::refund, s, now, q, u))
             }
             Algorithm::SlidingWindowCounter => {
-                self.refund_slot(hash, |s| repacked(sliding_counter::refund, s, now, q, u))
+                self.update_slot(hash, |s| repacked(sliding_counter::refund, s, now, q, u))
             }
-            Algorithm::Gcra => self.refund_slot(hash, |s| repacked(gcra::refund, s, now, q, u)),
+            Algorithm::Gcra => self.update_slot(hash, |s| repacked(gcra::refund, s, now, q, u)),
             Algorithm::SlidingWindowLog => {
                 if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
                     sliding_log::refund(log, now, q, u);
@@ -475,10 +479,32 @@ impl Table {
         }
     }
 
-    /// Replaces the fixed-size state kept under `hash`, if there is one, by `refund`'s.
-    fn refund_slot(&mut self, hash: u64, refund: impl FnOnce(Slot) -> Slot) {
+    /// Takes `units` that do not fit from one policy's state, if the key has one: the
+    /// buckets and GCRA owe them (up to a capacity); the window algorithms, whose window
+    /// is spent already, do not count past their limit.
+    fn overdraw(&mut self, hash: u64, now: u64, policy: &Policy, units: u32) {
+        let (q, u) = (policy.quota(), units);
+        match policy.algorithm() {
+            Algorithm::TokenBucket => {
+                self.update_slot(hash, |s| repacked(token_bucket::charge, s, now, q, u))
+            }
+            Algorithm::LeakyBucket => {
+                self.update_slot(hash, |s| repacked(leaky_bucket::meter_charge, s, now, q, u))
+            }
+            Algorithm::LeakyBucketShaper => {
+                self.update_slot(hash, |s| repacked(leaky_bucket::shape_charge, s, now, q, u))
+            }
+            Algorithm::Gcra => self.update_slot(hash, |s| repacked(gcra::charge, s, now, q, u)),
+            Algorithm::FixedWindow
+            | Algorithm::SlidingWindowCounter
+            | Algorithm::SlidingWindowLog => {}
+        }
+    }
+
+    /// Replaces the fixed-size state kept under `hash`, if there is one, by `update`'s.
+    fn update_slot(&mut self, hash: u64, update: impl FnOnce(Slot) -> Slot) {
         if let Some((_, slot)) = self.slots.find_mut(hash, |e| e.0 == hash) {
-            *slot = refund(*slot);
+            *slot = update(*slot);
         }
     }
 
@@ -644,7 +670,7 @@ impl Table {
     }
 }
 
-/// Runs a fixed-size state's refund on its packed [`Slot`].
+/// Runs a fixed-size state's refund or charge on its packed [`Slot`].
 fn repacked<S: SlotState>(
     refund: fn(S, u64, &Quota, u32) -> S,
     slot: Slot,

@@ -125,12 +125,15 @@ pub trait Store: Send + Sync + 'static {
 pub enum Operation {
     /// The decisions a request of this cost would get, consuming nothing.
     Peek(u32),
-    /// Takes this many units from every policy after the fact, whether or not they fit:
-    /// a policy with fewer left is emptied (whole units), never overdrawn, so a caller
-    /// who went over waits at most one full refill.
+    /// Takes this many units from every policy after the fact, whether or not they fit
+    /// (a cost the response reported). What does not fit is owed by the buckets and
+    /// GCRA — token bucket, leaky bucket (both forms), GCRA — up to one capacity past
+    /// empty: the caller waits it out before anything fits again, at most two full
+    /// refills, so usage beyond the budget is paid back rather than lost. The window
+    /// algorithms count at most their limit: their window is spent either way.
     Charge(u32),
-    /// Gives this many units back to every policy, up to full: a request that failed,
-    /// or cost less than it was charged.
+    /// Gives this many units back to every policy, up to full (paying back what is owed
+    /// first): a request that failed, or cost less than it was charged.
     Refund(u32),
     /// Forgets the caller's state: every policy as for a new caller.
     Reset,

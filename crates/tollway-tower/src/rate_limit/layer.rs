@@ -483,9 +483,10 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// the `units` the response reports it used — an LLM API's tokens, read from a header
     /// or an extension the handler sets — besides the request's cost, taken when it was
     /// admitted. Only requests that `policy` applies to are charged (it is usually a
-    /// route's: a token budget beside the caller's request rate). A charge takes what is
-    /// left if that is less (a caller is never overdrawn, see `Operation::Charge`), so
-    /// the next request is refused once the caller has used the budget up. The response
+    /// route's: a token budget beside the caller's request rate). What the budget cannot
+    /// take is owed by a bucket or GCRA and waited out (see `Operation::Charge`; a window
+    /// algorithm counts up to its limit), so the next request is refused once the
+    /// caller has used the budget up, and for as long as it owes. The response
     /// waits for the charge (at once in memory, a round trip in Redis); a charge the
     /// store fails is dropped and told like a store failure. A name the layer does not
     /// know fails [`build`](Self::build).
