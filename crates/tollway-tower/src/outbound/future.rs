@@ -15,19 +15,21 @@ use tollway_core::{Checked, Decisions, Denial, Operation, Policy, Store, StoreEr
 use tower_service::Service;
 
 use super::layer::{OutboundError, Shared};
-use super::pause_of;
+use super::{Replay, pause_of};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 /// The store operations a response calls for, run before the response is handed on.
 type Work = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 pin_project! {
+    #[project = ResponseFutureProj]
     /// The future of an [`Outbound`](super::Outbound) request, a state machine:
     /// `Start` → `Pausing` (is a pause running for the key?) → `Checking` (the limits) →
     /// `Sleeping` while over them (then `Start` again) → `Ready` (the inner service made
-    /// ready) → `Calling` → `After` (the store told of a 429's pause or the real cost),
-    /// or an [`OutboundError`].
-    pub struct ResponseFuture<S, St, B>
+    /// ready) → `Calling` → `After` (the store told of a 429's pause or the real cost)
+    /// → the response, or `Start` again with a copy of a refused request; or an
+    /// [`OutboundError`].
+    pub struct ResponseFuture<S, St, B, R>
     where
         S: Service<Request<B>>,
         St: Store,
@@ -35,10 +37,15 @@ pin_project! {
         #[pin]
         state: State<S::Future, St::Future, S::Response>,
         inner: S,
-        shared: Arc<Shared<St>>,
+        shared: Arc<Shared<St, R>>,
         key: Option<String>,
         cost: u32,
         request: Option<Request<B>>,
+        // The copy to send if the upstream refuses the request (made before it is sent).
+        spare: Option<Request<B>>,
+        // The upstream's refusal, while its copy is on its way: the answer if the copy
+        // cannot be sent.
+        refused: Option<S::Response>,
         waited: Duration,
     }
 }
@@ -54,20 +61,21 @@ pin_project! {
         Sleeping { #[pin] sleep: tokio::time::Sleep, then_call: bool },
         Ready,
         Calling { #[pin] call: F },
-        After { work: Work, response: Option<R> },
+        // `again`: send the spare copy after the work, rather than answer the response.
+        After { work: Work, response: Option<R>, again: bool },
         // Finished: polled again, it answers an error rather than resume what ended.
         Done,
     }
 }
 
-impl<S, St, B> ResponseFuture<S, St, B>
+impl<S, St, B, R> ResponseFuture<S, St, B, R>
 where
     S: Service<Request<B>>,
     St: Store,
 {
     pub(super) fn new(
         inner: S,
-        shared: Arc<Shared<St>>,
+        shared: Arc<Shared<St, R>>,
         key: Option<String>,
         cost: u32,
         request: Request<B>,
@@ -79,12 +87,14 @@ where
             key,
             cost,
             request: Some(request),
+            spare: None,
+            refused: None,
             waited: Duration::ZERO,
         }
     }
 }
 
-impl<S, St, B> std::fmt::Debug for ResponseFuture<S, St, B>
+impl<S, St, B, R> std::fmt::Debug for ResponseFuture<S, St, B, R>
 where
     S: Service<Request<B>>,
     St: Store,
@@ -98,11 +108,12 @@ where
     }
 }
 
-impl<S, St, B, RB> Future for ResponseFuture<S, St, B>
+impl<S, St, B, R, RB> Future for ResponseFuture<S, St, B, R>
 where
     S: Service<Request<B>, Response = Response<RB>>,
     S::Error: Into<BoxError>,
     St: Store,
+    R: Replay<B> + Send + Sync + 'static,
 {
     type Output = Result<S::Response, BoxError>;
 
@@ -113,87 +124,138 @@ where
     }
 }
 
-impl<S, St, B, RB> ResponseFuture<S, St, B>
+impl<S, St, B, R, RB> ResponseFuture<S, St, B, R>
 where
     S: Service<Request<B>, Response = Response<RB>>,
     S::Error: Into<BoxError>,
     St: Store,
+    R: Replay<B> + Send + Sync + 'static,
 {
-    /// Runs the state machine until it answers or waits.
+    /// Runs the state machine until it answers or waits. Anything that fails on the way
+    /// to a refused request's second answer answers the first.
     fn drive(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<S::Response, BoxError>> {
         let mut this = self.project();
         loop {
-            let next = match this.state.as_mut().project() {
-                StateProj::Start => match (this.key.as_deref(), &this.shared.pause) {
-                    // No key: not limited.
-                    (None, _) => State::Ready,
-                    (Some(key), Some(pause)) => {
-                        let whole = Operation::Peek(capacity(pause));
-                        match this.shared.store.operate(key.as_bytes(), &[pause], whole) {
-                            Checked::Ready(answer) => {
-                                unpaused(answer, this.shared, key, *this.cost, this.waited)?
-                            }
-                            Checked::Pending(check) => State::Pausing { check },
-                        }
-                    }
-                    (Some(key), None) => limits(this.shared, key, *this.cost, this.waited)?,
-                },
-                StateProj::Pausing { check } => {
-                    let answer = ready!(check.poll(cx));
-                    let key = this.key.as_deref().unwrap_or_default();
-                    unpaused(answer, this.shared, key, *this.cost, this.waited)?
-                }
-                StateProj::Checking { check } => {
-                    let answer = ready!(check.poll(cx));
-                    after(answer, this.shared, this.waited)?
-                }
-                StateProj::Sleeping { sleep, then_call } => {
-                    ready!(sleep.poll(cx));
-                    if *then_call {
-                        State::Ready
-                    } else {
-                        State::Start
-                    }
-                }
-                StateProj::Ready => {
-                    ready!(this.inner.poll_ready(cx)).map_err(Into::into)?;
-                    let Some(request) = this.request.take() else {
-                        return Poll::Ready(
-                            Err("outbound request polled after it was sent".into()),
-                        );
-                    };
-                    State::Calling {
-                        call: this.inner.call(request),
-                    }
-                }
-                StateProj::Calling { call } => {
-                    let response = ready!(call.poll(cx)).map_err(Into::into)?;
-                    let work = this
-                        .key
-                        .as_deref()
-                        .and_then(|key| told(this.shared, key, *this.cost, &response));
-                    match work {
-                        Some(work) => State::After {
-                            work,
-                            response: Some(response),
-                        },
-                        None => return Poll::Ready(Ok(response)),
-                    }
-                }
-                StateProj::After { work, response } => {
-                    ready!(work.as_mut().poll(cx));
-                    return Poll::Ready(
-                        response.take().ok_or_else(|| {
-                            "outbound response polled after it was handed on".into()
-                        }),
-                    );
-                }
-                StateProj::Done => {
-                    return Poll::Ready(Err("outbound future polled after it completed".into()));
-                }
+            let next = match this.step(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(Step::Next(state))) => state,
+                Poll::Ready(Ok(Step::Answer(response))) => return Poll::Ready(Ok(response)),
+                Poll::Ready(Err(e)) => return Poll::Ready(this.refused.take().ok_or(e)),
             };
             this.state.set(next);
         }
+    }
+}
+
+/// What one step of the state machine comes to.
+enum Step<F, C, R> {
+    Next(State<F, C, R>),
+    Answer(R),
+}
+
+impl<S, St, B, R, RB> ResponseFutureProj<'_, S, St, B, R>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    S::Error: Into<BoxError>,
+    St: Store,
+    R: Replay<B> + Send + Sync + 'static,
+{
+    /// Moves the state machine one state on, if it can.
+    #[allow(clippy::type_complexity)]
+    fn step(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Step<S::Future, St::Future, S::Response>, BoxError>> {
+        let this = self;
+        let next = match this.state.as_mut().project() {
+            StateProj::Start => match (this.key.as_deref(), &this.shared.pause) {
+                // No key: not limited.
+                (None, _) => State::Ready,
+                (Some(key), Some(pause)) => {
+                    let whole = Operation::Peek(capacity(pause));
+                    match this.shared.store.operate(key.as_bytes(), &[pause], whole) {
+                        Checked::Ready(answer) => {
+                            unpaused(answer, this.shared, key, *this.cost, this.waited)?
+                        }
+                        Checked::Pending(check) => State::Pausing { check },
+                    }
+                }
+                (Some(key), None) => limits(this.shared, key, *this.cost, this.waited)?,
+            },
+            StateProj::Pausing { check } => {
+                let answer = ready!(check.poll(cx));
+                let key = this.key.as_deref().unwrap_or_default();
+                unpaused(answer, this.shared, key, *this.cost, this.waited)?
+            }
+            StateProj::Checking { check } => {
+                let answer = ready!(check.poll(cx));
+                after(answer, this.shared, this.waited)?
+            }
+            StateProj::Sleeping { sleep, then_call } => {
+                ready!(sleep.poll(cx));
+                if *then_call {
+                    State::Ready
+                } else {
+                    State::Start
+                }
+            }
+            StateProj::Ready => {
+                ready!(this.inner.poll_ready(cx)).map_err(Into::into)?;
+                let request = this
+                    .request
+                    .take()
+                    .ok_or("outbound request polled after it was sent")?;
+                // The first time only, and only if a refusal would pause (and so be
+                // waited out before the copy goes).
+                if this.refused.is_none() && this.key.is_some() && this.shared.pause.is_some() {
+                    *this.spare = this.shared.replay.replay(&request);
+                }
+                State::Calling {
+                    call: this.inner.call(request),
+                }
+            }
+            StateProj::Calling { call } => {
+                let response = ready!(call.poll(cx)).map_err(Into::into)?;
+                let Some(key) = this.key.as_deref() else {
+                    return Poll::Ready(Ok(Step::Answer(response)));
+                };
+                let (work, pause) = told(this.shared, key, *this.cost, &response);
+                // Again if the upstream refused it, a copy was made, and the pause ends
+                // within what is left of the wait.
+                let left = this.shared.max_wait.saturating_sub(*this.waited);
+                let again = this.spare.is_some() && pause.is_some_and(|pause| pause < left);
+                match work {
+                    Some(work) => State::After {
+                        work,
+                        response: Some(response),
+                        again,
+                    },
+                    None => return Poll::Ready(Ok(Step::Answer(response))),
+                }
+            }
+            StateProj::After {
+                work,
+                response,
+                again,
+            } => {
+                ready!(work.as_mut().poll(cx));
+                let response = response
+                    .take()
+                    .ok_or("outbound response polled after it was handed on")?;
+                match this.spare.take() {
+                    Some(spare) if *again => {
+                        *this.refused = Some(response);
+                        *this.request = Some(spare);
+                        State::Start
+                    }
+                    _ => return Poll::Ready(Ok(Step::Answer(response))),
+                }
+            }
+            StateProj::Done => {
+                return Poll::Ready(Err("outbound future polled after it completed".into()));
+            }
+        };
+        Poll::Ready(Ok(Step::Next(next)))
     }
 }
 
@@ -204,8 +266,8 @@ fn capacity(pause: &Policy) -> u32 {
 }
 
 /// Asks the store to decide the request's limits.
-fn limits<F, C, R, St>(
-    shared: &Shared<St>,
+fn limits<F, C, R, St, P>(
+    shared: &Shared<St, P>,
     key: &str,
     cost: u32,
     waited: &mut Duration,
@@ -222,9 +284,9 @@ where
 
 /// What follows the pause store's answer: the limits when no pause runs, else a sleep
 /// until it ends (or the error, past `max_wait`).
-fn unpaused<F, C, R, St>(
+fn unpaused<F, C, R, St, P>(
     answer: Result<Decisions, StoreError>,
-    shared: &Shared<St>,
+    shared: &Shared<St, P>,
     key: &str,
     cost: u32,
     waited: &mut Duration,
@@ -242,9 +304,9 @@ where
 
 /// What follows the store's answer: the call (after a shaper's delay, if any), a sleep
 /// until the limits would admit the request, or the error that ends it.
-fn after<F, C, R, St>(
+fn after<F, C, R, St, P>(
     answer: Result<Decisions, StoreError>,
-    shared: &Shared<St>,
+    shared: &Shared<St, P>,
     waited: &mut Duration,
 ) -> Result<State<F, C, R>, BoxError> {
     let decisions = answer.map_err(|e| Box::new(OutboundError::Store(e)))?;
@@ -290,13 +352,13 @@ fn after<F, C, R, St>(
 
 /// What the response tells the store, if anything: a pause for every worker sharing the
 /// key, when it is a refusal (see [`pause_of`]); the difference between the real cost
-/// and the estimate charged, when the layer settles costs.
-fn told<St: Store, RB>(
-    shared: &Arc<Shared<St>>,
+/// and the estimate charged, when the layer settles costs. With the pause, if any.
+fn told<St: Store, R: Send + Sync + 'static, RB>(
+    shared: &Arc<Shared<St, R>>,
     key: &str,
     cost: u32,
     response: &Response<RB>,
-) -> Option<Work> {
+) -> (Option<Work>, Option<Duration>) {
     let (status, headers) = (response.status(), response.headers());
     let pause = shared.pause.as_ref().and_then(|policy| {
         let longest = Duration::from_millis(u64::from(capacity(policy)));
@@ -308,10 +370,11 @@ fn told<St: Store, RB>(
         .and_then(|settle| settle(&status, headers))
         .filter(|&used| used != cost);
     if pause.is_none() && used.is_none() {
-        return None;
+        return (None, None);
     }
+    let paused = pause.as_ref().map(|&(_, pause)| pause);
     let (shared, key) = (Arc::clone(shared), key.to_owned());
-    Some(Box::pin(async move {
+    let work: Work = Box::pin(async move {
         let store = &shared.store;
         if let Some((policy, pause)) = pause {
             // At most `capacity − pause` left: the capacity is whole again `pause` from
@@ -334,5 +397,6 @@ fn told<St: Store, RB>(
                 tracing::warn!(error = %e, "outbound: the store failed to settle a cost");
             }
         }
-    }))
+    });
+    (Some(work), paused)
 }

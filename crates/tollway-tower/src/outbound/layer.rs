@@ -13,6 +13,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::future::ResponseFuture;
+use super::replay::{Idempotent, Replay};
 
 type KeyFn = dyn Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync;
 type CostFn = dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync;
@@ -22,7 +23,7 @@ pub(super) type SettleFn = dyn Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send
 const PAUSE_CEILING: Duration = Duration::from_secs(3_600);
 
 /// What every clone of a layer and its services share.
-pub(super) struct Shared<St> {
+pub(super) struct Shared<St, R> {
     pub(super) store: St,
     pub(super) policies: Vec<Policy>,
     key: Box<KeyFn>,
@@ -34,9 +35,11 @@ pub(super) struct Shared<St> {
     /// unit a millisecond whose capacity is the longest pause (see [`super::pause`]).
     pub(super) pause: Option<Policy>,
     pub(super) settle: Option<Box<SettleFn>>,
+    /// Which refused requests go once more.
+    pub(super) replay: R,
 }
 
-impl<St> Shared<St> {
+impl<St, R> Shared<St, R> {
     /// `wait`, stretched by a random share of up to the jitter: the share is a hash of
     /// the wall-clock instant under this layer's random seed, so it differs from request
     /// to request and from process to process.
@@ -48,11 +51,11 @@ impl<St> Shared<St> {
 }
 
 /// Limits outbound requests: see the [module docs](super).
-pub struct OutboundLayer<St> {
-    shared: Arc<Shared<St>>,
+pub struct OutboundLayer<St, R = Idempotent> {
+    shared: Arc<Shared<St, R>>,
 }
 
-impl<St> Clone for OutboundLayer<St> {
+impl<St, R> Clone for OutboundLayer<St, R> {
     fn clone(&self) -> Self {
         OutboundLayer {
             shared: Arc::clone(&self.shared),
@@ -60,7 +63,7 @@ impl<St> Clone for OutboundLayer<St> {
     }
 }
 
-impl<St> fmt::Debug for OutboundLayer<St> {
+impl<St, R> fmt::Debug for OutboundLayer<St, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OutboundLayer")
             .field("policies", &self.shared.policies)
@@ -82,12 +85,13 @@ impl<St: Store> OutboundLayer<St> {
             jitter: 0.1,
             max_pause: Duration::from_secs(60),
             settle: None,
+            replay: Idempotent,
         }
     }
 }
 
-impl<S, St> Layer<S> for OutboundLayer<St> {
-    type Service = Outbound<S, St>;
+impl<S, St, R> Layer<S> for OutboundLayer<St, R> {
+    type Service = Outbound<S, St, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Outbound {
@@ -99,7 +103,7 @@ impl<S, St> Layer<S> for OutboundLayer<St> {
 
 /// Builds an [`OutboundLayer`].
 #[must_use]
-pub struct OutboundLayerBuilder<St> {
+pub struct OutboundLayerBuilder<St, R = Idempotent> {
     store: St,
     policies: Vec<Policy>,
     key: Box<KeyFn>,
@@ -108,9 +112,10 @@ pub struct OutboundLayerBuilder<St> {
     jitter: f64,
     max_pause: Duration,
     settle: Option<Box<SettleFn>>,
+    replay: R,
 }
 
-impl<St> fmt::Debug for OutboundLayerBuilder<St> {
+impl<St, R> fmt::Debug for OutboundLayerBuilder<St, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OutboundLayerBuilder")
             .field("policies", &self.policies)
@@ -121,7 +126,7 @@ impl<St> fmt::Debug for OutboundLayerBuilder<St> {
     }
 }
 
-impl<St: Store> OutboundLayerBuilder<St> {
+impl<St: Store, R> OutboundLayerBuilder<St, R> {
     /// Another limit every request must also fit (all or nothing, as on the server
     /// side): say 100 requests a second and 10,000 a day.
     pub fn policy(mut self, policy: Policy) -> Self {
@@ -182,8 +187,8 @@ impl<St: Store> OutboundLayerBuilder<St> {
     /// Settles what a request really cost once its response says so: `settle` reads the
     /// response's status and headers and returns the units used (say an LLM API's
     /// tokens), or `None` to keep the estimate. The difference from the estimate the
-    /// request was charged ([`cost`](Self::cost)) is charged or refunded; a charge takes
-    /// what is left and no more (see the [module docs](super)).
+    /// request was charged ([`cost`](Self::cost)) is charged or refunded; what a charge
+    /// cannot take is owed by a bucket or GCRA (see the [module docs](super)).
     pub fn settle(
         mut self,
         settle: impl Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync + 'static,
@@ -192,12 +197,34 @@ impl<St: Store> OutboundLayerBuilder<St> {
         self
     }
 
+    /// Which requests the upstream refused are sent once more, after the pause its 429
+    /// asks for, if that pause ends within what is left of
+    /// [`max_wait`](Self::max_wait): [`Idempotent`] by default (copies of `GET`, `PUT`,
+    /// `DELETE`… whose body is `Clone`), [`NoReplay`](super::NoReplay), or a closure
+    /// (see [`Replay`]). The copy is checked against the limits and charged like any
+    /// request; the refused one keeps its charge. A request goes at most twice; when the
+    /// second cannot go within `max_wait` (or the store fails meanwhile), the caller gets
+    /// the upstream's 429. With no pausing (`max_pause` zero) nothing is sent again.
+    pub fn replay<R2>(self, replay: R2) -> OutboundLayerBuilder<St, R2> {
+        OutboundLayerBuilder {
+            store: self.store,
+            policies: self.policies,
+            key: self.key,
+            cost: self.cost,
+            max_wait: self.max_wait,
+            jitter: self.jitter,
+            max_pause: self.max_pause,
+            settle: self.settle,
+            replay,
+        }
+    }
+
     /// Builds the layer.
     ///
     /// # Errors
     ///
     /// When the jitter is not a share from 0 to 1, or the longest pause is over an hour.
-    pub fn build(self) -> Result<OutboundLayer<St>, ConfigError> {
+    pub fn build(self) -> Result<OutboundLayer<St, R>, ConfigError> {
         if !(0.0..=1.0).contains(&self.jitter) {
             return Err(ConfigError::new(format!(
                 "outbound jitter must be a share from 0 to 1 (0.1: up to 10% longer than the retry time); got {}",
@@ -222,18 +249,19 @@ impl<St: Store> OutboundLayerBuilder<St> {
                 seeds: std::hash::RandomState::new(),
                 pause,
                 settle: self.settle,
+                replay: self.replay,
             }),
         })
     }
 }
 
 /// The service an [`OutboundLayer`] makes around a client.
-pub struct Outbound<S, St> {
+pub struct Outbound<S, St, R = Idempotent> {
     inner: S,
-    shared: Arc<Shared<St>>,
+    shared: Arc<Shared<St, R>>,
 }
 
-impl<S: Clone, St> Clone for Outbound<S, St> {
+impl<S: Clone, St, R> Clone for Outbound<S, St, R> {
     fn clone(&self) -> Self {
         Outbound {
             inner: self.inner.clone(),
@@ -242,7 +270,7 @@ impl<S: Clone, St> Clone for Outbound<S, St> {
     }
 }
 
-impl<S: fmt::Debug, St> fmt::Debug for Outbound<S, St> {
+impl<S: fmt::Debug, St, R> fmt::Debug for Outbound<S, St, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Outbound")
             .field("inner", &self.inner)
@@ -250,15 +278,16 @@ impl<S: fmt::Debug, St> fmt::Debug for Outbound<S, St> {
     }
 }
 
-impl<S, St, B, RB> Service<Request<B>> for Outbound<S, St>
+impl<S, St, R, B, RB> Service<Request<B>> for Outbound<S, St, R>
 where
     S: Service<Request<B>, Response = http::Response<RB>> + Clone,
     S::Error: Into<Box<dyn Error + Send + Sync>>,
     St: Store,
+    R: Replay<B> + Send + Sync + 'static,
 {
     type Response = S::Response;
     type Error = Box<dyn Error + Send + Sync>;
-    type Future = ResponseFuture<S, St, B>;
+    type Future = ResponseFuture<S, St, B, R>;
 
     /// Always ready: a request may wait for the limit first, and holding the inner
     /// service's readiness meanwhile would starve it. The future makes its own clone of

@@ -21,25 +21,28 @@
 //! **Listen to the upstream.** A response that is a 429 (or a gRPC `RESOURCE_EXHAUSTED`)
 //! pauses every worker sharing its key, through the store, for what its `Retry-After`
 //! says, by the rule of [`pause_of`], and never longer than
-//! [`max_pause`](OutboundLayerBuilder::max_pause) (default 60 s). The response is handed
-//! on as it is; the caller decides whether to send the request again.
+//! [`max_pause`](OutboundLayerBuilder::max_pause) (default 60 s). The refused request is
+//! then sent once more, after the pause, if it is idempotent (`GET`, `PUT`, `DELETE`…;
+//! or whatever [`replay`](OutboundLayerBuilder::replay) allows) and the pause ends within
+//! what is left of its `max_wait`; otherwise, or if it cannot go in time, the caller gets
+//! the upstream's 429 as it came.
 //!
 //! **Costs the response decides.** With [`settle`](OutboundLayerBuilder::settle), a
 //! request is charged its estimated [`cost`](OutboundLayerBuilder::cost) up front, and
 //! the difference from what its response reports it used is charged or refunded after,
-//! so a tokens-per-minute budget counts what the fleet used. A charge after the fact
-//! takes what is left and no more (the stores keep no debt): when responses use more
-//! than the estimates and the budget runs dry, the excess goes uncounted — estimate
-//! high. A layer's cost applies to each of its limits: for requests a second and tokens
-//! a minute, stack two layers; a request admitted by the outer one keeps that charge if
-//! the inner one then refuses it.
+//! so a tokens-per-minute budget counts what the fleet used. When responses use more
+//! than their estimates and the budget runs dry, a token bucket or GCRA owes the rest
+//! (up to its capacity; see [`Operation::Charge`](tollway_core::Operation::Charge)) and
+//! admits nothing until it is paid back, so over a run the fleet uses at most the budget
+//! and one capacity; a window algorithm forgets what its window could not hold — take
+//! a bucket for tokens. A layer's cost applies to each of its limits: for requests a
+//! second and tokens a minute, stack two layers; a request admitted by the outer one
+//! keeps that charge if the inner one then refuses it.
 //!
 //! Give the clients a burst a little under the upstream's: requests reach it a little
 //! later and less evenly than they were admitted, and the difference absorbs that
 //! (measured through Redis, 4 clients × 64 tasks against 50 a second: the same burst drew
 //! 0.2–1.1% 429s, a burst of 40 for the upstream's 50 none).
-//!
-//! Not here yet: sending a refused idempotent request again within its deadline.
 //!
 //! # Examples
 //!
@@ -96,11 +99,51 @@
 //! #     fn call(&mut self, req: Request<()>) -> Fut { (self.0)(req) }
 //! # }
 //! ```
+//!
+//! # With reqwest
+//!
+//! A `reqwest::Client` becomes a tower service of `http` requests through a small
+//! adapter (reqwest converts both ways); a body that is `Clone`, such as `String` or
+//! `Bytes`, keeps refused idempotent requests replayable.
+//!
+//! ```
+//! use http::Request;
+//! use tollway_tower::outbound::OutboundLayer;
+//! use tollway_tower::tollway_core::{Algorithm, MemoryStore, Policy, Quota};
+//! use tower::{Layer, ServiceExt};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! # let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! # let upstream = listener.local_addr()?;
+//! # let app = axum::Router::new().route("/v1/charges", axum::routing::get(|| async { "ok" }));
+//! # tokio::spawn(async move { axum::serve(listener, app).await });
+//! let client = reqwest::Client::new();
+//! let adapter = tower::service_fn(move |request: Request<String>| {
+//!     let client = client.clone();
+//!     async move {
+//!         let response = client.execute(reqwest::Request::try_from(request)?).await?;
+//!         Ok::<_, reqwest::Error>(http::Response::from(response))
+//!     }
+//! });
+//!
+//! let policy = Policy::new("stripe", Algorithm::Gcra, Quota::per_second(100)?)?;
+//! let layer = OutboundLayer::builder(MemoryStore::new(), policy).build()?;
+//! let limited = layer.layer(adapter);
+//!
+//! let request = Request::get(format!("http://{upstream}/v1/charges")).body(String::new())?;
+//! let response = limited.oneshot(request).await?;
+//! assert_eq!(response.status(), 200);
+//! # Ok(())
+//! # }
+//! ```
 
 mod future;
 mod layer;
 mod pause;
+mod replay;
 
 pub use future::ResponseFuture;
 pub use layer::{Outbound, OutboundError, OutboundLayer, OutboundLayerBuilder};
 pub use pause::{DEFAULT_PAUSE, pause_of};
+pub use replay::{Idempotent, NoReplay, Replay};
