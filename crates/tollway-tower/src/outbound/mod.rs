@@ -42,7 +42,8 @@
 //! Give the clients a burst a little under the upstream's: requests reach it a little
 //! later and less evenly than they were admitted, and the difference absorbs that
 //! (measured through Redis, 4 clients × 64 tasks against 50 a second: the same burst drew
-//! 0.2–1.1% 429s, a burst of 40 for the upstream's 50 none).
+//! 0.2–1.1% 429s, a burst of 40 for the upstream's 50 none). Likewise a token capacity:
+//! the upstream counts a call's tokens a moment before its settlement reaches the store.
 //!
 //! # Examples
 //!
