@@ -359,7 +359,9 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     ///
     /// The URI is the one the client sent, as route limits see it: inside a nested axum
     /// router, its prefix included. A cost above a limit's capacity is refused with a 429
-    /// that has no `Retry-After` (it can never pass).
+    /// that has no `Retry-After` (it can never pass). A cost of 0 takes nothing: it is
+    /// answered with the limit's headers, and refused only while the caller owes units
+    /// (charged past empty, see [`charge_after`](Self::charge_after)).
     pub fn cost(
         mut self,
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
