@@ -591,6 +591,15 @@ async fn a_refused_request_goes_once_more_when_it_may_and_the_pause_fits() {
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(statuses_and_gaps(&arrivals).0, 2);
 
+    // Two layers stacked (requests, then tokens): still one more send, not one a layer.
+    let (server, arrivals) = refusing_first(5, "1").await;
+    let outer = layer(Duration::from_secs(30)).build().unwrap();
+    let inner = layer(Duration::from_secs(30)).build().unwrap();
+    let mut client = outer.layer(inner.layer(http_client()));
+    let response = send(&mut client, &server).await.unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(statuses_and_gaps(&arrivals).0, 2);
+
     // A pause of 2 s and a wait of at most 1 s: the 429 at once, sent once.
     let (server, arrivals) = refusing_once("2").await;
     let mut client = layer(Duration::from_secs(1))

@@ -48,7 +48,11 @@ impl LatencyProxy {
         let accepting = tokio::spawn(async move {
             // Dropped with this task: every connection's pumps are aborted with it.
             let mut connections = JoinSet::new();
-            while let Ok((client, _)) = listener.accept().await {
+            loop {
+                // A failed accept (out of descriptors, say) drops that one connection.
+                let Ok((client, _)) = listener.accept().await else {
+                    continue;
+                };
                 let Ok(server) = TcpStream::connect(target).await else {
                     continue;
                 };
@@ -117,19 +121,22 @@ fn micros(d: Duration) -> u64 {
 }
 
 /// Carries one direction of a connection: reads chunks as they come, stamps each with
-/// when it was sent, and a writer delivers it `one_way` after that, once the link is up.
+/// when it was sent, and a writer delivers it `one_way` after that, once the link is up;
+/// the end of the stream (`None`) travels the same way, so a close is late and held by a
+/// cut like the bytes before it.
 async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Arc<Link>) {
-    let (chunks, mut pending) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
-    let deliver = async {
+    let (chunks, mut pending) = mpsc::unbounded_channel::<(Instant, Option<Vec<u8>>)>();
+    let deliver = async move {
         let mut up = link.cut.subscribe();
         while let Some((sent, bytes)) = pending.recv().await {
             let one_way = Duration::from_micros(link.one_way_us.load(Ordering::Relaxed));
             tokio::time::sleep_until(sent + one_way).await;
             // (The watch's guard is dropped at once: holding it would block `cut`.)
             let up_again = up.wait_for(|cut| !cut).await.is_ok();
-            if !up_again {
-                return;
-            }
+            let Some(bytes) = bytes.filter(|_| up_again) else {
+                break;
+            };
+            // A failed write drops the receiver, which stops the reader.
             if to.write_all(&bytes).await.is_err() {
                 return;
             }
@@ -139,16 +146,15 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, link: Arc<Link>) 
     let read = async move {
         let mut buffer = vec![0u8; 16 * 1024];
         loop {
-            match from.read(&mut buffer).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => {
-                    if chunks.send((Instant::now(), buffer[..n].to_vec())).is_err() {
-                        return;
-                    }
-                }
+            let chunk = match from.read(&mut buffer).await {
+                Ok(0) | Err(_) => None,
+                Ok(n) => Some(buffer[..n].to_vec()),
+            };
+            let end = chunk.is_none();
+            if chunks.send((Instant::now(), chunk)).is_err() || end {
+                return;
             }
         }
     };
-    // The writer finishes what the reader queued before the reader's end closed it.
     tokio::join!(read, deliver);
 }

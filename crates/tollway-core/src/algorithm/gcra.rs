@@ -104,7 +104,11 @@ mod tests {
         assert!(d.is_allowed());
         assert_eq!(charge(State::default(), 0, &q, 30).tat, 2_000_000);
         // A request of cost 0 passes an empty limit, not one that owes.
-        assert!(check(charge(State::default(), 0, &q, 10), 0, &q, 0).0.is_allowed());
+        assert!(
+            check(charge(State::default(), 0, &q, 10), 0, &q, 0)
+                .0
+                .is_allowed()
+        );
         assert!(!check(owed, 0, &q, 0).0.is_allowed());
     }
 

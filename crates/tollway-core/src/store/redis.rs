@@ -605,18 +605,17 @@ fn redis_error(e: RedisError) -> StoreError {
     StoreError::with_source(kind, format!("Redis call failed: {e}"), e)
 }
 
-/// A setting the builder refused, as the error of a `connect`.
-
 /// The store's connections send each call at once (`TCP_NODELAY`): calls are small and
 /// pipelined on one connection, and with Nagle's algorithm (redis-rs's default) a call
 /// made while another's reply is on its way waits for that reply's acknowledgement — on
 /// a network with delayed acknowledgements, tens of milliseconds (measured across a
-/// simulated 20 ms round trip: 34 ms a decision at the median instead of 20; see
-/// BENCHMARKS.md).
+/// simulated 20 ms round trip: 34 ms a decision at the median instead of 24; see
+/// BENCHMARKS.md). Connections a user hands over (`with_manager`, a pool) keep theirs.
 fn tcp_settings() -> redis::io::tcp::TcpSettings {
     redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }
 
+/// A setting the builder refused, as the error of a `connect`.
 fn config_error(e: ConfigError) -> StoreError {
     StoreError::with_source(StoreErrorKind::Other, e.to_string(), e)
 }

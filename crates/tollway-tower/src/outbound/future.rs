@@ -139,8 +139,17 @@ where
             let next = match this.step(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Ok(Step::Next(state))) => state,
-                Poll::Ready(Ok(Step::Answer(response))) => return Poll::Ready(Ok(response)),
-                Poll::Ready(Err(e)) => return Poll::Ready(this.refused.take().ok_or(e)),
+                Poll::Ready(Ok(Step::Answer(response))) => {
+                    this.refused.take();
+                    return Poll::Ready(Ok(response));
+                }
+                Poll::Ready(Err(e)) => {
+                    let Some(refused) = this.refused.take() else {
+                        return Poll::Ready(Err(e));
+                    };
+                    tracing::debug!(error = %e, "outbound: a refused request could not go again");
+                    return Poll::Ready(Ok(refused));
+                }
             };
             this.state.set(next);
         }
@@ -206,8 +215,12 @@ where
                     .take()
                     .ok_or("outbound request polled after it was sent")?;
                 // The first time only, and only if a refusal would pause (and so be
-                // waited out before the copy goes).
-                if this.refused.is_none() && this.key.is_some() && this.shared.pause.is_some() {
+                // waited out before the copy goes) and the request may wait at all.
+                if this.refused.is_none()
+                    && this.key.is_some()
+                    && this.shared.pause.is_some()
+                    && !this.shared.max_wait.is_zero()
+                {
                     *this.spare = this.shared.replay.replay(&request);
                 }
                 State::Calling {
@@ -215,15 +228,21 @@ where
                 }
             }
             StateProj::Calling { call } => {
-                let response = ready!(call.poll(cx)).map_err(Into::into)?;
+                let mut response = ready!(call.poll(cx)).map_err(Into::into)?;
                 let Some(key) = this.key.as_deref() else {
                     return Poll::Ready(Ok(Step::Answer(response)));
                 };
                 let (work, pause) = told(this.shared, key, *this.cost, &response);
-                // Again if the upstream refused it, a copy was made, and the pause ends
-                // within what is left of the wait.
+                // Again if the upstream refused it, a copy was made, the pause ends
+                // within what is left of the wait, and no outbound layer inside this one
+                // handed the refusal on already (stacked layers would multiply the sends).
                 let left = this.shared.max_wait.saturating_sub(*this.waited);
-                let again = this.spare.is_some() && pause.is_some_and(|pause| pause < left);
+                let handled = response.extensions().get::<Handled>().is_some();
+                let again =
+                    !handled && this.spare.is_some() && pause.is_some_and(|pause| pause <= left);
+                if pause.is_some() && !again {
+                    response.extensions_mut().insert(Handled);
+                }
                 match work {
                     Some(work) => State::After {
                         work,
@@ -258,6 +277,11 @@ where
         Poll::Ready(Ok(Step::Next(next)))
     }
 }
+
+/// Marks a refusal an outbound layer hands on: a layer around it does not send the
+/// request again (one more send per request, however many layers).
+#[derive(Clone, Copy, Debug)]
+struct Handled;
 
 /// The whole of the pause policy's capacity, in milliseconds: it fits only while no
 /// pause runs.
