@@ -67,7 +67,7 @@ fn paused_store() -> MemoryStore<TokioClock> {
 
 /// A client of its own of the shared `redis-server`, as a separate process would have,
 /// under `prefix`, deciding on tokio's (paused) clock. An hour's timeout and grace: the
-/// paused clock moves while a reply is on its way (see [`keep_time_moving`]), and Redis
+/// paused clock moves while a reply is on its way (see [`support::keep_time_moving`]), and Redis
 /// expires keys by its own clock.
 async fn redis_store(prefix: &str) -> tollway_core::RedisStore {
     tollway_core::RedisStore::builder()
@@ -79,31 +79,6 @@ async fn redis_store(prefix: &str) -> tollway_core::RedisStore {
         .connect(&support::shared_server().url())
         .await
         .unwrap()
-}
-
-/// With tokio's clock paused, a runtime with nothing to do but wait for I/O moves the
-/// clock to its next timer at once: without a nearer one, that is a Redis call's timeout,
-/// and the call would time out before its reply came. This task keeps the runtime busy
-/// for a while (yielding, which polls for I/O without moving the clock) before each
-/// millisecond it lets pass, so that a reply on its way arrives within about a
-/// millisecond of the paused clock. Aborted on drop.
-struct TimeKeeper(tokio::task::JoinHandle<()>);
-
-fn keep_time_moving() -> TimeKeeper {
-    TimeKeeper(tokio::spawn(async {
-        loop {
-            for _ in 0..50 {
-                tokio::task::yield_now().await;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    }))
-}
-
-impl Drop for TimeKeeper {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// One request through `client`.
@@ -802,7 +777,7 @@ async fn a_token_budget_holds_fleet_wide_when_estimates_run_low() {
 async fn a_fleet_sharing_redis_stays_under_the_upstreams_quota() {
     const PER_SECOND: u32 = 50;
     let hits = Hits::default();
-    let _time = keep_time_moving();
+    let _time = support::keep_time_moving();
     let (server, received) = upstream(PER_SECOND, &hits).await;
     let server = Arc::new(server);
     // The upstream's rate with a burst of 40, not its 50: requests reach it a little
@@ -866,7 +841,7 @@ async fn a_fleet_sharing_redis_stays_under_the_upstreams_quota() {
 /// responses' store calls interleave; a read-then-charge pause paused them for 4 to 6 s.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn pauses_from_racing_429s_do_not_add_up() {
-    let _time = keep_time_moving();
+    let _time = support::keep_time_moving();
     let (server, arrivals) = refusing_first(3, "2").await;
     let server = Arc::new(server);
     let prefix = support::unique_prefix("outbound-pause");

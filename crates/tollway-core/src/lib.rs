@@ -53,6 +53,9 @@
 //! - `tls`: `rediss://` URLs and `RedisStoreBuilder::tls_root_certificate`: TLS to Redis
 //!   through rustls with the `ring` crypto provider. Implies `redis` and enables
 //!   `redis/tokio-rustls-comp`; optional dependency `rustls`.
+//! - `regions`: `ReplicatedStore`, one limit across regions that each decide against
+//!   their own store and tell the others what they admitted. Optional dependency `tokio`
+//!   (with its runtime, for the sync tasks).
 //! - `metrics`: the stores' metrics through the `metrics` facade (Redis call latency,
 //!   deny-cache hits, breaker state, keys held by the memory store). Optional dependency
 //!   `metrics`.
@@ -80,3 +83,5 @@ pub use store::{
 };
 #[cfg(feature = "redis")]
 pub use store::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
+#[cfg(feature = "regions")]
+pub use store::{Recording, ReplicatedStore, ReplicatedStoreBuilder};

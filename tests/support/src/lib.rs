@@ -73,3 +73,30 @@ pub async fn within<F: Future>(what: &str, seconds: u64, future: F) -> F::Output
         .await
         .unwrap_or_else(|_| panic!("{what} took more than {seconds} s"))
 }
+
+/// With tokio's clock paused, a runtime with nothing to do but wait for I/O moves the
+/// clock to its next timer at once: without a nearer one, that is a Redis call's timeout,
+/// and the call would time out before its reply came. This task keeps the runtime busy
+/// for a while (yielding, which polls for I/O without moving the clock) before each
+/// millisecond it lets pass, so that a reply on its way arrives within about a
+/// millisecond of the paused clock. Aborted on drop.
+#[derive(Debug)]
+pub struct TimeKeeper(tokio::task::JoinHandle<()>);
+
+/// Starts a [`TimeKeeper`] on the current (paused) runtime.
+pub fn keep_time_moving() -> TimeKeeper {
+    TimeKeeper(tokio::spawn(async {
+        loop {
+            for _ in 0..50 {
+                tokio::task::yield_now().await;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }))
+}
+
+impl Drop for TimeKeeper {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

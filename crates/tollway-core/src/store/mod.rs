@@ -11,6 +11,8 @@ mod breaker;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(feature = "regions")]
+mod replicated;
 
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
@@ -25,6 +27,8 @@ pub use self::breaker::{
 pub use self::memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 #[cfg(feature = "redis")]
 pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
+#[cfg(feature = "regions")]
+pub use self::replicated::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
 
 use crate::{Decisions, Policy, StoreError};
 
