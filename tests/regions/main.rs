@@ -291,7 +291,8 @@ async fn one_region_hammering_is_decided_exactly_and_the_others_learn_it() {
 
 /// The same customer hammering from all three regions at once (10 a second each): every
 /// whole window admits the limit give or take the bound, `(regions − 1) × (r × S + 1)`
-/// with r = 10 a second and S = the 50 ms sync + 40 ms one way + the charge — 4 here.
+/// with r = 10 a second and S = the 80 ms round trip (longer than the 50 ms sync) + 40 ms
+/// one way — 4 here.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn three_regions_hammering_stay_within_the_stated_bound() {
     let _time = support::keep_time_moving();

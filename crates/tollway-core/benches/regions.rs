@@ -3,7 +3,7 @@
 //! regional modes will be measured against).
 //!
 //! ```sh
-//! cargo bench -p tollway-core --features redis --bench regions
+//! cargo bench -p tollway-core --features redis,regions --bench regions
 //! ```
 //!
 //! Three simulated regions on loopback: region A holds the `redis-server`; the gateways
@@ -15,6 +15,20 @@
 //! them, the three regions at once. For inter-region round trips of 20, 80 and 150 ms it prints each region's
 //! decision latency (p50, p99) and the admissions against the limit over the run (a full
 //! bucket and the refill: a global Redis is exact, so no run may exceed it).
+//!
+//! Part 2, the replicated mode (`ReplicatedStore`): three `redis-server`s, one a region,
+//! every region reaching each other's through a proxy of its own. One gateway a region,
+//! a `ReplicatedStore` over its own Redis with the other two as peers; one customer at
+//! 100 a second (fixed window), every region sending 50 a second open loop for 5 s (150
+//! a second together). For each inter-region round trip (20, 80, 150 ms) and sync
+//! interval (10, 50, 200, 1,000 ms) it prints the admissions of the whole windows
+//! (the stores decide on the system clock here, so the windows are whole seconds of it)
+//! (mean, most), the over-admission of the worst window against the limit and against
+//! the stated bound `(regions − 1) × (r × S + 1)` (r = 50 a second, S = the sync
+//! interval or the round trip, whichever is longer, plus the one-way latency), and the
+//! local decision latency; and it writes
+//! `benches/regions.svg`, the worst window's over-admission against the sync interval,
+//! one line a round trip.
 
 #![allow(clippy::unwrap_used, missing_docs)]
 
@@ -22,7 +36,9 @@ use std::time::{Duration, Instant};
 
 use support::RedisServer;
 use support::proxy::LatencyProxy;
-use tollway_core::{Algorithm, Policy, Quota, RedisStore, Store};
+use tollway_core::{
+    Algorithm, Clock, Policy, Quota, RedisStore, ReplicatedStore, Store, SystemClock,
+};
 
 const DECISIONS: usize = 150;
 const PER_SECOND: u32 = 100;
@@ -76,6 +92,13 @@ async fn gateway(name: &'static str, url: String, prefix: String, policy: Policy
 
 #[tokio::main]
 async fn main() {
+    global().await;
+    println!();
+    replicated().await;
+}
+
+/// Part 1: one global Redis in region A.
+async fn global() {
     let server = RedisServer::start();
     let target = format!("127.0.0.1:{}", server.port()).parse().unwrap();
     let policy = Policy::new(
@@ -123,4 +146,232 @@ async fn main() {
             "a global Redis admitted {admitted}, over {limit}"
         );
     }
+}
+
+const REGIONS: usize = 3;
+const SEND_EVERY: Duration = Duration::from_millis(20);
+const RUN: Duration = Duration::from_secs(5);
+const SYNCS_MS: [u64; 4] = [10, 50, 200, 1_000];
+const RTTS_MS: [u64; 3] = [20, 80, 150];
+
+/// One region's gateway sending open loop for `RUN` from `epoch`: when each admitted
+/// request was sent (the stores' clock, µs), and each decision's latency.
+async fn sender(
+    gateway: ReplicatedStore<RedisStore>,
+    policy: Policy,
+    epoch: Instant,
+) -> (Vec<u64>, Vec<Duration>) {
+    let mut ticks = tokio::time::interval(SEND_EVERY);
+    let mut pending = tokio::task::JoinSet::new();
+    while epoch.elapsed() < RUN {
+        ticks.tick().await;
+        let (gateway, policy) = (gateway.clone(), policy.clone());
+        pending.spawn(async move {
+            let (at, before) = (SystemClock.now_micros(), Instant::now());
+            let decisions = gateway.check(b"customer", &[&policy], 1).await.unwrap();
+            (at, before.elapsed(), decisions.is_allowed())
+        });
+    }
+    let (mut admitted, mut latencies) = (Vec::new(), Vec::new());
+    while let Some(answer) = pending.join_next().await {
+        let (at, took, allowed) = answer.unwrap();
+        latencies.push(took);
+        if allowed {
+            admitted.push(at);
+        }
+    }
+    (admitted, latencies)
+}
+
+/// Part 2: the replicated mode over a range of round trips and sync intervals.
+async fn replicated() {
+    let servers: Vec<RedisServer> = (0..REGIONS).map(|_| RedisServer::start()).collect();
+    // links[i][j]: region i's way to region j's Redis.
+    let mut links: Vec<Vec<Option<LatencyProxy>>> = Vec::new();
+    for i in 0..REGIONS {
+        let mut row = Vec::new();
+        for (j, server) in servers.iter().enumerate() {
+            let target = format!("127.0.0.1:{}", server.port()).parse().unwrap();
+            row.push(if i == j {
+                None
+            } else {
+                Some(LatencyProxy::start(target, Duration::ZERO).await)
+            });
+        }
+        links.push(row);
+    }
+    let policy = Policy::new(
+        "replicated",
+        Algorithm::FixedWindow,
+        Quota::per_second(PER_SECOND).unwrap(),
+    )
+    .unwrap();
+    let rate = 1.0 / SEND_EVERY.as_secs_f64();
+    println!(
+        "replicated: {REGIONS} regions, each sending {rate:.0}/s for {RUN:?}; {PER_SECOND}/s \
+         for one customer (fixed window)"
+    );
+    println!();
+    println!(
+        "| round trip | sync every | admitted a whole window: mean / most | worst window over the limit | stated bound | local p50 / p99 ms |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut lines: Vec<(u64, Vec<(u64, f64)>)> = Vec::new();
+    for rtt_ms in RTTS_MS {
+        for link in links.iter().flatten().flatten() {
+            link.set_one_way(Duration::from_micros(rtt_ms * 500));
+        }
+        let mut points = Vec::new();
+        for sync_ms in SYNCS_MS {
+            let prefix = support::unique_prefix(&format!("replicated-{rtt_ms}-{sync_ms}"));
+            let connect = |url: String| {
+                let prefix = prefix.clone();
+                async move {
+                    RedisStore::builder()
+                        .prefix(prefix)
+                        .timeout(Duration::from_secs(5))
+                        .caller_time(SystemClock)
+                        .deny_cache(0)
+                        .without_local_fallback()
+                        .connect(&url)
+                        .await
+                        .unwrap()
+                }
+            };
+            let mut gateways = Vec::new();
+            for (i, row) in links.iter().enumerate() {
+                let mut builder = ReplicatedStore::builder(connect(servers[i].url()).await)
+                    .sync_every(Duration::from_millis(sync_ms));
+                for (j, link) in row.iter().enumerate() {
+                    if let Some(link) = link {
+                        builder =
+                            builder.peer(format!("region-{j}"), connect(link.redis_url()).await);
+                    }
+                }
+                gateways.push(builder.build().unwrap());
+            }
+            let epoch = Instant::now();
+            let runs = gateways
+                .iter()
+                .map(|g| tokio::spawn(sender(g.clone(), policy.clone(), epoch)));
+            let mut per_window = std::collections::BTreeMap::<u64, u64>::new();
+            let mut latencies = Vec::new();
+            for run in runs.collect::<Vec<_>>() {
+                let (admitted, took) = run.await.unwrap();
+                latencies.extend(took);
+                for at in admitted {
+                    *per_window.entry(at / 1_000_000).or_default() += 1;
+                }
+            }
+            latencies.sort();
+            // The stores' windows (whole seconds of the system clock, which they are
+            // given), the first and last (partial) left out.
+            let whole: Vec<u64> = per_window.values().copied().collect();
+            let whole = whole
+                .get(1..whole.len().saturating_sub(1))
+                .unwrap_or_default()
+                .to_vec();
+            let mean = whole.iter().sum::<u64>() as f64 / whole.len().max(1) as f64;
+            let most = whole.iter().copied().max().unwrap_or(0);
+            let over = most.saturating_sub(u64::from(PER_SECOND));
+            // A sync round waits for its charges' answers: rounds are the sync interval
+            // or the round trip apart, whichever is longer, and a charge lands one way
+            // after it is sent.
+            let staleness = (sync_ms.max(rtt_ms) + rtt_ms / 2) as f64 / 1e3;
+            let bound = (REGIONS - 1) as f64 * (rate * staleness + 1.0);
+            println!(
+                "| {rtt_ms} ms | {sync_ms} ms | {mean:.1} / {most} | {over} ({:.0}%) | {bound:.0} | {:.2} / {:.2} |",
+                100.0 * over as f64 / f64::from(PER_SECOND),
+                percentile(&latencies, 0.50),
+                percentile(&latencies, 0.99),
+            );
+            points.push((sync_ms, 100.0 * over as f64 / f64::from(PER_SECOND)));
+            for gateway in &gateways {
+                gateway.sync_now().await;
+            }
+        }
+        lines.push((rtt_ms, points));
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/regions.svg");
+    std::fs::write(path, svg(&lines)).unwrap();
+    println!();
+    println!("wrote {path}");
+}
+
+/// The worst window's over-admission (% of the limit) against the sync interval (log
+/// scale), one line a round trip.
+fn svg(lines: &[(u64, Vec<(u64, f64)>)]) -> String {
+    let (width, height, left, bottom, top, right) = (640.0, 400.0, 70.0, 60.0, 40.0, 150.0);
+    let most = lines
+        .iter()
+        .flat_map(|(_, points)| points.iter().map(|p| p.1))
+        .fold(10.0f64, f64::max);
+    let y_top = (most / 10.0).ceil() * 10.0;
+    let x = |ms: u64| left + ((ms as f64).log10() - 1.0) / 2.0 * (width - left - right);
+    let y = |pct: f64| height - bottom - pct / y_top * (height - bottom - top);
+    let colours = ["#1f77b4", "#d62728", "#2ca02c"];
+    let mut out = format!(
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{}" y="22" text-anchor="middle" font-size="14">ReplicatedStore: worst window over the limit vs sync interval</text>
+<line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="black"/>
+<line x1="{left}" y1="{top}" x2="{left}" y2="{}" stroke="black"/>
+<text x="{}" y="{}" text-anchor="middle">sync interval (ms, log scale)</text>
+<text x="18" y="{}" transform="rotate(-90 18 {})" text-anchor="middle">over-admission (% of the limit)</text>
+"##,
+        (width - right + left) / 2.0,
+        height - bottom,
+        width - right,
+        height - bottom,
+        height - bottom,
+        (width - right + left) / 2.0,
+        height - 18.0,
+        (height - bottom + top) / 2.0,
+        (height - bottom + top) / 2.0,
+    );
+    for ms in SYNCS_MS {
+        out += &format!(
+            r##"<text x="{:.1}" y="{}" text-anchor="middle">{ms}</text>
+"##,
+            x(ms),
+            height - bottom + 18.0
+        );
+    }
+    for step in 0..=5 {
+        let pct = y_top * f64::from(step) / 5.0;
+        out += &format!(
+            r##"<text x="{}" y="{:.1}" text-anchor="end">{pct:.0}%</text>
+<line x1="{left}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>
+"##,
+            left - 6.0,
+            y(pct) + 4.0,
+            y(pct),
+            width - right,
+            y(pct)
+        );
+    }
+    for (k, (rtt, points)) in lines.iter().enumerate() {
+        let colour = colours[k % colours.len()];
+        let path: Vec<String> = points
+            .iter()
+            .map(|&(ms, pct)| format!("{:.1},{:.1}", x(ms), y(pct)))
+            .collect();
+        out += &format!(
+            r##"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>
+<text x="{}" y="{:.1}" fill="{colour}">{rtt} ms round trip</text>
+"##,
+            path.join(" "),
+            width - right + 10.0,
+            top + 20.0 + 18.0 * k as f64
+        );
+        for &(ms, pct) in points {
+            out += &format!(
+                r##"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{colour}"/>
+"##,
+                x(ms),
+                y(pct)
+            );
+        }
+    }
+    out + "</svg>\n"
 }

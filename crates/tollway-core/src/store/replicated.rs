@@ -25,7 +25,8 @@ use crate::{ConfigError, Decisions, Policy, StoreError};
 /// at most `sync_every` later (default 50 ms), by a task a peer. A decision therefore
 /// counts this region's own consumption and every other region's as of its last sync:
 /// the state in each region's store is the whole fleet's, late by the *staleness* `S` —
-/// the sync interval, plus the one-way latency to the peer, plus the charge itself.
+/// the sync interval or the round trip to the peer, whichever is longer (a sync round
+/// waits for its charges' answers before the next), plus the one-way latency.
 ///
 /// **The bound.** Against one global store, a region admits too much only by what the
 /// other regions admitted in the last `S` that it has not heard of yet: in any period,
