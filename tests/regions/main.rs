@@ -203,13 +203,13 @@ impl Regions {
     }
 }
 
-/// Each region in `senders` sends a request every 100 ms (10 a second) for `seconds`,
-/// all at once; `meanwhile` runs beside them (a partition, say). Returns the admissions
-/// of every minute window the run covered whole (the policy's fixed windows, by tokio
-/// time), all regions together.
+/// Each `(region, from, to)` of `senders` sends a request every 100 ms (10 a second)
+/// from `from` to `to` seconds into a run of `seconds`; `meanwhile` runs beside them (a
+/// partition, say). Returns the admissions of every minute window the run covered whole
+/// (the policy's fixed windows, by tokio time), all regions together.
 async fn traffic(
     regions: &Regions,
-    senders: &[usize],
+    senders: &[(usize, u64, u64)],
     policy: &Policy,
     seconds: u64,
     meanwhile: impl Future<Output = ()>,
@@ -217,13 +217,15 @@ async fn traffic(
     const PERIOD: u64 = 60_000_000;
     let clock = regions.clock.clone();
     let start = clock.now_micros();
+    let began = tokio::time::Instant::now();
     let mut tasks = Vec::new();
-    for &r in senders {
+    for &(r, from, to) in senders {
         let (gateway, policy, clock) = (regions.gateways[r].clone(), policy.clone(), clock.clone());
         tasks.push(tokio::spawn(async move {
             let mut admitted = Vec::new();
+            tokio::time::sleep_until(began + Duration::from_secs(from)).await;
             let mut ticks = tokio::time::interval(Duration::from_millis(100));
-            for _ in 0..seconds * 10 {
+            for _ in 0..(to - from) * 10 {
                 ticks.tick().await;
                 let at = clock.now_micros();
                 let decisions = gateway.check(b"customer", &[&policy], 1).await.unwrap();
@@ -268,7 +270,7 @@ async fn one_region_hammering_is_decided_exactly_and_the_others_learn_it() {
     let _time = support::keep_time_moving();
     let regions = Regions::start().await;
     let policy = hundred_a_minute();
-    let per_window = traffic(&regions, &[0], &policy, 180, async {}).await;
+    let per_window = traffic(&regions, &[(0, 0, 180)], &policy, 180, async {}).await;
     assert!(per_window.len() >= 2, "{per_window:?}");
     assert!(per_window.iter().all(|&n| n == 100), "{per_window:?}");
 
@@ -297,8 +299,28 @@ async fn one_region_hammering_is_decided_exactly_and_the_others_learn_it() {
 async fn three_regions_hammering_stay_within_the_stated_bound() {
     let _time = support::keep_time_moving();
     let regions = Regions::start().await;
-    let per_window = traffic(&regions, &[0, 1, 2], &hundred_a_minute(), 180, async {}).await;
+    let all = [(0, 0, 180), (1, 0, 180), (2, 0, 180)];
+    let per_window = traffic(&regions, &all, &hundred_a_minute(), 180, async {}).await;
     println!("admitted per whole window, three regions: {per_window:?}");
+    assert!(per_window.len() >= 2, "{per_window:?}");
+    for &n in &per_window {
+        assert!(
+            (96..=104).contains(&n),
+            "{n} admitted in a window: {per_window:?}"
+        );
+    }
+}
+
+/// Demand moving between regions: region 0 alone for 70 s, then region 1 (with region 2
+/// joining for its last 20 s), then region 2 alone: every whole window admits the limit
+/// within the same bound, whichever region the customer is calling from.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn demand_moving_between_regions_stays_within_the_stated_bound() {
+    let _time = support::keep_time_moving();
+    let regions = Regions::start().await;
+    let moving = [(0, 0, 70), (1, 70, 130), (2, 110, 180)];
+    let per_window = traffic(&regions, &moving, &hundred_a_minute(), 180, async {}).await;
+    println!("admitted per whole window, demand moving: {per_window:?}");
     assert!(per_window.len() >= 2, "{per_window:?}");
     for &n in &per_window {
         assert!(
@@ -322,7 +344,8 @@ async fn a_partition_keeps_every_region_deciding_and_the_heal_settles_what_was_o
         tokio::time::sleep(Duration::from_secs(70)).await;
         regions.isolate(2, false);
     };
-    let per_window = traffic(&regions, &[0, 1, 2], &hundred_a_minute(), 180, partition).await;
+    let all = [(0, 0, 180), (1, 0, 180), (2, 0, 180)];
+    let per_window = traffic(&regions, &all, &hundred_a_minute(), 180, partition).await;
     println!("admitted per whole window, with a 70 s partition: {per_window:?}");
     for &n in &per_window {
         assert!(n <= 200, "{n} admitted in a window: {per_window:?}");
