@@ -25,8 +25,7 @@
 //! (the stores decide on the system clock here, so the windows are whole seconds of it)
 //! (mean, most), the over-admission of the worst window against the limit and against
 //! the stated bound `(regions − 1) × (r × S + 1)` (r = 50 a second, S = the sync
-//! interval or the round trip, whichever is longer, plus the one-way latency), and the
-//! local decision latency; and it writes
+//! interval plus the one-way latency), and the local decision latency; and it writes
 //! `benches/regions.svg`, the worst window's over-admission against the sync interval,
 //! one line a round trip.
 
@@ -274,10 +273,9 @@ async fn replicated() {
             let mean = whole.iter().sum::<u64>() as f64 / whole.len().max(1) as f64;
             let most = whole.iter().copied().max().unwrap_or(0);
             let over = most.saturating_sub(u64::from(PER_SECOND));
-            // A sync round waits for its charges' answers: rounds are the sync interval
-            // or the round trip apart, whichever is longer, and a charge lands one way
-            // after it is sent.
-            let staleness = (sync_ms.max(rtt_ms) + rtt_ms / 2) as f64 / 1e3;
+            // A round every sync interval, whatever the answers take; a charge lands one
+            // way after it is sent.
+            let staleness = (sync_ms + rtt_ms / 2) as f64 / 1e3;
             let bound = (REGIONS - 1) as f64 * (rate * staleness + 1.0);
             println!(
                 "| {rtt_ms} ms | {sync_ms} ms | {mean:.1} / {most} | {over} ({:.0}%) | {bound:.0} | {:.2} / {:.2} |",

@@ -25,8 +25,8 @@ use crate::{ConfigError, Decisions, Policy, StoreError};
 /// at most `sync_every` later (default 50 ms), by a task a peer. A decision therefore
 /// counts this region's own consumption and every other region's as of its last sync:
 /// the state in each region's store is the whole fleet's, late by the *staleness* `S` —
-/// the sync interval or the round trip to the peer, whichever is longer (a sync round
-/// waits for its charges' answers before the next), plus the one-way latency.
+/// the sync interval plus the one-way latency to the peer (rounds do not wait for each
+/// other's answers).
 ///
 /// **The bound.** Against one global store, a region admits too much only by what the
 /// other regions admitted in the last `S` that it has not heard of yet: in any period,
@@ -356,7 +356,11 @@ impl<S: Store + Clone> ReplicatedStoreBuilder<S> {
     }
 }
 
-/// Peer `i`'s sync task: every `every`, what it is owed, while the store lives.
+/// Peer `i`'s sync task: every `every`, what it is owed, while the store lives. A round
+/// does not wait for the one before to be answered (a round trip can be longer than the
+/// interval): each takes what is owed when it starts, so rounds in flight never carry
+/// the same units, and what a round fails to deliver is owed again for a later one. A
+/// peer that does not answer has at most `timeout / every` rounds in flight.
 async fn sync_forever<S: Store + Clone>(store: Weak<Inner<S>>, i: usize, every: Duration) {
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -365,7 +369,7 @@ async fn sync_forever<S: Store + Clone>(store: Weak<Inner<S>>, i: usize, every: 
         let Some(inner) = store.upgrade() else {
             return;
         };
-        inner.sync(i).await;
+        tokio::spawn(async move { inner.sync(i).await });
     }
 }
 
