@@ -104,30 +104,18 @@ struct Seen {
 
 impl Seen {
     /// What it saw over a run that lasted `ran`.
-    fn over(&self, ran: Duration) -> SeenOver<'_> {
-        SeenOver { seen: self, ran }
-    }
-}
-
-struct SeenOver<'a> {
-    seen: &'a Seen,
-    ran: Duration,
-}
-
-impl std::fmt::Display for SeenOver<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let received = self.seen.received.load(Ordering::Relaxed);
-        let served = self.seen.served.load(Ordering::Relaxed);
+    fn over(&self, ran: Duration) -> String {
+        let received = self.received.load(Ordering::Relaxed);
+        let served = self.served.load(Ordering::Relaxed);
         let refused = received - served;
         // Its token budget over the run: a full bucket and the refill.
-        let budget = TOKENS_PER_MINUTE + TOKENS_PER_MINUTE * self.ran.as_millis() as u64 / 60_000;
-        write!(
-            f,
+        let budget = TOKENS_PER_MINUTE + TOKENS_PER_MINUTE * ran.as_millis() as u64 / 60_000;
+        format!(
             "upstream: {received} received, {served} served ({:.1}/s), {refused} refused with 429 \
              ({:.1}%); {} tokens used, budget {budget} over the run",
-            served as f64 / self.ran.as_secs_f64(),
+            served as f64 / ran.as_secs_f64(),
             100.0 * refused as f64 / received.max(1) as f64,
-            self.seen.tokens.load(Ordering::Relaxed),
+            self.tokens.load(Ordering::Relaxed),
         )
     }
 }

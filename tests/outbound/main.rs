@@ -499,40 +499,23 @@ async fn a_refused_request_goes_once_more_when_it_may_and_the_pause_fits() {
             .body(Empty::<Bytes>::new())
             .unwrap()
     };
-    let statuses_and_gaps = |arrivals: &std::sync::Mutex<Vec<tokio::time::Instant>>| {
-        let arrivals = arrivals.lock().unwrap();
-        let gaps: Vec<Duration> = arrivals.windows(2).map(|w| w[1] - w[0]).collect();
-        (arrivals.len(), gaps)
-    };
+    let thirty = Duration::from_secs(30);
 
     // A GET: refused, sent again 1 s later, served.
     let (server, arrivals) = refusing_once("1").await;
-    let mut client = layer(Duration::from_secs(30))
-        .build()
-        .unwrap()
-        .layer(http_client());
-    let response = send(&mut client, &server).await.unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
+    let mut client = layer(thirty).build().unwrap().layer(http_client());
     assert_eq!(
-        statuses_and_gaps(&arrivals),
-        (2, vec![Duration::from_secs(1)])
+        outcome(&mut client, get(&server), &arrivals).await,
+        (StatusCode::OK, 2)
     );
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals[1] - arrivals[0], Duration::from_secs(1));
 
     // A POST: the 429 is the answer, by default...
     let (server, arrivals) = refusing_once("1").await;
-    let mut client = layer(Duration::from_secs(30))
-        .build()
-        .unwrap()
-        .layer(http_client());
-    let response = client
-        .ready()
-        .await
-        .unwrap()
-        .call(post(&server))
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(statuses_and_gaps(&arrivals).0, 1);
+    let mut client = layer(thirty).build().unwrap().layer(http_client());
+    let answer = outcome(&mut client, post(&server), &arrivals).await;
+    assert_eq!(answer, (StatusCode::TOO_MANY_REQUESTS, 1));
     // ...and goes again when the layer allows it.
     let (server, arrivals) = refusing_once("1").await;
     let again = |request: &Request<Empty<Bytes>>| {
@@ -541,39 +524,31 @@ async fn a_refused_request_goes_once_more_when_it_may_and_the_pause_fits() {
         *copy.uri_mut() = request.uri().clone();
         Some(copy)
     };
-    let mut client = layer(Duration::from_secs(30))
+    let mut client = layer(thirty)
         .replay(again)
         .build()
         .unwrap()
         .layer(http_client());
-    let response = client
-        .ready()
-        .await
-        .unwrap()
-        .call(post(&server))
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    assert_eq!(statuses_and_gaps(&arrivals).0, 2);
+    assert_eq!(
+        outcome(&mut client, post(&server), &arrivals).await,
+        (StatusCode::OK, 2)
+    );
 
     // Refused twice: the second 429 is the answer, no third try.
     let (server, arrivals) = refusing_first(5, "1").await;
-    let mut client = layer(Duration::from_secs(30))
-        .build()
-        .unwrap()
-        .layer(http_client());
-    let response = send(&mut client, &server).await.unwrap();
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(statuses_and_gaps(&arrivals).0, 2);
+    let mut client = layer(thirty).build().unwrap().layer(http_client());
+    let answer = outcome(&mut client, get(&server), &arrivals).await;
+    assert_eq!(answer, (StatusCode::TOO_MANY_REQUESTS, 2));
 
     // Two layers stacked (requests, then tokens): still one more send, not one a layer.
     let (server, arrivals) = refusing_first(5, "1").await;
-    let outer = layer(Duration::from_secs(30)).build().unwrap();
-    let inner = layer(Duration::from_secs(30)).build().unwrap();
+    let (outer, inner) = (
+        layer(thirty).build().unwrap(),
+        layer(thirty).build().unwrap(),
+    );
     let mut client = outer.layer(inner.layer(http_client()));
-    let response = send(&mut client, &server).await.unwrap();
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(statuses_and_gaps(&arrivals).0, 2);
+    let answer = outcome(&mut client, get(&server), &arrivals).await;
+    assert_eq!(answer, (StatusCode::TOO_MANY_REQUESTS, 2));
 
     // A pause of 2 s and a wait of at most 1 s: the 429 at once, sent once.
     let (server, arrivals) = refusing_once("2").await;
@@ -582,21 +557,34 @@ async fn a_refused_request_goes_once_more_when_it_may_and_the_pause_fits() {
         .unwrap()
         .layer(http_client());
     let before = tokio::time::Instant::now();
-    let response = send(&mut client, &server).await.unwrap();
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    let answer = outcome(&mut client, get(&server), &arrivals).await;
+    assert_eq!(answer, (StatusCode::TOO_MANY_REQUESTS, 1));
     assert_eq!(before.elapsed(), Duration::ZERO);
-    assert_eq!(statuses_and_gaps(&arrivals).0, 1);
 
     // NoReplay: never again, even a GET.
     let (server, arrivals) = refusing_once("1").await;
-    let mut client = layer(Duration::from_secs(30))
+    let mut client = layer(thirty)
         .replay(NoReplay)
         .build()
         .unwrap()
         .layer(http_client());
-    let response = send(&mut client, &server).await.unwrap();
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(statuses_and_gaps(&arrivals).0, 1);
+    let answer = outcome(&mut client, get(&server), &arrivals).await;
+    assert_eq!(answer, (StatusCode::TOO_MANY_REQUESTS, 1));
+}
+
+/// `request` through `client` to an upstream recording its `arrivals`: the status the
+/// caller got, and how many times the request reached the upstream.
+async fn outcome<S, B>(
+    client: &mut S,
+    request: Request<Empty<Bytes>>,
+    arrivals: &std::sync::Mutex<Vec<tokio::time::Instant>>,
+) -> (StatusCode, usize)
+where
+    S: Service<Request<Empty<Bytes>>, Response = http::Response<B>>,
+    S::Error: std::fmt::Debug,
+{
+    let response = client.ready().await.unwrap().call(request).await.unwrap();
+    (response.status(), arrivals.lock().unwrap().len())
 }
 
 /// A copy waiting out the pause that is dropped sends nothing and charges nothing.

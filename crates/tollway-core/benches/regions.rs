@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use support::RedisServer;
 use support::proxy::LatencyProxy;
+use support::regions::Regions;
 use tollway_core::{
     Algorithm, Clock, Policy, Quota, RedisStore, ReplicatedStore, Store, SystemClock,
 };
@@ -184,21 +185,7 @@ async fn sender(
 
 /// Part 2: the replicated mode over a range of round trips and sync intervals.
 async fn replicated() {
-    let servers: Vec<RedisServer> = (0..REGIONS).map(|_| RedisServer::start()).collect();
-    // links[i][j]: region i's way to region j's Redis.
-    let mut links: Vec<Vec<Option<LatencyProxy>>> = Vec::new();
-    for i in 0..REGIONS {
-        let mut row = Vec::new();
-        for (j, server) in servers.iter().enumerate() {
-            let target = format!("127.0.0.1:{}", server.port()).parse().unwrap();
-            row.push(if i == j {
-                None
-            } else {
-                Some(LatencyProxy::start(target, Duration::ZERO).await)
-            });
-        }
-        links.push(row);
-    }
+    let regions = Regions::start(REGIONS, Duration::ZERO).await;
     let policy = Policy::new(
         "replicated",
         Algorithm::FixedWindow,
@@ -217,9 +204,7 @@ async fn replicated() {
     println!("|---|---|---|---|---|---|");
     let mut lines: Vec<(u64, Vec<(u64, f64)>)> = Vec::new();
     for rtt_ms in RTTS_MS {
-        for link in links.iter().flatten().flatten() {
-            link.set_one_way(Duration::from_micros(rtt_ms * 500));
-        }
+        regions.set_one_way(Duration::from_micros(rtt_ms * 500));
         let mut points = Vec::new();
         for sync_ms in SYNCS_MS {
             let prefix = support::unique_prefix(&format!("replicated-{rtt_ms}-{sync_ms}"));
@@ -238,14 +223,11 @@ async fn replicated() {
                 }
             };
             let mut gateways = Vec::new();
-            for (i, row) in links.iter().enumerate() {
-                let mut builder = ReplicatedStore::builder(connect(servers[i].url()).await)
+            for i in 0..REGIONS {
+                let mut builder = ReplicatedStore::builder(connect(regions.url(i, i)).await)
                     .sync_every(Duration::from_millis(sync_ms));
-                for (j, link) in row.iter().enumerate() {
-                    if let Some(link) = link {
-                        builder =
-                            builder.peer(format!("region-{j}"), connect(link.redis_url()).await);
-                    }
+                for j in (0..REGIONS).filter(|&j| j != i) {
+                    builder = builder.peer(format!("region-{j}"), connect(regions.url(i, j)).await);
                 }
                 gateways.push(builder.build().unwrap());
             }

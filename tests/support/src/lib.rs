@@ -3,7 +3,8 @@
 //! Real things only: `redis-server` processes on free loopback ports ([`redis`]), a local
 //! Redis Cluster of six of them ([`cluster`]), axum and tonic servers on `127.0.0.1:0`
 //! with real clients ([`http`], [`grpc`]), a loopback TCP proxy adding latency and
-//! partitions between simulated regions ([`proxy`]), the demo gRPC service ([`demo`]),
+//! partitions ([`proxy`]) and simulated regions made of servers and proxies
+//! ([`regions`]), the demo gRPC service ([`demo`]),
 //! stores on a manual clock ([`stores`]), and the store suites — conformance with the
 //! Rust functions, atomicity across gateways, expiry, hostile keys — as functions of a
 //! [`suites::Target`], run against one server and against a cluster.
@@ -20,6 +21,7 @@ pub mod grpc;
 pub mod http;
 pub mod proxy;
 pub mod redis;
+pub mod regions;
 pub mod stores;
 pub mod suites;
 

@@ -77,14 +77,18 @@ impl<St: Store> OutboundLayer<St> {
     /// A builder limiting requests by `policy` in `store`, keyed per upstream.
     pub fn builder(store: St, policy: Policy) -> OutboundLayerBuilder<St> {
         OutboundLayerBuilder {
-            store,
-            policies: vec![policy],
-            key: Box::new(|_, uri, _| Some(uri.authority().map_or("", |a| a.as_str()).to_owned())),
-            cost: None,
-            max_wait: Duration::from_secs(30),
-            jitter: 0.1,
-            max_pause: Duration::from_secs(60),
-            settle: None,
+            settings: Settings {
+                store,
+                policies: vec![policy],
+                key: Box::new(|_, uri, _| {
+                    Some(uri.authority().map_or("", |a| a.as_str()).to_owned())
+                }),
+                cost: None,
+                max_wait: Duration::from_secs(30),
+                jitter: 0.1,
+                max_pause: Duration::from_secs(60),
+                settle: None,
+            },
             replay: Idempotent,
         }
     }
@@ -104,6 +108,12 @@ impl<S, St, R> Layer<S> for OutboundLayer<St, R> {
 /// Builds an [`OutboundLayer`].
 #[must_use]
 pub struct OutboundLayerBuilder<St, R = Idempotent> {
+    settings: Settings<St>,
+    replay: R,
+}
+
+/// Everything a builder sets but which requests to send again.
+struct Settings<St> {
     store: St,
     policies: Vec<Policy>,
     key: Box<KeyFn>,
@@ -112,16 +122,15 @@ pub struct OutboundLayerBuilder<St, R = Idempotent> {
     jitter: f64,
     max_pause: Duration,
     settle: Option<Box<SettleFn>>,
-    replay: R,
 }
 
 impl<St, R> fmt::Debug for OutboundLayerBuilder<St, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OutboundLayerBuilder")
-            .field("policies", &self.policies)
-            .field("max_wait", &self.max_wait)
-            .field("jitter", &self.jitter)
-            .field("max_pause", &self.max_pause)
+            .field("policies", &self.settings.policies)
+            .field("max_wait", &self.settings.max_wait)
+            .field("jitter", &self.settings.jitter)
+            .field("max_pause", &self.settings.max_pause)
             .finish_non_exhaustive()
     }
 }
@@ -130,7 +139,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
     /// Another limit every request must also fit (all or nothing, as on the server
     /// side): say 100 requests a second and 10,000 a day.
     pub fn policy(mut self, policy: Policy) -> Self {
-        self.policies.push(policy);
+        self.settings.policies.push(policy);
         self
     }
 
@@ -142,7 +151,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         mut self,
         key: impl Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
-        self.key = Box::new(key);
+        self.settings.key = Box::new(key);
         self
     }
 
@@ -151,14 +160,14 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         mut self,
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
     ) -> Self {
-        self.cost = Some(Box::new(cost));
+        self.settings.cost = Some(Box::new(cost));
         self
     }
 
     /// The longest a request waits for the limit in all (default 30 s); one that would
     /// wait longer fails with [`OutboundError::Limited`] at once.
     pub fn max_wait(mut self, max_wait: Duration) -> Self {
-        self.max_wait = max_wait;
+        self.settings.max_wait = max_wait;
         self
     }
 
@@ -172,7 +181,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
     /// it, chosen at random per request (default 0.1: up to 10% more), so that the
     /// workers refused together do not all come back at the same instant.
     pub fn jitter(mut self, share: f64) -> Self {
-        self.jitter = share;
+        self.settings.jitter = share;
         self
     }
 
@@ -180,7 +189,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
     /// at most an hour; zero: a 429 pauses nobody). See [`super::pause_of`] for how a
     /// `Retry-After` becomes a pause.
     pub fn max_pause(mut self, max_pause: Duration) -> Self {
-        self.max_pause = max_pause;
+        self.settings.max_pause = max_pause;
         self
     }
 
@@ -193,7 +202,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         mut self,
         settle: impl Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync + 'static,
     ) -> Self {
-        self.settle = Some(Box::new(settle));
+        self.settings.settle = Some(Box::new(settle));
         self
     }
 
@@ -207,14 +216,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
     /// the upstream's 429. With no pausing (`max_pause` zero) nothing is sent again.
     pub fn replay<R2>(self, replay: R2) -> OutboundLayerBuilder<St, R2> {
         OutboundLayerBuilder {
-            store: self.store,
-            policies: self.policies,
-            key: self.key,
-            cost: self.cost,
-            max_wait: self.max_wait,
-            jitter: self.jitter,
-            max_pause: self.max_pause,
-            settle: self.settle,
+            settings: self.settings,
             replay,
         }
     }
@@ -225,30 +227,40 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
     ///
     /// When the jitter is not a share from 0 to 1, or the longest pause is over an hour.
     pub fn build(self) -> Result<OutboundLayer<St, R>, ConfigError> {
-        if !(0.0..=1.0).contains(&self.jitter) {
+        if !(0.0..=1.0).contains(&self.settings.jitter) {
             return Err(ConfigError::new(format!(
                 "outbound jitter must be a share from 0 to 1 (0.1: up to 10% longer than the retry time); got {}",
-                self.jitter
+                self.settings.jitter
             )));
         }
-        if self.max_pause > PAUSE_CEILING {
+        if self.settings.max_pause > PAUSE_CEILING {
             return Err(ConfigError::new(format!(
                 "outbound max_pause must be at most an hour; got {:?}",
-                self.max_pause
+                self.settings.max_pause
             )));
         }
-        let pause = super::pause::policy(self.max_pause)?;
+        let pause = super::pause::policy(self.settings.max_pause)?;
+        let Settings {
+            store,
+            policies,
+            key,
+            cost,
+            max_wait,
+            jitter,
+            settle,
+            ..
+        } = self.settings;
         Ok(OutboundLayer {
             shared: Arc::new(Shared {
-                store: self.store,
-                policies: self.policies,
-                key: self.key,
-                cost: self.cost,
-                max_wait: self.max_wait,
-                jitter: self.jitter,
+                store,
+                policies,
+                key,
+                cost,
+                max_wait,
+                jitter,
                 seeds: std::hash::RandomState::new(),
                 pause,
-                settle: self.settle,
+                settle,
                 replay: self.replay,
             }),
         })
