@@ -16,7 +16,8 @@ use support::{RedisServer, within};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tollway_core::{
-    Algorithm, Clock, Operation, Policy, Quota, RedisStore, ReplicatedStore, Store, StoreErrorKind,
+    Algorithm, Clock, Operation, Policy, Quota, RedisStore, ReplicatedStore, SplitStore, Store,
+    StoreErrorKind,
 };
 use tollway_tower::TokioClock;
 
@@ -179,48 +180,68 @@ impl Gateways {
 }
 
 /// Each `(region, from, to)` of `senders` sends a request every 100 ms (10 a second)
-/// from `from` to `to` seconds into a run of `seconds`; `meanwhile` runs beside them (a
-/// partition, say). Returns the admissions of every minute window the run covered whole
-/// (the policy's fixed windows, by tokio time), all regions together.
-async fn traffic(
-    regions: &Gateways,
+/// through `gateways[region]` from `from` to `to` seconds into a run of `seconds`;
+/// `meanwhile` runs beside them (a partition, say). Returns the admissions of every
+/// minute window the run covered whole (the policy's fixed windows, on `clock`), all
+/// regions together.
+async fn traffic<G: Store + Clone>(
+    gateways: &[G],
+    clock: &TokioClock,
     senders: &[(usize, u64, u64)],
     policy: &Policy,
     seconds: u64,
     meanwhile: impl Future<Output = ()>,
 ) -> Vec<u64> {
+    by_region(gateways, clock, senders, policy, seconds, meanwhile)
+        .await
+        .iter()
+        .map(|regions| regions.iter().sum())
+        .collect()
+}
+
+/// [`traffic`], with each window's admissions region by region.
+async fn by_region<G: Store + Clone>(
+    gateways: &[G],
+    clock: &TokioClock,
+    senders: &[(usize, u64, u64)],
+    policy: &Policy,
+    seconds: u64,
+    meanwhile: impl Future<Output = ()>,
+) -> Vec<Vec<u64>> {
     const PERIOD: u64 = 60_000_000;
-    let clock = regions.clock.clone();
     let start = clock.now_micros();
     let began = tokio::time::Instant::now();
     let mut tasks = Vec::new();
     for &(r, from, to) in senders {
-        let (gateway, policy, clock) = (regions.gateways[r].clone(), policy.clone(), clock.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut admitted = Vec::new();
-            tokio::time::sleep_until(began + Duration::from_secs(from)).await;
-            let mut ticks = tokio::time::interval(Duration::from_millis(100));
-            for _ in 0..(to - from) * 10 {
-                ticks.tick().await;
-                let at = clock.now_micros();
-                let decisions = gateway.check(b"customer", &[&policy], 1).await.unwrap();
-                if decisions.is_allowed() {
-                    admitted.push(at);
+        let (gateway, policy, clock) = (gateways[r].clone(), policy.clone(), clock.clone());
+        tasks.push((
+            r,
+            tokio::spawn(async move {
+                let mut admitted = Vec::new();
+                tokio::time::sleep_until(began + Duration::from_secs(from)).await;
+                let mut ticks = tokio::time::interval(Duration::from_millis(100));
+                for _ in 0..(to - from) * 10 {
+                    ticks.tick().await;
+                    let at = clock.now_micros();
+                    let decisions = gateway.check(b"customer", &[&policy], 1).await.unwrap();
+                    if decisions.is_allowed() {
+                        admitted.push(at);
+                    }
                 }
-            }
-            admitted
-        }));
+                admitted
+            }),
+        ));
     }
     meanwhile.await;
     let end = start + seconds * 1_000_000;
     // Whole windows only: from the first boundary after the start to the last before the end.
     let (first, last) = (start.div_ceil(PERIOD), end / PERIOD);
-    let mut per_window = vec![0u64; last.saturating_sub(first) as usize];
-    for task in tasks {
+    let mut per_window = vec![vec![0u64; gateways.len()]; last.saturating_sub(first) as usize];
+    for (r, task) in tasks {
         for at in task.await.unwrap() {
             let window = at / PERIOD;
             if (first..last).contains(&window) {
-                per_window[(window - first) as usize] += 1;
+                per_window[(window - first) as usize][r] += 1;
             }
         }
     }
@@ -245,7 +266,15 @@ async fn one_region_hammering_is_decided_exactly_and_the_others_learn_it() {
     let _time = support::keep_time_moving();
     let regions = Gateways::start().await;
     let policy = hundred_a_minute();
-    let per_window = traffic(&regions, &[(0, 0, 180)], &policy, 180, async {}).await;
+    let per_window = traffic(
+        &regions.gateways,
+        &regions.clock,
+        &[(0, 0, 180)],
+        &policy,
+        180,
+        async {},
+    )
+    .await;
     assert!(per_window.len() >= 2, "{per_window:?}");
     assert!(per_window.iter().all(|&n| n == 100), "{per_window:?}");
 
@@ -289,7 +318,15 @@ async fn demand_moving_between_regions_stays_within_the_stated_bound() {
 async fn admit_within_the_bound(what: &str, senders: &[(usize, u64, u64)]) {
     let _time = support::keep_time_moving();
     let regions = Gateways::start().await;
-    let per_window = traffic(&regions, senders, &hundred_a_minute(), 180, async {}).await;
+    let per_window = traffic(
+        &regions.gateways,
+        &regions.clock,
+        senders,
+        &hundred_a_minute(),
+        180,
+        async {},
+    )
+    .await;
     println!("admitted per whole window, {what}: {per_window:?}");
     assert!(per_window.len() >= 2, "{per_window:?}");
     for &n in &per_window {
@@ -315,7 +352,15 @@ async fn a_partition_keeps_every_region_deciding_and_the_heal_settles_what_was_o
         regions.regions.isolate(2, false);
     };
     let all = [(0, 0, 180), (1, 0, 180), (2, 0, 180)];
-    let per_window = traffic(&regions, &all, &hundred_a_minute(), 180, partition).await;
+    let per_window = traffic(
+        &regions.gateways,
+        &regions.clock,
+        &all,
+        &hundred_a_minute(),
+        180,
+        partition,
+    )
+    .await;
     println!("admitted per whole window, with a 70 s partition: {per_window:?}");
     for &n in &per_window {
         assert!(n <= 200, "{n} admitted in a window: {per_window:?}");
@@ -328,4 +373,138 @@ async fn a_partition_keeps_every_region_deciding_and_the_heal_settles_what_was_o
         assert_eq!(gateway.owed(), 0);
         assert_eq!(gateway.dropped(), 0);
     }
+}
+
+/// Three regions (40 ms apart), each with one gateway: a `SplitStore` over its local
+/// Redis, posting on the others' Redis across the proxies. On tokio's paused clock, like
+/// [`Gateways`].
+struct SplitGateways {
+    regions: Regions,
+    gateways: Vec<SplitStore<RedisStore>>,
+    clock: TokioClock,
+}
+
+impl SplitGateways {
+    async fn start(policy: &Policy) -> Self {
+        let regions = Regions::start(3, ONE_WAY).await;
+        let prefix = support::unique_prefix("split");
+        let clock = TokioClock::new();
+        let mut gateways = Vec::new();
+        for i in 0..regions.len() {
+            let local = paused_redis(&regions.url(i, i), &prefix, &clock).await;
+            let mut builder =
+                SplitStore::builder(format!("region-{i}"), local, clock.clone()).policy(policy);
+            for j in (0..regions.len()).filter(|&j| j != i) {
+                let peer = paused_redis(&regions.url(i, j), &prefix, &clock).await;
+                builder = builder.peer(format!("region-{j}"), peer);
+            }
+            gateways.push(builder.build().unwrap());
+        }
+        SplitGateways {
+            regions,
+            gateways,
+            clock,
+        }
+    }
+
+    async fn run(
+        &self,
+        senders: &[(usize, u64, u64)],
+        policy: &Policy,
+        meanwhile: impl Future<Output = ()>,
+    ) -> Vec<Vec<u64>> {
+        by_region(&self.gateways, &self.clock, senders, policy, 180, meanwhile).await
+    }
+}
+
+/// Every whole window admits at most the limit, all regions together.
+fn never_over(what: &str, per_window: &[Vec<u64>]) {
+    println!("split, admitted per whole window and region, {what}: {per_window:?}");
+    assert!(per_window.len() >= 2, "{per_window:?}");
+    for regions in per_window {
+        let admitted: u64 = regions.iter().sum();
+        assert!(
+            admitted <= 100,
+            "{admitted} admitted in a window: {per_window:?}"
+        );
+    }
+}
+
+/// One customer hammering from one region (10 a second against 100 a minute): its
+/// demand, posted in the first window, gives that region the whole limit of every
+/// window after it — 100, exactly a global store's — and the others none of it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn split_one_region_hammering_gets_the_whole_limit_after_its_first_window() {
+    let _time = support::keep_time_moving();
+    let policy = hundred_a_minute();
+    let regions = SplitGateways::start(&policy).await;
+    let per_window = regions.run(&[(0, 0, 180)], &policy, async {}).await;
+    never_over("one region", &per_window);
+    assert!(
+        per_window.iter().all(|w| w == &[100, 0, 0]),
+        "{per_window:?}"
+    );
+    for (r, share) in [(0, 100), (1, 0), (2, 0)] {
+        assert_eq!(
+            regions.gateways[r].share_of(b"customer", &policy).unwrap(),
+            share
+        );
+    }
+}
+
+/// The same customer from all three regions at once, 10 a second each: a third each
+/// (33), 99 a window together — the limit, less its remainder of a third.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn split_three_regions_hammering_share_the_limit() {
+    let _time = support::keep_time_moving();
+    let policy = hundred_a_minute();
+    let regions = SplitGateways::start(&policy).await;
+    let all = [(0, 0, 180), (1, 0, 180), (2, 0, 180)];
+    let per_window = regions.run(&all, &policy, async {}).await;
+    never_over("three regions", &per_window);
+    assert!(
+        per_window.iter().all(|w| w == &[33, 33, 33]),
+        "{per_window:?}"
+    );
+}
+
+/// Demand moving: region 0 alone until 70 s, then region 1 until 130 s, region 2 from
+/// 110 s. Never over the limit; under it while demand moves: in the window from 60 s,
+/// region 0 spends its whole share (100) in its last 10 s and region 1, whose callers
+/// arrived after that window's shares were fixed, gets nothing of it; in the window
+/// from 120 s, regions 0 and 1 posted demand (45 s of it) and get half each, and region
+/// 2, arriving after the post, nothing: 50 admitted (region 1 until it stops at 130 s).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn split_demand_moving_never_over_admits_and_under_admits_while_it_moves() {
+    let _time = support::keep_time_moving();
+    let policy = hundred_a_minute();
+    let regions = SplitGateways::start(&policy).await;
+    let moving = [(0, 0, 70), (1, 70, 130), (2, 110, 180)];
+    let per_window = regions.run(&moving, &policy, async {}).await;
+    never_over("demand moving", &per_window);
+    assert_eq!(per_window, [vec![100, 0, 0], vec![0, 50, 0]]);
+}
+
+/// Regions 0 and 2 hammering, region 2 cut off from 30 s to 100 s: the posts of the
+/// first window (at 45 s) are lost both ways, so in the window from 60 s region 0 counts
+/// region 2 as asking everything and takes half (it heard that region 1 asks nothing),
+/// and region 2 — hearing nobody — a third: 83, never over the limit, and region 2
+/// keeps deciding. Once the link is back, the next window's posts go through and the two
+/// split the limit evenly.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn split_a_partition_never_over_admits_and_each_side_keeps_deciding() {
+    let _time = support::keep_time_moving();
+    let policy = hundred_a_minute();
+    let regions = SplitGateways::start(&policy).await;
+    let partition = async {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        regions.regions.isolate(2, true);
+        tokio::time::sleep(Duration::from_secs(70)).await;
+        regions.regions.isolate(2, false);
+    };
+    let per_window = regions
+        .run(&[(0, 0, 180), (2, 0, 180)], &policy, partition)
+        .await;
+    never_over("a 70 s partition", &per_window);
+    assert_eq!(per_window, [vec![50, 0, 33], vec![50, 0, 50]]);
 }

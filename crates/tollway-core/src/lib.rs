@@ -53,9 +53,10 @@
 //! - `tls`: `rediss://` URLs and `RedisStoreBuilder::tls_root_certificate`: TLS to Redis
 //!   through rustls with the `ring` crypto provider. Implies `redis` and enables
 //!   `redis/tokio-rustls-comp`; optional dependency `rustls`.
-//! - `regions`: `ReplicatedStore`, one limit across regions that each decide against
-//!   their own store and tell the others what they admitted. Optional dependency `tokio`
-//!   (with its runtime, for the sync tasks).
+//! - `regions`: one limit across regions that each decide against their own store:
+//!   `ReplicatedStore` (each tells the others what it admitted) and `SplitStore` (each
+//!   holds a share, rebalanced every window from demand; never over-admits). Optional
+//!   dependency `tokio` (with its runtime, for the background tasks).
 //! - `metrics`: the stores' metrics through the `metrics` facade (Redis call latency,
 //!   deny-cache hits, breaker state, keys held by the memory store). Optional dependency
 //!   `metrics`.
@@ -76,6 +77,11 @@ pub use decision::{Decision, Decisions, Denial};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use policy::{MAX_POLICY_NAME, MAX_SLIDING_LOG_LIMIT, Policy};
 pub use quota::Quota;
+#[cfg(feature = "regions")]
+pub use store::{
+    Board, BoardFuture, Recording, ReplicatedStore, ReplicatedStoreBuilder, SplitStore,
+    SplitStoreBuilder,
+};
 pub use store::{
     BoxStore, BoxStoreFuture, BreakerState, Checked, CheckedFuture, CircuitBreaker,
     CircuitBreakerBuilder, CircuitBreakerFuture, MemoryStore, MemoryStoreBuilder, Operation, Store,
@@ -83,5 +89,3 @@ pub use store::{
 };
 #[cfg(feature = "redis")]
 pub use store::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
-#[cfg(feature = "regions")]
-pub use store::{Recording, ReplicatedStore, ReplicatedStoreBuilder};

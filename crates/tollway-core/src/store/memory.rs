@@ -90,6 +90,16 @@ struct Shared<C> {
     /// Keys held in all shards, for the `tollway_memory_store_keys` gauge.
     #[cfg(feature = "metrics")]
     keys: std::sync::atomic::AtomicUsize,
+    /// The notes posted on this store as a [`Board`](super::Board): by topic, with the
+    /// instant they expire.
+    #[cfg(feature = "regions")]
+    board: parking_lot::Mutex<std::collections::HashMap<String, Notes>>,
+}
+
+#[cfg(feature = "regions")]
+struct Notes {
+    expires: u64,
+    notes: std::collections::HashMap<Vec<u8>, u64>,
 }
 
 /// One lock and its tables, on a cache line of its own so that two cores working on
@@ -192,6 +202,8 @@ impl<C: Clock> MemoryStore<C> {
                 when_full: builder.when_full,
                 #[cfg(feature = "metrics")]
                 keys: std::sync::atomic::AtomicUsize::new(0),
+                #[cfg(feature = "regions")]
+                board: parking_lot::Mutex::default(),
             }),
         }
     }
@@ -299,6 +311,44 @@ impl<C: Clock> Store for MemoryStore<C> {
         operation: Operation,
     ) -> Checked<Self::Future> {
         Checked::Ready(Ok(self.apply(key, policies, operation)))
+    }
+}
+
+/// Notes kept beside the limits, for a [`SplitStore`](super::SplitStore) in this process:
+/// a post adds to its topic's notes, and a topic goes when its last post's `keep` is over.
+#[cfg(feature = "regions")]
+impl<C: Clock> super::Board for MemoryStore<C> {
+    fn post(
+        &self,
+        topic: &str,
+        notes: Vec<(Vec<u8>, u64)>,
+        keep: std::time::Duration,
+    ) -> super::BoardFuture<()> {
+        let now = self.shared.clock.now_micros();
+        let mut board = self.shared.board.lock();
+        board.retain(|_, kept| kept.expires > now);
+        let kept = board.entry(topic.to_owned()).or_insert_with(|| Notes {
+            expires: 0,
+            notes: std::collections::HashMap::new(),
+        });
+        let keep = u64::try_from(keep.as_micros()).unwrap_or(u64::MAX);
+        kept.expires = now.saturating_add(keep);
+        kept.notes.extend(notes);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn read(&self, topic: &str) -> super::BoardFuture<Vec<(Vec<u8>, u64)>> {
+        let now = self.shared.clock.now_micros();
+        let board = self.shared.board.lock();
+        let notes = match board.get(topic) {
+            Some(kept) if kept.expires > now => kept
+                .notes
+                .iter()
+                .map(|(name, &n)| (name.clone(), n))
+                .collect(),
+            _ => Vec::new(),
+        };
+        Box::pin(std::future::ready(Ok(notes)))
     }
 }
 

@@ -13,6 +13,8 @@ mod memory;
 mod redis;
 #[cfg(feature = "regions")]
 mod replicated;
+#[cfg(feature = "regions")]
+mod split;
 
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
@@ -29,6 +31,8 @@ pub use self::memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
 #[cfg(feature = "regions")]
 pub use self::replicated::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
+#[cfg(feature = "regions")]
+pub use self::split::{Board, BoardFuture, SplitStore, SplitStoreBuilder};
 
 use crate::{Decisions, Policy, StoreError};
 

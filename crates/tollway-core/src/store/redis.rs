@@ -419,7 +419,7 @@ impl RedisStore {
     ) -> Result<(Decisions, u64), StoreError> {
         let scripts = self.scripts();
         let call = scripts.call_of(key, policies, Kind::Check, cost, Time::ServerTold);
-        let mut reply = scripts.run(&call).await?;
+        let mut reply = scripts.run_script(&call).await?;
         let told = reply.pop().and_then(|t| u64::try_from(t).ok());
         let decisions = parse(&reply, &capacities(policies))?;
         let told = told.ok_or_else(|| {
@@ -458,6 +458,52 @@ impl Store for RedisStore {
     }
 }
 
+/// Notes in Redis, for a [`SplitStore`](super::SplitStore): a hash a topic, under
+/// `{prefix}:board:{topic}`, written with one `HSET` (so a reader sees a post whole or
+/// not at all) and given the post's expiry, read with one `HGETALL`; both through the
+/// store's connections and within its timeout.
+#[cfg(feature = "regions")]
+impl super::Board for RedisStore {
+    fn post(
+        &self,
+        topic: &str,
+        notes: Vec<(Vec<u8>, u64)>,
+        keep: Duration,
+    ) -> super::BoardFuture<()> {
+        let scripts = self.scripts().clone();
+        let key = format!("{}:board:{topic}", scripts.inner.prefix);
+        let keep = i64::try_from(keep.as_millis()).unwrap_or(i64::MAX).max(1);
+        Box::pin(async move {
+            if notes.is_empty() {
+                return Ok(());
+            }
+            let mut hset = redis::cmd("HSET");
+            hset.arg(&key);
+            for (name, n) in &notes {
+                hset.arg(&name[..]).arg(*n);
+            }
+            scripts.run(Request::Command(&hset)).await?;
+            let mut expire = redis::cmd("PEXPIRE");
+            expire.arg(&key).arg(keep);
+            scripts.run(Request::Command(&expire)).await?;
+            Ok(())
+        })
+    }
+
+    fn read(&self, topic: &str) -> super::BoardFuture<Vec<(Vec<u8>, u64)>> {
+        let scripts = self.scripts().clone();
+        let key = format!("{}:board:{topic}", scripts.inner.prefix);
+        Box::pin(async move {
+            let mut hgetall = redis::cmd("HGETALL");
+            hgetall.arg(&key);
+            let reply = scripts.run(Request::Command(&hgetall)).await?;
+            let notes: HashMap<Vec<u8>, u64> =
+                redis::from_redis_value(reply).map_err(|e| redis_error(e.into()))?;
+            Ok(notes.into_iter().collect())
+        })
+    }
+}
+
 impl Scripts {
     fn state_key(&self, key: &[u8], policy: &Policy) -> String {
         self.key_of(&escape_key(key), policy)
@@ -473,22 +519,23 @@ impl Scripts {
         )
     }
 
-    async fn eval(&self, call: &Call) -> Result<Vec<i64>, StoreError> {
+    async fn eval(&self, request: Request<'_>) -> Result<redis::Value, StoreError> {
         match &self.inner.backend {
             Backend::Manager(manager) => {
                 let mut con = manager.clone();
-                match call.invoke(&mut con).await {
+                match request.send(&mut con).await {
                     // A connection that broke (a restart, a failover) is reopened by the
                     // manager: one retry, within the same timeout.
                     Err(e) if e.is_connection_dropped() || e.is_io_error() => {
-                        call.invoke(&mut con).await.map_err(redis_error)
+                        request.send(&mut con).await.map_err(redis_error)
                     }
                     other => other.map_err(redis_error),
                 }
             }
-            Backend::Cluster(cluster) => {
-                call.invoke(&mut cluster.clone()).await.map_err(redis_error)
-            }
+            Backend::Cluster(cluster) => request
+                .send(&mut cluster.clone())
+                .await
+                .map_err(redis_error),
             #[cfg(feature = "deadpool")]
             Backend::Pool(pool) => {
                 let mut con = pool.get().await.map_err(|e| {
@@ -498,8 +545,25 @@ impl Scripts {
                         e,
                     )
                 })?;
-                call.invoke(&mut con).await.map_err(redis_error)
+                request.send(&mut con).await.map_err(redis_error)
             }
+        }
+    }
+}
+
+/// What goes to Redis: a decision's script call, or a plain command (a board's).
+#[derive(Clone, Copy)]
+enum Request<'a> {
+    Script(&'a Call),
+    #[cfg_attr(not(feature = "regions"), allow(dead_code))]
+    Command(&'a redis::Cmd),
+}
+
+impl Request<'_> {
+    async fn send(self, con: &mut impl ConnectionLike) -> Result<redis::Value, RedisError> {
+        match self {
+            Request::Script(call) => call.invoke(con).await,
+            Request::Command(cmd) => cmd.query_async(con).await,
         }
     }
 }
@@ -517,7 +581,6 @@ struct Call {
 }
 
 /// Where a call's time comes from.
-#[derive(Clone, Copy)]
 enum Time {
     /// The caller's clock read this instant, in µs.
     Caller(u64),
@@ -542,7 +605,7 @@ impl Call {
     /// `EVALSHA`, and on `NOSCRIPT` (after `SCRIPT FLUSH`, a restart, a failover, or a
     /// cluster node that never saw the script) `EVAL` of the source, which also caches
     /// it on that node: the call goes to the node that owns the keys either way.
-    async fn invoke(&self, con: &mut impl ConnectionLike) -> Result<Vec<i64>, RedisError> {
+    async fn invoke(&self, con: &mut impl ConnectionLike) -> Result<redis::Value, RedisError> {
         let (script, source) = match self.kind {
             Kind::Check | Kind::Peek => (&*SCRIPT, SOURCE),
             Kind::Operate(_) => (&*OPERATE, OPERATE_SOURCE),
@@ -696,7 +759,7 @@ impl Scripts {
         let capacities = capacities(policies);
         let this = self.clone();
         Checked::Pending(Box::pin(async move {
-            let decisions = parse(&this.run(&call).await?, &capacities)?;
+            let decisions = parse(&this.run_script(&call).await?, &capacities)?;
             if let (Some(cache), Some(entry)) = (&this.inner.deny_cache, entry)
                 && !decisions.is_allowed()
             {
@@ -739,11 +802,17 @@ impl Scripts {
     }
 
     /// The script's reply to `call`, within the timeout.
-    async fn run(&self, call: &Call) -> Result<Vec<i64>, StoreError> {
+    async fn run_script(&self, call: &Call) -> Result<Vec<i64>, StoreError> {
+        let reply = self.run(Request::Script(call)).await?;
+        redis::from_redis_value(reply).map_err(|e| redis_error(e.into()))
+    }
+
+    /// Redis's reply to `request`, within the timeout.
+    async fn run(&self, request: Request<'_>) -> Result<redis::Value, StoreError> {
         let timeout = self.inner.timeout;
         #[cfg(feature = "metrics")]
         let started = std::time::Instant::now();
-        let reply = tokio::time::timeout(timeout, self.eval(call)).await;
+        let reply = tokio::time::timeout(timeout, self.eval(request)).await;
         #[cfg(feature = "metrics")]
         metrics::histogram!("tollway_store_duration_seconds", "store" => self.kind())
             .record(started.elapsed());
