@@ -28,6 +28,18 @@
 //! interval plus the one-way latency), and the local decision latency; and it writes
 //! `benches/regions.svg`, the worst window's over-admission against the sync interval,
 //! one line a round trip.
+//!
+//! Part 3, the split mode (`SplitStore`): the same three regions, one customer at 100 a
+//! second (fixed window), a `SplitStore` gateway a region over its own Redis posting on
+//! the others'. For each round trip and lead (10, 50, 200, 500 ms: how long before a
+//! window's end the demand is posted; it is read half that later), two runs of 5 s at
+//! 150 a second in all: one region sending all of it (the others idle), then each
+//! region 50 a second.
+//! It prints the admissions of the whole windows after the first (the one the regions
+//! learn in): one region's mean and least, all three's mean and most; the worst window
+//! over the limit, the first included (never above zero: the mode never over-admits);
+//! and the local decision latency; and writes `benches/regions-split.svg`, one region's
+//! admissions (% of the limit) against the lead, one line a round trip.
 
 #![allow(clippy::unwrap_used, missing_docs)]
 
@@ -37,7 +49,7 @@ use support::RedisServer;
 use support::proxy::LatencyProxy;
 use support::regions::Regions;
 use tollway_core::{
-    Algorithm, Clock, Policy, Quota, RedisStore, ReplicatedStore, Store, SystemClock,
+    Algorithm, Clock, Policy, Quota, RedisStore, ReplicatedStore, SplitStore, Store, SystemClock,
 };
 
 const DECISIONS: usize = 150;
@@ -95,6 +107,8 @@ async fn main() {
     global().await;
     println!();
     replicated().await;
+    println!();
+    split().await;
 }
 
 /// Part 1: one global Redis in region A.
@@ -156,8 +170,8 @@ const RTTS_MS: [u64; 3] = [20, 80, 150];
 
 /// One region's gateway sending open loop for `RUN` from `epoch`: when each admitted
 /// request was sent (the stores' clock, µs), and each decision's latency.
-async fn sender(
-    gateway: ReplicatedStore<RedisStore>,
+async fn sender<G: Store + Clone>(
+    gateway: G,
     policy: Policy,
     epoch: Instant,
 ) -> (Vec<u64>, Vec<Duration>) {
@@ -181,6 +195,47 @@ async fn sender(
         }
     }
     (admitted, latencies)
+}
+
+/// A gateway's Redis store: caller time on the system clock (so the stores' windows are
+/// whole seconds of it), no deny cache, no fallback.
+async fn connect(url: String, prefix: String) -> RedisStore {
+    RedisStore::builder()
+        .prefix(prefix)
+        .timeout(Duration::from_secs(5))
+        .caller_time(SystemClock)
+        .deny_cache(0)
+        .without_local_fallback()
+        .connect(&url)
+        .await
+        .unwrap()
+}
+
+/// Every gateway of `gateways` sending open loop for `RUN`: the admissions of each whole
+/// window of the stores (whole seconds of the system clock; the first and last, partial,
+/// left out), all regions together, and every decision's latency, sorted.
+async fn run<G: Store + Clone>(gateways: &[G], policy: &Policy) -> (Vec<u64>, Vec<Duration>) {
+    let epoch = Instant::now();
+    let runs: Vec<_> = gateways
+        .iter()
+        .map(|g| tokio::spawn(sender(g.clone(), policy.clone(), epoch)))
+        .collect();
+    let mut per_window = std::collections::BTreeMap::<u64, u64>::new();
+    let mut latencies = Vec::new();
+    for run in runs {
+        let (admitted, took) = run.await.unwrap();
+        latencies.extend(took);
+        for at in admitted {
+            *per_window.entry(at / 1_000_000).or_default() += 1;
+        }
+    }
+    latencies.sort();
+    let whole: Vec<u64> = per_window.values().copied().collect();
+    let whole = whole
+        .get(1..whole.len().saturating_sub(1))
+        .unwrap_or_default()
+        .to_vec();
+    (whole, latencies)
 }
 
 /// Part 2: the replicated mode over a range of round trips and sync intervals.
@@ -208,20 +263,7 @@ async fn replicated() {
         let mut points = Vec::new();
         for sync_ms in SYNCS_MS {
             let prefix = support::unique_prefix(&format!("replicated-{rtt_ms}-{sync_ms}"));
-            let connect = |url: String| {
-                let prefix = prefix.clone();
-                async move {
-                    RedisStore::builder()
-                        .prefix(prefix)
-                        .timeout(Duration::from_secs(5))
-                        .caller_time(SystemClock)
-                        .deny_cache(0)
-                        .without_local_fallback()
-                        .connect(&url)
-                        .await
-                        .unwrap()
-                }
-            };
+            let connect = |url: String| connect(url, prefix.clone());
             let mut gateways = Vec::new();
             for i in 0..REGIONS {
                 let mut builder = ReplicatedStore::builder(connect(regions.url(i, i)).await)
@@ -231,27 +273,7 @@ async fn replicated() {
                 }
                 gateways.push(builder.build().unwrap());
             }
-            let epoch = Instant::now();
-            let runs = gateways
-                .iter()
-                .map(|g| tokio::spawn(sender(g.clone(), policy.clone(), epoch)));
-            let mut per_window = std::collections::BTreeMap::<u64, u64>::new();
-            let mut latencies = Vec::new();
-            for run in runs.collect::<Vec<_>>() {
-                let (admitted, took) = run.await.unwrap();
-                latencies.extend(took);
-                for at in admitted {
-                    *per_window.entry(at / 1_000_000).or_default() += 1;
-                }
-            }
-            latencies.sort();
-            // The stores' windows (whole seconds of the system clock, which they are
-            // given), the first and last (partial) left out.
-            let whole: Vec<u64> = per_window.values().copied().collect();
-            let whole = whole
-                .get(1..whole.len().saturating_sub(1))
-                .unwrap_or_default()
-                .to_vec();
+            let (whole, latencies) = run(&gateways, &policy).await;
             let mean = whole.iter().sum::<u64>() as f64 / whole.len().max(1) as f64;
             let most = whole.iter().copied().max().unwrap_or(0);
             let over = most.saturating_sub(u64::from(PER_SECOND));
@@ -273,85 +295,189 @@ async fn replicated() {
         lines.push((rtt_ms, points));
     }
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/regions.svg");
-    std::fs::write(path, svg(&lines)).unwrap();
+    let plot = Plot {
+        title: "ReplicatedStore: worst window over the limit vs sync interval",
+        x_label: "sync interval (ms, log scale)",
+        y_label: "over-admission (% of the limit)",
+        xs: &SYNCS_MS,
+    };
+    std::fs::write(path, plot.svg(&lines)).unwrap();
     println!();
     println!("wrote {path}");
 }
 
-/// The worst window's over-admission (% of the limit) against the sync interval (log
-/// scale), one line a round trip.
-fn svg(lines: &[(u64, Vec<(u64, f64)>)]) -> String {
-    let (width, height, left, bottom, top, right) = (640.0, 400.0, 70.0, 60.0, 40.0, 150.0);
-    let most = lines
-        .iter()
-        .flat_map(|(_, points)| points.iter().map(|p| p.1))
-        .fold(10.0f64, f64::max);
-    let y_top = (most / 10.0).ceil() * 10.0;
-    let x = |ms: u64| left + ((ms as f64).log10() - 1.0) / 2.0 * (width - left - right);
-    let y = |pct: f64| height - bottom - pct / y_top * (height - bottom - top);
-    let colours = ["#1f77b4", "#d62728", "#2ca02c"];
-    let mut out = format!(
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">
+const LEADS_MS: [u64; 4] = [10, 50, 200, 500];
+
+/// Part 3: the split mode over a range of round trips and leads (how long before a
+/// window's end each region posts its demand; it reads the others' half that later).
+async fn split() {
+    let regions = Regions::start(REGIONS, Duration::ZERO).await;
+    let policy = Policy::new(
+        "split",
+        Algorithm::FixedWindow,
+        Quota::per_second(PER_SECOND).unwrap(),
+    )
+    .unwrap();
+    let rate = 1.0 / SEND_EVERY.as_secs_f64();
+    println!(
+        "split: {REGIONS} regions, {:.0}/s from one region or {rate:.0}/s from each, for \
+         {RUN:?}; {PER_SECOND}/s for one customer (fixed window); whole windows after the first",
+        rate * REGIONS as f64
+    );
+    println!();
+    println!(
+        "| round trip | lead | one region: admitted a window, mean / least | three regions: mean / most | worst window over the limit | local p50 / p99 ms |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut lines: Vec<(u64, Vec<(u64, f64)>)> = Vec::new();
+    for rtt_ms in RTTS_MS {
+        regions.set_one_way(Duration::from_micros(rtt_ms * 500));
+        let mut points = Vec::new();
+        for lead_ms in LEADS_MS {
+            let mut cells = Vec::new();
+            let mut worst = 0;
+            let mut latencies = Vec::new();
+            // One region sending as much as all three do (three senders there), then
+            // each region one sender.
+            for senders in [[0; REGIONS], [0, 1, 2]] {
+                let prefix = support::unique_prefix(&format!("split-{rtt_ms}-{lead_ms}"));
+                let mut gateways = Vec::new();
+                for i in 0..REGIONS {
+                    let local = connect(regions.url(i, i), prefix.clone()).await;
+                    let mut builder =
+                        SplitStore::builder(format!("region-{i}"), local, SystemClock)
+                            .policy(&policy)
+                            .lead(Duration::from_millis(lead_ms));
+                    for j in (0..REGIONS).filter(|&j| j != i) {
+                        let peer = connect(regions.url(i, j), prefix.clone()).await;
+                        builder = builder.peer(format!("region-{j}"), peer);
+                    }
+                    gateways.push(builder.build().await.unwrap());
+                }
+                let sending: Vec<_> = senders.iter().map(|&r| gateways[r].clone()).collect();
+                let (whole, took) = run(&sending, &policy).await;
+                latencies.extend(took);
+                // The first whole window is the one the regions learn in.
+                let learnt = whole.get(1..).unwrap_or_default();
+                let mean = learnt.iter().sum::<u64>() as f64 / learnt.len().max(1) as f64;
+                let least = learnt.iter().copied().min().unwrap_or(0);
+                let most = learnt.iter().copied().max().unwrap_or(0);
+                worst = worst.max(whole.iter().copied().max().unwrap_or(0));
+                cells.push((mean, least, most));
+            }
+            latencies.sort();
+            let over = worst.saturating_sub(u64::from(PER_SECOND));
+            println!(
+                "| {rtt_ms} ms | {lead_ms} ms | {:.1} / {} | {:.1} / {} | {over} | {:.2} / {:.2} |",
+                cells[0].0,
+                cells[0].1,
+                cells[1].0,
+                cells[1].2,
+                percentile(&latencies, 0.50),
+                percentile(&latencies, 0.99),
+            );
+            points.push((lead_ms, 100.0 * cells[0].0 / f64::from(PER_SECOND)));
+        }
+        lines.push((rtt_ms, points));
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/regions-split.svg");
+    let plot = Plot {
+        title: "SplitStore: one region's admissions (% of the limit) vs lead",
+        x_label: "lead (ms, log scale)",
+        y_label: "admitted a window (% of the limit)",
+        xs: &LEADS_MS,
+    };
+    std::fs::write(path, plot.svg(&lines)).unwrap();
+    println!();
+    println!("wrote {path}");
+}
+
+/// A line plot against a log-scale x axis from 10 to 1,000.
+struct Plot<'a> {
+    title: &'a str,
+    x_label: &'a str,
+    y_label: &'a str,
+    xs: &'a [u64],
+}
+
+impl Plot<'_> {
+    /// Percentages against the x values, one line a round trip.
+    fn svg(&self, lines: &[(u64, Vec<(u64, f64)>)]) -> String {
+        let (width, height, left, bottom, top, right) = (640.0, 400.0, 70.0, 60.0, 40.0, 150.0);
+        let most = lines
+            .iter()
+            .flat_map(|(_, points)| points.iter().map(|p| p.1))
+            .fold(10.0f64, f64::max);
+        let y_top = (most / 10.0).ceil() * 10.0;
+        let x = |ms: u64| left + ((ms as f64).log10() - 1.0) / 2.0 * (width - left - right);
+        let y = |pct: f64| height - bottom - pct / y_top * (height - bottom - top);
+        let colours = ["#1f77b4", "#d62728", "#2ca02c"];
+        let mut out = format!(
+            r##"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
-<text x="{}" y="22" text-anchor="middle" font-size="14">ReplicatedStore: worst window over the limit vs sync interval</text>
+<text x="{}" y="22" text-anchor="middle" font-size="14">{}</text>
 <line x1="{left}" y1="{}" x2="{}" y2="{}" stroke="black"/>
 <line x1="{left}" y1="{top}" x2="{left}" y2="{}" stroke="black"/>
-<text x="{}" y="{}" text-anchor="middle">sync interval (ms, log scale)</text>
-<text x="18" y="{}" transform="rotate(-90 18 {})" text-anchor="middle">over-admission (% of the limit)</text>
+<text x="{}" y="{}" text-anchor="middle">{}</text>
+<text x="18" y="{}" transform="rotate(-90 18 {})" text-anchor="middle">{}</text>
 "##,
-        (width - right + left) / 2.0,
-        height - bottom,
-        width - right,
-        height - bottom,
-        height - bottom,
-        (width - right + left) / 2.0,
-        height - 18.0,
-        (height - bottom + top) / 2.0,
-        (height - bottom + top) / 2.0,
-    );
-    for ms in SYNCS_MS {
-        out += &format!(
-            r##"<text x="{:.1}" y="{}" text-anchor="middle">{ms}</text>
-"##,
-            x(ms),
-            height - bottom + 18.0
-        );
-    }
-    for step in 0..=5 {
-        let pct = y_top * f64::from(step) / 5.0;
-        out += &format!(
-            r##"<text x="{}" y="{:.1}" text-anchor="end">{pct:.0}%</text>
-<line x1="{left}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>
-"##,
-            left - 6.0,
-            y(pct) + 4.0,
-            y(pct),
+            (width - right + left) / 2.0,
+            self.title,
+            height - bottom,
             width - right,
-            y(pct)
+            height - bottom,
+            height - bottom,
+            (width - right + left) / 2.0,
+            height - 18.0,
+            self.x_label,
+            (height - bottom + top) / 2.0,
+            (height - bottom + top) / 2.0,
+            self.y_label,
         );
-    }
-    for (k, (rtt, points)) in lines.iter().enumerate() {
-        let colour = colours[k % colours.len()];
-        let path: Vec<String> = points
-            .iter()
-            .map(|&(ms, pct)| format!("{:.1},{:.1}", x(ms), y(pct)))
-            .collect();
-        out += &format!(
-            r##"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>
-<text x="{}" y="{:.1}" fill="{colour}">{rtt} ms round trip</text>
-"##,
-            path.join(" "),
-            width - right + 10.0,
-            top + 20.0 + 18.0 * k as f64
-        );
-        for &(ms, pct) in points {
+        for &ms in self.xs {
             out += &format!(
-                r##"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{colour}"/>
+                r##"<text x="{:.1}" y="{}" text-anchor="middle">{ms}</text>
 "##,
                 x(ms),
+                height - bottom + 18.0
+            );
+        }
+        for step in 0..=5 {
+            let pct = y_top * f64::from(step) / 5.0;
+            out += &format!(
+                r##"<text x="{}" y="{:.1}" text-anchor="end">{pct:.0}%</text>
+<line x1="{left}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>
+"##,
+                left - 6.0,
+                y(pct) + 4.0,
+                y(pct),
+                width - right,
                 y(pct)
             );
         }
+        for (k, (rtt, points)) in lines.iter().enumerate() {
+            let colour = colours[k % colours.len()];
+            let path: Vec<String> = points
+                .iter()
+                .map(|&(ms, pct)| format!("{:.1},{:.1}", x(ms), y(pct)))
+                .collect();
+            out += &format!(
+                r##"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>
+<text x="{}" y="{:.1}" fill="{colour}">{rtt} ms round trip</text>
+"##,
+                path.join(" "),
+                width - right + 10.0,
+                top + 20.0 + 18.0 * k as f64
+            );
+            for &(ms, pct) in points {
+                out += &format!(
+                    r##"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{colour}"/>
+"##,
+                    x(ms),
+                    y(pct)
+                );
+            }
+        }
+        out + "</svg>\n"
     }
-    out + "</svg>\n"
 }

@@ -134,7 +134,7 @@ impl Policy {
 
 /// FNV-1a, 64-bit: a stable digest (the same in every process), not a defence against
 /// chosen collisions — the memory store seeds its own hasher for that.
-fn fnv1a(bytes: impl Iterator<Item = u8>) -> u64 {
+pub(crate) fn fnv1a(bytes: impl Iterator<Item = u8>) -> u64 {
     bytes.fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })

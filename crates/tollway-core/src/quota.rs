@@ -172,6 +172,28 @@ impl Quota {
         Ok(quota)
     }
 
+    /// A fixed window's count: `limit` units per `period_us`, for a window algorithm only
+    /// (which needs neither the emission interval's nor a bucket's exactness, so `limit ×
+    /// period` may pass 2^52 µs). `None` for a limit of zero, a period beyond 2^50 µs or
+    /// finer than a unit a microsecond.
+    #[cfg(feature = "regions")]
+    pub(crate) fn counting(limit: u64, period_us: u64) -> Option<Self> {
+        if limit == 0 || period_us > MAX_PERIOD_US || period_us < limit {
+            return None;
+        }
+        let emission_us = period_us.div_ceil(limit);
+        Some(Quota {
+            limit,
+            period_us,
+            burst: limit,
+            emission_us,
+            fill_us: period_us,
+            by_limit: StrengthReducedU64::new(limit),
+            by_period: StrengthReducedU64::new(period_us),
+            by_emission: StrengthReducedU64::new(emission_us),
+        })
+    }
+
     /// The same rate with a burst (bucket capacity) of `burst` units.
     ///
     /// # Errors

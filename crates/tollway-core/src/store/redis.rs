@@ -459,9 +459,10 @@ impl Store for RedisStore {
 }
 
 /// Notes in Redis, for a [`SplitStore`](super::SplitStore): a hash a topic, under
-/// `{prefix}:board:{topic}`, written with one `HSET` (so a reader sees a post whole or
-/// not at all) and given the post's expiry, read with one `HGETALL`; both through the
-/// store's connections and within its timeout.
+/// `{prefix}:board:{topic}`, written with one `HSET` and given the post's expiry in the
+/// same transaction (`MULTI`/`EXEC`: a reader sees a post whole or not at all, and it
+/// expires), read with one `HGETALL`; both through the store's connections and within
+/// its timeout.
 #[cfg(feature = "regions")]
 impl super::Board for RedisStore {
     fn post(
@@ -477,15 +478,13 @@ impl super::Board for RedisStore {
             if notes.is_empty() {
                 return Ok(());
             }
-            let mut hset = redis::cmd("HSET");
-            hset.arg(&key);
+            let mut post = redis::pipe();
+            post.atomic().cmd("HSET").arg(&key);
             for (name, n) in &notes {
-                hset.arg(&name[..]).arg(*n);
+                post.arg(&name[..]).arg(*n);
             }
-            scripts.run(Request::Command(&hset)).await?;
-            let mut expire = redis::cmd("PEXPIRE");
-            expire.arg(&key).arg(keep);
-            scripts.run(Request::Command(&expire)).await?;
+            post.ignore().cmd("PEXPIRE").arg(&key).arg(keep).ignore();
+            scripts.run(Request::Pipeline(&post)).await?;
             Ok(())
         })
     }
@@ -557,6 +556,8 @@ enum Request<'a> {
     Script(&'a Call),
     #[cfg_attr(not(feature = "regions"), allow(dead_code))]
     Command(&'a redis::Cmd),
+    #[cfg_attr(not(feature = "regions"), allow(dead_code))]
+    Pipeline(&'a redis::Pipeline),
 }
 
 impl Request<'_> {
@@ -564,6 +565,7 @@ impl Request<'_> {
         match self {
             Request::Script(call) => call.invoke(con).await,
             Request::Command(cmd) => cmd.query_async(con).await,
+            Request::Pipeline(pipe) => pipe.query_async(con).await,
         }
     }
 }

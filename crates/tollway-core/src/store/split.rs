@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 use smallvec::SmallVec;
 
 use super::{Checked, Operation, Store};
+use crate::policy::fnv1a;
 use crate::{
     Algorithm, Clock, ConfigError, Decision, Decisions, Policy, Quota, StoreError, StoreErrorKind,
 };
@@ -18,15 +19,17 @@ use crate::{
 /// The future of a [`Board`] call.
 pub type BoardFuture<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send>>;
 
-/// A region's notice board: where the other regions post what they need of a limit, for
-/// the region's [`SplitStore`] to read.
+/// A region's notice board: where the regions post what they ask of a limit, for each
+/// region's [`SplitStore`] to read.
 ///
-/// A post replaces nothing and is all or nothing: a reader sees every note of a post or
-/// none of them. Implemented by [`MemoryStore`](crate::MemoryStore) (notes kept beside its
-/// limits, for one process) and by the Redis store (a hash a topic, written with one
-/// `HSET`, read with one `HGETALL`, expiring after `keep`).
+/// A post adds its notes to a topic (a note of the same name is replaced) all at once: a
+/// reader sees every note of a post or none of them. Implemented by
+/// [`MemoryStore`](crate::MemoryStore) (notes kept beside its limits, for one process)
+/// and by the Redis store (a hash a topic, written in one transaction with its expiry,
+/// read with one `HGETALL`).
 pub trait Board: Send + Sync + 'static {
-    /// Adds `notes` (name, value) under `topic`, all at once, kept for `keep`.
+    /// Adds `notes` (name, value) to `topic`, all at once; the topic is kept for `keep`
+    /// after its last post.
     fn post(&self, topic: &str, notes: Vec<(Vec<u8>, u64)>, keep: Duration) -> BoardFuture<()>;
 
     /// Every note under `topic` (none once it has expired).
@@ -39,48 +42,55 @@ pub trait Board: Send + Sync + 'static {
 /// another region.
 ///
 /// **Shares.** Every window of a fixed-window policy, each region counts what its callers
-/// ask of each key (admitted or not), and a quarter of the window before its end (the
-/// *lead*, configurable) posts that demand — scaled to a whole window — on every other
-/// region's [`Board`], all keys in one post. Half the lead later it reads its own board
-/// and computes, for the next window, its share of each key's limit from everyone's
-/// demand: max-min fair (each region gets what it asks, or an equal level where asks
-/// exceed the limit, the level's remainder split evenly). A region computes only its own
-/// share; all of them, computed from the same demands, add up to at most the limit.
+/// ask of each key (admitted or not; [`Operation`]s are not demand), and a *lead* before
+/// the window's end (a quarter of the window by default) posts that demand — scaled to a
+/// whole window — on its own [`Board`] and then on every other region's, all keys in one
+/// post. Half the lead later it reads its own board and fixes, for the next window, its
+/// share of each key's limit from everyone's demand: max-min fair (where all asks fit,
+/// each region gets its ask and an even part of what is left; else each gets its ask up
+/// to the highest level the limit allows). A region computes only its own share; the
+/// shares of all regions, computed from the same asks, add up to at most the limit.
 ///
 /// **Never over-admits.** A region that has not heard from another — its post was lost,
-/// late or cut off — counts that region as asking for everything. Asking more elsewhere
-/// can only shrink a region's share, so each region's share is at most what it would be
-/// if everyone had heard everything, and those add up to at most the limit: in every
-/// window, the regions together admit at most the limit, whatever is lost, late or cut
-/// off. (The windows are the clocks' windows: regions' clocks apart by ε shift their
-/// windows by ε.)
+/// late, cut off, or made with another list of regions — counts that region as asking
+/// for everything; a region that posted nothing for a window counts itself so too.
+/// Asking more elsewhere can only shrink a region's share, so each region's share is at
+/// most what it would be had everyone heard everything, and those add up to at most the
+/// limit: in every window, the regions together admit at most the limit, whatever is
+/// lost, late or cut off. A window's shares are fixed before it begins. A process that
+/// takes over a region's name reads what its predecessor posted from the region's board
+/// before it decides anything. The conditions: the regions' clocks agree on the windows
+/// (`SystemClock`, kept by NTP: regions apart by ε shift their windows by ε); one process
+/// at a time under a name; and the local store counts every admission — a Redis store's
+/// local fallback (which admits on its own while Redis is down) or a memory store that
+/// admits untracked keys when full would admit past the share.
 ///
-/// **What it costs: under-admission.** Shares follow demand one window late: a region
-/// whose callers arrive gets its share from the window after the one where its demand
-/// was posted — from the next window when they arrive before that window's report, else
-/// the one after. Meanwhile it has what the others left: in the windows in between, the
-/// fleet admits less than the limit where demand moved. A region cut off from the
-/// others (and they, not hearing from it) decides on the level it can count on whatever
-/// the others ask: about `limit / regions` for a key it asked for, nothing for a key it
-/// did not ask for in the last window (both until the link returns and a window's posts
-/// go through). A region that starts afresh takes `limit / regions` of every key for its
-/// first window.
+/// **What it costs: under-admission.** Shares follow demand a window late: a region
+/// whose callers arrive gets its share from the window after the one in which its
+/// demand was posted (the next window when they arrive before that window's post, else
+/// the one after); meanwhile it has what the others left. A region's posts must reach
+/// the others within half the lead, or they count it as asking everything. A region cut
+/// off from the others (and they, not hearing from it) decides on the level it can count
+/// on whatever the others ask: about `limit / regions` of a key it asked for, nothing of
+/// a key it did not ask for (until the link returns and a window's posts go through). A
+/// fleet starting afresh takes `limit / regions` of every key in its first window.
 ///
 /// Only fixed windows split: a window ends everywhere at once, so a share changes only
 /// where the count starts afresh anyway (a bucket's tokens or a log's entries would carry
-/// over a share that no longer holds). Every policy a request names must be declared to
+/// a share over that no longer holds). Every policy a request names must be declared to
 /// the builder; other algorithms are refused when the store is built.
 ///
-/// Decisions report this region's share as their limit. [`Store::operate`] acts on this
-/// region's share of the current window. With several gateways in a region, each is a
-/// region of its own here (a name and a share of its own; its peers are every other
-/// gateway), so that no two share one count.
+/// Decisions report this region's share as their limit; a request the share cannot take
+/// at all (a share of zero) is refused without asking the store, and the request's other
+/// limits then report remaining 0. [`Store::operate`] acts on this region's share of the
+/// current window. With several gateways in a region, each is a region of its own here (a
+/// name and a share of its own; its peers are every other gateway).
 ///
 /// # Examples
 ///
 /// Three regions, each a memory store here (in production each region's Redis, and the
-/// peers the others' Redis as this region reaches them); on a manual clock, the posts
-/// and reads are made by `exchange_now` instead of on time.
+/// peers the others' Redis as this region reaches them). The posts and reads happen on
+/// time by themselves; on a manual clock, `report_now` and `collect_now` make them.
 ///
 /// ```
 /// use std::time::Duration;
@@ -92,16 +102,16 @@ pub trait Board: Send + Sync + 'static {
 /// let store = || MemoryStore::builder().clock(clock.clone()).build();
 /// let (eu, us, ap) = (store()?, store()?, store()?);
 /// let policy = Policy::new("global", Algorithm::FixedWindow, Quota::per_minute(90)?)?;
-/// let region = |own: &MemoryStore<ManualClock>, name, peers: [(&str, &MemoryStore<ManualClock>); 2]| {
+/// let region = async |own: &MemoryStore<ManualClock>, name, peers: [(&str, &MemoryStore<ManualClock>); 2]| {
 ///     let mut builder = SplitStore::builder(name, own.clone(), clock.clone()).policy(&policy);
 ///     for (peer, store) in peers {
 ///         builder = builder.peer(peer, store.clone());
 ///     }
-///     builder.build()
+///     builder.build().await
 /// };
-/// let in_eu = region(&eu, "eu", [("us", &us), ("ap", &ap)])?;
-/// let in_us = region(&us, "us", [("eu", &eu), ("ap", &ap)])?;
-/// let in_ap = region(&ap, "ap", [("eu", &eu), ("us", &us)])?;
+/// let in_eu = region(&eu, "eu", [("us", &us), ("ap", &ap)]).await?;
+/// let in_us = region(&us, "us", [("eu", &eu), ("ap", &ap)]).await?;
+/// let in_ap = region(&ap, "ap", [("eu", &eu), ("us", &us)]).await?;
 ///
 /// // Knowing nothing of each other, each region takes a third of the first window.
 /// let mut admitted = 0;
@@ -110,9 +120,8 @@ pub trait Board: Send + Sync + 'static {
 /// }
 /// assert_eq!(admitted, 30);
 ///
-/// // Each region posts its demand and reads the others' (on time, a quarter of the
-/// // window before its end): the customer asks only in the EU, which gets the whole
-/// // limit of the next window, and the others nothing of it.
+/// // Each region posts its demand, then reads the others': the customer asks only in
+/// // the EU, which gets the whole limit of the next window, and the others nothing of it.
 /// for region in [&in_eu, &in_us, &in_ap] {
 ///     region.report_now().await;
 /// }
@@ -132,6 +141,9 @@ pub struct SplitStore<S> {
 
 struct Inner<S> {
     region: String,
+    /// A digest of every region's name (this one's and its peers'), in every post: a
+    /// region configured with other peers is not heard from.
+    fingerprint: u64,
     local: S,
     peers: Vec<(String, S)>,
     clock: Arc<dyn Clock>,
@@ -139,7 +151,7 @@ struct Inner<S> {
     max_keys: usize,
     splits: Vec<Split>,
     /// The exchange tasks, aborted when the store goes.
-    tasks: Vec<tokio::task::JoinHandle<()>>,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 /// A declared policy and what this region knows of its windows.
@@ -158,9 +170,9 @@ struct Plan {
     window: u64,
     /// Units asked of each key in `window`.
     demand: HashMap<Box<[u8]>, u64>,
-    /// The demand this region posted for a window (once a window): what the others take
-    /// it to ask.
-    reported: TwoWindows<HashMap<Box<[u8]>, u64>>,
+    /// What this region posted for a window (once a window): what the others take it to
+    /// ask.
+    reported: TwoWindows<Posted>,
     /// This region's shares of a window, fixed before it began.
     shares: TwoWindows<Shares>,
 }
@@ -197,6 +209,35 @@ impl<T> TwoWindows<T> {
     }
 }
 
+/// What a region posted for a window, as far as this process knows.
+enum Posted {
+    /// These asks (a key not named asked nothing): the others read them or nothing.
+    Asks(HashMap<Box<[u8]>, u64>),
+    /// Nothing, and nothing will be: the others count it as asking everything.
+    Nothing,
+    /// Unknown: an earlier process under this name may have posted anything (its board
+    /// could not be read at start), so count this region as asking nothing.
+    Unsure,
+}
+
+impl Posted {
+    /// What the others take this region to ask of `key` (`None`: a key it did not name).
+    fn ask(&self, key: Option<&[u8]>) -> u64 {
+        match (self, key) {
+            (Posted::Asks(asks), Some(key)) => asks.get(key).copied().unwrap_or(0),
+            (Posted::Asks(_) | Posted::Unsure, _) => 0,
+            (Posted::Nothing, _) => UNKNOWN,
+        }
+    }
+}
+
+/// A region's post, as read from a board.
+struct Post {
+    /// The fingerprint of the regions it splits with.
+    fingerprint: u64,
+    asks: HashMap<Box<[u8]>, u64>,
+}
+
 struct Shares {
     keys: HashMap<Box<[u8]>, u64>,
     /// The share of any key not in `keys`.
@@ -226,17 +267,17 @@ impl<S> fmt::Debug for SplitStore<S> {
 
 impl<S> Drop for Inner<S> {
     fn drop(&mut self) {
-        for task in &self.tasks {
+        for task in self.tasks.get_mut().iter() {
             task.abort();
         }
     }
 }
 
-/// Region `own`'s share of `limit` when it asks for `own` units and the other regions
-/// for `others` ([`UNKNOWN`] for a region not heard from): max-min fair. Where all asks
-/// fit, each region gets its ask; else each gets its ask up to the highest level the
-/// limit allows. Either way the remainder is split evenly (rounded down), so that a
-/// region whose demand has just arrived finds some room.
+/// A region's share of `limit` when it asks for `own` units and the other regions for
+/// `others` ([`UNKNOWN`] for a region not heard from): max-min fair. Where all asks fit,
+/// each region gets its ask and an even part (rounded down) of what is left, so that a
+/// region whose demand has just arrived finds some room; else each gets its ask up to
+/// the highest level the limit allows (what is left then is less than a unit a region).
 ///
 /// Asking more elsewhere never grows a share, and the shares of all regions, computed
 /// from the same asks, add up to at most `limit`: the two facts `SplitStore`'s "never
@@ -269,12 +310,13 @@ impl Shares {
 
 impl Plan {
     /// What the others take this region to ask of `key` in `window`: its post, or
-    /// everything when it posted nothing (nobody can have heard less).
+    /// everything when it posted nothing (nobody can have heard less). A window this
+    /// process has no record of is one it did not post for: the store read what an
+    /// earlier process had posted for the windows before it started.
     fn asked(&self, window: u64, key: &[u8]) -> u64 {
-        match self.reported.get(window) {
-            Some(asked) => asked.get(key).copied().unwrap_or(0),
-            None => UNKNOWN,
-        }
+        self.reported
+            .get(window)
+            .map_or(UNKNOWN, |posted| posted.ask(Some(key)))
     }
 }
 
@@ -296,20 +338,22 @@ impl<S: Store + Board + Clone> SplitStore<S> {
         }
     }
 
-    /// Posts this region's demand for the current window on every peer's board now, and
-    /// returns when each has answered or failed (for tests on a manual clock; the store
-    /// does it on time, `lead` before each window's end).
+    /// Posts this region's demand for the current window now (if it has not yet), and
+    /// returns when each peer has answered or failed: for tests on a manual clock; the
+    /// store does it on time, `lead` before each window's end.
     pub async fn report_now(&self) {
         let now = self.inner.clock.now_micros();
         for i in 0..self.inner.splits.len() {
             let window = now / self.inner.splits[i].policy.quota().period_micros();
-            self.inner.report(i, window).await;
+            let mut posts = self.inner.report(i, window).await;
+            while posts.join_next().await.is_some() {}
         }
     }
 
-    /// Reads this region's board now and fixes its shares of the next window (for tests
-    /// on a manual clock; the store does it on time, half the lead before each window's
-    /// end).
+    /// Reads this region's board now and fixes its shares of the next window (a window
+    /// this region has not posted for yet is then closed: it posts nothing for it): for
+    /// tests on a manual clock; the store does it on time, half the lead before each
+    /// window's end.
     pub async fn collect_now(&self) {
         let now = self.inner.clock.now_micros();
         for i in 0..self.inner.splits.len() {
@@ -354,13 +398,33 @@ impl Split {
             // Nothing fixed before the window began: what this region can count on
             // whatever the others ask.
             _ => {
-                let others = vec![UNKNOWN; self.peers];
+                let others: SmallVec<[u64; 4]> = smallvec::smallvec![UNKNOWN; self.peers];
                 let own = plan.asked(window.wrapping_sub(1), key);
                 share(self.policy.quota().limit(), own, &others)
             }
         }
     }
 }
+
+/// How many periods long the fixed window is that a region's count of `window` is kept
+/// in (under a policy named for the window): the smallest `m` from 3 with neither
+/// `window` nor `window + 1` a multiple of it, so that no `m`-period window starts
+/// between one period before `window` and one after it. The count is then the same one
+/// whichever instant of that span the local store reads from its own clock: a request
+/// the split store placed just before a window's end, decided by the store just after,
+/// is counted with its window, and a local store whose clock (Redis's `TIME`, say) is
+/// apart from the split store's by less than a period counts each window whole.
+fn span(window: u64) -> u64 {
+    (3..=MAX_SPAN)
+        .find(|&m| (window == 0 || !window.is_multiple_of(m)) && !(window + 1).is_multiple_of(m))
+        .unwrap_or(MAX_SPAN)
+}
+
+/// The longest span: 64 periods. Every `m` up to it dividing `window` or `window + 1`
+/// needs `window × (window + 1)` to be a multiple of lcm(1..64), about 2^90, so a window
+/// number past 2^44: a window of a millisecond reaches that 557 years after its clock's
+/// origin. (Below 2 million, no span passes 19.)
+const MAX_SPAN: u64 = 64;
 
 /// The topic of a policy's window on the boards.
 fn topic(policy: &Policy, window: u64) -> String {
@@ -391,17 +455,22 @@ impl<S: Store + Board + Clone> Inner<S> {
             })
     }
 
-    /// Posts this region's demand of `window` under split `i` on every peer's board,
-    /// once a window and only within it. The post is never repeated: a peer sees it
-    /// whole or not at all, and never two versions of it.
-    async fn report(&self, i: usize, window: u64) {
+    /// Posts this region's demand of `window` under split `i`, once a window and only
+    /// within it: first on its own board (where a later process under its name reads
+    /// it), then — only once that is written — on every peer's. The post is never
+    /// repeated: a peer sees it whole or not at all, and never two versions of it. The
+    /// peers' posts are under way when this returns (the collection does not wait for
+    /// their answers, which take a round trip): the set ends when each has been answered
+    /// or has failed.
+    async fn report(&self, i: usize, window: u64) -> tokio::task::JoinSet<()> {
+        let mut posts = tokio::task::JoinSet::new();
         let split = &self.splits[i];
         let period = split.policy.quota().period_micros();
         let asked = {
             let mut plan = split.plan.lock();
             let now = self.clock.now_micros();
             if now / period != window || plan.reported.get(window).is_some() {
-                return;
+                return posts;
             }
             let elapsed = now - window * period;
             let asked: HashMap<Box<[u8]>, u64> = if plan.window == window {
@@ -412,13 +481,16 @@ impl<S: Store + Board + Clone> Inner<S> {
             } else {
                 HashMap::new()
             };
-            plan.reported.put(window, asked.clone());
+            // Claimed before it is posted, and kept whatever becomes of the posts: a
+            // peer reads these asks or counts this region as asking everything.
+            plan.reported.put(window, Posted::Asks(asked.clone()));
             asked
         };
-        // The region's own name says it posted (so a key it did not name asked nothing);
-        // each key's ask is under the name, a zero byte, and the key.
+        // The region's own name, with the fingerprint of the regions it splits with,
+        // says it posted (so a key it did not name asked nothing); each key's ask is
+        // under the name, a zero byte, and the key.
         let mut notes = Vec::with_capacity(asked.len() + 1);
-        notes.push((self.region.as_bytes().to_vec(), 1));
+        notes.push((self.region.as_bytes().to_vec(), self.fingerprint));
         for (key, n) in asked {
             let mut name = Vec::with_capacity(self.region.len() + 1 + key.len());
             name.extend_from_slice(self.region.as_bytes());
@@ -428,7 +500,14 @@ impl<S: Store + Board + Clone> Inner<S> {
         }
         let topic = topic(&split.policy, window);
         let keep = Duration::from_micros(period.saturating_mul(3));
-        let mut posts = tokio::task::JoinSet::new();
+        let own = self.local.post(&topic, notes.clone(), keep);
+        if !matches!(tokio::time::timeout(self.timeout, own).await, Ok(Ok(()))) {
+            tracing::debug!(
+                region = %self.region,
+                "split store: the demand post on this region's board failed; not posted to peers"
+            );
+            return posts;
+        }
         for (peer, board) in &self.peers {
             let post = board.post(&topic, notes.clone(), keep);
             let (peer, timeout) = (peer.clone(), self.timeout);
@@ -438,40 +517,78 @@ impl<S: Store + Board + Clone> Inner<S> {
                 }
             });
         }
-        while posts.join_next().await.is_some() {}
+        posts
+    }
+
+    /// The posts on this region's board for `window` under split `i`, by region: the
+    /// fingerprint of the region set each poster splits with, and its asks; `Err` when
+    /// the board could not be read.
+    async fn read_board(&self, i: usize, window: u64) -> Result<HashMap<Vec<u8>, Post>, ()> {
+        let read = self.local.read(&topic(&self.splits[i].policy, window));
+        let Ok(Ok(notes)) = tokio::time::timeout(self.timeout, read).await else {
+            tracing::debug!(region = %self.region, "split store: reading the board failed");
+            return Err(());
+        };
+        let mut posted: HashMap<Vec<u8>, Post> = HashMap::new();
+        for (name, n) in &notes {
+            if !name.contains(&0) {
+                posted.insert(
+                    name.clone(),
+                    Post {
+                        fingerprint: *n,
+                        asks: HashMap::new(),
+                    },
+                );
+            }
+        }
+        for (name, n) in notes {
+            let Some(zero) = name.iter().position(|&b| b == 0) else {
+                continue;
+            };
+            if let Some(post) = posted.get_mut(&name[..zero]) {
+                post.asks.insert(name[zero + 1..].into(), n);
+            }
+        }
+        Ok(posted)
     }
 
     /// Reads this region's board for `window` under split `i` and fixes this region's
     /// shares of the next window — only while `window` lasts, so that a window's shares
-    /// never change once it has begun.
+    /// never change once it has begun. A window this region has not posted for by then
+    /// is closed: it will post nothing for it.
     async fn collect(&self, i: usize, window: u64) {
         let split = &self.splits[i];
         let period = split.policy.quota().period_micros();
-        let read = self.local.read(&topic(&split.policy, window));
-        let notes = match tokio::time::timeout(self.timeout, read).await {
-            Ok(Ok(notes)) => notes,
-            _ => {
-                tracing::debug!(region = %self.region, "split store: reading the board failed");
-                Vec::new()
+        let mut posted = self.read_board(i, window).await.unwrap_or_default();
+        // Each peer's asks; `None`: not heard from, or splitting with other regions.
+        let asks: Vec<Option<HashMap<Box<[u8]>, u64>>> = self
+            .peers
+            .iter()
+            .map(|(name, _)| {
+                let post = posted.remove(name.as_bytes())?;
+                if post.fingerprint != self.fingerprint {
+                    tracing::warn!(
+                        region = %self.region,
+                        peer = %name,
+                        "split store: a peer splits with other regions than this one does; \
+                         counting it as asking for everything"
+                    );
+                    return None;
+                }
+                Some(post.asks)
+            })
+            .collect();
+        let own = {
+            let mut plan = split.plan.lock();
+            if plan.reported.get(window).is_none() {
+                plan.reported.put(window, Posted::Nothing);
+            }
+            match plan.reported.get(window) {
+                Some(Posted::Asks(asks)) => Posted::Asks(asks.clone()),
+                Some(Posted::Unsure) => Posted::Unsure,
+                _ => Posted::Nothing,
             }
         };
-        // Each peer that posted, and what it asked of each key; `None`: not heard from.
-        let peer = |name: &[u8]| self.peers.iter().position(|p| p.0.as_bytes() == name);
-        let mut asks: Vec<Option<HashMap<&[u8], u64>>> = vec![None; self.peers.len()];
-        for (name, _) in &notes {
-            if let Some(p) = peer(name) {
-                asks[p].get_or_insert_with(HashMap::new);
-            }
-        }
-        for (name, n) in &notes {
-            let Some(zero) = name.iter().position(|&b| b == 0) else {
-                continue;
-            };
-            if let Some(asked) = peer(&name[..zero]).and_then(|p| asks[p].as_mut()) {
-                asked.insert(&name[zero + 1..], *n);
-            }
-        }
-        let own = split.plan.lock().reported.get(window).cloned();
         let limit = split.policy.quota().limit();
         let share_of = |key: Option<&[u8]>| {
             let others: SmallVec<[u64; 4]> = asks
@@ -482,25 +599,20 @@ impl<S: Store + Board + Clone> Inner<S> {
                     (Some(_), None) => 0,
                 })
                 .collect();
-            let mine = match (&own, key) {
-                (None, _) => UNKNOWN,
-                (Some(asked), Some(key)) => asked.get(key).copied().unwrap_or(0),
-                (Some(_), None) => 0,
-            };
-            share(limit, mine, &others)
+            share(limit, own.ask(key), &others)
         };
         let mut keys: HashMap<Box<[u8]>, u64> = HashMap::new();
-        let named = own
-            .iter()
-            .flat_map(|asked| asked.keys().map(|k| &k[..]))
-            .chain(
-                asks.iter()
-                    .flatten()
-                    .flat_map(|asked| asked.keys().copied()),
-            );
+        let own_keys = match &own {
+            Posted::Asks(asks) => Some(asks.keys()),
+            _ => None,
+        };
+        let named = own_keys
+            .into_iter()
+            .flatten()
+            .chain(asks.iter().flatten().flat_map(HashMap::keys));
         for key in named {
             if !keys.contains_key(key) {
-                keys.insert(key.into(), share_of(Some(key)));
+                keys.insert(key.clone(), share_of(Some(key)));
             }
         }
         let shares = Shares {
@@ -510,6 +622,27 @@ impl<S: Store + Board + Clone> Inner<S> {
         let mut plan = split.plan.lock();
         if self.clock.now_micros() / period == window {
             plan.shares.put(window + 1, shares);
+        }
+    }
+
+    /// What an earlier process under this region's name posted for the window before
+    /// `now`'s and for `now`'s, from this region's board (where a post goes before any
+    /// peer's): so that this one neither posts a second version nor counts a post the
+    /// others read as none.
+    async fn recover(&self, i: usize) {
+        let period = self.splits[i].policy.quota().period_micros();
+        let window = self.clock.now_micros() / period;
+        for w in [window.saturating_sub(1), window] {
+            let posted = match self.read_board(i, w).await {
+                // Whatever region set it was posted with: the others may have read it.
+                Ok(mut posted) => match posted.remove(self.region.as_bytes()) {
+                    Some(post) => Posted::Asks(post.asks),
+                    // Nothing posted: this process may post for the window.
+                    None => continue,
+                },
+                Err(()) => Posted::Unsure,
+            };
+            self.splits[i].plan.lock().reported.put(w, posted);
         }
     }
 
@@ -533,23 +666,20 @@ impl<S: Store + Board + Clone> Inner<S> {
             decisions.push(Decision::limited(share, 0, until_end, until_end));
             refused |= share == 0;
             if !refused {
-                let quota = u32::try_from(share)
-                    .map_err(|_| ())
-                    .and_then(|limit| {
-                        Quota::with_period(limit, Duration::from_micros(period)).map_err(|_| ())
-                    })
+                let window = now / period;
+                let counted = Quota::counting(share, period * span(window))
                     .and_then(|quota| {
-                        Policy::new(policy.name(), Algorithm::FixedWindow, quota).map_err(|_| ())
-                    });
-                match quota {
-                    Ok(policy) => derived.push(policy),
-                    Err(()) => {
-                        return Err(Err(StoreError::new(
+                        let name = format!("s{window:x}-{:x}", policy.id());
+                        Policy::new(name, Algorithm::FixedWindow, quota).ok()
+                    })
+                    .ok_or_else(|| {
+                        StoreError::new(
                             StoreErrorKind::Other,
-                            format!("split store: no quota of {share} for {:?}", policy.name()),
-                        )));
-                    }
-                }
+                            format!("split store: no count of {share} for {:?}", policy.name()),
+                        )
+                    })
+                    .map_err(Err)?;
+                derived.push(counted);
             }
         }
         if refused {
@@ -648,8 +778,8 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
     }
 
     /// How long before each window's end this region posts its demand (default: a
-    /// quarter of the policy's period); it reads the others' half of that later. Must
-    /// leave the posts time to cross between regions.
+    /// quarter of the policy's period; at most half of it); it reads the others' half
+    /// the lead later, so half the lead must cover a post's way between regions.
     pub fn lead(mut self, lead: Duration) -> Self {
         self.lead = Some(lead);
         self
@@ -669,8 +799,10 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
         self
     }
 
-    /// Builds the store and starts its exchange, a task a policy, on the current tokio
-    /// runtime.
+    /// Builds the store: reads what an earlier process under this region's name posted
+    /// (from this region's board; if it cannot be read, this region counts itself as
+    /// asking nothing for this window and the next), then starts the exchange, a task a
+    /// policy, on the current tokio runtime.
     ///
     /// # Errors
     ///
@@ -678,7 +810,7 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
     /// twice; with a region or peer name that is empty, has a zero byte, or repeats;
     /// with a lead of zero or not under half a policy's period; with a timeout or
     /// `max_keys` of zero; outside a tokio runtime.
-    pub fn build(self) -> Result<SplitStore<S>, ConfigError> {
+    pub async fn build(self) -> Result<SplitStore<S>, ConfigError> {
         if self.peers.is_empty() || self.policies.is_empty() {
             return Err(ConfigError::new(
                 "a split store needs a peer and a policy: add the other regions with \
@@ -722,6 +854,15 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
             let lead = self.lead.map_or(period / 4, |lead| {
                 u64::try_from(lead.as_micros()).unwrap_or(u64::MAX)
             });
+            if Quota::counting(policy.quota().limit(), period.saturating_mul(MAX_SPAN)).is_none() {
+                return Err(ConfigError::new(format!(
+                    "policy {:?}: a split store counts each window under a fixed window up to \
+                     {MAX_SPAN} periods long, which must stay within 2^50 µs; use a period of \
+                     at most {:?}",
+                    policy.name(),
+                    Duration::from_micros((1 << 50) / MAX_SPAN)
+                )));
+            }
             if lead == 0 || lead.saturating_mul(2) > period {
                 return Err(ConfigError::new(format!(
                     "split store lead must be above zero and at most half of policy {:?}'s \
@@ -746,21 +887,28 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
             ConfigError::new("build a split store inside a tokio runtime: its exchange runs on it")
         })?;
-        let inner = Arc::new_cyclic(|weak: &Weak<Inner<S>>| {
-            let tasks = (0..splits.len())
-                .map(|i| runtime.spawn(exchange_forever(Weak::clone(weak), i)))
-                .collect();
-            Inner {
-                region: self.region,
-                local: self.local,
-                peers: self.peers,
-                clock: self.clock,
-                timeout: self.timeout,
-                max_keys: self.max_keys,
-                splits,
-                tasks,
-            }
+        let mut names: Vec<&str> = self.peers.iter().map(|p| p.0.as_str()).collect();
+        names.push(&self.region);
+        names.sort_unstable();
+        let fingerprint = fnv1a(names.iter().flat_map(|n| n.bytes().chain([0])));
+        let inner = Arc::new(Inner {
+            region: self.region,
+            fingerprint,
+            local: self.local,
+            peers: self.peers,
+            clock: self.clock,
+            timeout: self.timeout,
+            max_keys: self.max_keys,
+            splits,
+            tasks: Mutex::new(Vec::new()),
         });
+        for i in 0..inner.splits.len() {
+            inner.recover(i).await;
+        }
+        let tasks = (0..inner.splits.len())
+            .map(|i| runtime.spawn(exchange_forever(Arc::downgrade(&inner), i)))
+            .collect();
+        *inner.tasks.lock() = tasks;
         Ok(SplitStore { inner })
     }
 }
@@ -783,7 +931,7 @@ async fn exchange_forever<S: Store + Board + Clone>(store: Weak<Inner<S>>, i: us
         if now < end - lead {
             wait(end - lead - now).await;
             let Some(inner) = store.upgrade() else { return };
-            inner.report(i, window).await;
+            inner.report(i, window).await.detach_all();
             let now = inner.clock.now_micros();
             drop(inner);
             wait((end - lead / 2).saturating_sub(now)).await;
@@ -802,6 +950,7 @@ async fn exchange_forever<S: Store + Board + Clone>(store: Weak<Inner<S>>, i: us
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{ManualClock, MemoryStore};
 
     /// The two facts "never over-admits" rests on, for every ask of three regions up to
     /// one past the limit (an ask above the limit is the same as one at it) and
@@ -847,28 +996,234 @@ mod tests {
 
     #[test]
     fn bad_settings_fail_when_the_store_is_built() {
-        use crate::MemoryStore;
+        use std::task::{Context, Poll, Waker};
         let window =
             Policy::new("w", Algorithm::FixedWindow, Quota::per_minute(90).unwrap()).unwrap();
         let bucket =
             Policy::new("b", Algorithm::TokenBucket, Quota::per_minute(90).unwrap()).unwrap();
         let store = MemoryStore::new();
         let region = || {
-            SplitStore::builder("eu", store.clone(), crate::ManualClock::new())
-                .peer("us", store.clone())
+            SplitStore::builder("eu", store.clone(), ManualClock::new()).peer("us", store.clone())
         };
-        let refused =
-            |builder: SplitStoreBuilder<MemoryStore>| builder.build().unwrap_err().to_string();
+        // Every refusal comes before the build waits on anything: one poll answers it.
+        let refused = |builder: SplitStoreBuilder<MemoryStore>| {
+            let build = std::pin::pin!(builder.build());
+            match build.poll(&mut Context::from_waker(Waker::noop())) {
+                Poll::Ready(Err(e)) => e.to_string(),
+                _ => panic!("built"),
+            }
+        };
         assert!(refused(region().policy(&bucket)).contains("fixed windows only"));
         assert!(refused(region()).contains("needs a peer and a policy"));
-        assert!(
-            refused(region().peer("eu", store.clone()).policy(&window)).contains("named twice")
-        );
+        let twice = region().peer("eu", store.clone()).policy(&window);
+        assert!(refused(twice).contains("named twice"));
         assert!(refused(region().peer("", store.clone()).policy(&window)).contains("non-empty"));
         assert!(refused(region().policy(&window).policy(&window)).contains("declared twice"));
         let long = region().policy(&window).lead(Duration::from_secs(31));
         assert!(refused(long).contains("at most half"));
+        let years = Policy::new(
+            "y",
+            Algorithm::FixedWindow,
+            Quota::with_period(1, Duration::from_secs(3 * 365 * 86_400)).unwrap(),
+        )
+        .unwrap();
+        assert!(refused(region().policy(&years)).contains("use a period of at most"));
         assert!(refused(region().policy(&window)).contains("inside a tokio runtime"));
+    }
+
+    /// A memory store whose posts to it can be lost.
+    #[derive(Clone)]
+    struct Lossy {
+        store: MemoryStore<ManualClock>,
+        lost: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl Store for Lossy {
+        type Future = <MemoryStore<ManualClock> as Store>::Future;
+        fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+            self.store.check(key, policies, cost)
+        }
+        fn operate(
+            &self,
+            key: &[u8],
+            policies: &[&Policy],
+            op: Operation,
+        ) -> Checked<Self::Future> {
+            self.store.operate(key, policies, op)
+        }
+    }
+
+    impl Board for Lossy {
+        fn post(&self, topic: &str, notes: Vec<(Vec<u8>, u64)>, keep: Duration) -> BoardFuture<()> {
+            if self.lost.load(std::sync::atomic::Ordering::Relaxed) {
+                let lost = StoreError::new(StoreErrorKind::Connection, "lost");
+                return Box::pin(std::future::ready(Err(lost)));
+            }
+            self.store.post(topic, notes, keep)
+        }
+        fn read(&self, topic: &str) -> BoardFuture<Vec<(Vec<u8>, u64)>> {
+            self.store.read(topic)
+        }
+    }
+
+    /// Three regions at 10 a minute; region `r` reaches region `p`'s board through
+    /// `links[r][p]` (its own through `links[r][r]`, never lost).
+    struct Fleet {
+        clock: ManualClock,
+        policy: Policy,
+        regions: Vec<SplitStore<Lossy>>,
+        links: Vec<Vec<Lossy>>,
+    }
+
+    impl Fleet {
+        async fn new() -> Self {
+            let clock = ManualClock::new();
+            let policy =
+                Policy::new("k", Algorithm::FixedWindow, Quota::per_minute(10).unwrap()).unwrap();
+            let stores: Vec<_> = (0..3)
+                .map(|_| MemoryStore::builder().clock(clock.clone()).build().unwrap())
+                .collect();
+            let links: Vec<Vec<Lossy>> = (0..3)
+                .map(|_| {
+                    stores
+                        .iter()
+                        .map(|store| Lossy {
+                            store: store.clone(),
+                            lost: Arc::default(),
+                        })
+                        .collect()
+                })
+                .collect();
+            let mut fleet = Fleet {
+                clock,
+                policy,
+                regions: Vec::new(),
+                links,
+            };
+            for r in 0..3 {
+                let region = fleet.region(r).await;
+                fleet.regions.push(region);
+            }
+            fleet
+        }
+
+        async fn region(&self, r: usize) -> SplitStore<Lossy> {
+            let mut builder = SplitStore::builder(
+                format!("r{r}"),
+                self.links[r][r].clone(),
+                self.clock.clone(),
+            )
+            .policy(&self.policy);
+            for p in (0..3).filter(|&p| p != r) {
+                builder = builder.peer(format!("r{p}"), self.links[r][p].clone());
+            }
+            builder.build().await.unwrap()
+        }
+
+        /// What the three regions admit of `key` now, each asking until refused.
+        async fn admit(&self, key: &[u8]) -> u64 {
+            let mut admitted = 0;
+            for region in &self.regions {
+                while region
+                    .check(key, &[&self.policy], 1)
+                    .await
+                    .unwrap()
+                    .is_allowed()
+                {
+                    admitted += 1;
+                }
+            }
+            admitted
+        }
+    }
+
+    /// Every way the six posts between three regions can be lost, with every order of
+    /// posting and reading for region 2 and asks of 0, 3 and 30 a window from each: in
+    /// the next window, the three admit at most the limit of the key they asked for and
+    /// of a key nobody asked for.
+    #[tokio::test]
+    async fn no_loss_of_posts_lets_the_regions_admit_past_the_limit() {
+        for lost in 0u32..64 {
+            for asks in [[0, 3, 30], [30, 30, 30], [3, 0, 0], [0, 0, 0], [30, 3, 3]] {
+                for reads_first in [false, true] {
+                    let fleet = Fleet::new().await;
+                    let mut link = 0;
+                    for r in 0..3 {
+                        for p in (0..3).filter(|&p| p != r) {
+                            let down = lost & (1 << link) != 0;
+                            fleet.links[r][p]
+                                .lost
+                                .store(down, std::sync::atomic::Ordering::Relaxed);
+                            link += 1;
+                        }
+                    }
+                    fleet.clock.advance(Duration::from_secs(10));
+                    for (region, &ask) in fleet.regions.iter().zip(&asks) {
+                        for _ in 0..ask {
+                            let _ = region.check(b"asked", &[&fleet.policy], 1).await.unwrap();
+                        }
+                    }
+                    fleet.clock.advance(Duration::from_secs(35));
+                    if reads_first {
+                        fleet.regions[2].collect_now().await;
+                    }
+                    for region in &fleet.regions {
+                        region.report_now().await;
+                    }
+                    for region in &fleet.regions {
+                        region.collect_now().await;
+                    }
+                    fleet.clock.advance(Duration::from_secs(60));
+                    let case = format!("lost {lost:06b}, asks {asks:?}, reads first {reads_first}");
+                    let shares: u64 = fleet
+                        .regions
+                        .iter()
+                        .map(|r| r.share_of(b"asked", &fleet.policy).unwrap())
+                        .sum();
+                    assert!(shares <= 10, "{case}: shares {shares}");
+                    if lost == 0 && !reads_first && asks != [0, 0, 0] {
+                        // Everyone heard everyone: the limit is shared out (but for
+                        // what rounds down).
+                        assert!(shares >= 9, "{case}: shares {shares}");
+                    }
+                    assert!(fleet.admit(b"asked").await <= 10, "{case}");
+                    assert!(fleet.admit(b"nobody asked").await <= 10, "{case}");
+                }
+            }
+        }
+    }
+
+    /// A region's process replaced after it posted: the new one reads what the old one
+    /// posted before deciding, so it does not take the share the others left it on the
+    /// assumption that it asked for everything. (Here region 0 asked nothing, the others
+    /// 30 each: the others take 5 each, and region 0 — knowing it asked nothing — none.)
+    #[tokio::test]
+    async fn a_replaced_process_keeps_to_what_its_predecessor_posted() {
+        let mut fleet = Fleet::new().await;
+        fleet.clock.advance(Duration::from_secs(10));
+        for region in &fleet.regions[1..] {
+            for _ in 0..30 {
+                let _ = region.check(b"asked", &[&fleet.policy], 1).await.unwrap();
+            }
+        }
+        fleet.clock.advance(Duration::from_secs(35));
+        for region in &fleet.regions {
+            region.report_now().await;
+        }
+        drop(fleet.regions.remove(0));
+        let replaced = fleet.region(0).await;
+        fleet.regions.insert(0, replaced);
+        for region in &fleet.regions {
+            region.collect_now().await;
+        }
+        fleet.clock.advance(Duration::from_secs(60));
+        let shares: Vec<u64> = fleet
+            .regions
+            .iter()
+            .map(|r| r.share_of(b"asked", &fleet.policy).unwrap())
+            .collect();
+        assert_eq!(shares, [0, 5, 5]);
+        assert_eq!(fleet.admit(b"asked").await, 10);
     }
 
     #[test]
