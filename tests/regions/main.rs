@@ -439,28 +439,47 @@ impl SplitGateways {
             clock,
         }
     }
-
-    async fn run(
-        &self,
-        senders: &[(usize, u64, u64)],
-        policy: &Policy,
-        meanwhile: impl Future<Output = ()>,
-    ) -> Vec<Vec<u64>> {
-        by_region(&self.gateways, &self.clock, senders, policy, 180, meanwhile).await
-    }
 }
 
-/// Every whole window admits at most the limit, all regions together.
-fn never_over(what: &str, per_window: &[Vec<u64>]) {
+/// `senders` (see [`traffic`]) for 3 minutes through split gateways at 100 a minute,
+/// region `cut.0` cut off from the others from `cut.1` to `cut.2` seconds: checks that no
+/// whole window admits more than the limit, all regions together, and returns the
+/// gateways and each whole window's admissions region by region.
+async fn split(
+    what: &str,
+    senders: &[(usize, u64, u64)],
+    cut: Option<(usize, u64, u64)>,
+) -> (SplitGateways, Vec<Vec<u64>>) {
+    let _time = support::keep_time_moving();
+    let policy = hundred_a_minute();
+    let regions = SplitGateways::start(&policy).await;
+    let partition = async {
+        if let Some((r, from, to)) = cut {
+            tokio::time::sleep(Duration::from_secs(from)).await;
+            regions.regions.isolate(r, true);
+            tokio::time::sleep(Duration::from_secs(to - from)).await;
+            regions.regions.isolate(r, false);
+        }
+    };
+    let per_window = by_region(
+        &regions.gateways,
+        &regions.clock,
+        senders,
+        &policy,
+        180,
+        partition,
+    )
+    .await;
     println!("split, admitted per whole window and region, {what}: {per_window:?}");
     assert!(per_window.len() >= 2, "{per_window:?}");
-    for regions in per_window {
-        let admitted: u64 = regions.iter().sum();
+    for window in &per_window {
+        let admitted: u64 = window.iter().sum();
         assert!(
             admitted <= 100,
             "{admitted} admitted in a window: {per_window:?}"
         );
     }
+    (regions, per_window)
 }
 
 /// One customer hammering from one region (10 a second against 100 a minute): its
@@ -468,20 +487,14 @@ fn never_over(what: &str, per_window: &[Vec<u64>]) {
 /// window after it — 100, exactly a global store's — and the others none of it.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn split_one_region_hammering_gets_the_whole_limit_after_its_first_window() {
-    let _time = support::keep_time_moving();
-    let policy = hundred_a_minute();
-    let regions = SplitGateways::start(&policy).await;
-    let per_window = regions.run(&[(0, 0, 180)], &policy, async {}).await;
-    never_over("one region", &per_window);
+    let (regions, per_window) = split("one region", &[(0, 0, 180)], None).await;
     assert!(
         per_window.iter().all(|w| w == &[100, 0, 0]),
         "{per_window:?}"
     );
     for (r, share) in [(0, 100), (1, 0), (2, 0)] {
-        assert_eq!(
-            regions.gateways[r].share_of(b"customer", &policy).unwrap(),
-            share
-        );
+        let share_now = regions.gateways[r].share_of(b"customer", &hundred_a_minute());
+        assert_eq!(share_now.unwrap(), share);
     }
 }
 
@@ -489,12 +502,8 @@ async fn split_one_region_hammering_gets_the_whole_limit_after_its_first_window(
 /// (33), 99 a window together — the limit, less its remainder of a third.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn split_three_regions_hammering_share_the_limit() {
-    let _time = support::keep_time_moving();
-    let policy = hundred_a_minute();
-    let regions = SplitGateways::start(&policy).await;
     let all = [(0, 0, 180), (1, 0, 180), (2, 0, 180)];
-    let per_window = regions.run(&all, &policy, async {}).await;
-    never_over("three regions", &per_window);
+    let (_, per_window) = split("three regions", &all, None).await;
     assert!(
         per_window.iter().all(|w| w == &[33, 33, 33]),
         "{per_window:?}"
@@ -509,12 +518,8 @@ async fn split_three_regions_hammering_share_the_limit() {
 /// 2, arriving after the post, nothing: 50 admitted (region 1 until it stops at 130 s).
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn split_demand_moving_never_over_admits_and_under_admits_while_it_moves() {
-    let _time = support::keep_time_moving();
-    let policy = hundred_a_minute();
-    let regions = SplitGateways::start(&policy).await;
     let moving = [(0, 0, 70), (1, 70, 130), (2, 110, 180)];
-    let per_window = regions.run(&moving, &policy, async {}).await;
-    never_over("demand moving", &per_window);
+    let (_, per_window) = split("demand moving", &moving, None).await;
     assert_eq!(per_window, [vec![100, 0, 0], vec![0, 50, 0]]);
 }
 
@@ -526,18 +531,7 @@ async fn split_demand_moving_never_over_admits_and_under_admits_while_it_moves()
 /// split the limit evenly.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn split_a_partition_never_over_admits_and_each_side_keeps_deciding() {
-    let _time = support::keep_time_moving();
-    let policy = hundred_a_minute();
-    let regions = SplitGateways::start(&policy).await;
-    let partition = async {
-        tokio::time::sleep(Duration::from_secs(30)).await;
-        regions.regions.isolate(2, true);
-        tokio::time::sleep(Duration::from_secs(70)).await;
-        regions.regions.isolate(2, false);
-    };
-    let per_window = regions
-        .run(&[(0, 0, 180), (2, 0, 180)], &policy, partition)
-        .await;
-    never_over("a 70 s partition", &per_window);
+    let both = [(0, 0, 180), (2, 0, 180)];
+    let (_, per_window) = split("a 70 s partition", &both, Some((2, 30, 100))).await;
     assert_eq!(per_window, [vec![50, 0, 33], vec![50, 0, 50]]);
 }

@@ -157,8 +157,16 @@ impl Quota {
                  use a longer period with a proportionally larger limit"
             )));
         }
+        let quota = Quota::unchecked(limit, period_us);
+        quota.check_exact("limit")?;
+        Ok(quota)
+    }
+
+    /// `limit` per `period_us` (both above zero, the limit at most the period), burst
+    /// `limit`, before the exactness check.
+    fn unchecked(limit: u64, period_us: u64) -> Self {
         let emission_us = period_us.div_ceil(limit);
-        let quota = Quota {
+        Quota {
             limit,
             period_us,
             burst: limit,
@@ -167,9 +175,7 @@ impl Quota {
             by_limit: StrengthReducedU64::new(limit),
             by_period: StrengthReducedU64::new(period_us),
             by_emission: StrengthReducedU64::new(emission_us),
-        };
-        quota.check_exact("limit")?;
-        Ok(quota)
+        }
     }
 
     /// A fixed window's count: `limit` units per `period_us`, for a window algorithm only
@@ -178,20 +184,8 @@ impl Quota {
     /// finer than a unit a microsecond.
     #[cfg(feature = "regions")]
     pub(crate) fn counting(limit: u64, period_us: u64) -> Option<Self> {
-        if limit == 0 || period_us > MAX_PERIOD_US || period_us < limit {
-            return None;
-        }
-        let emission_us = period_us.div_ceil(limit);
-        Some(Quota {
-            limit,
-            period_us,
-            burst: limit,
-            emission_us,
-            fill_us: period_us,
-            by_limit: StrengthReducedU64::new(limit),
-            by_period: StrengthReducedU64::new(period_us),
-            by_emission: StrengthReducedU64::new(emission_us),
-        })
+        (limit > 0 && period_us <= MAX_PERIOD_US && period_us >= limit)
+            .then(|| Quota::unchecked(limit, period_us))
     }
 
     /// The same rate with a burst (bucket capacity) of `burst` units.
