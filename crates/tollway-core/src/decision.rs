@@ -78,6 +78,15 @@ impl Decision {
         }
     }
 
+    /// The same decision with its reset and retry times cut at `us` from now: for a
+    /// count that starts afresh then, whatever the state said.
+    #[cfg(feature = "regions")]
+    pub(crate) fn within(mut self, us: u64) -> Self {
+        self.reset_after_us = self.reset_after_us.min(us);
+        self.retry_after_us = self.retry_after_us.min(us);
+        self
+    }
+
     /// A request over the limit that passes if sent again after `retry_after_us`.
     pub(crate) const fn limited(
         limit: u64,

@@ -79,8 +79,8 @@ pub use policy::{MAX_POLICY_NAME, MAX_SLIDING_LOG_LIMIT, Policy};
 pub use quota::Quota;
 #[cfg(feature = "regions")]
 pub use store::{
-    Board, BoardFuture, Recording, ReplicatedStore, ReplicatedStoreBuilder, SplitStore,
-    SplitStoreBuilder,
+    Board, BoardFuture, Recording, ReplicatedStore, ReplicatedStoreBuilder, SplitFuture,
+    SplitStore, SplitStoreBuilder,
 };
 pub use store::{
     BoxStore, BoxStoreFuture, BreakerState, Checked, CheckedFuture, CircuitBreaker,

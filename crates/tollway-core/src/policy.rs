@@ -106,6 +106,18 @@ impl Policy {
         })
     }
 
+    /// A policy whose state goes under `id` rather than its own digest: for a count whose
+    /// limit may change while it lasts (a split store's share of a window).
+    #[cfg(feature = "regions")]
+    pub(crate) fn with_id(
+        name: impl Into<String>,
+        algorithm: Algorithm,
+        quota: Quota,
+        id: u64,
+    ) -> Result<Self, ConfigError> {
+        Policy::new(name, algorithm, quota).map(|policy| Policy { id, ..policy })
+    }
+
     /// The policy's name.
     #[must_use]
     pub fn name(&self) -> &str {

@@ -32,7 +32,7 @@ pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
 #[cfg(feature = "regions")]
 pub use self::replicated::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
 #[cfg(feature = "regions")]
-pub use self::split::{Board, BoardFuture, SplitStore, SplitStoreBuilder};
+pub use self::split::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreBuilder};
 
 use crate::{Decisions, Policy, StoreError};
 

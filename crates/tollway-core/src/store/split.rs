@@ -5,9 +5,11 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 
 use super::{Checked, Operation, Store};
@@ -57,19 +59,30 @@ pub trait Board: Send + Sync + 'static {
 /// Asking more elsewhere can only shrink a region's share, so each region's share is at
 /// most what it would be had everyone heard everything, and those add up to at most the
 /// limit: in every window, the regions together admit at most the limit, whatever is
-/// lost, late or cut off. A window's shares are fixed before it begins. A process that
-/// takes over a region's name reads what its predecessor posted from the region's board
-/// before it decides anything. The conditions: the regions' clocks agree on the windows
-/// (`SystemClock`, kept by NTP: regions apart by ε shift their windows by ε); one process
-/// at a time under a name; and the local store counts every admission — a Redis store's
-/// local fallback (which admits on its own while Redis is down) or a memory store that
-/// admits untracked keys when full would admit past the share.
+/// lost, late or cut off. A window's shares are fixed before it begins, and a window is
+/// counted under its own name whatever the share, so a process that takes over a
+/// region's name mid-window — reading first what its predecessor posted, from the
+/// region's board — counts on from where its predecessor stopped. The conditions:
+/// - the regions' clocks agree on the windows (`SystemClock`, kept by NTP: regions apart
+///   by ε shift their windows by ε), and the local store's clock is within a period of
+///   the store's (Redis `TIME` will do);
+/// - every region lists the same regions. A post made with another list is logged and
+///   counted as asking everything, but while a change of the list rolls out, regions
+///   that list different sets can each take the share their own list gives them —
+///   together more than the limit;
+/// - one process at a time under a name, with a local store and board that outlive it
+///   and keep what they acknowledged (Redis; a memory store forgets its counts with the
+///   process anyway);
+/// - the local store counts every admission: a Redis store's local fallback (which
+///   admits on its own while Redis is down) or a memory store that admits untracked keys
+///   when full would admit past the share.
 ///
 /// **What it costs: under-admission.** Shares follow demand a window late: a region
 /// whose callers arrive gets its share from the window after the one in which its
 /// demand was posted (the next window when they arrive before that window's post, else
-/// the one after); meanwhile it has what the others left. A region's posts must reach
-/// the others within half the lead, or they count it as asking everything. A region cut
+/// the one after); meanwhile it has what the others left. A region's posts — its own
+/// board's write, then the way to the others — must be done within half the lead, or
+/// the others count it as asking everything. A region cut
 /// off from the others (and they, not hearing from it) decides on the level it can count
 /// on whatever the others ask: about `limit / regions` of a key it asked for, nothing of
 /// a key it did not ask for (until the link returns and a window's posts go through). A
@@ -80,11 +93,13 @@ pub trait Board: Send + Sync + 'static {
 /// a share over that no longer holds). Every policy a request names must be declared to
 /// the builder; other algorithms are refused when the store is built.
 ///
-/// Decisions report this region's share as their limit; a request the share cannot take
-/// at all (a share of zero) is refused without asking the store, and the request's other
-/// limits then report remaining 0. [`Store::operate`] acts on this region's share of the
-/// current window. With several gateways in a region, each is a region of its own here (a
-/// name and a share of its own; its peers are every other gateway).
+/// Decisions report this region's share as their limit, and reset and retry times that
+/// end with the window; a request the share cannot take at all (a share of zero) is
+/// refused without asking the store, and the request's other limits then report
+/// remaining 0. [`Store::operate`] acts on this region's share of the current window.
+/// The local store keeps each window's counts a few periods after it ends (see the
+/// builder's `max_keys`). With several gateways in a region, each is a region of its own
+/// here (a name and a share of its own; its peers are every other gateway).
 ///
 /// # Examples
 ///
@@ -646,16 +661,18 @@ impl<S: Store + Board + Clone> Inner<S> {
         }
     }
 
-    /// The policies a request gets in this region: each declared policy at this
-    /// region's share of `key`, or `Err` with the refusal when a share is zero.
+    /// The policies a request gets in this region — each declared policy at this
+    /// region's share of `key` — and how long each one's window lasts; or `Err` with the
+    /// refusal when a share is zero.
     fn shares(
         &self,
         key: &[u8],
         policies: &[&Policy],
         cost: u32,
-    ) -> Result<SmallVec<[Policy; 2]>, Result<Decisions, StoreError>> {
+    ) -> Result<(Counted, Ends), Result<Decisions, StoreError>> {
         let now = self.clock.now_micros();
         let mut derived = SmallVec::new();
+        let mut ends = Ends::new();
         let mut refused = false;
         let mut decisions = Decisions::new();
         for policy in policies {
@@ -666,11 +683,22 @@ impl<S: Store + Board + Clone> Inner<S> {
             decisions.push(Decision::limited(share, 0, until_end, until_end));
             refused |= share == 0;
             if !refused {
+                // Named and kept for the window, whatever the share: a process that takes
+                // over the region mid-window, with a share no larger, counts on.
                 let window = now / period;
-                let counted = Quota::counting(share, period * span(window))
+                let span = span(window);
+                let id = fnv1a(
+                    policy
+                        .id()
+                        .to_le_bytes()
+                        .into_iter()
+                        .chain(window.to_le_bytes())
+                        .chain(span.to_le_bytes()),
+                );
+                let counted = Quota::counting(share, period * span)
                     .and_then(|quota| {
                         let name = format!("s{window:x}-{:x}", policy.id());
-                        Policy::new(name, Algorithm::FixedWindow, quota).ok()
+                        Policy::with_id(name, Algorithm::FixedWindow, quota, id).ok()
                     })
                     .ok_or_else(|| {
                         StoreError::new(
@@ -680,6 +708,7 @@ impl<S: Store + Board + Clone> Inner<S> {
                     })
                     .map_err(Err)?;
                 derived.push(counted);
+                ends.push(until_end);
             }
         }
         if refused {
@@ -687,7 +716,7 @@ impl<S: Store + Board + Clone> Inner<S> {
             // other limits say remaining 0 too (a little low, never high).
             return Err(Ok(decisions));
         }
-        Ok(derived)
+        Ok((derived, ends))
     }
 
     /// The key this region's counts are kept under in its store.
@@ -701,19 +730,19 @@ impl<S: Store + Board + Clone> Inner<S> {
     }
 }
 
+/// Microseconds to the end of each of a request's windows.
+type Ends = SmallVec<[u64; 2]>;
+
+/// The policies a request's windows are counted under in the local store.
+type Counted = SmallVec<[Policy; 2]>;
+
 impl<S: Store + Board + Clone> Store for SplitStore<S> {
-    type Future = S::Future;
+    type Future = SplitFuture<S::Future>;
 
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
-        match self.inner.shares(key, policies, cost) {
-            Ok(derived) => {
-                let derived: SmallVec<[&Policy; 2]> = derived.iter().collect();
-                self.inner
-                    .local
-                    .check(&self.inner.local_key(key), &derived, cost)
-            }
-            Err(answer) => Checked::Ready(answer),
-        }
+        self.decide(key, policies, cost, |local, key, derived| {
+            local.check(key, derived, cost)
+        })
     }
 
     fn operate(
@@ -722,15 +751,68 @@ impl<S: Store + Board + Clone> Store for SplitStore<S> {
         policies: &[&Policy],
         operation: Operation,
     ) -> Checked<Self::Future> {
-        match self.inner.shares(key, policies, 0) {
-            Ok(derived) => {
-                let derived: SmallVec<[&Policy; 2]> = derived.iter().collect();
-                self.inner
-                    .local
-                    .operate(&self.inner.local_key(key), &derived, operation)
-            }
-            Err(answer) => Checked::Ready(answer),
+        self.decide(key, policies, 0, |local, key, derived| {
+            local.operate(key, derived, operation)
+        })
+    }
+}
+
+impl<S: Store + Board + Clone> SplitStore<S> {
+    /// Asks the local store, through `ask`, under the request's policies at this
+    /// region's shares (counting `cost` as demand), or refuses at once for a share of
+    /// zero. The answer's reset and retry times end with this region's windows.
+    fn decide(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: u32,
+        ask: impl FnOnce(&S, &[u8], &[&Policy]) -> Checked<S::Future>,
+    ) -> Checked<SplitFuture<S::Future>> {
+        let (derived, ends) = match self.inner.shares(key, policies, cost) {
+            Ok(shares) => shares,
+            Err(answer) => return Checked::Ready(answer),
+        };
+        let derived: SmallVec<[&Policy; 2]> = derived.iter().collect();
+        match ask(&self.inner.local, &self.inner.local_key(key), &derived) {
+            Checked::Ready(answer) => Checked::Ready(answer.map(|d| within(d, &ends))),
+            Checked::Pending(future) => Checked::Pending(SplitFuture { future, ends }),
         }
+    }
+}
+
+/// `decisions` with each one's reset and retry times cut at the end of its window (the
+/// count it is kept in lasts longer: see [`span`]).
+fn within(decisions: Decisions, ends: &[u64]) -> Decisions {
+    decisions
+        .iter()
+        .zip(ends)
+        .map(|(decision, &end)| decision.within(end))
+        .collect()
+}
+
+pin_project! {
+    /// The future of a [`SplitStore`] decision: the local store's, its reset and retry
+    /// times ending with this region's windows.
+    pub struct SplitFuture<F> {
+        #[pin]
+        future: F,
+        ends: Ends,
+    }
+}
+
+impl<F> fmt::Debug for SplitFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SplitFuture").finish_non_exhaustive()
+    }
+}
+
+impl<F: Future<Output = Result<Decisions, StoreError>>> Future for SplitFuture<F> {
+    type Output = Result<Decisions, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let answer = ready!(this.future.poll(cx));
+        Poll::Ready(answer.map(|decisions| within(decisions, this.ends)))
     }
 }
 
@@ -779,7 +861,8 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
 
     /// How long before each window's end this region posts its demand (default: a
     /// quarter of the policy's period; at most half of it); it reads the others' half
-    /// the lead later, so half the lead must cover a post's way between regions.
+    /// the lead later, so half the lead must cover a post: the write on this region's
+    /// board, then the way to the others'.
     pub fn lead(mut self, lead: Duration) -> Self {
         self.lead = Some(lead);
         self
@@ -793,7 +876,10 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
     }
 
     /// How many keys a window's demand is counted for (default 100,000); further new
-    /// keys are taken to ask nothing, so their shares come from the others' asks.
+    /// keys are taken to ask nothing, so their shares come from the others' asks. (The
+    /// local store's own bound wants room for about three windows of keys: a window's
+    /// counts are kept until a span of 3 or more periods around it ends, rarely more
+    /// than 5.)
     pub fn max_keys(mut self, keys: usize) -> Self {
         self.max_keys = keys;
         self
@@ -806,10 +892,10 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
     ///
     /// # Errors
     ///
-    /// Without a peer or a policy; with a policy that is not a fixed window, or declared
-    /// twice; with a region or peer name that is empty, has a zero byte, or repeats;
-    /// with a lead of zero or not under half a policy's period; with a timeout or
-    /// `max_keys` of zero; outside a tokio runtime.
+    /// Without a peer or a policy; with a policy that is not a fixed window, declared
+    /// twice, or whose period times 64 passes 2^50 µs; with a region or peer name that
+    /// is empty, has a zero byte, or repeats; with a lead of zero or over half a
+    /// policy's period; with a timeout or `max_keys` of zero; outside a tokio runtime.
     pub async fn build(self) -> Result<SplitStore<S>, ConfigError> {
         if self.peers.is_empty() || self.policies.is_empty() {
             return Err(ConfigError::new(
@@ -1031,11 +1117,12 @@ mod tests {
         assert!(refused(region().policy(&window)).contains("inside a tokio runtime"));
     }
 
-    /// A memory store whose posts to it can be lost.
+    /// A memory store whose posts to it can be lost, and whose board can be unreadable.
     #[derive(Clone)]
     struct Lossy {
         store: MemoryStore<ManualClock>,
         lost: Arc<std::sync::atomic::AtomicBool>,
+        unreadable: Arc<std::sync::atomic::AtomicBool>,
     }
 
     impl Store for Lossy {
@@ -1062,6 +1149,10 @@ mod tests {
             self.store.post(topic, notes, keep)
         }
         fn read(&self, topic: &str) -> BoardFuture<Vec<(Vec<u8>, u64)>> {
+            if self.unreadable.load(std::sync::atomic::Ordering::Relaxed) {
+                let down = StoreError::new(StoreErrorKind::Connection, "down");
+                return Box::pin(std::future::ready(Err(down)));
+            }
             self.store.read(topic)
         }
     }
@@ -1090,6 +1181,7 @@ mod tests {
                         .map(|store| Lossy {
                             store: store.clone(),
                             lost: Arc::default(),
+                            unreadable: Arc::default(),
                         })
                         .collect()
                 })
@@ -1137,19 +1229,20 @@ mod tests {
         }
     }
 
-    /// Every way the six posts between three regions can be lost, with every order of
-    /// posting and reading for region 2 and asks of 0, 3 and 30 a window from each: in
+    /// Every way the nine posts of three regions (each on its own board and the two
+    /// others') can be lost, with region 2 reading before or after it posts, and five
+    /// patterns of asks (0, 3 and 30 a window from each): in
     /// the next window, the three admit at most the limit of the key they asked for and
     /// of a key nobody asked for.
     #[tokio::test]
     async fn no_loss_of_posts_lets_the_regions_admit_past_the_limit() {
-        for lost in 0u32..64 {
+        for lost in 0u32..512 {
             for asks in [[0, 3, 30], [30, 30, 30], [3, 0, 0], [0, 0, 0], [30, 3, 3]] {
                 for reads_first in [false, true] {
                     let fleet = Fleet::new().await;
                     let mut link = 0;
                     for r in 0..3 {
-                        for p in (0..3).filter(|&p| p != r) {
+                        for p in 0..3 {
                             let down = lost & (1 << link) != 0;
                             fleet.links[r][p]
                                 .lost
@@ -1174,7 +1267,7 @@ mod tests {
                         region.collect_now().await;
                     }
                     fleet.clock.advance(Duration::from_secs(60));
-                    let case = format!("lost {lost:06b}, asks {asks:?}, reads first {reads_first}");
+                    let case = format!("lost {lost:09b}, asks {asks:?}, reads first {reads_first}");
                     let shares: u64 = fleet
                         .regions
                         .iter()
@@ -1224,6 +1317,79 @@ mod tests {
             .collect();
         assert_eq!(shares, [0, 5, 5]);
         assert_eq!(fleet.admit(b"asked").await, 10);
+    }
+
+    /// Region 0 asked alone in window 0, so it has the whole limit of window 1 and
+    /// spends it; replaced mid-window, the new process (its share now what it can count on
+    /// whatever the others ask) counts on from its predecessor's count: nothing more.
+    #[tokio::test]
+    async fn a_process_replaced_mid_window_counts_on_from_its_predecessor() {
+        let mut fleet = Fleet::new().await;
+        fleet.clock.advance(Duration::from_secs(10));
+        for _ in 0..30 {
+            let _ = fleet.regions[0]
+                .check(b"asked", &[&fleet.policy], 1)
+                .await
+                .unwrap();
+        }
+        fleet.clock.advance(Duration::from_secs(35));
+        for region in &fleet.regions {
+            region.report_now().await;
+        }
+        for region in &fleet.regions {
+            region.collect_now().await;
+        }
+        fleet.clock.advance(Duration::from_secs(20));
+        assert_eq!(fleet.admit(b"asked").await, 10);
+        // Refused until the window ends, 55 s on (its count is kept longer: see `span`).
+        let refused = fleet.regions[0]
+            .check(b"asked", &[&fleet.policy], 1)
+            .await
+            .unwrap();
+        assert_eq!(refused[0].retry_after(), Some(Duration::from_secs(55)));
+        assert_eq!(refused[0].reset_after(), Duration::from_secs(55));
+        drop(fleet.regions.remove(0));
+        let replaced = fleet.region(0).await;
+        assert_eq!(replaced.share_of(b"asked", &fleet.policy).unwrap(), 3);
+        fleet.regions.insert(0, replaced);
+        assert_eq!(fleet.admit(b"asked").await, 0);
+    }
+
+    /// A process whose board cannot be read when it starts does not know what its
+    /// predecessor posted: it counts itself as asking nothing (so takes nothing, the
+    /// others counting it as asking everything) and posts nothing for that window.
+    #[tokio::test]
+    async fn a_process_that_cannot_read_its_board_at_start_takes_nothing() {
+        let mut fleet = Fleet::new().await;
+        fleet.clock.advance(Duration::from_secs(105));
+        drop(fleet.regions.remove(0));
+        fleet.links[0][0]
+            .unreadable
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let replaced = fleet.region(0).await;
+        assert_eq!(replaced.share_of(b"asked", &fleet.policy).unwrap(), 0);
+        replaced.report_now().await;
+        fleet.links[0][0]
+            .unreadable
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let topic = topic(&fleet.policy, 1);
+        assert!(fleet.links[1][1].read(&topic).await.unwrap().is_empty());
+        assert!(fleet.links[0][0].read(&topic).await.unwrap().is_empty());
+    }
+
+    /// No `span`-period window starts within a period of a window, either side, for
+    /// the first million windows; and none needs more than 19 periods.
+    #[test]
+    fn a_window_has_a_period_of_slack_on_each_side_of_its_count() {
+        for window in 0..1_000_000u64 {
+            let m = span(window);
+            assert!((3..=19).contains(&m), "{window}: {m}");
+            // Starts of m-period windows in ((window - 1), (window + 2)) periods: at
+            // window or window + 1 (window 0 starts at the clock's origin, with nothing
+            // before it).
+            assert!(window == 0 || !window.is_multiple_of(m), "{window}: {m}");
+            assert!(!(window + 1).is_multiple_of(m), "{window}: {m}");
+        }
     }
 
     #[test]
