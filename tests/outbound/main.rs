@@ -367,26 +367,44 @@ async fn refusing_first(
     refusals: usize,
     retry_after: &str,
 ) -> (Server, Arc<std::sync::Mutex<Vec<tokio::time::Instant>>>) {
+    refusing(refusals, retry_after, false).await
+}
+
+/// [`refusing_first`], and when `together`, each of the first `refusals` requests is
+/// answered only once all of them have arrived: so that they race, whatever the order
+/// in which a loaded machine runs their clients.
+async fn refusing(
+    refusals: usize,
+    retry_after: &str,
+    together: bool,
+) -> (Server, Arc<std::sync::Mutex<Vec<tokio::time::Instant>>>) {
     use axum::response::IntoResponse;
     let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = Arc::clone(&arrivals);
     let retry_after = retry_after.to_owned();
+    let all_in = Arc::new(tokio::sync::Barrier::new(refusals));
     let app = axum::Router::new().route(
         "/",
         axum::routing::any(move || {
             let (seen, retry_after) = (Arc::clone(&seen), retry_after.clone());
+            let all_in = Arc::clone(&all_in);
             async move {
-                let mut seen = seen.lock().unwrap();
-                seen.push(tokio::time::Instant::now());
-                if seen.len() <= refusals {
-                    (
-                        StatusCode::TOO_MANY_REQUESTS,
-                        [("retry-after", retry_after)],
-                    )
-                        .into_response()
-                } else {
-                    StatusCode::OK.into_response()
+                let arrival = {
+                    let mut seen = seen.lock().unwrap();
+                    seen.push(tokio::time::Instant::now());
+                    seen.len()
+                };
+                if arrival > refusals {
+                    return StatusCode::OK.into_response();
                 }
+                if together {
+                    all_in.wait().await;
+                }
+                (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    [("retry-after", retry_after)],
+                )
+                    .into_response()
             }
         }),
     );
@@ -830,7 +848,7 @@ async fn a_fleet_sharing_redis_stays_under_the_upstreams_quota() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn pauses_from_racing_429s_do_not_add_up() {
     let _time = support::keep_time_moving();
-    let (server, arrivals) = refusing_first(3, "2").await;
+    let (server, arrivals) = refusing(3, "2", true).await;
     let server = Arc::new(server);
     let prefix = support::unique_prefix("outbound-pause");
     let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
@@ -858,10 +876,9 @@ async fn pauses_from_racing_429s_do_not_add_up() {
         9,
         "six requests and the three refused again"
     );
-    // The first three arrivals were refused. Nothing got through before the first pause
-    // ended, and the first request that did came when one pause would end, not two or
-    // three added up (under load a client may start late and meet the pause with its
-    // first request, refused after it: that one pauses the fleet again, by itself).
+    // The first three arrivals were refused (answered together). Nothing got through
+    // before the first pause ended, and the first request that did came when one pause
+    // would end, not two or three added up.
     let offsets: Vec<Duration> = arrivals.iter().map(|&a| a - arrivals[0]).collect();
     let first_through = offsets[3];
     assert!(
