@@ -128,19 +128,21 @@ async fn a_store_across_the_distance_pays_the_round_trip_and_a_cut_times_out() {
 }
 
 /// Three regions (`support::regions`: a `redis-server` each, a proxy a direction
-/// between them), each with one gateway: a `ReplicatedStore` over its local Redis, with
-/// the other two as peers across the proxies. Everything on tokio's paused clock (the
-/// Redis stores in caller time on it, the proxies' delays, the sync tasks), kept moving
-/// by `support::keep_time_moving`.
-struct Gateways {
+/// between them, 40 ms each way), each with one gateway over its local Redis with the
+/// other two as peers across the proxies. Everything on tokio's paused clock (the Redis
+/// stores in caller time on it, the proxies' delays, the gateways' background tasks),
+/// kept moving by `support::keep_time_moving`.
+struct Gateways<G> {
     regions: Regions,
-    gateways: Vec<ReplicatedStore<RedisStore>>,
+    gateways: Vec<G>,
     /// The one clock of every region (a `TokioClock` is zero where it is made).
     clock: TokioClock,
 }
 
 const SYNC: Duration = Duration::from_millis(50);
 const ONE_WAY: Duration = Duration::from_millis(40);
+/// How long each run lasts, in seconds: three minute windows.
+const RUN: u64 = 180;
 
 async fn paused_redis(url: &str, prefix: &str, clock: &TokioClock) -> RedisStore {
     RedisStore::builder()
@@ -156,20 +158,53 @@ async fn paused_redis(url: &str, prefix: &str, clock: &TokioClock) -> RedisStore
         .unwrap()
 }
 
-impl Gateways {
-    async fn start() -> Self {
+/// Replicated gateways, syncing every 50 ms.
+async fn replicated() -> Gateways<ReplicatedStore<RedisStore>> {
+    Gateways::start(|_, _, local, peers| async move {
+        let builder = ReplicatedStore::builder(local).sync_every(SYNC);
+        let builder = peers
+            .into_iter()
+            .fold(builder, |b, (name, peer)| b.peer(name, peer));
+        builder.build().unwrap()
+    })
+    .await
+}
+
+/// Split gateways for `policy`, posting their demand a quarter of a window before its end
+/// (the default).
+async fn split_gateways(policy: &Policy) -> Gateways<SplitStore<RedisStore>> {
+    Gateways::start(|name, clock, local, peers| {
+        let builder = SplitStore::builder(name, local, clock).policy(policy);
+        let builder = peers
+            .into_iter()
+            .fold(builder, |b, (name, peer)| b.peer(name, peer));
+        async move { builder.build().await.unwrap() }
+    })
+    .await
+}
+
+impl<G: Store + Clone> Gateways<G> {
+    /// The regions, and in each the gateway `gateway(name, clock, local, peers)` makes
+    /// from its name (`region-{i}`), the regions' clock, its own Redis and the others'
+    /// as it reaches them (named alike).
+    async fn start<F, Fut>(mut gateway: F) -> Self
+    where
+        F: FnMut(String, TokioClock, RedisStore, Vec<(String, RedisStore)>) -> Fut,
+        Fut: Future<Output = G>,
+    {
         let regions = Regions::start(3, ONE_WAY).await;
-        let prefix = support::unique_prefix("replicated");
+        let prefix = support::unique_prefix("regions");
         let clock = TokioClock::new();
         let mut gateways = Vec::new();
         for i in 0..regions.len() {
             let local = paused_redis(&regions.url(i, i), &prefix, &clock).await;
-            let mut builder = ReplicatedStore::builder(local).sync_every(SYNC);
+            let mut peers = Vec::new();
             for j in (0..regions.len()).filter(|&j| j != i) {
                 let peer = paused_redis(&regions.url(i, j), &prefix, &clock).await;
-                builder = builder.peer(format!("region-{j}"), peer);
+                peers.push((format!("region-{j}"), peer));
             }
-            gateways.push(builder.build().unwrap());
+            let name = format!("region-{i}");
+            gateways.push(gateway(name, clock.clone(), local, peers).await);
         }
         Gateways {
             regions,
@@ -177,75 +212,82 @@ impl Gateways {
             clock,
         }
     }
-}
 
-/// Each `(region, from, to)` of `senders` sends a request every 100 ms (10 a second)
-/// through `gateways[region]` from `from` to `to` seconds into a run of `seconds`;
-/// `meanwhile` runs beside them (a partition, say). Returns the admissions of every
-/// minute window the run covered whole (the policy's fixed windows, on `clock`), all
-/// regions together.
-async fn traffic<G: Store + Clone>(
-    gateways: &[G],
-    clock: &TokioClock,
-    senders: &[(usize, u64, u64)],
-    policy: &Policy,
-    seconds: u64,
-    meanwhile: impl Future<Output = ()>,
-) -> Vec<u64> {
-    by_region(gateways, clock, senders, policy, seconds, meanwhile)
-        .await
-        .iter()
-        .map(|regions| regions.iter().sum())
-        .collect()
-}
-
-/// [`traffic`], with each window's admissions region by region.
-async fn by_region<G: Store + Clone>(
-    gateways: &[G],
-    clock: &TokioClock,
-    senders: &[(usize, u64, u64)],
-    policy: &Policy,
-    seconds: u64,
-    meanwhile: impl Future<Output = ()>,
-) -> Vec<Vec<u64>> {
-    const PERIOD: u64 = 60_000_000;
-    let start = clock.now_micros();
-    let began = tokio::time::Instant::now();
-    let mut tasks = Vec::new();
-    for &(r, from, to) in senders {
-        let (gateway, policy, clock) = (gateways[r].clone(), policy.clone(), clock.clone());
-        tasks.push((
-            r,
-            tokio::spawn(async move {
-                let mut admitted = Vec::new();
-                tokio::time::sleep_until(began + Duration::from_secs(from)).await;
-                let mut ticks = tokio::time::interval(Duration::from_millis(100));
-                for _ in 0..(to - from) * 10 {
-                    ticks.tick().await;
-                    let at = clock.now_micros();
-                    let decisions = gateway.check(b"customer", &[&policy], 1).await.unwrap();
-                    if decisions.is_allowed() {
-                        admitted.push(at);
-                    }
-                }
-                admitted
-            }),
-        ));
+    /// Region `r` cut off from the others from `from` to `to` seconds into a run.
+    async fn cut(&self, r: usize, from: u64, to: u64) {
+        tokio::time::sleep(Duration::from_secs(from)).await;
+        self.regions.isolate(r, true);
+        tokio::time::sleep(Duration::from_secs(to - from)).await;
+        self.regions.isolate(r, false);
     }
-    meanwhile.await;
-    let end = start + seconds * 1_000_000;
-    // Whole windows only: from the first boundary after the start to the last before the end.
-    let (first, last) = (start.div_ceil(PERIOD), end / PERIOD);
-    let mut per_window = vec![vec![0u64; gateways.len()]; last.saturating_sub(first) as usize];
-    for (r, task) in tasks {
-        for at in task.await.unwrap() {
-            let window = at / PERIOD;
-            if (first..last).contains(&window) {
-                per_window[(window - first) as usize][r] += 1;
+
+    /// Each `(region, from, to)` of `senders` sends a request every 100 ms (10 a second)
+    /// through `gateways[region]` from `from` to `to` seconds into a run of [`RUN`];
+    /// `meanwhile` runs beside them (a cut, say). Returns the admissions of every minute
+    /// window the run covered whole (the policy's fixed windows, on the clock), all
+    /// regions together.
+    async fn traffic(
+        &self,
+        senders: &[(usize, u64, u64)],
+        policy: &Policy,
+        meanwhile: impl Future<Output = ()>,
+    ) -> Vec<u64> {
+        let per_window = self.by_region(senders, policy, meanwhile).await;
+        per_window
+            .iter()
+            .map(|regions| regions.iter().sum())
+            .collect()
+    }
+
+    /// [`Self::traffic`], with each window's admissions region by region.
+    async fn by_region(
+        &self,
+        senders: &[(usize, u64, u64)],
+        policy: &Policy,
+        meanwhile: impl Future<Output = ()>,
+    ) -> Vec<Vec<u64>> {
+        const PERIOD: u64 = 60_000_000;
+        let start = self.clock.now_micros();
+        let began = tokio::time::Instant::now();
+        let mut tasks = Vec::new();
+        for &(r, from, to) in senders {
+            let (gateway, policy) = (self.gateways[r].clone(), policy.clone());
+            let clock = self.clock.clone();
+            tasks.push((
+                r,
+                tokio::spawn(async move {
+                    let mut admitted = Vec::new();
+                    tokio::time::sleep_until(began + Duration::from_secs(from)).await;
+                    let mut ticks = tokio::time::interval(Duration::from_millis(100));
+                    for _ in 0..(to - from) * 10 {
+                        ticks.tick().await;
+                        let at = clock.now_micros();
+                        let decisions = gateway.check(b"customer", &[&policy], 1).await.unwrap();
+                        if decisions.is_allowed() {
+                            admitted.push(at);
+                        }
+                    }
+                    admitted
+                }),
+            ));
+        }
+        meanwhile.await;
+        let end = start + RUN * 1_000_000;
+        // Whole windows only: from the first boundary after the start to the last before
+        // the end.
+        let (first, last) = (start.div_ceil(PERIOD), end / PERIOD);
+        let windows = last.saturating_sub(first) as usize;
+        let mut per_window = vec![vec![0u64; self.gateways.len()]; windows];
+        for (r, task) in tasks {
+            for at in task.await.unwrap() {
+                let window = at / PERIOD;
+                if (first..last).contains(&window) {
+                    per_window[(window - first) as usize][r] += 1;
+                }
             }
         }
+        per_window
     }
-    per_window
 }
 
 fn hundred_a_minute() -> Policy {
@@ -264,17 +306,9 @@ fn hundred_a_minute() -> Policy {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn one_region_hammering_is_decided_exactly_and_the_others_learn_it() {
     let _time = support::keep_time_moving();
-    let regions = Gateways::start().await;
+    let regions = replicated().await;
     let policy = hundred_a_minute();
-    let per_window = traffic(
-        &regions.gateways,
-        &regions.clock,
-        &[(0, 0, 180)],
-        &policy,
-        180,
-        async {},
-    )
-    .await;
+    let per_window = regions.traffic(&[(0, 0, 180)], &policy, async {}).await;
     assert!(per_window.len() >= 2, "{per_window:?}");
     assert!(per_window.iter().all(|&n| n == 100), "{per_window:?}");
 
@@ -313,20 +347,14 @@ async fn demand_moving_between_regions_stays_within_the_stated_bound() {
     admit_within_the_bound("demand moving", &moving).await;
 }
 
-/// Runs `senders` (see [`traffic`]) for 3 minutes and checks that every whole window
-/// admits 96 to 103: the limit, at most the stated bound (3.8) over it.
+/// Runs `senders` (see [`Gateways::traffic`]) for 3 minutes and checks that every whole
+/// window admits 96 to 103: the limit, at most the stated bound (3.8) over it.
 async fn admit_within_the_bound(what: &str, senders: &[(usize, u64, u64)]) {
     let _time = support::keep_time_moving();
-    let regions = Gateways::start().await;
-    let per_window = traffic(
-        &regions.gateways,
-        &regions.clock,
-        senders,
-        &hundred_a_minute(),
-        180,
-        async {},
-    )
-    .await;
+    let regions = replicated().await;
+    let per_window = regions
+        .traffic(senders, &hundred_a_minute(), async {})
+        .await;
     println!("admitted per whole window, {what}: {per_window:?}");
     assert!(per_window.len() >= 2, "{per_window:?}");
     for &n in &per_window {
@@ -347,18 +375,10 @@ async fn admit_within_the_bound(what: &str, senders: &[(usize, u64, u64)]) {
 async fn replicated_buckets_stay_within_the_stated_bound() {
     let _time = support::keep_time_moving();
     for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
-        let regions = Gateways::start().await;
+        let regions = replicated().await;
         let policy = Policy::new("bucket", algorithm, Quota::per_minute(100).unwrap()).unwrap();
         let all = [(0, 0, 180), (1, 0, 180), (2, 0, 180)];
-        let per_window = traffic(
-            &regions.gateways,
-            &regions.clock,
-            &all,
-            &policy,
-            180,
-            async {},
-        )
-        .await;
+        let per_window = regions.traffic(&all, &policy, async {}).await;
         let admitted: u64 = per_window.iter().sum();
         println!("{algorithm:?}: admitted per whole window {per_window:?}");
         assert_eq!(per_window.len(), 2, "{per_window:?}");
@@ -376,23 +396,11 @@ async fn replicated_buckets_stay_within_the_stated_bound() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_partition_keeps_every_region_deciding_and_the_heal_settles_what_was_owed() {
     let _time = support::keep_time_moving();
-    let regions = Gateways::start().await;
-    let partition = async {
-        tokio::time::sleep(Duration::from_secs(30)).await;
-        regions.regions.isolate(2, true);
-        tokio::time::sleep(Duration::from_secs(70)).await;
-        regions.regions.isolate(2, false);
-    };
+    let regions = replicated().await;
     let all = [(0, 0, 180), (1, 0, 180), (2, 0, 180)];
-    let per_window = traffic(
-        &regions.gateways,
-        &regions.clock,
-        &all,
-        &hundred_a_minute(),
-        180,
-        partition,
-    )
-    .await;
+    let per_window = regions
+        .traffic(&all, &hundred_a_minute(), regions.cut(2, 30, 100))
+        .await;
     println!("admitted per whole window, with a 70 s partition: {per_window:?}");
     for &n in &per_window {
         assert!(n <= 200, "{n} admitted in a window: {per_window:?}");
@@ -407,69 +415,24 @@ async fn a_partition_keeps_every_region_deciding_and_the_heal_settles_what_was_o
     }
 }
 
-/// Three regions (40 ms apart), each with one gateway: a `SplitStore` over its local
-/// Redis, posting on the others' Redis across the proxies. On tokio's paused clock, like
-/// [`Gateways`].
-struct SplitGateways {
-    regions: Regions,
-    gateways: Vec<SplitStore<RedisStore>>,
-    clock: TokioClock,
-}
-
-impl SplitGateways {
-    /// Regions posting their demand a quarter of a window before its end (the default).
-    async fn start(policy: &Policy) -> Self {
-        let regions = Regions::start(3, ONE_WAY).await;
-        let prefix = support::unique_prefix("split");
-        let clock = TokioClock::new();
-        let mut gateways = Vec::new();
-        for i in 0..regions.len() {
-            let local = paused_redis(&regions.url(i, i), &prefix, &clock).await;
-            let mut builder =
-                SplitStore::builder(format!("region-{i}"), local, clock.clone()).policy(policy);
-            for j in (0..regions.len()).filter(|&j| j != i) {
-                let peer = paused_redis(&regions.url(i, j), &prefix, &clock).await;
-                builder = builder.peer(format!("region-{j}"), peer);
-            }
-            gateways.push(builder.build().await.unwrap());
-        }
-        SplitGateways {
-            regions,
-            gateways,
-            clock,
-        }
-    }
-}
-
-/// `senders` (see [`traffic`]) for 3 minutes through split gateways at 100 a minute,
-/// region `cut.0` cut off from the others from `cut.1` to `cut.2` seconds: checks that no
-/// whole window admits more than the limit, all regions together, and returns the
-/// gateways and each whole window's admissions region by region.
+/// `senders` (see [`Gateways::traffic`]) for 3 minutes through split gateways at 100 a
+/// minute, region `cut.0` cut off from the others from `cut.1` to `cut.2` seconds:
+/// checks that no whole window admits more than the limit, all regions together, and
+/// returns the gateways and each whole window's admissions region by region.
 async fn split(
     what: &str,
     senders: &[(usize, u64, u64)],
     cut: Option<(usize, u64, u64)>,
-) -> (SplitGateways, Vec<Vec<u64>>) {
+) -> (Gateways<SplitStore<RedisStore>>, Vec<Vec<u64>>) {
     let _time = support::keep_time_moving();
     let policy = hundred_a_minute();
-    let regions = SplitGateways::start(&policy).await;
+    let regions = split_gateways(&policy).await;
     let partition = async {
         if let Some((r, from, to)) = cut {
-            tokio::time::sleep(Duration::from_secs(from)).await;
-            regions.regions.isolate(r, true);
-            tokio::time::sleep(Duration::from_secs(to - from)).await;
-            regions.regions.isolate(r, false);
+            regions.cut(r, from, to).await;
         }
     };
-    let per_window = by_region(
-        &regions.gateways,
-        &regions.clock,
-        senders,
-        &policy,
-        180,
-        partition,
-    )
-    .await;
+    let per_window = regions.by_region(senders, &policy, partition).await;
     println!("split, admitted per whole window and region, {what}: {per_window:?}");
     assert!(per_window.len() >= 2, "{per_window:?}");
     for window in &per_window {

@@ -211,6 +211,28 @@ async fn connect(url: String, prefix: String) -> RedisStore {
         .unwrap()
 }
 
+/// A gateway a region, made by `gateway(name, local, peers)` from its name
+/// (`region-{i}`), its own Redis and the others' as it reaches them (named alike).
+async fn gateways<G, F, Fut>(regions: &Regions, prefix: &str, mut gateway: F) -> Vec<G>
+where
+    F: FnMut(String, RedisStore, Vec<(String, RedisStore)>) -> Fut,
+    Fut: std::future::Future<Output = G>,
+{
+    let mut gateways = Vec::new();
+    for i in 0..REGIONS {
+        let local = connect(regions.url(i, i), prefix.to_owned()).await;
+        let mut peers = Vec::new();
+        for j in (0..REGIONS).filter(|&j| j != i) {
+            peers.push((
+                format!("region-{j}"),
+                connect(regions.url(i, j), prefix.to_owned()).await,
+            ));
+        }
+        gateways.push(gateway(format!("region-{i}"), local, peers).await);
+    }
+    gateways
+}
+
 /// Every gateway of `gateways` sending open loop for `RUN`: the admissions of each whole
 /// window of the stores (whole seconds of the system clock; the first and last, partial,
 /// left out), all regions together, and every decision's latency, sorted.
@@ -263,16 +285,13 @@ async fn replicated() {
         let mut points = Vec::new();
         for sync_ms in SYNCS_MS {
             let prefix = support::unique_prefix(&format!("replicated-{rtt_ms}-{sync_ms}"));
-            let connect = |url: String| connect(url, prefix.clone());
-            let mut gateways = Vec::new();
-            for i in 0..REGIONS {
-                let mut builder = ReplicatedStore::builder(connect(regions.url(i, i)).await)
-                    .sync_every(Duration::from_millis(sync_ms));
-                for j in (0..REGIONS).filter(|&j| j != i) {
-                    builder = builder.peer(format!("region-{j}"), connect(regions.url(i, j)).await);
-                }
-                gateways.push(builder.build().unwrap());
-            }
+            let gateways = gateways(&regions, &prefix, |_, local, peers| async move {
+                let builder =
+                    ReplicatedStore::builder(local).sync_every(Duration::from_millis(sync_ms));
+                let builder = peers.into_iter().fold(builder, |b, (n, p)| b.peer(n, p));
+                builder.build().unwrap()
+            })
+            .await;
             let (whole, latencies) = run(&gateways, &policy).await;
             let mean = whole.iter().sum::<u64>() as f64 / whole.len().max(1) as f64;
             let most = whole.iter().copied().max().unwrap_or(0);
@@ -341,19 +360,14 @@ async fn split() {
             // each region one sender.
             for senders in [[0; REGIONS], [0, 1, 2]] {
                 let prefix = support::unique_prefix(&format!("split-{rtt_ms}-{lead_ms}"));
-                let mut gateways = Vec::new();
-                for i in 0..REGIONS {
-                    let local = connect(regions.url(i, i), prefix.clone()).await;
-                    let mut builder =
-                        SplitStore::builder(format!("region-{i}"), local, SystemClock)
-                            .policy(&policy)
-                            .lead(Duration::from_millis(lead_ms));
-                    for j in (0..REGIONS).filter(|&j| j != i) {
-                        let peer = connect(regions.url(i, j), prefix.clone()).await;
-                        builder = builder.peer(format!("region-{j}"), peer);
-                    }
-                    gateways.push(builder.build().await.unwrap());
-                }
+                let gateways = gateways(&regions, &prefix, |name, local, peers| {
+                    let builder = SplitStore::builder(name, local, SystemClock)
+                        .policy(&policy)
+                        .lead(Duration::from_millis(lead_ms));
+                    let builder = peers.into_iter().fold(builder, |b, (n, p)| b.peer(n, p));
+                    async move { builder.build().await.unwrap() }
+                })
+                .await;
                 let sending: Vec<_> = senders.iter().map(|&r| gateways[r].clone()).collect();
                 let (whole, took) = run(&sending, &policy).await;
                 latencies.extend(took);

@@ -174,8 +174,6 @@ struct Split {
     policy: Policy,
     /// How long before a window's end its demand is posted.
     lead: u64,
-    /// How many other regions share the limit.
-    peers: usize,
     plan: Mutex<Plan>,
 }
 
@@ -386,17 +384,17 @@ impl<S: Store + Board + Clone> SplitStore<S> {
     pub fn share_of(&self, key: &[u8], policy: &Policy) -> Result<u64, StoreError> {
         let now = self.inner.clock.now_micros();
         let split = self.inner.split_of(policy)?;
-        Ok(split.share(key, now, 0, self.inner.max_keys))
+        Ok(self.inner.share(split, key, now, 0))
     }
 }
 
-impl Split {
-    /// This region's share of `key` in the window of `now`, counting `cost` units of
-    /// demand for it.
-    fn share(&self, key: &[u8], now: u64, cost: u32, max_keys: usize) -> u64 {
-        let period = self.policy.quota().period_micros();
+impl<S> Inner<S> {
+    /// This region's share of `key` under `split` in the window of `now`, counting
+    /// `cost` units of demand for it.
+    fn share(&self, split: &Split, key: &[u8], now: u64, cost: u32) -> u64 {
+        let period = split.policy.quota().period_micros();
         let window = now / period;
-        let mut plan = self.plan.lock();
+        let mut plan = split.plan.lock();
         if plan.window != window {
             plan.window = window;
             plan.demand.clear();
@@ -404,7 +402,7 @@ impl Split {
         if cost > 0 {
             if let Some(asked) = plan.demand.get_mut(key) {
                 *asked += u64::from(cost);
-            } else if plan.demand.len() < max_keys {
+            } else if plan.demand.len() < self.max_keys {
                 plan.demand.insert(key.into(), u64::from(cost));
             }
         }
@@ -413,9 +411,9 @@ impl Split {
             // Nothing fixed before the window began: what this region can count on
             // whatever the others ask.
             _ => {
-                let others: SmallVec<[u64; 4]> = smallvec::smallvec![UNKNOWN; self.peers];
+                let others: SmallVec<[u64; 4]> = smallvec::smallvec![UNKNOWN; self.peers.len()];
                 let own = plan.asked(window.wrapping_sub(1), key);
-                share(self.policy.quota().limit(), own, &others)
+                share(split.policy.quota().limit(), own, &others)
             }
         }
     }
@@ -677,7 +675,7 @@ impl<S: Store + Board + Clone> Inner<S> {
         let mut decisions = Decisions::new();
         for policy in policies {
             let split = self.split_of(policy).map_err(Err)?;
-            let share = split.share(key, now, cost, self.max_keys);
+            let share = self.share(split, key, now, cost);
             let period = split.policy.quota().period_micros();
             let until_end = period - now % period;
             decisions.push(Decision::limited(share, 0, until_end, until_end));
@@ -960,7 +958,6 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
             splits.push(Split {
                 policy: policy.clone(),
                 lead,
-                peers: self.peers.len(),
                 plan: Mutex::new(Plan::default()),
             });
         }
