@@ -15,7 +15,8 @@
 //! - **per key**: 100,000 to 2,000,000 distinct keys (six counts, so that no one table
 //!   size decides the figure; their mean is printed too) inserted into a `MemoryStore`
 //!   (`max_keys` 4,000,000: room for every key in every shard; a `ManualClock` that
-//!   never moves, so nothing expires) under GCRA and under the token bucket, and into
+//!   never moves, so nothing expires) under GCRA, the token bucket and the sliding
+//!   window log (one admission a key), and into
 //!   `governor::RateLimiter::keyed` with `u64` keys. tollway gets each `u64`'s 8-byte
 //!   little-endian encoding, built on the stack, so neither side allocates per key
 //!   outside its own table.
@@ -58,7 +59,12 @@ const FLOOD_ROW_EVERY: u64 = 500_000;
 /// The store's length is sampled every this many requests.
 const FLOOD_SAMPLE_EVERY: u64 = 1_000;
 
-const PER_KEY_CASES: [&str; 3] = ["tollway_gcra", "tollway_token_bucket", "governor"];
+const PER_KEY_CASES: [&str; 4] = [
+    "tollway_gcra",
+    "tollway_token_bucket",
+    "tollway_sliding_log",
+    "governor",
+];
 const FLOOD_CASES: [&str; 3] = [
     "flood_gcra_10_per_second",
     "flood_token_bucket_10_per_second",
@@ -166,6 +172,7 @@ fn run_child(case: &str) {
     match case {
         "tollway_gcra" => per_key_tollway(Algorithm::Gcra),
         "tollway_token_bucket" => per_key_tollway(Algorithm::TokenBucket),
+        "tollway_sliding_log" => per_key_tollway(Algorithm::SlidingWindowLog),
         "governor" => per_key_governor(),
         "flood_gcra_10_per_second" => flood(Algorithm::Gcra, Quota::per_second(10).unwrap()),
         "flood_token_bucket_10_per_second" => {

@@ -4,6 +4,7 @@
 //! ```sh
 //! cargo bench -p tollway-core --bench scaling             # 10 rounds
 //! SCALING_ROUNDS=30 cargo bench -p tollway-core --bench scaling
+//! SCALING_PART=scaling cargo bench -p tollway-core --bench scaling   # or =sweep: one part
 //! ```
 //!
 //! **Scaling.** Three patterns over 10,000 keys, at 1 and 2 threads (and at every
@@ -403,7 +404,13 @@ fn main() {
         .ok()
         .and_then(|r| r.parse().ok())
         .unwrap_or(10);
-    scaling(rounds);
-    println!();
-    sweep_latency();
+    // SCALING_PART=scaling or =sweep runs one part.
+    let part = std::env::var("SCALING_PART").unwrap_or_default();
+    if part != "sweep" {
+        scaling(rounds);
+        println!();
+    }
+    if part != "scaling" {
+        sweep_latency();
+    }
 }

@@ -10,6 +10,7 @@ use smallvec::SmallVec;
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
+use super::cells::{self, Cells, Meta, Pinned};
 use super::{Checked, Operation, Store};
 use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::{
@@ -41,8 +42,16 @@ const MIN_SWEEP: usize = 256;
 
 /// Limiter state in this process's memory.
 ///
-/// Keys are arbitrary bytes. The store is split into shards, each behind its own lock, so
-/// threads deciding for different keys rarely meet. It is bounded: at most `max_keys`
+/// Keys are arbitrary bytes. The store is split into shards. A state of one 64-bit word
+/// (GCRA, the leaky bucket shaper) lives in its shard's *cells*: a check under one such
+/// limit, for a key the store already holds, reads the key's cell and updates it by
+/// compare-and-swap without taking a lock, and writes no memory but the state's own, so
+/// threads deciding for different keys do not queue behind one another, nor behind a
+/// sweep. Everything else — the two-word states, the sliding window log, a request under
+/// several limits, a key's arrival and removal — is decided under the shard's lock, which
+/// still reads and swaps the cells' states, so both paths decide one key's requests as if
+/// one at a time (the lock-free transitions are model-checked with `loom`). It is
+/// bounded: at most `max_keys`
 /// keys are tracked, and a key whose state has become equivalent to a fresh one (its
 /// bucket refilled, its windows passed) is dropped when its shard next sweeps, so a flood
 /// of unique keys — a botnet rotating addresses — cannot grow memory without bound.
@@ -51,8 +60,13 @@ const MIN_SWEEP: usize = 256;
 /// store, so which keys collide cannot be known without the seed, which no answer
 /// reveals; it is a fast hash, not a cryptographic one); two distinct keys share state
 /// only if their hashes collide, which for a million live keys happens with probability
-/// about 3 × 10⁻⁸. A fixed-size state costs 24
-/// bytes in its table; `BENCHMARKS.md` has the measured bytes per key.
+/// about 3 × 10⁻⁸. A one-word state costs 16 bytes a cell (its key's hash and its state;
+/// the cells of a shard grow by doubling and fill to seven eighths, so 18 to 37 bytes a
+/// key), a two-word state 24 bytes in its table, a sliding window log about 200 bytes
+/// with one entry and 16 to 32 more an entry;
+/// `BENCHMARKS.md` has the measured bytes per key. The cells a shard grows are kept until
+/// the store is dropped: after a flood, a shard's idle keys are swept and their cells
+/// reused, but its cell memory is not returned.
 ///
 /// Clones share the same state.
 ///
@@ -102,21 +116,30 @@ struct Notes {
     notes: std::collections::HashMap<Vec<u8>, u64>,
 }
 
-/// One lock and its tables, on a cache line of its own so that two cores working on
-/// neighbouring shards do not contend.
+/// A shard's cells, and one lock and its tables, on cache lines of their own so that two
+/// cores working on neighbouring shards do not contend.
 ///
 /// The lock is `spin`'s spin lock, whose release is a plain store, with its `Yield`
 /// strategy: a waiter yields its core until the lock is free, so a holder that was
 /// preempted gets to run. A decision holds it for a few tens of nanoseconds, and taking
 /// and releasing it costs one atomic operation where a parking mutex (`parking_lot`)
 /// costs two: 4–5 ns of a 22–25 ns decision in the interleaved bench (BENCHMARKS.md). A
-/// sweep holds it longer, O(keys in the shard): with the default of a shard per 1,024
-/// keys of the bound, a few microseconds, once per doubling of the shard.
+/// sweep holds it longer, O(keys and cells in the shard): with the default of a shard
+/// per 1,024 keys of the bound, a few microseconds, once per doubling of the shard.
+/// Checks in cells do not wait for it (but for a cell a locked decision has pinned). A shard's cells keep the size its busiest moment
+/// gave them, so after a flood a sweep walks cells the keys have left.
 #[repr(align(128))]
-struct Shard(SpinMutex<Table, Yield>);
+struct Shard {
+    /// The states of one word (GCRA, the leaky bucket shaper), read and updated without
+    /// the lock; keys come and go under it.
+    cells: Cells,
+    table: SpinMutex<Table, Yield>,
+}
 
 struct Table {
-    /// Fixed-size states: `(key hash, slot)`, 24 bytes an entry.
+    /// What the lock guards of the shard's cells.
+    cells: Meta,
+    /// Fixed-size states of two words: `(key hash, slot)`, 24 bytes an entry.
     slots: HashTable<(u64, Slot)>,
     /// Sliding window logs.
     logs: HashTable<(u64, Log)>,
@@ -183,13 +206,18 @@ impl<C: Clock> MemoryStore<C> {
         let max_per_shard = builder.max_keys / shards;
         let shards: Box<[Shard]> = (0..shards)
             .map(|_| {
-                Shard(SpinMutex::new(Table {
-                    slots: HashTable::new(),
-                    logs: HashTable::new(),
-                    sweep_at: MIN_SWEEP.min(max_per_shard),
-                    earliest_expiry: 0,
-                    swept_at: 0,
-                }))
+                let (cells, meta) = Cells::new(max_per_shard);
+                Shard {
+                    cells,
+                    table: SpinMutex::new(Table {
+                        cells: meta,
+                        slots: HashTable::new(),
+                        logs: HashTable::new(),
+                        sweep_at: MIN_SWEEP.min(max_per_shard),
+                        earliest_expiry: 0,
+                        swept_at: 0,
+                    }),
+                }
             })
             .collect();
         MemoryStore {
@@ -213,18 +241,51 @@ impl<C: Clock> MemoryStore<C> {
     ///
     /// This never fails: a store that is full answers per its [`WhenFull`] setting.
     pub fn decide(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Decisions {
+        let (shard, key_hash, now) = self.locate(key);
+        if let [policy] = policies
+            && let Some(decision) = shard.decide_in_cell(key_hash, now, policy, cost)
+        {
+            return Decisions::from(decision);
+        }
+        self.decide_locked(shard, key_hash, now, policies, cost)
+    }
+
+    /// The key's shard, its hash, and the time now.
+    #[inline(always)]
+    fn locate(&self, key: &[u8]) -> (&Shard, u64, u64) {
         let shared = &*self.shared;
         let now = shared.clock.now_micros();
         // Every state of one key lives in the key's shard, so one lock covers all of a
         // request's limits.
         let key_hash = shared.hasher.hash_one(key);
         let shard = &shared.shards[((key_hash >> 32) & shared.shard_mask) as usize];
-        let mut table = shard.0.lock();
+        (shard, key_hash, now)
+    }
+
+    /// Decides under the shard's lock: several limits, a state of two words or a log,
+    /// or a key that has no cell yet.
+    fn decide_locked(
+        &self,
+        shard: &Shard,
+        key_hash: u64,
+        now: u64,
+        policies: &[&Policy],
+        cost: u32,
+    ) -> Decisions {
+        let mut table = shard.table.lock();
         #[cfg(feature = "metrics")]
         let held = table.len();
-        let decisions = table.decide(key_hash, now, policies, cost, &shared.bounds(), true);
+        let decisions = table.decide(
+            &shard.cells,
+            key_hash,
+            now,
+            policies,
+            cost,
+            &self.shared.bounds(),
+            true,
+        );
         #[cfg(feature = "metrics")]
-        shared.count_keys(held, table.len());
+        self.shared.count_keys(held, table.len());
         decisions
     }
 
@@ -235,10 +296,17 @@ impl<C: Clock> MemoryStore<C> {
         let now = shared.clock.now_micros();
         let key_hash = shared.hasher.hash_one(key);
         let shard = &shared.shards[((key_hash >> 32) & shared.shard_mask) as usize];
-        let mut table = shard.0.lock();
+        let mut table = shard.table.lock();
         #[cfg(feature = "metrics")]
         let held = table.len();
-        let decisions = table.apply(key_hash, now, policies, operation, &shared.bounds());
+        let decisions = table.apply(
+            &shard.cells,
+            key_hash,
+            now,
+            policies,
+            operation,
+            &shared.bounds(),
+        );
         #[cfg(feature = "metrics")]
         shared.count_keys(held, table.len());
         decisions
@@ -249,7 +317,11 @@ impl<C: Clock> MemoryStore<C> {
     ///
     /// This never fails: a store that is full answers per its [`WhenFull`] setting.
     pub fn check_sync(&self, key: &[u8], policy: &Policy, cost: u32) -> Decision {
-        let decisions = self.decide(key, &[policy], cost);
+        let (shard, key_hash, now) = self.locate(key);
+        if let Some(decision) = shard.decide_in_cell(key_hash, now, policy, cost) {
+            return decision;
+        }
+        let decisions = self.decide_locked(shard, key_hash, now, &[policy], cost);
         // One policy, one decision.
         decisions
             .first()
@@ -260,7 +332,11 @@ impl<C: Clock> MemoryStore<C> {
     /// The number of keys held, idle ones not yet swept included.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.shared.shards.iter().map(|s| s.0.lock().len()).sum()
+        self.shared
+            .shards
+            .iter()
+            .map(|s| s.table.lock().len())
+            .sum()
     }
 
     /// Whether no key is held.
@@ -271,17 +347,18 @@ impl<C: Clock> MemoryStore<C> {
 
     /// Drops every key whose state is now equivalent to a fresh one, and returns how
     /// many keys remain. The store also does this by itself as it fills; call it to
-    /// release memory after a flood without waiting for new keys.
+    /// release memory after a flood without waiting for new keys (the two-word states'
+    /// tables and the logs; cells are kept for new keys).
     pub fn sweep(&self) -> usize {
         let now = self.shared.clock.now_micros();
         self.shared
             .shards
             .iter()
             .map(|s| {
-                let mut table = s.0.lock();
+                let mut table = s.table.lock();
                 #[cfg(feature = "metrics")]
                 let held = table.len();
-                table.sweep(now, self.shared.max_per_shard);
+                table.sweep(&s.cells, now, self.shared.max_per_shard);
                 #[cfg(feature = "metrics")]
                 self.shared.count_keys(held, table.len());
                 table.len()
@@ -377,6 +454,28 @@ impl<C> Shared<C> {
     }
 }
 
+impl Shard {
+    /// Decides one limit kept in a cell the key already has, without the lock; `None`
+    /// for another algorithm or a key with no cell.
+    #[inline(always)]
+    fn decide_in_cell(
+        &self,
+        key_hash: u64,
+        now: u64,
+        policy: &Policy,
+        cost: u32,
+    ) -> Option<Decision> {
+        if !in_cell(policy.algorithm()) {
+            return None;
+        }
+        let cell = cells::cell_key(key_hash ^ policy.id());
+        self.cells.update(cell, |state| {
+            let (decision, next) = word_check(policy, state, now, cost);
+            (decision, decision.is_allowed().then_some(next))
+        })
+    }
+}
+
 /// A shard's bound on keys, and what to do at it.
 struct Bounds {
     max: usize,
@@ -384,29 +483,105 @@ struct Bounds {
 }
 
 /// The state one limit of a request would leave, to be written once every limit allowed.
-enum Change {
+enum Change<'a> {
     /// Nothing to write: the state is unchanged, or a fresh state that need not be kept.
     None,
     /// A fixed-size state, kept under `hash`.
     Slot { hash: u64, next: Slot, known: bool },
     /// An admission into the log kept under `hash` (`known`: the log exists).
     Log { hash: u64, known: bool },
+    /// A one-word state, in the cell `key`: `pinned` while the request is decided (see
+    /// [`Cells::pin`]; `None`: the key has no cell yet, and gets one).
+    Cell {
+        key: u64,
+        pinned: Option<Pinned<'a>>,
+        next: u64,
+    },
+}
+
+impl Change<'_> {
+    fn is_new_key(&self) -> bool {
+        matches!(
+            self,
+            Change::Slot { known: false, .. }
+                | Change::Log { known: false, .. }
+                | Change::Cell { pinned: None, .. }
+        )
+    }
 }
 
 /// The fixed-size state of a key no request has changed.
 const FRESH: Slot = [0, 0];
 
+/// Whether an algorithm's state is one word, kept in the shard's lock-free cells.
+fn in_cell(algorithm: Algorithm) -> bool {
+    matches!(algorithm, Algorithm::Gcra | Algorithm::LeakyBucketShaper)
+}
+
+/// Decides a request of `cost` under a one-word policy on the state `tat`; returns the
+/// state admitting it would leave.
+#[inline(always)]
+fn word_check(policy: &Policy, tat: u64, now: u64, cost: u32) -> (Decision, u64) {
+    let state = gcra::State { tat };
+    let (decision, next) = match policy.algorithm() {
+        Algorithm::LeakyBucketShaper => leaky_bucket::shape(state, now, policy.quota(), cost),
+        _ => gcra::check(state, now, policy.quota(), cost),
+    };
+    (decision, next.tat)
+}
+
+/// A charge or drain (see [`Operation`]) on a one-word state `tat`, in one step.
+fn word_operate(policy: &Policy, tat: u64, now: u64, operation: Operation) -> u64 {
+    let left = word_check(policy, tat, now, 0).0.remaining();
+    let (cost, owed) = match operation {
+        // Whatever is left, if less (`remaining` units always fit), as a request; then
+        // what did not fit, owed.
+        Operation::Charge(units) => {
+            let cost = u32::try_from(left).map_or(units, |left| units.min(left));
+            (cost, units - cost)
+        }
+        // What is left over `keep`.
+        Operation::Drain(keep) => {
+            let over = left.saturating_sub(u64::from(keep));
+            (u32::try_from(over).unwrap_or(u32::MAX), 0)
+        }
+        _ => (0, 0),
+    };
+    let (decision, next) = word_check(policy, tat, now, cost);
+    let taken = if decision.is_allowed() { next } else { tat };
+    if owed > 0 {
+        word_correct(policy, taken, now, owed, true)
+    } else {
+        taken
+    }
+}
+
+/// A one-word policy's refund (`charge`: or charge) of `units` on the state `tat`.
+fn word_correct(policy: &Policy, tat: u64, now: u64, units: u32, charge: bool) -> u64 {
+    let (state, q) = (gcra::State { tat }, policy.quota());
+    let next = match (policy.algorithm(), charge) {
+        (Algorithm::LeakyBucketShaper, false) => leaky_bucket::shape_refund(state, now, q, units),
+        (Algorithm::LeakyBucketShaper, true) => leaky_bucket::shape_charge(state, now, q, units),
+        (_, false) => gcra::refund(state, now, q, units),
+        (_, true) => gcra::charge(state, now, q, units),
+    };
+    next.tat
+}
+
 impl Table {
     fn len(&self) -> usize {
-        self.slots.len() + self.logs.len()
+        self.slots.len() + self.logs.len() + Cells::len(&self.cells)
     }
 
     /// Decides a request against every policy (see [`MemoryStore::decide`]): each limit
     /// is decided first and nothing is written; then, if `commit`, either every limit's
     /// new state is written, or, when one denied, none is, and the limits that allowed
-    /// report their state unchanged (a request of cost 0).
+    /// report their state unchanged (a request of cost 0). A policy listed twice is
+    /// decided once. Cells read are pinned until the request is done.
+    #[allow(clippy::too_many_arguments)]
     fn decide(
         &mut self,
+        cells: &Cells,
         key_hash: u64,
         now: u64,
         policies: &[&Policy],
@@ -416,20 +591,23 @@ impl Table {
     ) -> Decisions {
         let Bounds { max, when_full } = *bounds;
         let mut decisions = Decisions::new();
-        let mut changes: SmallVec<[Change; 2]> = SmallVec::new();
+        let mut changes: SmallVec<[Change<'_>; 2]> = SmallVec::new();
         let mut new_keys = 0;
-        for policy in policies {
+        for (i, policy) in policies.iter().enumerate() {
+            if let Some(first) = policies[..i].iter().position(|p| p.id() == policy.id()) {
+                decisions.push(decisions[first]);
+                changes.push(Change::None);
+                continue;
+            }
             // A policy's entries are the key's hash moved by the policy's id, which
             // covers its name, algorithm and quota: a changed quota starts afresh.
             let hash = key_hash ^ policy.id();
-            let (mut decision, change) = self.read(hash, now, policy, cost);
-            let new_key = matches!(
-                change,
-                Change::Slot { known: false, .. } | Change::Log { known: false, .. }
-            );
-            if new_key && decision.is_allowed() {
+            let (mut decision, change) = self.read(cells, hash, now, policy, cost);
+            if change.is_new_key() && decision.is_allowed() {
                 new_keys += 1;
-                if !self.has_room(now, max, new_keys) {
+                if !self.has_room(cells, now, max, new_keys)
+                    || matches!(change, Change::Cell { key, .. } if !cells.has_vacancy(&mut self.cells, key))
+                {
                     decision = full(decision, when_full);
                 }
             }
@@ -437,18 +615,19 @@ impl Table {
             changes.push(change);
         }
         if decisions.is_allowed() {
-            if !commit {
-                return decisions;
-            }
-            let room = self.len() + new_keys <= max;
-            for (policy, change) in policies.iter().zip(changes) {
-                self.write(change, now, policy, cost, room);
+            if commit {
+                let room = self.len() + new_keys <= max;
+                for (policy, change) in policies.iter().zip(changes) {
+                    self.write(cells, change, now, policy, cost, room);
+                }
             }
         } else {
+            // The pinned cells go back as they were.
+            drop(changes);
             for (i, policy) in policies.iter().enumerate() {
                 if decisions[i].is_allowed() {
                     let hash = key_hash ^ policy.id();
-                    decisions.replace(i, self.read(hash, now, policy, 0).0);
+                    decisions.replace(i, self.read(cells, hash, now, policy, 0).0);
                 }
             }
         }
@@ -458,6 +637,7 @@ impl Table {
     /// Carries out `operation` (see [`Operation`]) on each policy's state.
     fn apply(
         &mut self,
+        cells: &Cells,
         key_hash: u64,
         now: u64,
         policies: &[&Policy],
@@ -465,44 +645,65 @@ impl Table {
         bounds: &Bounds,
     ) -> Decisions {
         if let Operation::Peek(cost) = operation {
-            return self.decide(key_hash, now, policies, cost, bounds, false);
+            return self.decide(cells, key_hash, now, policies, cost, bounds, false);
         }
         policies
             .iter()
             .map(|&policy| {
                 let hash = key_hash ^ policy.id();
+                // A charge or drain on a cell is one step on the pinned state (or, for a
+                // key with no cell, on a fresh one, inserted whole): a check without the
+                // lock cannot come between its parts.
+                if matches!(operation, Operation::Charge(_) | Operation::Drain(_))
+                    && in_cell(policy.algorithm())
+                {
+                    let key = cells::cell_key(hash);
+                    if let Some(mut pinned) = cells.pin(&self.cells, key) {
+                        pinned.set(word_operate(policy, pinned.state(), now, operation));
+                    } else {
+                        let next = word_operate(policy, FRESH[0], now, operation);
+                        if next > now
+                            && self.has_room(cells, now, bounds.max, 1)
+                            && cells.has_vacancy(&mut self.cells, key)
+                            && cells.insert(&mut self.cells, key, next)
+                        {
+                            self.earliest_expiry = self.earliest_expiry.min(next);
+                        }
+                    }
+                    return self.read(cells, hash, now, policy, 0).0;
+                }
                 match operation {
                     Operation::Charge(units) => {
                         // Whatever is left, if less (`remaining` units always fit), as a
                         // request; then what did not fit, owed.
-                        let left = self.read(hash, now, policy, 0).0.remaining();
+                        let left = self.read(cells, hash, now, policy, 0).0.remaining();
                         let cost = u32::try_from(left).map_or(units, |left| units.min(left));
-                        self.decide(key_hash, now, &[policy], cost, bounds, true);
+                        self.decide(cells, key_hash, now, &[policy], cost, bounds, true);
                         if units > cost {
-                            self.overdraw(hash, now, policy, units - cost);
+                            self.overdraw(cells, hash, now, policy, units - cost);
                         }
                     }
                     Operation::Drain(keep) => {
                         // What is left over `keep`: `remaining` units always fit.
-                        let left = self.read(hash, now, policy, 0).0.remaining();
+                        let left = self.read(cells, hash, now, policy, 0).0.remaining();
                         let over = left.saturating_sub(u64::from(keep));
                         let cost = u32::try_from(over).unwrap_or(u32::MAX);
                         if cost > 0 {
-                            self.decide(key_hash, now, &[policy], cost, bounds, true);
+                            self.decide(cells, key_hash, now, &[policy], cost, bounds, true);
                         }
                     }
-                    Operation::Refund(units) => self.refund(hash, now, policy, units),
-                    Operation::Reset => self.forget(hash),
+                    Operation::Refund(units) => self.refund(cells, hash, now, policy, units),
+                    Operation::Reset => self.forget(cells, hash),
                     // Answered above.
                     Operation::Peek(_) => {}
                 }
-                self.read(hash, now, policy, 0).0
+                self.read(cells, hash, now, policy, 0).0
             })
             .collect()
     }
 
     /// Gives `units` back to one policy's state, if the key has one.
-    fn refund(&mut self, hash: u64, now: u64, policy: &Policy, units: u32) {
+    fn refund(&mut self, cells: &Cells, hash: u64, now: u64, policy: &Policy, units: u32) {
         let (q, u) = (policy.quota(), units);
         match policy.algorithm() {
             Algorithm::TokenBucket => {
@@ -511,16 +712,15 @@ impl Table {
             Algorithm::LeakyBucket => {
                 self.update_slot(hash, |s| repacked(leaky_bucket::meter_refund, s, now, q, u))
             }
-            Algorithm::LeakyBucketShaper => {
-                self.update_slot(hash, |s| repacked(leaky_bucket::shape_refund, s, now, q, u))
-            }
             Algorithm::FixedWindow => {
                 self.update_slot(hash, |s| repacked(fixed_window::refund, s, now, q, u))
             }
             Algorithm::SlidingWindowCounter => {
                 self.update_slot(hash, |s| repacked(sliding_counter::refund, s, now, q, u))
             }
-            Algorithm::Gcra => self.update_slot(hash, |s| repacked(gcra::refund, s, now, q, u)),
+            Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
+                update_cell(cells, hash, |s| word_correct(policy, s, now, u, false))
+            }
             Algorithm::SlidingWindowLog => {
                 if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
                     sliding_log::refund(log, now, q, u);
@@ -532,7 +732,7 @@ impl Table {
     /// Takes `units` that do not fit from one policy's state, if the key has one: the
     /// buckets and GCRA owe them (up to a capacity); the window algorithms, whose window
     /// is spent already, do not count past their limit.
-    fn overdraw(&mut self, hash: u64, now: u64, policy: &Policy, units: u32) {
+    fn overdraw(&mut self, cells: &Cells, hash: u64, now: u64, policy: &Policy, units: u32) {
         let (q, u) = (policy.quota(), units);
         match policy.algorithm() {
             Algorithm::TokenBucket => {
@@ -541,10 +741,9 @@ impl Table {
             Algorithm::LeakyBucket => {
                 self.update_slot(hash, |s| repacked(leaky_bucket::meter_charge, s, now, q, u))
             }
-            Algorithm::LeakyBucketShaper => {
-                self.update_slot(hash, |s| repacked(leaky_bucket::shape_charge, s, now, q, u))
+            Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
+                update_cell(cells, hash, |s| word_correct(policy, s, now, u, true))
             }
-            Algorithm::Gcra => self.update_slot(hash, |s| repacked(gcra::charge, s, now, q, u)),
             Algorithm::FixedWindow
             | Algorithm::SlidingWindowCounter
             | Algorithm::SlidingWindowLog => {}
@@ -559,17 +758,25 @@ impl Table {
     }
 
     /// Forgets one policy's state of the key.
-    fn forget(&mut self, hash: u64) {
+    fn forget(&mut self, cells: &Cells, hash: u64) {
         if let Ok(entry) = self.slots.find_entry(hash, |e| e.0 == hash) {
             entry.remove();
         }
         if let Ok(entry) = self.logs.find_entry(hash, |e| e.0 == hash) {
             entry.remove();
         }
+        cells.remove(&mut self.cells, cells::cell_key(hash));
     }
 
     /// The decision of one limit at `cost`, and what admitting it would change.
-    fn read(&mut self, hash: u64, now: u64, policy: &Policy, cost: u32) -> (Decision, Change) {
+    fn read<'a>(
+        &mut self,
+        cells: &'a Cells,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+        cost: u32,
+    ) -> (Decision, Change<'a>) {
         let (q, c) = (policy.quota(), cost);
         // A direct call per algorithm (not a function pointer), so each is inlined.
         match policy.algorithm() {
@@ -579,27 +786,26 @@ impl Table {
             Algorithm::LeakyBucket => {
                 self.read_slot(hash, now, |s| packed(leaky_bucket::meter, s, now, q, c))
             }
-            Algorithm::LeakyBucketShaper => {
-                self.read_slot(hash, now, |s| packed(leaky_bucket::shape, s, now, q, c))
-            }
             Algorithm::FixedWindow => {
                 self.read_slot(hash, now, |s| packed(fixed_window::check, s, now, q, c))
             }
             Algorithm::SlidingWindowCounter => {
                 self.read_slot(hash, now, |s| packed(sliding_counter::check, s, now, q, c))
             }
-            Algorithm::Gcra => self.read_slot(hash, now, |s| packed(gcra::check, s, now, q, c)),
+            Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
+                self.read_cell(cells, hash, now, policy, cost)
+            }
             Algorithm::SlidingWindowLog => self.read_log(hash, now, policy, cost),
         }
     }
 
     #[inline(always)]
-    fn read_slot(
+    fn read_slot<'a>(
         &self,
         hash: u64,
         now: u64,
         run: impl FnOnce(Slot) -> (Decision, Slot),
-    ) -> (Decision, Change) {
+    ) -> (Decision, Change<'a>) {
         let existing = self.slots.find(hash, |e| e.0 == hash).map(|e| e.1);
         let (decision, next) = run(existing.unwrap_or(FRESH));
         let change = match existing {
@@ -619,7 +825,34 @@ impl Table {
         (decision, change)
     }
 
-    fn read_log(&mut self, hash: u64, now: u64, policy: &Policy, cost: u32) -> (Decision, Change) {
+    fn read_cell<'a>(
+        &self,
+        cells: &'a Cells,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+        cost: u32,
+    ) -> (Decision, Change<'a>) {
+        let key = cells::cell_key(hash);
+        let pinned = cells.pin(&self.cells, key);
+        let state = pinned.as_ref().map_or(FRESH[0], Pinned::state);
+        let (decision, next) = word_check(policy, state, now, cost);
+        let change = if pinned.is_some() || next > now {
+            Change::Cell { key, pinned, next }
+        } else {
+            // A fresh state that the request leaves fresh is not worth keeping.
+            Change::None
+        };
+        (decision, change)
+    }
+
+    fn read_log<'a>(
+        &mut self,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+        cost: u32,
+    ) -> (Decision, Change<'a>) {
         let quota = policy.quota();
         match self.logs.find_mut(hash, |e| e.0 == hash) {
             Some((_, log)) => {
@@ -640,9 +873,22 @@ impl Table {
 
     /// Writes one limit's change; a new key only if `room` (else it goes untracked, as
     /// [`WhenFull::AllowUntracked`] asks).
-    fn write(&mut self, change: Change, now: u64, policy: &Policy, cost: u32, room: bool) {
+    fn write(
+        &mut self,
+        cells: &Cells,
+        change: Change<'_>,
+        now: u64,
+        policy: &Policy,
+        cost: u32,
+        room: bool,
+    ) {
         match change {
             Change::None => {}
+            Change::Cell {
+                pinned: Some(mut pinned),
+                next,
+                ..
+            } => pinned.set(next),
             Change::Slot {
                 hash,
                 next,
@@ -662,6 +908,21 @@ impl Table {
                     self.slots.insert_unique(hash, (hash, next), |e| e.0);
                 }
             }
+            Change::Cell {
+                key,
+                pinned: None,
+                next,
+            } => {
+                // The read found a vacancy for the key; if another new key of the same
+                // request took it, tombstones are emptied or keys moved to make one.
+                if room
+                    && (cells.insert(&mut self.cells, key, next)
+                        || (cells.has_vacancy(&mut self.cells, key)
+                            && cells.insert(&mut self.cells, key, next)))
+                {
+                    self.earliest_expiry = self.earliest_expiry.min(next);
+                }
+            }
             Change::Log { hash, known: true } => {
                 if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
                     sliding_log::admit(log, now, policy.quota(), cost);
@@ -679,23 +940,25 @@ impl Table {
     }
 
     /// Whether `needed` more keys fit, sweeping idle keys first when that could help:
-    /// below the bound at every doubling of the shard (O(1) a key inserted); at the bound
-    /// whenever a held key has expired, at most once per the shard's sweep gap.
-    fn has_room(&mut self, now: u64, max: usize, needed: usize) -> bool {
+    /// below the bound at every doubling of the shard (O(1) a key inserted, cells left by
+    /// a flood aside); at the bound whenever a held key has expired, at most once per the
+    /// shard's sweep gap.
+    fn has_room(&mut self, cells: &Cells, now: u64, max: usize, needed: usize) -> bool {
         let held = self.len() + needed;
         if held > self.sweep_at && now >= self.earliest_expiry {
             let gap_us = (self.len() as u64 * SWEEP_GAP_NS_PER_KEY).div_ceil(1_000);
             if held <= max || now.saturating_sub(self.swept_at) >= gap_us {
-                self.sweep(now, max);
+                self.sweep(cells, now, max);
             }
         }
         self.len() + needed <= max
     }
 
     /// Drops idle keys and sets when to sweep next: at twice what is left, so sweeping
-    /// costs O(1) per key inserted, and never past the bound.
-    fn sweep(&mut self, now: u64, max: usize) {
-        let mut earliest = u64::MAX;
+    /// costs O(1) per key inserted (cells left by a flood aside), and never past the
+    /// bound.
+    fn sweep(&mut self, cells: &Cells, now: u64, max: usize) {
+        let mut earliest = cells.sweep(&mut self.cells, now);
         self.slots.retain(|e| {
             let keep = e.1[0] > now;
             if keep {
@@ -713,11 +976,19 @@ impl Table {
         self.earliest_expiry = earliest;
         self.swept_at = now;
         self.sweep_at = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
-        if self.len() < self.slots.capacity() / 4 {
+        if self.slots.len() < self.slots.capacity() / 4 {
             self.slots.shrink_to_fit(|e| e.0);
+        }
+        if self.logs.len() < self.logs.capacity() / 4 {
             self.logs.shrink_to_fit(|e| e.0);
         }
     }
+}
+
+/// Runs `update` on a one-word state in its cell, if the key has one (under the
+/// shard's lock: a check without it may store first, and `update` runs again).
+fn update_cell(cells: &Cells, hash: u64, update: impl Fn(u64) -> u64) {
+    cells.update(cells::cell_key(hash), |s| ((), Some(update(s))));
 }
 
 /// Runs a fixed-size state's refund or charge on its packed [`Slot`].
@@ -821,7 +1092,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     /// # Errors
     ///
     /// When `max_keys` is zero, or `shards` is not a power of two from 1 to 1024 or is
-    /// more than `max_keys`.
+    /// more than `max_keys`, or leaves a shard more than 229,376 keys.
     pub fn build(self) -> Result<MemoryStore<C>, ConfigError> {
         if self.max_keys == 0 {
             return Err(ConfigError::new(
@@ -833,6 +1104,14 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         {
             return Err(ConfigError::new(format!(
                 "memory store shards must be a power of two from 1 to 1024 and at most max_keys ({}); got {shards}",
+                self.max_keys
+            )));
+        }
+        let shards = self.shards.unwrap_or_else(|| default_shards(self.max_keys));
+        if self.max_keys / shards > cells::MAX_SHARD_KEYS {
+            return Err(ConfigError::new(format!(
+                "memory store shards may hold at most {} keys each; max_keys {} needs more shards than {shards}",
+                cells::MAX_SHARD_KEYS,
                 self.max_keys
             )));
         }
@@ -1054,10 +1333,54 @@ mod tests {
         assert!(store.check_sync(b"second", &policy, 1).is_allowed());
     }
 
+    // Keys that come and are reset beside long-lived ones leave tombstones in a small
+    // shard's cells; a new key must still get a cell, never go untracked.
+    #[test]
+    fn keys_reset_over_and_over_leave_room_for_new_ones() {
+        let (store, _clock) = store(4, WhenFull::Deny);
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_minute(1).unwrap()).unwrap();
+        for stays in [b"a", b"b", b"c"] {
+            assert!(store.check_sync(stays, &policy, 1).is_allowed());
+        }
+        for i in 0..10_000u32 {
+            let key = i.to_le_bytes();
+            assert!(store.check_sync(&key, &policy, 1).is_allowed());
+            assert!(
+                !store.check_sync(&key, &policy, 1).is_allowed(),
+                "key {i} is tracked"
+            );
+            store.apply(&key, &[&policy], Operation::Reset);
+        }
+        assert_eq!(store.len(), 3);
+    }
+
+    // A policy listed twice in one request is decided once, and charges once.
+    #[test]
+    fn a_policy_listed_twice_counts_once() {
+        let (store, _clock) = store(100, WhenFull::Deny);
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_minute(5).unwrap()).unwrap();
+        for left in [4, 3] {
+            let both = store.decide(b"k", &[&policy, &policy], 1);
+            assert!(both.is_allowed());
+            assert_eq!((both[0].remaining(), both[1].remaining()), (left, left));
+        }
+        assert_eq!(store.len(), 1);
+        assert_eq!(store.check_sync(b"k", &policy, 1).remaining(), 2);
+    }
+
     #[test]
     fn bad_bounds_fail_when_the_store_is_built() {
         let err = MemoryStore::builder().shards(3).build().unwrap_err();
         assert!(err.to_string().contains("power of two"), "{err}");
         assert!(MemoryStore::builder().max_keys(0).build().is_err());
+        let err = MemoryStore::builder()
+            .max_keys(1_000_000)
+            .shards(1)
+            .build()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("at most 229376 keys each"),
+            "{err}"
+        );
     }
 }

@@ -8,6 +8,7 @@
 
 mod boxed;
 mod breaker;
+mod cells;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;

@@ -1,0 +1,839 @@
+//! Cells that threads read and update without a lock: the memory store's home for the
+//! states that fit in one 64-bit word (GCRA and the leaky bucket shaper).
+//!
+//! A shard's cells are a few open-addressing tables, *levels*, of doubling size, each
+//! allocated once and kept until the store is dropped, so a thread can hold a reference
+//! into one without a lock or a reclamation scheme. A level keeps eight keys on one
+//! cache line and their eight states on the next: looking a key up reads only key words,
+//! which change when a key comes or goes, and a check writes only its own state word,
+//! so checks on different keys write no line but the states' (in a bare table on this
+//! project's machine, keys beside their states scaled two threads on their own keys
+//! 1.15×, keys on lines of their own 1.5×), and the processor fetches a key's line and
+//! its state's together (a 128-byte pair).
+//!
+//! **Who writes what.** Without the lock, a state word changes only by compare-and-swap.
+//! Everything else — a key word, and a state's plain stores and swaps — happens under
+//! the shard's lock, which every caller of [`Cells::insert`], [`Cells::remove`],
+//! [`Cells::sweep`], [`Cells::pin`] and [`Cells::has_vacancy`] holds (the `Meta` they
+//! take is kept behind that lock). Insertion writes the state, then the key (release);
+//! removal swaps the state for [`REMOVED`], then marks the key a tombstone; a tombstone
+//! is reused by a later insertion, or emptied once no probe passes through it.
+//!
+//! **Decisions under the lock.** A request the lock decides (several limits, or an
+//! operation such as a charge) *pins* each cell it reads: it swaps the state for
+//! `REMOVED`, so every check without the lock that meets the cell meanwhile fails and
+//! waits for the lock, and it stores the state to keep when it is done (the one it
+//! pinned, if it changed nothing). Between the pin and that store nothing else writes
+//! the cell, so the locked decision is made on the state as it is, never undone.
+//!
+//! **Why a stale reader cannot write a wrong cell.** A reader finds the key, reads the
+//! state (acquire), then reads the key again: a cell that was removed, or emptied and
+//! given to another key, fails that check or holds `REMOVED`, and the reader gives up
+//! (the store then takes its shard's lock). What remains is a reader that read a state
+//! of another key's tenure and then saw its own key back (removed, reinserted) before
+//! its compare-and-swap: that succeeds only if the cell's word is the one it read.
+//! Every state is stored XORed with its key's hash (64 random bits: the store's hasher
+//! is seeded per store), so two keys' words agree by chance only, with probability
+//! 2⁻⁶⁴ per such race; the same chance, for a state that happens to equal `REMOVED`'s
+//! pattern, sends checks of that key through the lock.
+//!
+//! The transitions are checked by `loom` for two and three threads: run
+//! `RUSTFLAGS="--cfg tollway_loom" cargo test -p tollway-core --release --lib loom`.
+
+use std::sync::OnceLock;
+
+#[cfg(tollway_loom)]
+use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+#[cfg(not(tollway_loom))]
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// A key word no key has yet.
+const EMPTY: u64 = 0;
+/// A key word whose key was removed: probes pass over it.
+const TOMB: u64 = 1;
+/// The state word of a cell being removed.
+const REMOVED: u64 = u64::MAX;
+/// Cells in a shard's first level; each next level has twice as many. (Four under loom,
+/// whose models grow with every atomic a sweep reads.)
+const FIRST: usize = if cfg!(tollway_loom) { 4 } else { 16 };
+
+/// The cell key of a state kept under `hash`: never `EMPTY` or `TOMB`.
+pub(crate) fn cell_key(hash: u64) -> u64 {
+    hash.max(2)
+}
+
+/// A shard's cells.
+pub(crate) struct Cells {
+    /// How many levels are made: a lookup starts at the newest.
+    made: AtomicUsize,
+    /// How many levels the shard's bound allows.
+    limit: usize,
+    /// Kept inline, beside `made`: a lookup reads no other line before the level's.
+    levels: [OnceLock<Level>; LEVELS],
+}
+
+/// Levels a shard may have.
+const LEVELS: usize = 16;
+
+/// The most keys a shard may be bounded to: its levels hold twice as many.
+pub(crate) const MAX_SHARD_KEYS: usize = (FIRST << (LEVELS - 1)) * 7 / 8 / 2;
+
+/// What the shard's lock guards of its cells: how many keys they hold, and how many
+/// cells of each level hold a key or a tombstone.
+#[derive(Debug)]
+pub(crate) struct Meta {
+    live: usize,
+    used: Box<[usize]>,
+}
+
+struct Level {
+    /// `cap / 8` blocks: cells `8b..8b + 8`'s keys, then their states. Whole aligned
+    /// line pairs, so that no other allocation shares a line with the states checks
+    /// write.
+    blocks: Box<[Block]>,
+}
+
+/// Words in a [`Block`]: 128 bytes, the pair of lines x86's adjacent-line prefetcher
+/// fetches together (under loom, a first level's cells).
+const BLOCK: usize = 2 * if FIRST < 8 { FIRST } else { 8 };
+
+#[repr(align(128))]
+struct Block([AtomicU64; BLOCK]);
+
+/// A key's cell, found without a lock.
+pub(crate) struct Cell<'a> {
+    level: &'a Level,
+    index: usize,
+    key: u64,
+}
+
+/// A state as read, and the word it was read from (what a replacement expects).
+#[derive(Clone, Copy)]
+pub(crate) struct Loaded {
+    stored: u64,
+    pub(crate) state: u64,
+}
+
+impl Level {
+    fn new(cap: usize) -> Self {
+        Level {
+            blocks: (0..cap.div_ceil(BLOCK / 2))
+                .map(|_| Block(std::array::from_fn(|_| AtomicU64::new(EMPTY))))
+                .collect(),
+        }
+    }
+
+    fn cap(&self) -> usize {
+        self.blocks.len() * (BLOCK / 2)
+    }
+
+    fn mask(&self) -> usize {
+        self.cap() - 1
+    }
+
+    /// Keys a level takes before the next one is made: seven eighths, so every probe
+    /// meets an empty cell.
+    fn room(&self) -> usize {
+        self.cap() * 7 / 8
+    }
+
+    fn key(&self, i: usize) -> &AtomicU64 {
+        &self.blocks[i / (BLOCK / 2)].0[i % (BLOCK / 2)]
+    }
+
+    fn state(&self, i: usize) -> &AtomicU64 {
+        &self.blocks[i / (BLOCK / 2)].0[BLOCK / 2 + i % (BLOCK / 2)]
+    }
+
+    /// The cell of `key` in this level: linear probing from its home to an empty cell.
+    #[inline]
+    fn find(&self, key: u64) -> Option<usize> {
+        let mut i = key as usize & self.mask();
+        for _ in 0..self.cap() {
+            match self.key(i).load(Ordering::Acquire) {
+                k if k == key => return Some(i),
+                EMPTY => return None,
+                _ => i = (i + 1) & self.mask(),
+            }
+        }
+        None
+    }
+
+    /// Where `key` would go: the first tombstone on its probe, else the empty cell that
+    /// ends it (`true`: a cell not used before).
+    fn vacancy(&self, key: u64) -> Option<(usize, bool)> {
+        let mut i = key as usize & self.mask();
+        for _ in 0..self.cap() {
+            match self.key(i).load(Ordering::Relaxed) {
+                TOMB => return Some((i, false)),
+                EMPTY => return Some((i, true)),
+                _ => i = (i + 1) & self.mask(),
+            }
+        }
+        None
+    }
+}
+
+impl Cell<'_> {
+    /// The cell's state now, or `None` when the cell no longer holds its key (removed,
+    /// or given to another key since it was found).
+    #[inline]
+    pub(crate) fn load(&self) -> Option<Loaded> {
+        let stored = self.level.state(self.index).load(Ordering::Acquire);
+        if stored == REMOVED || self.level.key(self.index).load(Ordering::Acquire) != self.key {
+            return None;
+        }
+        Some(Loaded {
+            stored,
+            state: stored ^ self.key,
+        })
+    }
+
+    /// Stores `next` if the cell still holds what `loaded` read.
+    #[inline]
+    pub(crate) fn replace(&self, loaded: Loaded, next: u64) -> bool {
+        self.level
+            .state(self.index)
+            .compare_exchange(
+                loaded.stored,
+                next ^ self.key,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+}
+
+impl Cells {
+    /// Cells for a shard of at most `max` keys: enough levels for twice that many, which
+    /// leaves room for tombstones; none is allocated until a key needs it.
+    ///
+    /// `max` is at most [`MAX_SHARD_KEYS`].
+    pub(crate) fn new(max: usize) -> (Self, Meta) {
+        let mut levels = 1;
+        while levels < LEVELS && (FIRST << (levels - 1)) * 7 / 8 < 2 * max.max(1) {
+            levels += 1;
+        }
+        let cells = Cells {
+            made: AtomicUsize::new(0),
+            limit: levels,
+            levels: std::array::from_fn(|_| OnceLock::new()),
+        };
+        let meta = Meta {
+            live: 0,
+            used: vec![0; levels].into_boxed_slice(),
+        };
+        (cells, meta)
+    }
+
+    /// The cell of `key`, without a lock. Newer levels are larger and searched first.
+    #[inline]
+    pub(crate) fn find(&self, key: u64) -> Option<Cell<'_>> {
+        let made = self.made.load(Ordering::Acquire);
+        self.levels[..made].iter().rev().find_map(|level| {
+            let level = level.get()?;
+            let index = level.find(key)?;
+            Some(Cell { level, index, key })
+        })
+    }
+
+    /// Runs `step` on the state of `key` and stores what it returns, without a lock;
+    /// again on the new state if another thread stored first. `step` returns its answer
+    /// and the state to store (`None`: store nothing).
+    ///
+    /// `None` when `key` has no cell, or its cell was removed or pinned meanwhile.
+    #[inline]
+    pub(crate) fn update<R>(
+        &self,
+        key: u64,
+        mut step: impl FnMut(u64) -> (R, Option<u64>),
+    ) -> Option<R> {
+        let cell = self.find(key)?;
+        loop {
+            let loaded = cell.load()?;
+            match step(loaded.state) {
+                (answer, Some(next)) if next != loaded.state => {
+                    if cell.replace(loaded, next) {
+                        return Some(answer);
+                    }
+                }
+                (answer, _) => return Some(answer),
+            }
+        }
+    }
+
+    /// Pins the cell of `key` for the holder of the shard's lock (see the module docs):
+    /// `None` when `key` has no cell.
+    pub(crate) fn pin(&self, _: &Meta, key: u64) -> Option<Pinned<'_>> {
+        let cell = self.find(key)?;
+        // Under the lock no removal is under way: a word that reads as `REMOVED` is a
+        // state that happens to have its pattern.
+        let stored = cell.level.state(cell.index).swap(REMOVED, Ordering::AcqRel);
+        Some(Pinned {
+            cell,
+            stored,
+            next: None,
+        })
+    }
+
+    /// Whether `key`, which has no cell, would get one; if not at first, once every
+    /// tombstone that can be emptied is, and then once keys are moved back onto the
+    /// tombstones on their probes (see [`compact`](Self::compact)).
+    pub(crate) fn has_vacancy(&self, meta: &mut Meta, key: u64) -> bool {
+        self.spot(meta, key).is_some()
+            || {
+                self.clear_tombstones(meta);
+                self.spot(meta, key).is_some()
+            }
+            || {
+                self.compact(meta);
+                self.spot(meta, key).is_some()
+            }
+    }
+
+    /// Moves each key onto the first tombstone on its probe, if any, and empties the
+    /// tombstones that leaves at the ends of runs: tombstones before a key that stays
+    /// (its cell busy) fill a level otherwise. A key's move is the state's word written
+    /// to its new cell, then its key, then the old cell marked a tombstone, with the old
+    /// cell's state swapped for `REMOVED` first: a check that found the old cell fails
+    /// and comes to the lock; one that probes meanwhile meets the new cell first. Pinned
+    /// cells stay.
+    fn compact(&self, meta: &mut Meta) {
+        for (n, level) in self.levels.iter().enumerate() {
+            let Some(level) = level.get() else { continue };
+            let mask = level.mask();
+            for j in 0..level.cap() {
+                let key = level.key(j).load(Ordering::Relaxed);
+                if key == EMPTY || key == TOMB || level.state(j).load(Ordering::Acquire) == REMOVED
+                {
+                    continue;
+                }
+                let mut t = key as usize & mask;
+                while t != j && level.key(t).load(Ordering::Relaxed) != TOMB {
+                    t = (t + 1) & mask;
+                }
+                if t == j {
+                    continue;
+                }
+                let stored = level.state(j).swap(REMOVED, Ordering::AcqRel);
+                level.state(t).store(stored, Ordering::Release);
+                level.key(t).store(key, Ordering::Release);
+                level.key(j).store(TOMB, Ordering::Release);
+            }
+            meta.used[n] -= clear_tombstones(level);
+        }
+    }
+
+    /// Gives `key`, which has no cell, a cell holding `state`. `false` when every level
+    /// is full.
+    pub(crate) fn insert(&self, meta: &mut Meta, key: u64, state: u64) -> bool {
+        let Some((n, i, fresh)) = self.spot(meta, key) else {
+            return false;
+        };
+        let level = self.levels[n].get_or_init(|| Level::new(FIRST << n));
+        if n == self.made.load(Ordering::Relaxed) {
+            self.made.store(n + 1, Ordering::Release);
+        }
+        level.state(i).store(state ^ key, Ordering::Release);
+        level.key(i).store(key, Ordering::Release);
+        meta.live += 1;
+        if fresh {
+            meta.used[n] += 1;
+        }
+        true
+    }
+
+    /// Where [`insert`](Self::insert) would put `key`: its level, its cell, and whether
+    /// that cell was never used.
+    fn spot(&self, meta: &Meta, key: u64) -> Option<(usize, usize, bool)> {
+        let mut spot = None;
+        let made = self.made.load(Ordering::Relaxed);
+        for (n, level) in self.levels[..made].iter().enumerate().rev() {
+            let Some(level) = level.get() else { continue };
+            match level.vacancy(key) {
+                Some((i, false)) => {
+                    spot = Some((n, i, false));
+                    break;
+                }
+                Some((i, true)) if meta.used[n] < level.room() => {
+                    spot = Some((n, i, true));
+                    break;
+                }
+                _ => {}
+            }
+        }
+        if spot.is_none() && made < self.limit {
+            // The next level.
+            spot = Some((made, key as usize & ((FIRST << made) - 1), true));
+        }
+        spot
+    }
+
+    /// Takes `key`'s cell away, if it has one; a thread updating it meanwhile fails.
+    pub(crate) fn remove(&self, meta: &mut Meta, key: u64) {
+        if let Some(cell) = self.find(key) {
+            cell.level.state(cell.index).swap(REMOVED, Ordering::AcqRel);
+            cell.level.key(cell.index).store(TOMB, Ordering::Release);
+            meta.live -= 1;
+            let n = self.level_of(cell.level);
+            meta.used[n] -= clear_run_end(cell.level, cell.index);
+        }
+    }
+
+    /// The index of a level of these cells.
+    fn level_of(&self, level: &Level) -> usize {
+        (level.cap() / FIRST).trailing_zeros() as usize
+    }
+
+    /// Empties every tombstone no probe passes through, in every level.
+    fn clear_tombstones(&self, meta: &mut Meta) {
+        for (n, level) in self.levels.iter().enumerate() {
+            if let Some(level) = level.get() {
+                meta.used[n] -= clear_tombstones(level);
+            }
+        }
+    }
+
+    /// Removes every key whose state (its first instant equivalent to a fresh key's) is
+    /// `now` or earlier, empties the tombstones no probe passes through, and returns the
+    /// earliest instant at which a remaining key becomes idle (`u64::MAX`: none).
+    pub(crate) fn sweep(&self, meta: &mut Meta, now: u64) -> u64 {
+        let mut earliest = u64::MAX;
+        for (n, level) in self.levels.iter().enumerate() {
+            let Some(level) = level.get() else { continue };
+            for i in 0..level.cap() {
+                let key = level.key(i).load(Ordering::Relaxed);
+                if key == EMPTY || key == TOMB {
+                    continue;
+                }
+                let stored = level.state(i).load(Ordering::Acquire);
+                // A pinned cell (or a state with `REMOVED`'s pattern) stays this time;
+                // an update between the read and the swap keeps the key.
+                if stored != REMOVED
+                    && stored ^ key <= now
+                    && level
+                        .state(i)
+                        .compare_exchange(stored, REMOVED, Ordering::AcqRel, Ordering::Relaxed)
+                        .is_ok()
+                {
+                    level.key(i).store(TOMB, Ordering::Release);
+                    meta.live -= 1;
+                } else {
+                    // A pinned cell's state is unknown here: soon, to be safe.
+                    let stored = level.state(i).load(Ordering::Acquire);
+                    let state = if stored == REMOVED { now } else { stored ^ key };
+                    earliest = earliest.min(state.max(now + 1));
+                }
+            }
+            meta.used[n] -= clear_tombstones(level);
+        }
+        earliest
+    }
+
+    /// Keys held.
+    pub(crate) fn len(meta: &Meta) -> usize {
+        meta.live
+    }
+}
+
+/// A cell pinned by the holder of the shard's lock: dropping it stores the state to keep.
+pub(crate) struct Pinned<'a> {
+    cell: Cell<'a>,
+    /// The word pinned.
+    stored: u64,
+    /// The state to leave, if another.
+    next: Option<u64>,
+}
+
+impl Pinned<'_> {
+    /// The state pinned.
+    pub(crate) fn state(&self) -> u64 {
+        self.stored ^ self.cell.key
+    }
+
+    /// Leaves `state` in the cell when the pin is dropped.
+    pub(crate) fn set(&mut self, state: u64) {
+        self.next = Some(state);
+    }
+}
+
+impl Drop for Pinned<'_> {
+    fn drop(&mut self) {
+        let word = self.next.map_or(self.stored, |state| state ^ self.cell.key);
+        self.cell
+            .level
+            .state(self.cell.index)
+            .store(word, Ordering::Release);
+    }
+}
+
+/// After the tombstone at `i`: if an empty cell follows it, no probe passes through it,
+/// nor through the tombstones just before it; empties them and returns how many.
+fn clear_run_end(level: &Level, i: usize) -> usize {
+    let mask = level.mask();
+    if level.key((i + 1) & mask).load(Ordering::Relaxed) != EMPTY {
+        return 0;
+    }
+    let mut cleared = 0;
+    let mut j = i;
+    while cleared < level.cap() && level.key(j).load(Ordering::Relaxed) == TOMB {
+        level.key(j).store(EMPTY, Ordering::Release);
+        cleared += 1;
+        j = (j + mask) & mask;
+    }
+    cleared
+}
+
+/// Empties the tombstones no key's probe, from its home to its cell, passes through.
+/// Returns how many.
+///
+/// Walks each run of used cells backwards from the empty cell that ends it, keeping how
+/// far back from that end the probes of the keys seen so far reach: a tombstone further
+/// back than any of them is crossed by no probe (a key before it stops before it) and
+/// becomes an empty cell, which ends the run before it.
+fn clear_tombstones(level: &Level) -> usize {
+    let (cap, mask) = (level.cap(), level.mask());
+    let Some(start) = (0..cap).find(|&i| level.key(i).load(Ordering::Relaxed) == EMPTY) else {
+        return 0;
+    };
+    let mut cleared = 0;
+    // Steps back from the run's end, and the furthest back a probe seen reaches.
+    let (mut back, mut reach) = (0, 0);
+    for step in 1..cap {
+        let i = (start + cap - step) & mask;
+        match level.key(i).load(Ordering::Relaxed) {
+            EMPTY => (back, reach) = (0, 0),
+            TOMB if back + 1 > reach => {
+                level.key(i).store(EMPTY, Ordering::Release);
+                cleared += 1;
+                (back, reach) = (0, 0);
+            }
+            TOMB => back += 1,
+            key => {
+                back += 1;
+                let displaced = i.wrapping_sub(key as usize) & mask;
+                reach = reach.max(back + displaced);
+            }
+        }
+    }
+    cleared
+}
+
+#[cfg(all(test, not(tollway_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_found_updated_removed_and_their_cells_reused() {
+        let (cells, mut meta) = Cells::new(100);
+        for k in 2..202u64 {
+            assert!(cells.find(k).is_none());
+            assert!(cells.insert(&mut meta, k, k * 10));
+        }
+        assert_eq!(Cells::len(&meta), 200);
+        for k in 2..202u64 {
+            assert_eq!(cells.update(k, |s| (s, Some(s + 1))), Some(k * 10));
+            assert_eq!(
+                cells.find(k).and_then(|c| c.load()).map(|l| l.state),
+                Some(k * 10 + 1)
+            );
+        }
+        cells.remove(&mut meta, 7);
+        assert!(cells.find(7).is_none());
+        assert_eq!(cells.update(7, |s| (s, None)), None);
+        assert!(cells.insert(&mut meta, 7, 5));
+        assert_eq!(cells.update(7, |s| (s, None)), Some(5));
+        assert_eq!(Cells::len(&meta), 200);
+    }
+
+    // A thread that found a key's cell and is then overtaken by the key's removal and
+    // another key's arrival in the same cell must not write that key's state.
+    #[test]
+    fn a_cell_given_to_another_key_is_not_written_by_a_stale_reader() {
+        let (cells, mut meta) = Cells::new(4);
+        // 2 and 18 share a home in the first level (16 cells).
+        assert!(cells.insert(&mut meta, 2, 100));
+        let stale = cells.find(2).unwrap();
+        let before = stale.load().unwrap();
+        cells.remove(&mut meta, 2);
+        assert!(stale.load().is_none(), "removed");
+        assert!(!stale.replace(before, 1), "removed: the swap fails");
+        assert!(cells.insert(&mut meta, 18, 100));
+        let other = cells.find(18).unwrap();
+        assert_eq!(
+            (other.index, stale.index),
+            (stale.index, 2),
+            "the cell is reused"
+        );
+        assert!(stale.load().is_none(), "another key's cell");
+        assert!(!stale.replace(before, 1), "another key's word");
+        assert_eq!(other.load().unwrap().state, 100);
+    }
+
+    /// Key `k` of a test, spread over the homes as hashed keys are.
+    fn spread(k: u64) -> u64 {
+        cell_key(k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    }
+
+    #[test]
+    fn a_sweep_removes_idle_keys_and_clears_the_tombstones_it_can() {
+        let (cells, mut meta) = Cells::new(1_000);
+        for k in 0..1_000u64 {
+            assert!(cells.insert(&mut meta, spread(k), if k % 2 == 0 { 50 } else { 500 }));
+        }
+        let used: usize = meta.used.iter().sum();
+        assert_eq!(used, 1_000);
+        assert_eq!(cells.sweep(&mut meta, 100), 500);
+        assert_eq!(Cells::len(&meta), 500);
+        for k in 0..1_000u64 {
+            assert_eq!(cells.find(spread(k)).is_some(), k % 2 == 1, "key {k}");
+        }
+        let left: usize = meta.used.iter().sum();
+        assert!(
+            left < used,
+            "some tombstones end their runs: {left} of {used} used"
+        );
+        assert_eq!(cells.sweep(&mut meta, 500), u64::MAX);
+        assert_eq!(Cells::len(&meta), 0);
+        assert_eq!(
+            meta.used.iter().sum::<usize>(),
+            0,
+            "every tombstone ends a run"
+        );
+    }
+
+    // Long-lived keys with others coming and going around them: the tombstones the
+    // others leave behind the long-lived ones would fill the level; moving keys back
+    // onto them (or emptying them) keeps room for every new key.
+    #[test]
+    fn churn_around_long_lived_keys_keeps_room() {
+        let (cells, mut meta) = Cells::new(4);
+        for k in 0..3 {
+            assert!(cells.insert(&mut meta, spread(k), 1));
+        }
+        for k in 3..100_000u64 {
+            let key = spread(k);
+            assert!(cells.has_vacancy(&mut meta, key), "new key {k}");
+            assert!(cells.insert(&mut meta, key, 1));
+            cells.remove(&mut meta, key);
+        }
+        for k in 0..3 {
+            assert!(cells.find(spread(k)).is_some(), "long-lived key {k}");
+        }
+        assert_eq!(Cells::len(&meta), 3);
+    }
+
+    // Keys that come and go forever reuse the cells they left: the levels stop growing.
+    #[test]
+    fn churning_keys_reuse_their_cells() {
+        let (cells, mut meta) = Cells::new(64);
+        let mut key = 0;
+        for round in 0..1_000u64 {
+            for _ in 0..64 {
+                assert!(cells.insert(&mut meta, spread(key), round), "round {round}");
+                key += 1;
+            }
+            cells.sweep(&mut meta, round);
+            assert_eq!(Cells::len(&meta), 0);
+        }
+        let made = cells.levels.iter().filter(|l| l.get().is_some()).count();
+        assert!(made <= 4, "{made} levels for 64 keys");
+    }
+
+    #[test]
+    fn a_full_shard_says_so() {
+        let (cells, mut meta) = Cells::new(1);
+        let mut n = 0;
+        while cells.insert(&mut meta, 2 + n, 1) {
+            n += 1;
+        }
+        // Seven eighths of the first level's 16 cells: room for twice the shard's keys,
+        // and more.
+        assert_eq!(n, 14);
+    }
+}
+
+/// The transitions under every interleaving `loom` finds, for two and three threads on
+/// one key: `RUSTFLAGS="--cfg tollway_loom" cargo test -p tollway-core --release --lib loom`.
+#[cfg(all(test, tollway_loom))]
+#[allow(clippy::unwrap_used)]
+mod loom_tests {
+    use loom::sync::{Arc, Mutex};
+    use loom::thread;
+
+    use super::*;
+
+    /// A shard: cells, and their meta behind a lock. Its first level is made before any
+    /// thread starts: levels are made once, behind a `OnceLock`, which loom does not
+    /// model.
+    fn shard() -> Arc<(Cells, Mutex<Meta>)> {
+        let (cells, meta) = Cells::new(4);
+        cells.levels[0].get_or_init(|| Level::new(FIRST));
+        cells.made.store(1, Ordering::Release);
+        Arc::new((cells, Mutex::new(meta)))
+    }
+
+    /// A check as the store makes it: without the lock while the key has a cell, under
+    /// it to insert one. A state is a count of admissions; at most `limit` are admitted.
+    fn admit(shard: &(Cells, Mutex<Meta>), key: u64, limit: u64) -> bool {
+        let step = |count: u64| {
+            let ok = count < limit;
+            (ok, ok.then_some(count + 1))
+        };
+        if let Some(ok) = shard.0.update(key, step) {
+            return ok;
+        }
+        let mut meta = shard.1.lock().unwrap();
+        if let Some(ok) = shard.0.update(key, step) {
+            return ok;
+        }
+        let (ok, next) = step(0);
+        if let Some(next) = next {
+            assert!(shard.0.insert(&mut meta, key, next));
+        }
+        ok
+    }
+
+    fn count(shard: &(Cells, Mutex<Meta>), key: u64) -> u64 {
+        let meta = shard.1.lock().unwrap();
+        shard.0.pin(&meta, key).map_or(0, |pinned| pinned.state())
+    }
+
+    #[test]
+    fn racing_checks_on_one_key_lose_no_update_and_admit_no_more_than_the_limit() {
+        for threads in [2, 3] {
+            loom::model(move || {
+                let shard = shard();
+                {
+                    let mut meta = shard.1.lock().unwrap();
+                    assert!(shard.0.insert(&mut meta, 9, 0));
+                }
+                let handles: Vec<_> = (0..threads)
+                    .map(|_| {
+                        let shard = shard.clone();
+                        thread::spawn(move || admit(&shard, 9, 2))
+                    })
+                    .collect();
+                let admitted = handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap())
+                    .filter(|&ok| ok)
+                    .count() as u64;
+                assert_eq!(admitted, 2.min(threads));
+                assert_eq!(count(&shard, 9), admitted, "every admission recorded");
+            });
+        }
+    }
+
+    #[test]
+    fn racing_first_checks_insert_the_key_once() {
+        loom::model(|| {
+            let shard = shard();
+            let handles: Vec<_> = (0..2)
+                .map(|_| {
+                    let shard = shard.clone();
+                    thread::spawn(move || admit(&shard, 9, 5))
+                })
+                .collect();
+            for h in handles {
+                assert!(h.join().unwrap());
+            }
+            assert_eq!(count(&shard, 9), 2);
+            assert_eq!(Cells::len(&shard.1.lock().unwrap()), 1);
+        });
+    }
+
+    // A sweep removing an idle key while checks admit on it: each admission is either
+    // in the cell the sweep left or in the cell a check inserted afterwards.
+    #[test]
+    fn a_sweep_beside_checks_loses_no_admission() {
+        loom::model(|| {
+            let shard = shard();
+            {
+                let mut meta = shard.1.lock().unwrap();
+                assert!(shard.0.insert(&mut meta, 9, 0));
+            }
+            let checks: Vec<_> = (0..2)
+                .map(|_| {
+                    let shard = shard.clone();
+                    thread::spawn(move || admit(&shard, 9, 5))
+                })
+                .collect();
+            let sweeper = {
+                let shard = shard.clone();
+                // State 0 is idle at instant 0.
+                thread::spawn(move || {
+                    let mut meta = shard.1.lock().unwrap();
+                    shard.0.sweep(&mut meta, 0);
+                })
+            };
+            for h in checks {
+                assert!(h.join().unwrap());
+            }
+            sweeper.join().unwrap();
+            assert_eq!(count(&shard, 9), 2);
+        });
+    }
+
+    // A decision under the lock pins the cell it reads: a check without the lock in the
+    // meantime fails, waits for the lock and decides after; the pinned decision's write
+    // and the check's both count.
+    #[test]
+    fn a_pinned_cell_takes_no_other_update_until_let_go() {
+        loom::model(|| {
+            let shard = shard();
+            {
+                let mut meta = shard.1.lock().unwrap();
+                assert!(shard.0.insert(&mut meta, 9, 0));
+            }
+            let charge = {
+                let shard = shard.clone();
+                thread::spawn(move || {
+                    let meta = shard.1.lock().unwrap();
+                    let mut pinned = shard.0.pin(&meta, 9).unwrap();
+                    let state = pinned.state();
+                    pinned.set(state + 3);
+                })
+            };
+            let check = {
+                let shard = shard.clone();
+                thread::spawn(move || admit(&shard, 9, 10))
+            };
+            charge.join().unwrap();
+            assert!(check.join().unwrap());
+            assert_eq!(count(&shard, 9), 4);
+        });
+    }
+
+    // A check that found a key's cell, overtaken by the key's removal and another key's
+    // arrival in the same cell, writes nothing into that key's state.
+    #[test]
+    fn a_reused_cell_is_not_written_by_a_stale_check() {
+        loom::model(|| {
+            let shard = shard();
+            {
+                let mut meta = shard.1.lock().unwrap();
+                assert!(shard.0.insert(&mut meta, 2, 0));
+            }
+            let check = {
+                let shard = shard.clone();
+                thread::spawn(move || admit(&shard, 2, 5))
+            };
+            let churn = {
+                let shard = shard.clone();
+                thread::spawn(move || {
+                    let mut meta = shard.1.lock().unwrap();
+                    shard.0.remove(&mut meta, 2);
+                    // 18 shares 2's home, and takes its cell.
+                    assert!(shard.0.insert(&mut meta, 18, 3));
+                })
+            };
+            assert!(check.join().unwrap());
+            churn.join().unwrap();
+            assert_eq!(count(&shard, 18), 3, "the other key's state is untouched");
+            // Before the removal, the check's admission went with the key; after it, the
+            // check inserted the key afresh.
+            assert!(count(&shard, 2) <= 1);
+        });
+    }
+}
