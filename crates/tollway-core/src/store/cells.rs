@@ -300,27 +300,9 @@ impl Cells {
     /// cells stay.
     fn compact(&self, meta: &mut Meta) {
         for (n, level) in self.levels.iter().enumerate() {
-            let Some(level) = level.get() else { continue };
-            let mask = level.mask();
-            for j in 0..level.cap() {
-                let key = level.key(j).load(Ordering::Relaxed);
-                if key == EMPTY || key == TOMB || level.state(j).load(Ordering::Acquire) == REMOVED
-                {
-                    continue;
-                }
-                let mut t = key as usize & mask;
-                while t != j && level.key(t).load(Ordering::Relaxed) != TOMB {
-                    t = (t + 1) & mask;
-                }
-                if t == j {
-                    continue;
-                }
-                let stored = level.state(j).swap(REMOVED, Ordering::AcqRel);
-                level.state(t).store(stored, Ordering::Release);
-                level.key(t).store(key, Ordering::Release);
-                level.key(j).store(TOMB, Ordering::Release);
+            if let Some(level) = level.get() {
+                meta.used[n] -= compact(level);
             }
-            meta.used[n] -= clear_tombstones(level);
         }
     }
 
@@ -418,6 +400,7 @@ impl Cells {
                 {
                     level.key(i).store(TOMB, Ordering::Release);
                     meta.live -= 1;
+                    meta.used[n] -= clear_run_end(level, i);
                 } else {
                     // A pinned cell's state is unknown here: soon, to be safe.
                     let stored = level.state(i).load(Ordering::Acquire);
@@ -433,6 +416,12 @@ impl Cells {
     /// Keys held.
     pub(crate) fn len(meta: &Meta) -> usize {
         meta.live
+    }
+
+    /// Cells a sweep walks: every level made.
+    pub(crate) fn cap(&self) -> usize {
+        let made = self.made.load(Ordering::Relaxed);
+        (0..made).map(|n| FIRST << n).sum()
     }
 }
 
@@ -482,6 +471,29 @@ fn clear_run_end(level: &Level, i: usize) -> usize {
         j = (j + mask) & mask;
     }
     cleared
+}
+
+/// [`Cells::compact`] in one level; returns how many tombstones it emptied.
+fn compact(level: &Level) -> usize {
+    let mask = level.mask();
+    for j in 0..level.cap() {
+        let key = level.key(j).load(Ordering::Relaxed);
+        if key == EMPTY || key == TOMB || level.state(j).load(Ordering::Acquire) == REMOVED {
+            continue;
+        }
+        let mut t = key as usize & mask;
+        while t != j && level.key(t).load(Ordering::Relaxed) != TOMB {
+            t = (t + 1) & mask;
+        }
+        if t == j {
+            continue;
+        }
+        let stored = level.state(j).swap(REMOVED, Ordering::AcqRel);
+        level.state(t).store(stored, Ordering::Release);
+        level.key(t).store(key, Ordering::Release);
+        level.key(j).store(TOMB, Ordering::Release);
+    }
+    clear_tombstones(level)
 }
 
 /// Empties the tombstones no key's probe, from its home to its cell, passes through.

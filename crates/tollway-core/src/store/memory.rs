@@ -151,10 +151,10 @@ struct Table {
     swept_at: u64,
 }
 
-/// At the bound, a full shard sweeps at most once per this many nanoseconds a key it
-/// holds (about 20 µs for 1,024 keys): a flood of new keys at the bound then spends a
-/// bounded share of a core on sweeping, and a key that expired makes room for a new one
-/// within that time.
+/// At the bound, a full shard sweeps at most once per this many nanoseconds an entry or
+/// cell a sweep walks (about 20 µs for 1,024 keys in tables, two to four times that in
+/// cells): a flood of new keys at the bound then spends a bounded share of a core on
+/// sweeping, and a key that expired makes room for a new one within that time.
 const SWEEP_GAP_NS_PER_KEY: u64 = 20;
 
 impl MemoryStore<MonotonicClock> {
@@ -946,7 +946,8 @@ impl Table {
     fn has_room(&mut self, cells: &Cells, now: u64, max: usize, needed: usize) -> bool {
         let held = self.len() + needed;
         if held > self.sweep_at && now >= self.earliest_expiry {
-            let gap_us = (self.len() as u64 * SWEEP_GAP_NS_PER_KEY).div_ceil(1_000);
+            let walked = self.slots.len() + self.logs.len() + cells.cap();
+            let gap_us = (walked as u64 * SWEEP_GAP_NS_PER_KEY).div_ceil(1_000);
             if held <= max || now.saturating_sub(self.swept_at) >= gap_us {
                 self.sweep(cells, now, max);
             }
@@ -1328,7 +1329,8 @@ mod tests {
             Some(Denial::StoreFull),
             "nothing else has expired"
         );
-        // 10 µs later key 1 has expired; the gap of 256 keys (about 5 µs) has passed.
+        // 10 µs later key 1 has expired; the gap (496 cells a sweep walks, 9.9 µs) has
+        // passed.
         clock.advance(Duration::from_micros(10));
         assert!(store.check_sync(b"second", &policy, 1).is_allowed());
     }
