@@ -1329,8 +1329,8 @@ mod tests {
             Some(Denial::StoreFull),
             "nothing else has expired"
         );
-        // 10 µs later key 1 has expired; the gap (496 cells a sweep walks, 9.9 µs) has
-        // passed.
+        // 10 µs later key 1 has expired; the gap has passed (496 cells a sweep walks,
+        // 9.92 µs, rounded up to 10).
         clock.advance(Duration::from_micros(10));
         assert!(store.check_sync(b"second", &policy, 1).is_allowed());
     }
