@@ -101,7 +101,7 @@ const BLOCK: usize = 2 * if FIRST < 8 { FIRST } else { 8 };
 struct Block([AtomicU64; BLOCK]);
 
 /// A key's cell, found without a lock.
-pub(crate) struct Cell<'a> {
+struct Cell<'a> {
     level: &'a Level,
     index: usize,
     key: u64,
@@ -109,9 +109,9 @@ pub(crate) struct Cell<'a> {
 
 /// A state as read, and the word it was read from (what a replacement expects).
 #[derive(Clone, Copy)]
-pub(crate) struct Loaded {
+struct Loaded {
     stored: u64,
-    pub(crate) state: u64,
+    state: u64,
 }
 
 impl Level {
@@ -178,7 +178,7 @@ impl Cell<'_> {
     /// The cell's state now, or `None` when the cell no longer holds its key (removed,
     /// or given to another key since it was found).
     #[inline]
-    pub(crate) fn load(&self) -> Option<Loaded> {
+    fn load(&self) -> Option<Loaded> {
         let stored = self.level.state(self.index).load(Ordering::Acquire);
         if stored == REMOVED || self.level.key(self.index).load(Ordering::Acquire) != self.key {
             return None;
@@ -191,7 +191,7 @@ impl Cell<'_> {
 
     /// Stores `next` if the cell still holds what `loaded` read.
     #[inline]
-    pub(crate) fn replace(&self, loaded: Loaded, next: u64) -> bool {
+    fn replace(&self, loaded: Loaded, next: u64) -> bool {
         self.level
             .state(self.index)
             .compare_exchange(
@@ -228,7 +228,7 @@ impl Cells {
 
     /// The cell of `key`, without a lock. Newer levels are larger and searched first.
     #[inline]
-    pub(crate) fn find(&self, key: u64) -> Option<Cell<'_>> {
+    fn find(&self, key: u64) -> Option<Cell<'_>> {
         let made = self.made.load(Ordering::Acquire);
         self.levels[..made].iter().rev().find_map(|level| {
             let level = level.get()?;

@@ -530,23 +530,28 @@ fn word_check(policy: &Policy, tat: u64, now: u64, cost: u32) -> (Decision, u64)
     (decision, next.tat)
 }
 
-/// A charge or drain (see [`Operation`]) on a one-word state `tat`, in one step.
-fn word_operate(policy: &Policy, tat: u64, now: u64, operation: Operation) -> u64 {
-    let left = word_check(policy, tat, now, 0).0.remaining();
-    let (cost, owed) = match operation {
-        // Whatever is left, if less (`remaining` units always fit), as a request; then
-        // what did not fit, owed.
+/// What a charge or drain (see [`Operation`]) takes as a request from a state with
+/// `left` units (`remaining` units always fit), and what it then owes: a charge takes
+/// whatever is left, if less, and owes what did not fit; a drain takes what is left over
+/// its `keep`.
+fn take_and_owe(operation: Operation, left: u64) -> (u32, u32) {
+    match operation {
         Operation::Charge(units) => {
             let cost = u32::try_from(left).map_or(units, |left| units.min(left));
             (cost, units - cost)
         }
-        // What is left over `keep`.
         Operation::Drain(keep) => {
             let over = left.saturating_sub(u64::from(keep));
             (u32::try_from(over).unwrap_or(u32::MAX), 0)
         }
-        _ => (0, 0),
-    };
+        Operation::Peek(_) | Operation::Refund(_) | Operation::Reset => (0, 0),
+    }
+}
+
+/// A charge or drain (see [`Operation`]) on a one-word state `tat`, in one step.
+fn word_operate(policy: &Policy, tat: u64, now: u64, operation: Operation) -> u64 {
+    let left = word_check(policy, tat, now, 0).0.remaining();
+    let (cost, owed) = take_and_owe(operation, left);
     let (decision, next) = word_check(policy, tat, now, cost);
     let taken = if decision.is_allowed() { next } else { tat };
     if owed > 0 {
@@ -673,23 +678,15 @@ impl Table {
                     return self.read(cells, hash, now, policy, 0).0;
                 }
                 match operation {
-                    Operation::Charge(units) => {
-                        // Whatever is left, if less (`remaining` units always fit), as a
-                        // request; then what did not fit, owed.
+                    Operation::Charge(_) | Operation::Drain(_) => {
                         let left = self.read(cells, hash, now, policy, 0).0.remaining();
-                        let cost = u32::try_from(left).map_or(units, |left| units.min(left));
-                        self.decide(cells, key_hash, now, &[policy], cost, bounds, true);
-                        if units > cost {
-                            self.overdraw(cells, hash, now, policy, units - cost);
-                        }
-                    }
-                    Operation::Drain(keep) => {
-                        // What is left over `keep`: `remaining` units always fit.
-                        let left = self.read(cells, hash, now, policy, 0).0.remaining();
-                        let over = left.saturating_sub(u64::from(keep));
-                        let cost = u32::try_from(over).unwrap_or(u32::MAX);
-                        if cost > 0 {
+                        let (cost, owed) = take_and_owe(operation, left);
+                        // A drain with nothing over `keep` takes nothing.
+                        if cost > 0 || matches!(operation, Operation::Charge(_)) {
                             self.decide(cells, key_hash, now, &[policy], cost, bounds, true);
+                        }
+                        if owed > 0 {
+                            self.overdraw(cells, hash, now, policy, owed);
                         }
                     }
                     Operation::Refund(units) => self.refund(cells, hash, now, policy, units),
