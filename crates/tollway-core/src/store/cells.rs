@@ -1,15 +1,17 @@
 //! Cells that threads read and update without a lock: the memory store's home for the
 //! states that fit in one 64-bit word (GCRA and the leaky bucket shaper).
 //!
-//! A shard's cells are a few open-addressing tables, *levels*, of doubling size, each
-//! allocated once and kept until the store is dropped, so a thread can hold a reference
-//! into one without a lock or a reclamation scheme. A level keeps eight keys on one
-//! cache line and their eight states on the next: looking a key up reads only key words,
-//! which change when a key comes or goes, and a check writes only its own state word,
-//! so checks on different keys write no line but the states' (in a bare table on this
-//! project's machine, keys beside their states scaled two threads on their own keys
-//! 1.15×, keys on lines of their own 1.5×), and the processor fetches a key's line and
-//! its state's together (a 128-byte pair).
+//! A shard's cells are a few open-addressing tables, *levels*, each half as large again
+//! as the one before, each allocated once and kept until the store is dropped, so a
+//! thread can hold a reference into one without a lock or a reclamation scheme. A key
+//! has one cell at most; a lookup reads its home cell in every level first (these reads
+//! do not wait for one another), then probes the levels newest first. A level keeps
+//! eight keys on one cache line and their eight states on the next: looking a key up
+//! reads only key words, which change when a key comes or goes, and a check writes only
+//! its own state word, so checks on different keys write no line but the states' (in a
+//! bare table on this project's Intel machine, keys beside their states scaled two
+//! threads on their own keys 1.15×, keys on lines of their own 1.5×), and the processor
+//! fetches a key's line and its state's together (a 128-byte pair).
 //!
 //! **Who writes what.** Without the lock, a state word changes only by compare-and-swap.
 //! Everything else — a key word, and a state's plain stores and swaps — happens under
@@ -53,9 +55,35 @@ const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
 /// The state word of a cell being removed.
 const REMOVED: u64 = u64::MAX;
-/// Cells in a shard's first level; each next level has twice as many. (Four under loom,
-/// whose models grow with every atomic a sweep reads.)
+/// Cells in a shard's first level. (Four under loom, whose models grow with every atomic
+/// a sweep reads.)
 const FIRST: usize = if cfg!(tollway_loom) { 4 } else { 16 };
+
+/// Cells in each level: [`FIRST`], then half as many again each time, in whole blocks.
+/// Levels growing by half keep a key in 18 to 27 bytes of cells once a shard holds a
+/// few hundred keys (doubling: 18 to 37), for a level more to look in.
+const CAPS: [usize; LEVELS] = {
+    let mut caps = [FIRST; LEVELS];
+    let mut n = 1;
+    while n < LEVELS {
+        caps[n] = (caps[n - 1] * 3 / 2).div_ceil(BLOCK / 2) * (BLOCK / 2);
+        n += 1;
+    }
+    caps
+};
+
+/// Keys a level of `cap` cells takes before the next one is made: seven eighths, so
+/// every probe meets an empty cell.
+const fn room(cap: usize) -> usize {
+    cap * 7 / 8
+}
+
+/// The home of `key` in a level of `cap` cells: its low 32 bits scaled to `cap` (the
+/// store picks a shard with higher bits).
+#[inline]
+fn home(key: u64, cap: usize) -> usize {
+    (((key & 0xffff_ffff) * cap as u64) >> 32) as usize
+}
 
 /// The cell key of a state kept under `hash`: never `EMPTY` or `TOMB`.
 pub(crate) fn cell_key(hash: u64) -> u64 {
@@ -73,10 +101,17 @@ pub(crate) struct Cells {
 }
 
 /// Levels a shard may have.
-const LEVELS: usize = 16;
+const LEVELS: usize = 24;
 
 /// The most keys a shard may be bounded to: its levels hold twice as many.
-pub(crate) const MAX_SHARD_KEYS: usize = (FIRST << (LEVELS - 1)) * 7 / 8 / 2;
+pub(crate) const MAX_SHARD_KEYS: usize = {
+    let (mut n, mut keys) = (0, 0);
+    while n < LEVELS {
+        keys += room(CAPS[n]);
+        n += 1;
+    }
+    keys / 2
+};
 
 /// What the shard's lock guards of its cells: how many keys they hold, and how many
 /// cells of each level hold a key or a tombstone.
@@ -103,6 +138,8 @@ struct Block([AtomicU64; BLOCK]);
 /// A key's cell, found without a lock.
 struct Cell<'a> {
     level: &'a Level,
+    /// The level's place among the shard's levels.
+    n: usize,
     index: usize,
     key: u64,
 }
@@ -127,14 +164,20 @@ impl Level {
         self.blocks.len() * (BLOCK / 2)
     }
 
-    fn mask(&self) -> usize {
-        self.cap() - 1
+    /// The cell after `i`, the first after the last.
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.cap() { 0 } else { i + 1 }
     }
 
-    /// Keys a level takes before the next one is made: seven eighths, so every probe
-    /// meets an empty cell.
-    fn room(&self) -> usize {
-        self.cap() * 7 / 8
+    /// The cell before `i`, the last before the first.
+    fn prev(&self, i: usize) -> usize {
+        if i == 0 { self.cap() - 1 } else { i - 1 }
+    }
+
+    /// How many cells on from `from` `to` is, going round.
+    fn distance(&self, from: usize, to: usize) -> usize {
+        (to + self.cap() - from) % self.cap()
     }
 
     fn key(&self, i: usize) -> &AtomicU64 {
@@ -148,12 +191,12 @@ impl Level {
     /// The cell of `key` in this level: linear probing from its home to an empty cell.
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
-        let mut i = key as usize & self.mask();
+        let mut i = home(key, self.cap());
         for _ in 0..self.cap() {
             match self.key(i).load(Ordering::Acquire) {
                 k if k == key => return Some(i),
                 EMPTY => return None,
-                _ => i = (i + 1) & self.mask(),
+                _ => i = self.next(i),
             }
         }
         None
@@ -162,12 +205,12 @@ impl Level {
     /// Where `key` would go: the first tombstone on its probe, else the empty cell that
     /// ends it (`true`: a cell not used before).
     fn vacancy(&self, key: u64) -> Option<(usize, bool)> {
-        let mut i = key as usize & self.mask();
+        let mut i = home(key, self.cap());
         for _ in 0..self.cap() {
             match self.key(i).load(Ordering::Relaxed) {
                 TOMB => return Some((i, false)),
                 EMPTY => return Some((i, true)),
-                _ => i = (i + 1) & self.mask(),
+                _ => i = self.next(i),
             }
         }
         None
@@ -210,8 +253,9 @@ impl Cells {
     ///
     /// `max` is at most [`MAX_SHARD_KEYS`].
     pub(crate) fn new(max: usize) -> (Self, Meta) {
-        let mut levels = 1;
-        while levels < LEVELS && (FIRST << (levels - 1)) * 7 / 8 < 2 * max.max(1) {
+        let (mut levels, mut keys) = (1, room(FIRST));
+        while levels < LEVELS && keys < 2 * max.max(1) {
+            keys += room(CAPS[levels]);
             levels += 1;
         }
         let cells = Cells {
@@ -230,10 +274,26 @@ impl Cells {
     #[inline]
     fn find(&self, key: u64) -> Option<Cell<'_>> {
         let made = self.made.load(Ordering::Acquire);
-        self.levels[..made].iter().rev().find_map(|level| {
-            let level = level.get()?;
+        let cell = |n: usize, level, index| Cell {
+            level,
+            n,
+            index,
+            key,
+        };
+        // A key has one cell at most. Its home cell in every level first: these reads do
+        // not wait for one another, so the processor fetches the levels' lines together
+        // instead of one miss after another, and most keys are found at home.
+        for n in (0..made).rev() {
+            let level = self.levels[n].get()?;
+            let i = home(key, level.cap());
+            if level.key(i).load(Ordering::Acquire) == key {
+                return Some(cell(n, level, i));
+            }
+        }
+        (0..made).rev().find_map(|n| {
+            let level = self.levels[n].get()?;
             let index = level.find(key)?;
-            Some(Cell { level, index, key })
+            Some(cell(n, level, index))
         })
     }
 
@@ -312,7 +372,7 @@ impl Cells {
         let Some((n, i, fresh)) = self.spot(meta, key) else {
             return false;
         };
-        let level = self.levels[n].get_or_init(|| Level::new(FIRST << n));
+        let level = self.levels[n].get_or_init(|| Level::new(CAPS[n]));
         if n == self.made.load(Ordering::Relaxed) {
             self.made.store(n + 1, Ordering::Release);
         }
@@ -337,7 +397,7 @@ impl Cells {
                     spot = Some((n, i, false));
                     break;
                 }
-                Some((i, true)) if meta.used[n] < level.room() => {
+                Some((i, true)) if meta.used[n] < room(level.cap()) => {
                     spot = Some((n, i, true));
                     break;
                 }
@@ -346,7 +406,7 @@ impl Cells {
         }
         if spot.is_none() && made < self.limit {
             // The next level.
-            spot = Some((made, key as usize & ((FIRST << made) - 1), true));
+            spot = Some((made, home(key, CAPS[made]), true));
         }
         spot
     }
@@ -357,14 +417,8 @@ impl Cells {
             cell.level.state(cell.index).swap(REMOVED, Ordering::AcqRel);
             cell.level.key(cell.index).store(TOMB, Ordering::Release);
             meta.live -= 1;
-            let n = self.level_of(cell.level);
-            meta.used[n] -= clear_run_end(cell.level, cell.index);
+            meta.used[cell.n] -= clear_run_end(cell.level, cell.index);
         }
-    }
-
-    /// The index of a level of these cells.
-    fn level_of(&self, level: &Level) -> usize {
-        (level.cap() / FIRST).trailing_zeros() as usize
     }
 
     /// Empties every tombstone no probe passes through, in every level.
@@ -421,7 +475,7 @@ impl Cells {
     /// Cells a sweep walks: every level made.
     pub(crate) fn cap(&self) -> usize {
         let made = self.made.load(Ordering::Relaxed);
-        (0..made).map(|n| FIRST << n).sum()
+        CAPS[..made].iter().sum()
     }
 }
 
@@ -459,8 +513,7 @@ impl Drop for Pinned<'_> {
 /// After the tombstone at `i`: if an empty cell follows it, no probe passes through it,
 /// nor through the tombstones just before it; empties them and returns how many.
 fn clear_run_end(level: &Level, i: usize) -> usize {
-    let mask = level.mask();
-    if level.key((i + 1) & mask).load(Ordering::Relaxed) != EMPTY {
+    if level.key(level.next(i)).load(Ordering::Relaxed) != EMPTY {
         return 0;
     }
     let mut cleared = 0;
@@ -468,22 +521,21 @@ fn clear_run_end(level: &Level, i: usize) -> usize {
     while cleared < level.cap() && level.key(j).load(Ordering::Relaxed) == TOMB {
         level.key(j).store(EMPTY, Ordering::Release);
         cleared += 1;
-        j = (j + mask) & mask;
+        j = level.prev(j);
     }
     cleared
 }
 
 /// [`Cells::compact`] in one level; returns how many tombstones it emptied.
 fn compact(level: &Level) -> usize {
-    let mask = level.mask();
     for j in 0..level.cap() {
         let key = level.key(j).load(Ordering::Relaxed);
         if key == EMPTY || key == TOMB || level.state(j).load(Ordering::Acquire) == REMOVED {
             continue;
         }
-        let mut t = key as usize & mask;
+        let mut t = home(key, level.cap());
         while t != j && level.key(t).load(Ordering::Relaxed) != TOMB {
-            t = (t + 1) & mask;
+            t = level.next(t);
         }
         if t == j {
             continue;
@@ -504,7 +556,7 @@ fn compact(level: &Level) -> usize {
 /// back than any of them is crossed by no probe (a key before it stops before it) and
 /// becomes an empty cell, which ends the run before it.
 fn clear_tombstones(level: &Level) -> usize {
-    let (cap, mask) = (level.cap(), level.mask());
+    let cap = level.cap();
     let Some(start) = (0..cap).find(|&i| level.key(i).load(Ordering::Relaxed) == EMPTY) else {
         return 0;
     };
@@ -512,7 +564,7 @@ fn clear_tombstones(level: &Level) -> usize {
     // Steps back from the run's end, and the furthest back a probe seen reaches.
     let (mut back, mut reach) = (0, 0);
     for step in 1..cap {
-        let i = (start + cap - step) & mask;
+        let i = (start + cap - step) % cap;
         match level.key(i).load(Ordering::Relaxed) {
             EMPTY => (back, reach) = (0, 0),
             TOMB if back + 1 > reach => {
@@ -523,7 +575,7 @@ fn clear_tombstones(level: &Level) -> usize {
             TOMB => back += 1,
             key => {
                 back += 1;
-                let displaced = i.wrapping_sub(key as usize) & mask;
+                let displaced = level.distance(home(key, cap), i);
                 reach = reach.max(back + displaced);
             }
         }
@@ -572,11 +624,7 @@ mod tests {
         assert!(!stale.replace(before, 1), "removed: the swap fails");
         assert!(cells.insert(&mut meta, 18, 100));
         let other = cells.find(18).unwrap();
-        assert_eq!(
-            (other.index, stale.index),
-            (stale.index, 2),
-            "the cell is reused"
-        );
+        assert_eq!(other.index, stale.index, "the cell is reused");
         assert!(stale.load().is_none(), "another key's cell");
         assert!(!stale.replace(before, 1), "another key's word");
         assert_eq!(other.load().unwrap().state, 100);

@@ -61,8 +61,8 @@ const MIN_SWEEP: usize = 256;
 /// reveals; it is a fast hash, not a cryptographic one); two distinct keys share state
 /// only if their hashes collide, which for a million live keys happens with probability
 /// about 3 × 10⁻⁸. A one-word state costs 16 bytes a cell (its key's hash and its state;
-/// the cells of a shard grow by doubling and fill to seven eighths, so 18 to 37 bytes a
-/// key), a two-word state 24 bytes in its table, a sliding window log about 200 bytes
+/// each level of a shard's cells half as large again as the one before, filled to seven
+/// eighths, so 18 to 27 bytes a key once a shard holds a few hundred), a two-word state 24 bytes in its table, a sliding window log about 200 bytes
 /// with one entry and 16 to 32 more an entry;
 /// `BENCHMARKS.md` has the measured bytes per key. The cells a shard grows are kept until
 /// the store is dropped: after a flood, a shard's idle keys are swept and their cells
@@ -1090,7 +1090,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     /// # Errors
     ///
     /// When `max_keys` is zero, or `shards` is not a power of two from 1 to 1024 or is
-    /// more than `max_keys`, or leaves a shard more than 229,376 keys.
+    /// more than `max_keys`, or leaves a shard more than 286,692 keys.
     pub fn build(self) -> Result<MemoryStore<C>, ConfigError> {
         if self.max_keys == 0 {
             return Err(ConfigError::new(
@@ -1326,8 +1326,8 @@ mod tests {
             Some(Denial::StoreFull),
             "nothing else has expired"
         );
-        // 10 µs later key 1 has expired; the gap has passed (496 cells a sweep walks,
-        // 9.92 µs, rounded up to 10).
+        // 10 µs later key 1 has expired; the gap has passed (384 cells a sweep walks,
+        // 7.68 µs, rounded up to 8).
         clock.advance(Duration::from_micros(10));
         assert!(store.check_sync(b"second", &policy, 1).is_allowed());
     }
@@ -1378,7 +1378,7 @@ mod tests {
             .build()
             .unwrap_err();
         assert!(
-            err.to_string().contains("at most 229376 keys each"),
+            err.to_string().contains("at most 286692 keys each"),
             "{err}"
         );
     }

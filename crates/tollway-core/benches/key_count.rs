@@ -1,0 +1,127 @@
+//! Time per check as the store grows: tollway's `MemoryStore` beside governor's keyed
+//! limiter at 10,000, 100,000 and 1,000,000 keys, checked in a random order.
+//!
+//! ```sh
+//! cargo bench -p tollway-core --bench key_count               # 5 rounds
+//! KEY_COUNT_ROUNDS=10 cargo bench -p tollway-core --bench key_count
+//! ```
+//!
+//! Each count's two contenders are built once and filled with every key (untimed): a
+//! `MemoryStore` with `max_keys` 4,000,000, so that every key is held (1,024 shards, as
+//! the default), and `governor::RateLimiter::keyed`, both on a GCRA quota that allows
+//! every check and keeps every key live. A round times 2,000,000 checks of each, cycling through the keys in one
+//! random order, the contenders in alternating order round after round. Printed: the
+//! median ns per check and the median of the per-round ratios tollway / governor. The
+//! `memory_store` bench cycles through 10,000 keys in order; here the order is random and
+//! the larger counts leave the processor's caches, so a check's cost is mostly the cache
+//! lines it reads.
+
+#![allow(clippy::unwrap_used)]
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::time::Instant;
+
+use governor::{Quota as GovQuota, RateLimiter};
+use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
+
+const COUNTS: [usize; 3] = [10_000, 100_000, 1_000_000];
+const CHECKS: usize = 2_000_000;
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap()
+}
+
+/// The keys, in a random order of their own (splitmix64 and a Fisher–Yates shuffle).
+fn keys(n: usize) -> Vec<u64> {
+    let mut state = 11u64;
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut keys: Vec<u64> = (0..n as u64).map(|_| next()).collect();
+    for i in (1..n).rev() {
+        keys.swap(i, (next() % (i as u64 + 1)) as usize);
+    }
+    keys
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// ns per check of `CHECKS` checks cycling through `keys`.
+fn time(keys: &[u64], check: impl Fn(u64)) -> f64 {
+    let began = Instant::now();
+    let mut i = 0;
+    for _ in 0..CHECKS {
+        check(black_box(keys[i]));
+        i = if i + 1 == keys.len() { 0 } else { i + 1 };
+    }
+    began.elapsed().as_nanos() as f64 / CHECKS as f64
+}
+
+fn main() {
+    // `cargo test --benches` runs this binary without --bench: do nothing then.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    let rounds: usize = std::env::var("KEY_COUNT_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(5);
+    // Every check allowed, and every key stays live (a check moves a key's state 3.6 s
+    // on, and a burst of 10,000 is more than a run's checks of one key): a key whose
+    // state is back to fresh could be swept and come back through the lock, which is
+    // not a lookup.
+    let quota = Quota::per_hour(1_000).unwrap().with_burst(10_000).unwrap();
+    let policy = Policy::new("bench", Algorithm::Gcra, quota).unwrap();
+    println!("ns per check, GCRA, keys in a random order; {rounds} rounds, medians");
+    println!(
+        "{:>10} {:>10} {:>10} {:>18}",
+        "keys", "tollway", "governor", "tollway/governor"
+    );
+    for count in COUNTS {
+        let keys = keys(count);
+        let store = MemoryStore::builder().max_keys(4_000_000).build().unwrap();
+        let limiter = RateLimiter::keyed(GovQuota::per_hour(nz(1_000)).allow_burst(nz(10_000)));
+        for &k in &keys {
+            assert!(store.check_sync(&k.to_le_bytes(), &policy, 1).is_allowed());
+            assert!(limiter.check_key(&k).is_ok());
+        }
+        let (mut ours, mut theirs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let tollway = || {
+                time(&keys, |k| {
+                    black_box(store.check_sync(&k.to_le_bytes(), &policy, 1));
+                })
+            };
+            let governor = || {
+                time(&keys, |k| {
+                    let _ = black_box(limiter.check_key(&k));
+                })
+            };
+            let (t, g) = if round % 2 == 0 {
+                let t = tollway();
+                (t, governor())
+            } else {
+                let g = governor();
+                (tollway(), g)
+            };
+            ours.push(t);
+            theirs.push(g);
+            ratios.push(t / g);
+        }
+        assert_eq!(store.len(), count, "every key held");
+        println!(
+            "{count:>10} {:>10.1} {:>10.1} {:>17.0}%",
+            median(ours),
+            median(theirs),
+            100.0 * median(ratios)
+        );
+    }
+}
