@@ -45,9 +45,9 @@
 use std::sync::OnceLock;
 
 #[cfg(tollway_loom)]
-use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(not(tollway_loom))]
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 
 /// A key word no key has yet.
 const EMPTY: u64 = 0;
@@ -60,7 +60,7 @@ const REMOVED: u64 = u64::MAX;
 const FIRST: usize = if cfg!(tollway_loom) { 4 } else { 16 };
 
 /// Cells in each level: [`FIRST`], then half as many again each time, in whole blocks.
-/// Levels growing by half keep a key in 18 to 27 bytes of cells once a shard holds a
+/// Levels growing by half keep a key in 18 to 29 bytes of cells once a shard holds a
 /// few hundred keys (doubling: 18 to 37), for a level more to look in.
 const CAPS: [usize; LEVELS] = {
     let mut caps = [FIRST; LEVELS];
@@ -92,12 +92,16 @@ pub(crate) fn cell_key(hash: u64) -> u64 {
 
 /// A shard's cells.
 pub(crate) struct Cells {
-    /// How many levels are made: a lookup starts at the newest.
+    /// The first level, inline: a key at home there is found without reading any other
+    /// line of the shard (a store of a few keys a shard keeps nearly all of them here).
+    first: [Block; FIRST / (BLOCK / 2)],
+    /// How many levels are made, the first included.
     made: AtomicUsize,
     /// How many levels the shard's bound allows.
     limit: usize,
-    /// Kept inline, beside `made`: a lookup reads no other line before the level's.
-    levels: [OnceLock<Level>; LEVELS],
+    /// The levels after the first, made when a key needs them; kept inline, beside
+    /// `made`.
+    more: [OnceLock<Box<[Block]>>; LEVELS - 1],
 }
 
 /// Levels a shard may have.
@@ -121,11 +125,12 @@ pub(crate) struct Meta {
     used: Box<[usize]>,
 }
 
-struct Level {
+/// A level of a shard's cells.
+#[derive(Clone, Copy)]
+struct Level<'a> {
     /// `cap / 8` blocks: cells `8b..8b + 8`'s keys, then their states. Whole aligned
-    /// line pairs, so that no other allocation shares a line with the states checks
-    /// write.
-    blocks: Box<[Block]>,
+    /// line pairs, so that nothing else shares a line with the states checks write.
+    blocks: &'a [Block],
 }
 
 /// Words in a [`Block`]: 128 bytes, the pair of lines x86's adjacent-line prefetcher
@@ -137,7 +142,7 @@ struct Block([AtomicU64; BLOCK]);
 
 /// A key's cell, found without a lock.
 struct Cell<'a> {
-    level: &'a Level,
+    level: Level<'a>,
     /// The level's place among the shard's levels.
     n: usize,
     index: usize,
@@ -151,15 +156,18 @@ struct Loaded {
     state: u64,
 }
 
-impl Level {
-    fn new(cap: usize) -> Self {
-        Level {
-            blocks: (0..cap.div_ceil(BLOCK / 2))
-                .map(|_| Block(std::array::from_fn(|_| AtomicU64::new(EMPTY))))
-                .collect(),
-        }
+impl Block {
+    fn new() -> Self {
+        Block(std::array::from_fn(|_| AtomicU64::new(EMPTY)))
     }
+}
 
+/// The blocks of a level of `cap` cells.
+fn blocks(cap: usize) -> Box<[Block]> {
+    (0..cap.div_ceil(BLOCK / 2)).map(|_| Block::new()).collect()
+}
+
+impl<'a> Level<'a> {
     fn cap(&self) -> usize {
         self.blocks.len() * (BLOCK / 2)
     }
@@ -180,11 +188,11 @@ impl Level {
         (to + self.cap() - from) % self.cap()
     }
 
-    fn key(&self, i: usize) -> &AtomicU64 {
+    fn key(&self, i: usize) -> &'a AtomicU64 {
         &self.blocks[i / (BLOCK / 2)].0[i % (BLOCK / 2)]
     }
 
-    fn state(&self, i: usize) -> &AtomicU64 {
+    fn state(&self, i: usize) -> &'a AtomicU64 {
         &self.blocks[i / (BLOCK / 2)].0[BLOCK / 2 + i % (BLOCK / 2)]
     }
 
@@ -259,9 +267,10 @@ impl Cells {
             levels += 1;
         }
         let cells = Cells {
-            made: AtomicUsize::new(0),
+            first: std::array::from_fn(|_| Block::new()),
+            made: AtomicUsize::new(1),
             limit: levels,
-            levels: std::array::from_fn(|_| OnceLock::new()),
+            more: std::array::from_fn(|_| OnceLock::new()),
         };
         let meta = Meta {
             live: 0,
@@ -273,28 +282,57 @@ impl Cells {
     /// The cell of `key`, without a lock. Newer levels are larger and searched first.
     #[inline]
     fn find(&self, key: u64) -> Option<Cell<'_>> {
-        let made = self.made.load(Ordering::Acquire);
         let cell = |n: usize, level, index| Cell {
             level,
             n,
             index,
             key,
         };
-        // A key has one cell at most. Its home cell in every level first: these reads do
-        // not wait for one another, so the processor fetches the levels' lines together
-        // instead of one miss after another, and most keys are found at home.
-        for n in (0..made).rev() {
-            let level = self.levels[n].get()?;
+        // A key has one cell at most. Its home cell in every level first: in the first
+        // level without reading the rest of the shard; then the others', whose reads do
+        // not wait for one another, so the processor fetches their lines together
+        // instead of one miss after another. Most keys are found at home.
+        // (Relaxed loads and a fence on a hit, so that no load waits for an acquire
+        // before it on processors where one would.)
+        let first = self.first();
+        let i = home(key, FIRST);
+        if first.key(i).load(Ordering::Relaxed) == key {
+            fence(Ordering::Acquire);
+            return Some(cell(0, first, i));
+        }
+        let made = self.made.load(Ordering::Acquire);
+        for n in (1..made).rev() {
+            let level = self.level(n)?;
             let i = home(key, level.cap());
-            if level.key(i).load(Ordering::Acquire) == key {
+            if level.key(i).load(Ordering::Relaxed) == key {
+                fence(Ordering::Acquire);
                 return Some(cell(n, level, i));
             }
         }
         (0..made).rev().find_map(|n| {
-            let level = self.levels[n].get()?;
+            let level = self.level(n)?;
             let index = level.find(key)?;
             Some(cell(n, level, index))
         })
+    }
+
+    fn first(&self) -> Level<'_> {
+        Level {
+            blocks: &self.first,
+        }
+    }
+
+    /// Level `n`, if made.
+    fn level(&self, n: usize) -> Option<Level<'_>> {
+        match n.checked_sub(1) {
+            None => Some(self.first()),
+            Some(m) => self.more.get(m)?.get().map(|blocks| Level { blocks }),
+        }
+    }
+
+    /// The levels made, with their places.
+    fn levels(&self) -> impl Iterator<Item = (usize, Level<'_>)> {
+        (0..LEVELS).map_while(|n| Some((n, self.level(n)?)))
     }
 
     /// Runs `step` on the state of `key` and stores what it returns, without a lock;
@@ -359,10 +397,8 @@ impl Cells {
     /// and comes to the lock; one that probes meanwhile meets the new cell first. Pinned
     /// cells stay.
     fn compact(&self, meta: &mut Meta) {
-        for (n, level) in self.levels.iter().enumerate() {
-            if let Some(level) = level.get() {
-                meta.used[n] -= compact(level);
-            }
+        for (n, level) in self.levels() {
+            meta.used[n] -= compact(level);
         }
     }
 
@@ -372,7 +408,12 @@ impl Cells {
         let Some((n, i, fresh)) = self.spot(meta, key) else {
             return false;
         };
-        let level = self.levels[n].get_or_init(|| Level::new(CAPS[n]));
+        let level = match n.checked_sub(1) {
+            None => self.first(),
+            Some(m) => Level {
+                blocks: self.more[m].get_or_init(|| blocks(CAPS[n])),
+            },
+        };
         if n == self.made.load(Ordering::Relaxed) {
             self.made.store(n + 1, Ordering::Release);
         }
@@ -390,8 +431,8 @@ impl Cells {
     fn spot(&self, meta: &Meta, key: u64) -> Option<(usize, usize, bool)> {
         let mut spot = None;
         let made = self.made.load(Ordering::Relaxed);
-        for (n, level) in self.levels[..made].iter().enumerate().rev() {
-            let Some(level) = level.get() else { continue };
+        for n in (0..made).rev() {
+            let Some(level) = self.level(n) else { continue };
             match level.vacancy(key) {
                 Some((i, false)) => {
                     spot = Some((n, i, false));
@@ -423,10 +464,8 @@ impl Cells {
 
     /// Empties every tombstone no probe passes through, in every level.
     fn clear_tombstones(&self, meta: &mut Meta) {
-        for (n, level) in self.levels.iter().enumerate() {
-            if let Some(level) = level.get() {
-                meta.used[n] -= clear_tombstones(level);
-            }
+        for (n, level) in self.levels() {
+            meta.used[n] -= clear_tombstones(level);
         }
     }
 
@@ -435,8 +474,7 @@ impl Cells {
     /// earliest instant at which a remaining key becomes idle (`u64::MAX`: none).
     pub(crate) fn sweep(&self, meta: &mut Meta, now: u64) -> u64 {
         let mut earliest = u64::MAX;
-        for (n, level) in self.levels.iter().enumerate() {
-            let Some(level) = level.get() else { continue };
+        for (n, level) in self.levels() {
             for i in 0..level.cap() {
                 let key = level.key(i).load(Ordering::Relaxed);
                 if key == EMPTY || key == TOMB {
@@ -512,7 +550,7 @@ impl Drop for Pinned<'_> {
 
 /// After the tombstone at `i`: if an empty cell follows it, no probe passes through it,
 /// nor through the tombstones just before it; empties them and returns how many.
-fn clear_run_end(level: &Level, i: usize) -> usize {
+fn clear_run_end(level: Level<'_>, i: usize) -> usize {
     if level.key(level.next(i)).load(Ordering::Relaxed) != EMPTY {
         return 0;
     }
@@ -527,7 +565,7 @@ fn clear_run_end(level: &Level, i: usize) -> usize {
 }
 
 /// [`Cells::compact`] in one level; returns how many tombstones it emptied.
-fn compact(level: &Level) -> usize {
+fn compact(level: Level<'_>) -> usize {
     for j in 0..level.cap() {
         let key = level.key(j).load(Ordering::Relaxed);
         if key == EMPTY || key == TOMB || level.state(j).load(Ordering::Acquire) == REMOVED {
@@ -555,7 +593,7 @@ fn compact(level: &Level) -> usize {
 /// far back from that end the probes of the keys seen so far reach: a tombstone further
 /// back than any of them is crossed by no probe (a key before it stops before it) and
 /// becomes an empty cell, which ends the run before it.
-fn clear_tombstones(level: &Level) -> usize {
+fn clear_tombstones(level: Level<'_>) -> usize {
     let cap = level.cap();
     let Some(start) = (0..cap).find(|&i| level.key(i).load(Ordering::Relaxed) == EMPTY) else {
         return 0;
@@ -589,25 +627,28 @@ mod tests {
 
     #[test]
     fn keys_are_found_updated_removed_and_their_cells_reused() {
-        let (cells, mut meta) = Cells::new(100);
-        for k in 2..202u64 {
-            assert!(cells.find(k).is_none());
-            assert!(cells.insert(&mut meta, k, k * 10));
+        // Small numbers all have home 0 (the worst case), spread ones homes all over.
+        for key in [|k: u64| k, spread] {
+            let (cells, mut meta) = Cells::new(100);
+            for k in 2..202u64 {
+                assert!(cells.find(key(k)).is_none());
+                assert!(cells.insert(&mut meta, key(k), k * 10));
+            }
+            assert_eq!(Cells::len(&meta), 200);
+            for k in 2..202u64 {
+                assert_eq!(cells.update(key(k), |s| (s, Some(s + 1))), Some(k * 10));
+                assert_eq!(
+                    cells.find(key(k)).and_then(|c| c.load()).map(|l| l.state),
+                    Some(k * 10 + 1)
+                );
+            }
+            cells.remove(&mut meta, key(7));
+            assert!(cells.find(key(7)).is_none());
+            assert_eq!(cells.update(key(7), |s| (s, None)), None);
+            assert!(cells.insert(&mut meta, key(7), 5));
+            assert_eq!(cells.update(key(7), |s| (s, None)), Some(5));
+            assert_eq!(Cells::len(&meta), 200);
         }
-        assert_eq!(Cells::len(&meta), 200);
-        for k in 2..202u64 {
-            assert_eq!(cells.update(k, |s| (s, Some(s + 1))), Some(k * 10));
-            assert_eq!(
-                cells.find(k).and_then(|c| c.load()).map(|l| l.state),
-                Some(k * 10 + 1)
-            );
-        }
-        cells.remove(&mut meta, 7);
-        assert!(cells.find(7).is_none());
-        assert_eq!(cells.update(7, |s| (s, None)), None);
-        assert!(cells.insert(&mut meta, 7, 5));
-        assert_eq!(cells.update(7, |s| (s, None)), Some(5));
-        assert_eq!(Cells::len(&meta), 200);
     }
 
     // A thread that found a key's cell and is then overtaken by the key's removal and
@@ -615,7 +656,7 @@ mod tests {
     #[test]
     fn a_cell_given_to_another_key_is_not_written_by_a_stale_reader() {
         let (cells, mut meta) = Cells::new(4);
-        // 2 and 18 share a home in the first level (16 cells).
+        // 2 and 18 share a home, 0 (as does every key below 2^28 in a level of 16 cells).
         assert!(cells.insert(&mut meta, 2, 100));
         let stale = cells.find(2).unwrap();
         let before = stale.load().unwrap();
@@ -696,7 +737,7 @@ mod tests {
             cells.sweep(&mut meta, round);
             assert_eq!(Cells::len(&meta), 0);
         }
-        let made = cells.levels.iter().filter(|l| l.get().is_some()).count();
+        let made = cells.levels().count();
         assert!(made <= 4, "{made} levels for 64 keys");
     }
 
@@ -723,13 +764,11 @@ mod loom_tests {
 
     use super::*;
 
-    /// A shard: cells, and their meta behind a lock. Its first level is made before any
-    /// thread starts: levels are made once, behind a `OnceLock`, which loom does not
+    /// A shard: cells, and their meta behind a lock. The tests keep to the first level,
+    /// which is inline: later levels are made behind a `OnceLock`, which loom does not
     /// model.
     fn shard() -> Arc<(Cells, Mutex<Meta>)> {
         let (cells, meta) = Cells::new(4);
-        cells.levels[0].get_or_init(|| Level::new(FIRST));
-        cells.made.store(1, Ordering::Release);
         Arc::new((cells, Mutex::new(meta)))
     }
 

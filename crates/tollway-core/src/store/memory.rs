@@ -62,11 +62,13 @@ const MIN_SWEEP: usize = 256;
 /// only if their hashes collide, which for a million live keys happens with probability
 /// about 3 × 10⁻⁸. A one-word state costs 16 bytes a cell (its key's hash and its state;
 /// each level of a shard's cells half as large again as the one before, filled to seven
-/// eighths, so 18 to 27 bytes a key once a shard holds a few hundred), a two-word state 24 bytes in its table, a sliding window log about 200 bytes
-/// with one entry and 16 to 32 more an entry;
-/// `BENCHMARKS.md` has the measured bytes per key. The cells a shard grows are kept until
-/// the store is dropped: after a flood, a shard's idle keys are swept and their cells
-/// reused, but its cell memory is not returned.
+/// eighths, so 18 to 29 bytes a key once a shard holds a few hundred), a two-word state
+/// 24 bytes in its table, a sliding window log about 200 bytes with one entry and 16 to
+/// 32 more an entry; `BENCHMARKS.md` has the measured bytes per key. A shard takes a
+/// kilobyte before any key (its first sixteen cells inline, the headers of its later
+/// levels, its lock and tables), so the default store a megabyte. The cells a shard grows are kept until the store is dropped: after a flood,
+/// a shard's idle keys are swept and their cells reused, but its cell memory is not
+/// returned.
 ///
 /// Clones share the same state.
 ///
@@ -126,8 +128,9 @@ struct Notes {
 /// costs two: 4–5 ns of a 22–25 ns decision in the interleaved bench (BENCHMARKS.md). A
 /// sweep holds it longer, O(keys and cells in the shard): with the default of a shard
 /// per 1,024 keys of the bound, a few microseconds, once per doubling of the shard.
-/// Checks in cells do not wait for it (but for a cell a locked decision has pinned). A shard's cells keep the size its busiest moment
-/// gave them, so after a flood a sweep walks cells the keys have left.
+/// Checks in cells do not wait for it (but for a cell a locked decision has pinned). A
+/// shard's cells keep the size its busiest moment gave them, so after a flood a sweep
+/// walks cells the keys have left.
 #[repr(align(128))]
 struct Shard {
     /// The states of one word (GCRA, the leaky bucket shaper), read and updated without
@@ -152,7 +155,7 @@ struct Table {
 }
 
 /// At the bound, a full shard sweeps at most once per this many nanoseconds an entry or
-/// cell a sweep walks (about 20 µs for 1,024 keys in tables, two to four times that in
+/// cell a sweep walks (about 20 µs for 1,024 keys in tables, 1.4 to 3.2 times that in
 /// cells): a flood of new keys at the bound then spends a bounded share of a core on
 /// sweeping, and a key that expired makes room for a new one within that time.
 const SWEEP_GAP_NS_PER_KEY: u64 = 20;
@@ -1365,6 +1368,12 @@ mod tests {
         }
         assert_eq!(store.len(), 1);
         assert_eq!(store.check_sync(b"k", &policy, 1).remaining(), 2);
+    }
+
+    // What the docs say a shard takes before any key.
+    #[test]
+    fn a_shard_is_a_kilobyte() {
+        assert!(std::mem::size_of::<Shard>() <= 1_024);
     }
 
     #[test]
