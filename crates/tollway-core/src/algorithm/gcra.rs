@@ -32,7 +32,11 @@ impl SlotState for State {
 }
 
 /// Decides one request of `cost` units at `now` (microseconds).
+// Inline across crates: the memory store's lock-free check is generic over its clock,
+// so it is compiled in the caller's crate, where a call here (its decision returned
+// through memory) cost about a third of a check (BENCHMARKS.md, issue 19).
 #[must_use]
+#[inline]
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
     let t = quota.emission_micros();
     let window = quota.burst() * t;
