@@ -25,6 +25,9 @@ use std::time::Instant;
 use governor::{Quota as GovQuota, RateLimiter};
 use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
 
+mod common;
+use common::shuffled;
+
 const COUNTS: [usize; 3] = [10_000, 100_000, 1_000_000];
 const CHECKS: usize = 2_000_000;
 
@@ -32,21 +35,12 @@ fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).unwrap()
 }
 
-/// The keys, in a random order of their own (splitmix64 and a Fisher–Yates shuffle).
+/// `n` distinct keys, in a random order.
 fn keys(n: usize) -> Vec<u64> {
-    let mut state = 11u64;
-    let mut next = || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    let mut keys: Vec<u64> = (0..n as u64).map(|_| next()).collect();
-    for i in (1..n).rev() {
-        keys.swap(i, (next() % (i as u64 + 1)) as usize);
-    }
-    keys
+    shuffled(n, 11)
+        .into_iter()
+        .map(|i| (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

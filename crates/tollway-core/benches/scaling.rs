@@ -40,6 +40,9 @@ use governor::clock::FakeRelativeClock;
 use governor::{Quota as GovQuota, RateLimiter};
 use tollway_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota};
 
+mod common;
+use common::shuffled;
+
 const KEYS: usize = 10_000;
 /// One unit a microsecond and a burst no run exhausts: every check is allowed.
 const RATE: u32 = 1_000_000;
@@ -56,23 +59,6 @@ fn policy() -> Policy {
 
 fn governor() -> governor::DefaultKeyedRateLimiter<u64> {
     RateLimiter::keyed(GovQuota::per_second(nz(RATE)).allow_burst(nz(BURST)))
-}
-
-/// A small deterministic generator (splitmix64) for the random orders.
-fn shuffled(n: usize, seed: u64) -> Vec<usize> {
-    let mut state = seed;
-    let mut next = || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    let mut order: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        order.swap(i, (next() % (i as u64 + 1)) as usize);
-    }
-    order
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
