@@ -257,7 +257,8 @@ impl Cell<'_> {
 
 impl Cells {
     /// Cells for a shard of at most `max` keys: enough levels for twice that many, which
-    /// leaves room for tombstones; none is allocated until a key needs it.
+    /// leaves room for tombstones. The first is inline; the others are allocated when a
+    /// key needs them.
     ///
     /// `max` is at most [`MAX_SHARD_KEYS`].
     pub(crate) fn new(max: usize) -> (Self, Meta) {
@@ -279,7 +280,8 @@ impl Cells {
         (cells, meta)
     }
 
-    /// The cell of `key`, without a lock. Newer levels are larger and searched first.
+    /// The cell of `key`, without a lock: its home cell in every level, then the levels
+    /// probed newest (largest) first.
     #[inline]
     fn find(&self, key: u64) -> Option<Cell<'_>> {
         let cell = |n: usize, level, index| Cell {

@@ -64,11 +64,11 @@ const MIN_SWEEP: usize = 256;
 /// each level of a shard's cells half as large again as the one before, filled to seven
 /// eighths, so 18 to 29 bytes a key once a shard holds a few hundred), a two-word state
 /// 24 bytes in its table, a sliding window log about 200 bytes with one entry and 16 to
-/// 32 more an entry; `BENCHMARKS.md` has the measured bytes per key. A shard takes a
-/// kilobyte before any key (its first sixteen cells inline, the headers of its later
-/// levels, its lock and tables), so the default store a megabyte. The cells a shard grows are kept until the store is dropped: after a flood,
-/// a shard's idle keys are swept and their cells reused, but its cell memory is not
-/// returned.
+/// 32 more an entry; `BENCHMARKS.md` has the measured bytes per key. A shard takes about
+/// a kilobyte before any key (its first sixteen cells inline, the headers of its later
+/// levels, its lock and tables), so the default store about a megabyte. The cells a
+/// shard grows are kept until the store is dropped: after a flood, a shard's idle keys
+/// are swept and their cells reused, but its cell memory is not returned.
 ///
 /// Clones share the same state.
 ///
