@@ -25,8 +25,11 @@
 //!
 //! **A sweep beside checks.** 1,000,000 keys of which half have expired; one thread
 //! checks live keys in a random order, timing each check, while another sweeps the
-//! store (`MemoryStore::sweep`; governor: `retain_recent`) over and over. Printed: the
-//! checking thread's latency percentiles with and without the sweeper.
+//! store (`MemoryStore::sweep`; governor: `retain_recent`) over and over. tollway runs
+//! it under GCRA (checks in lock-free cells, which a sweep does not stop) and under the
+//! token bucket (checks under the shard's lock, which a sweep holds one shard at a
+//! time). Printed: the checking thread's latency percentiles with and without the
+//! sweeper.
 
 #![allow(clippy::unwrap_used)]
 
@@ -303,47 +306,52 @@ fn sweep_latency() {
     let short = Quota::per_second(10).unwrap();
     let long = Quota::per_hour(10).unwrap();
     for sweeping in [false, true] {
-        // tollway
-        let clock = ManualClock::new();
-        let store = MemoryStore::builder()
-            .max_keys(2 * KEYS as usize)
-            .clock(clock.clone())
-            .build()
-            .unwrap();
-        let (expiring, lasting) = (
-            Policy::new("short", Algorithm::Gcra, short).unwrap(),
-            Policy::new("long", Algorithm::Gcra, long).unwrap(),
-        );
-        for (i, id) in ids.iter().enumerate() {
-            let policy = if i % 2 == 0 { &expiring } else { &lasting };
-            store.check_sync(&id.to_le_bytes(), policy, 1);
-        }
-        clock.advance(Duration::from_secs(60));
-        let stop = AtomicBool::new(false);
-        let (lat, sweeps) = std::thread::scope(|s| {
-            let sweeper = s.spawn(|| {
-                let mut sweeps = 0u64;
-                while sweeping && !stop.load(Ordering::Relaxed) {
-                    store.sweep();
-                    sweeps += 1;
-                }
-                sweeps
-            });
-            let mut lat = Vec::with_capacity(CHECKS);
-            for i in 0..CHECKS {
-                let key = live[i % live.len()].to_le_bytes();
-                let began = Instant::now();
-                black_box(store.check_sync(&key, &lasting, 1));
-                lat.push(began.elapsed().as_nanos() as u64);
+        // tollway: GCRA in lock-free cells, the token bucket in the shards' locked tables.
+        for (algorithm, name) in [
+            (Algorithm::Gcra, "tollway GCRA"),
+            (Algorithm::TokenBucket, "tollway token bucket"),
+        ] {
+            let clock = ManualClock::new();
+            let store = MemoryStore::builder()
+                .max_keys(2 * KEYS as usize)
+                .clock(clock.clone())
+                .build()
+                .unwrap();
+            let (expiring, lasting) = (
+                Policy::new("short", algorithm, short).unwrap(),
+                Policy::new("long", algorithm, long).unwrap(),
+            );
+            for (i, id) in ids.iter().enumerate() {
+                let policy = if i % 2 == 0 { &expiring } else { &lasting };
+                store.check_sync(&id.to_le_bytes(), policy, 1);
             }
-            stop.store(true, Ordering::Relaxed);
-            (lat, sweeper.join().unwrap())
-        });
-        println!(
-            "tollway  {:<16} {} ns  ({sweeps} sweeps)",
-            if sweeping { "while sweeping" } else { "alone" },
-            percentiles(lat)
-        );
+            clock.advance(Duration::from_secs(60));
+            let stop = AtomicBool::new(false);
+            let (lat, sweeps) = std::thread::scope(|s| {
+                let sweeper = s.spawn(|| {
+                    let mut sweeps = 0u64;
+                    while sweeping && !stop.load(Ordering::Relaxed) {
+                        store.sweep();
+                        sweeps += 1;
+                    }
+                    sweeps
+                });
+                let mut lat = Vec::with_capacity(CHECKS);
+                for i in 0..CHECKS {
+                    let key = live[i % live.len()].to_le_bytes();
+                    let began = Instant::now();
+                    black_box(store.check_sync(&key, &lasting, 1));
+                    lat.push(began.elapsed().as_nanos() as u64);
+                }
+                stop.store(true, Ordering::Relaxed);
+                (lat, sweeper.join().unwrap())
+            });
+            println!(
+                "{name:<21} {:<16} {} ns  ({sweeps} sweeps)",
+                if sweeping { "while sweeping" } else { "alone" },
+                percentiles(lat)
+            );
+        }
         // governor, keyed on a fake clock moved the same way.
         let clock = FakeRelativeClock::default();
         let short = RateLimiter::dashmap_with_clock(GovQuota::per_second(nz(10)), clock.clone());
@@ -377,7 +385,8 @@ fn sweep_latency() {
             (lat, sweeper.join().unwrap())
         });
         println!(
-            "governor {:<16} {} ns  ({sweeps} sweeps)",
+            "{:<21} {:<16} {} ns  ({sweeps} sweeps)",
+            "governor",
             if sweeping { "while sweeping" } else { "alone" },
             percentiles(lat)
         );
