@@ -282,7 +282,6 @@ fn scaling(rounds: usize) {
 /// sweeping the same store over and over, or not.
 fn sweep_latency() {
     const KEYS: u64 = 1_000_000;
-    const CHECKS: usize = 2_000_000;
     let ids: Vec<u64> = (0..KEYS)
         .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
         .collect();
@@ -326,26 +325,16 @@ fn sweep_latency() {
                 store.check_sync(&id.to_le_bytes(), policy, 1);
             }
             clock.advance(Duration::from_secs(60));
-            let stop = AtomicBool::new(false);
-            let (lat, sweeps) = std::thread::scope(|s| {
-                let sweeper = s.spawn(|| {
-                    let mut sweeps = 0u64;
-                    while sweeping && !stop.load(Ordering::Relaxed) {
-                        store.sweep();
-                        sweeps += 1;
-                    }
-                    sweeps
-                });
-                let mut lat = Vec::with_capacity(CHECKS);
-                for i in 0..CHECKS {
-                    let key = live[i % live.len()].to_le_bytes();
-                    let began = Instant::now();
-                    black_box(store.check_sync(&key, &lasting, 1));
-                    lat.push(began.elapsed().as_nanos() as u64);
-                }
-                stop.store(true, Ordering::Relaxed);
-                (lat, sweeper.join().unwrap())
-            });
+            let (lat, sweeps) = beside_sweeps(
+                sweeping,
+                || {
+                    store.sweep();
+                },
+                |key| {
+                    black_box(store.check_sync(&key.to_le_bytes(), &lasting, 1));
+                },
+                &live,
+            );
             println!(
                 "{name:<21} {:<16} {} ns  ({sweeps} sweeps)",
                 if sweeping { "while sweeping" } else { "alone" },
@@ -364,26 +353,14 @@ fn sweep_latency() {
         for id in &live {
             let _ = short.check_key(id);
         }
-        let stop = AtomicBool::new(false);
-        let (lat, sweeps) = std::thread::scope(|s| {
-            let sweeper = s.spawn(|| {
-                let mut sweeps = 0u64;
-                while sweeping && !stop.load(Ordering::Relaxed) {
-                    short.retain_recent();
-                    sweeps += 1;
-                }
-                sweeps
-            });
-            let mut lat = Vec::with_capacity(CHECKS);
-            for i in 0..CHECKS {
-                let key = live[i % live.len()];
-                let began = Instant::now();
+        let (lat, sweeps) = beside_sweeps(
+            sweeping,
+            || short.retain_recent(),
+            |key| {
                 let _ = black_box(short.check_key(&key));
-                lat.push(began.elapsed().as_nanos() as u64);
-            }
-            stop.store(true, Ordering::Relaxed);
-            (lat, sweeper.join().unwrap())
-        });
+            },
+            &live,
+        );
         println!(
             "{:<21} {:<16} {} ns  ({sweeps} sweeps)",
             "governor",
@@ -391,6 +368,37 @@ fn sweep_latency() {
             percentiles(lat)
         );
     }
+}
+
+/// The latency (ns) of `CHECKS` calls of `check` cycling through `live`, with another
+/// thread calling `sweep` over and over (if `sweeping`); and how many sweeps it made.
+fn beside_sweeps(
+    sweeping: bool,
+    sweep: impl Fn() + Sync,
+    check: impl Fn(u64),
+    live: &[u64],
+) -> (Vec<u64>, u64) {
+    const CHECKS: usize = 2_000_000;
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let sweeper = s.spawn(|| {
+            let mut sweeps = 0u64;
+            while sweeping && !stop.load(Ordering::Relaxed) {
+                sweep();
+                sweeps += 1;
+            }
+            sweeps
+        });
+        let mut lat = Vec::with_capacity(CHECKS);
+        for i in 0..CHECKS {
+            let key = live[i % live.len()];
+            let began = Instant::now();
+            check(key);
+            lat.push(began.elapsed().as_nanos() as u64);
+        }
+        stop.store(true, Ordering::Relaxed);
+        (lat, sweeper.join().unwrap())
+    })
 }
 
 fn main() {
