@@ -74,6 +74,13 @@ pub struct Quota {
     by_limit: StrengthReducedU64,
     by_period: StrengthReducedU64,
     by_emission: StrengthReducedU64,
+    /// `gcd(limit, period)`: a token bucket's ticks (see
+    /// [`token_bucket`](crate::algorithm::token_bucket)) come and go in multiples of it,
+    /// so its state packs in fewer bits (the memory store's cells).
+    by_common: StrengthReducedU64,
+    /// Bits `limit / gcd(limit, period)` takes, less one: those of a token bucket's
+    /// partial microsecond in whole multiples of the gcd.
+    common_bits: u32,
 }
 
 impl PartialEq for Quota {
@@ -166,6 +173,7 @@ impl Quota {
     /// `limit`, before the exactness check.
     fn unchecked(limit: u64, period_us: u64) -> Self {
         let emission_us = period_us.div_ceil(limit);
+        let common = gcd(limit, period_us);
         Quota {
             limit,
             period_us,
@@ -175,6 +183,8 @@ impl Quota {
             by_limit: StrengthReducedU64::new(limit),
             by_period: StrengthReducedU64::new(period_us),
             by_emission: StrengthReducedU64::new(emission_us),
+            by_common: StrengthReducedU64::new(common),
+            common_bits: u64::BITS - (limit / common - 1).leading_zeros(),
         }
     }
 
@@ -275,6 +285,24 @@ impl Quota {
         n / self.by_emission
     }
 
+    /// `n / gcd(limit, period)` and `n % gcd(limit, period)`.
+    #[inline]
+    pub(crate) fn per_common(&self, n: u64) -> (u64, u64) {
+        StrengthReducedU64::div_rem(n, self.by_common)
+    }
+
+    /// `gcd(limit, period)`.
+    #[inline]
+    pub(crate) fn common(&self) -> u64 {
+        self.by_common.get()
+    }
+
+    /// The bits a number below `limit / gcd(limit, period)` takes.
+    #[inline]
+    pub(crate) fn common_bits(&self) -> u32 {
+        self.common_bits
+    }
+
     /// How long an empty token bucket takes to refill, in microseconds: `burst × period /
     /// limit`, rounded up.
     #[must_use]
@@ -288,6 +316,14 @@ impl Quota {
     pub const fn emission_micros(&self) -> u64 {
         self.emission_us
     }
+}
+
+/// Euclid's greatest common divisor of two numbers above zero.
+const fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! Cells that threads read and update without a lock: the memory store's home for the
-//! states that fit in one 64-bit word (GCRA and the leaky bucket shaper).
+//! states that fit in one 64-bit word (GCRA's and the leaky bucket shaper's instant;
+//! the buckets' and the fixed window's states packed: see [`word`](super::word)).
 //!
 //! A shard's cells are a few open-addressing tables, *levels*, each half as large again
 //! as the one before, each allocated once and kept until the store is dropped, so a
@@ -44,6 +45,8 @@
 
 use std::sync::OnceLock;
 
+use super::word;
+
 #[cfg(tollway_loom)]
 use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(not(tollway_loom))]
@@ -83,11 +86,6 @@ const fn room(cap: usize) -> usize {
 #[inline]
 fn home(key: u64, cap: usize) -> usize {
     (((key & 0xffff_ffff) * cap as u64) >> 32) as usize
-}
-
-/// The cell key of a state kept under `hash`: never `EMPTY` or `TOMB`.
-pub(crate) fn cell_key(hash: u64) -> u64 {
-    hash.max(2)
 }
 
 /// A shard's cells.
@@ -471,9 +469,9 @@ impl Cells {
         }
     }
 
-    /// Removes every key whose state (its first instant equivalent to a fresh key's) is
-    /// `now` or earlier, empties the tombstones no probe passes through, and returns the
-    /// earliest instant at which a remaining key becomes idle (`u64::MAX`: none).
+    /// Removes every key whose state is a fresh key's at `now` (from its
+    /// [`word::expiry`] on), empties the tombstones no probe passes through, and returns
+    /// the earliest instant at which a remaining key becomes idle (`u64::MAX`: none).
     pub(crate) fn sweep(&self, meta: &mut Meta, now: u64) -> u64 {
         let mut earliest = u64::MAX;
         for (n, level) in self.levels() {
@@ -486,7 +484,7 @@ impl Cells {
                 // A pinned cell (or a state with `REMOVED`'s pattern) stays this time;
                 // an update between the read and the swap keeps the key.
                 if stored != REMOVED
-                    && stored ^ key <= now
+                    && word::expiry(key, stored ^ key) <= now
                     && level
                         .state(i)
                         .compare_exchange(stored, REMOVED, Ordering::AcqRel, Ordering::Relaxed)
@@ -498,8 +496,12 @@ impl Cells {
                 } else {
                     // A pinned cell's state is unknown here: soon, to be safe.
                     let stored = level.state(i).load(Ordering::Acquire);
-                    let state = if stored == REMOVED { now } else { stored ^ key };
-                    earliest = earliest.min(state.max(now + 1));
+                    let expiry = if stored == REMOVED {
+                        now
+                    } else {
+                        word::expiry(key, stored ^ key)
+                    };
+                    earliest = earliest.min(expiry.max(now + 1));
                 }
             }
             meta.used[n] -= clear_tombstones(level);
@@ -537,6 +539,18 @@ impl Pinned<'_> {
     /// Leaves `state` in the cell when the pin is dropped.
     pub(crate) fn set(&mut self, state: u64) {
         self.next = Some(state);
+    }
+
+    /// Takes the cell away from its key, which a check that found it meanwhile learns
+    /// (its state stays `REMOVED`), as [`Cells::remove`] does.
+    pub(crate) fn remove(mut self, meta: &mut Meta) {
+        self.next = Some(REMOVED ^ self.cell.key);
+        let Cell {
+            level, n, index, ..
+        } = self.cell;
+        level.key(index).store(TOMB, Ordering::Release);
+        meta.live -= 1;
+        meta.used[n] -= clear_run_end(level, index);
     }
 }
 
@@ -675,7 +689,7 @@ mod tests {
 
     /// Key `k` of a test, spread over the homes as hashed keys are.
     fn spread(k: u64) -> u64 {
-        cell_key(k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        word::instant_key(k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
     }
 
     #[test]
@@ -795,6 +809,13 @@ mod loom_tests {
         ok
     }
 
+    /// Runs `check` on `threads` threads at once: how many it admitted.
+    fn admissions(threads: u64, check: impl Fn() -> bool + Clone + Send + 'static) -> u64 {
+        let handles: Vec<_> = (0..threads).map(|_| thread::spawn(check.clone())).collect();
+        let admitted = handles.into_iter().map(|h| h.join().unwrap());
+        admitted.filter(|&ok| ok).count() as u64
+    }
+
     fn count(shard: &(Cells, Mutex<Meta>), key: u64) -> u64 {
         let meta = shard.1.lock().unwrap();
         shard.0.pin(&meta, key).map_or(0, |pinned| pinned.state())
@@ -809,17 +830,10 @@ mod loom_tests {
                     let mut meta = shard.1.lock().unwrap();
                     assert!(shard.0.insert(&mut meta, 9, 0));
                 }
-                let handles: Vec<_> = (0..threads)
-                    .map(|_| {
-                        let shard = shard.clone();
-                        thread::spawn(move || admit(&shard, 9, 2))
-                    })
-                    .collect();
-                let admitted = handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap())
-                    .filter(|&ok| ok)
-                    .count() as u64;
+                let admitted = admissions(threads, {
+                    let shard = shard.clone();
+                    move || admit(&shard, 9, 2)
+                });
                 assert_eq!(admitted, 2.min(threads));
                 assert_eq!(count(&shard, 9), admitted, "every admission recorded");
             });
@@ -903,6 +917,91 @@ mod loom_tests {
             charge.join().unwrap();
             assert!(check.join().unwrap());
             assert_eq!(count(&shard, 9), 4);
+        });
+    }
+
+    // The memory store's token bucket, packed in its cell (see `word`): checks racing on
+    // one key at one instant take each token once, and the word left holds every one.
+    #[test]
+    fn racing_token_bucket_checks_take_each_token_once() {
+        use super::word::Packs;
+        use crate::Quota;
+        use crate::algorithm::token_bucket::{self, State};
+        for threads in [2, 3] {
+            loom::model(move || {
+                // 2 a second: a bucket of two tokens.
+                let quota = Quota::per_second(2).unwrap();
+                let shard = shard();
+                {
+                    let mut meta = shard.1.lock().unwrap();
+                    assert!(shard.0.insert(&mut meta, 9, 0));
+                }
+                let check = move |word: u64| {
+                    let state = State::unpack(word, &quota);
+                    let (decision, next) = token_bucket::check(state, 1_000, &quota, 1);
+                    let ok = decision.is_allowed();
+                    (ok, ok.then(|| next.pack(&quota).unwrap()))
+                };
+                let admitted = admissions(threads, {
+                    let shard = shard.clone();
+                    move || shard.0.update(9, check).unwrap()
+                });
+                assert_eq!(admitted, 2);
+                let left = State::unpack(count(&shard, 9), &quota);
+                let (decision, _) = token_bucket::check(left, 1_000, &quota, 0);
+                assert_eq!(decision.remaining(), 0, "both tokens taken in the word");
+            });
+        }
+    }
+
+    // The store moves a token bucket out of its cell, under the lock, once its state no
+    // longer packs in one word: the cell pinned, its state read, the cell removed, the
+    // state kept elsewhere (here, beside the meta). A check without the lock racing the
+    // move either lands before the pin, and its admission moves with the state, or fails,
+    // takes the lock, and admits on the moved state.
+    #[test]
+    fn a_state_moved_out_of_its_cell_loses_no_admission() {
+        loom::model(|| {
+            let (cells, meta) = Cells::new(4);
+            let shard = Arc::new((cells, Mutex::new((meta, None::<u64>))));
+            {
+                let mut locked = shard.1.lock().unwrap();
+                assert!(shard.0.insert(&mut locked.0, 9, 1));
+            }
+            let step = |count: u64| (true, Some(count + 1));
+            let check = {
+                let shard = shard.clone();
+                thread::spawn(move || {
+                    if shard.0.update(9, step).is_some() {
+                        return;
+                    }
+                    let mut locked = shard.1.lock().unwrap();
+                    if shard.0.update(9, step).is_none() {
+                        let moved = locked.1.as_mut().unwrap();
+                        *moved += 1;
+                    }
+                })
+            };
+            let mover = {
+                let shard = shard.clone();
+                thread::spawn(move || {
+                    let mut locked = shard.1.lock().unwrap();
+                    let pinned = shard.0.pin(&locked.0, 9).unwrap();
+                    let state = pinned.state();
+                    pinned.remove(&mut locked.0);
+                    locked.1 = Some(state);
+                })
+            };
+            check.join().unwrap();
+            mover.join().unwrap();
+            let locked = shard.1.lock().unwrap();
+            assert_eq!(
+                locked.1,
+                Some(2),
+                "the check's admission moved or was made after"
+            );
+            assert!(shard.0.pin(&locked.0, 9).is_none(), "the cell is gone");
+            assert_eq!(Cells::len(&locked.0), 0);
         });
     }
 

@@ -11,6 +11,7 @@ use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
 use super::cells::{self, Cells, Meta, Pinned};
+use super::word::{self, Packs, packs};
 use super::{Checked, Operation, Store};
 use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::{
@@ -42,17 +43,22 @@ const MIN_SWEEP: usize = 256;
 
 /// Limiter state in this process's memory.
 ///
-/// Keys are arbitrary bytes. The store is split into shards. A state of one 64-bit word
-/// (GCRA, the leaky bucket shaper) lives in its shard's *cells*: a check under one such
-/// limit, for a key the store already holds, reads the key's cell and updates it by
-/// compare-and-swap without taking a lock, and writes no memory but the state's own, so
-/// threads deciding for different keys do not queue behind one another, nor behind a
-/// sweep. Everything else — the two-word states, the sliding window log, a request under
-/// several limits, a key's arrival and removal — is decided under the shard's lock, which
-/// still reads and swaps the cells' states, so both paths decide one key's requests as if
-/// one at a time (the lock-free transitions are model-checked with `loom`). It is
-/// bounded: at most `max_keys`
-/// keys are tracked, and a key whose state has become equivalent to a fresh one (its
+/// Keys are arbitrary bytes. The store is split into shards. A state that fits one
+/// 64-bit word lives in its shard's *cells*: GCRA's and the leaky bucket shaper's always
+/// (one instant), the token bucket's, the leaky bucket meter's and the fixed window's
+/// packed exactly while their instant is below 2^(59 − b) µs, where `b` is 0 for a
+/// bucket whose limit divides its period and at most 27 (the window's count takes
+/// `b` bits, a bucket's partial microsecond those of `limit / gcd(limit, period)`); on a
+/// clock from zero, that is thousands of years for the usual quotas and 2.4 hours at
+/// worst. A check under one such limit, for a key the store already holds, reads the
+/// key's cell and updates it by compare-and-swap without taking a lock, and writes no
+/// memory but the state's own, so threads deciding for different keys do not queue
+/// behind one another, nor behind a sweep. Everything else — the sliding window counter,
+/// the sliding window log, a state past its packing's range (moved to the shard's table,
+/// exactly as it was), a request under several limits, a key's arrival and removal — is
+/// decided under the shard's lock, which still reads and swaps the cells' states, so
+/// both paths decide one key's requests as if one at a time (the lock-free transitions
+/// are model-checked with `loom`). It is bounded: at most `max_keys` keys are tracked, and a key whose state has become equivalent to a fresh one (its
 /// bucket refilled, its windows passed) is dropped when its shard next sweeps, so a flood
 /// of unique keys — a botnet rotating addresses — cannot grow memory without bound.
 ///
@@ -60,10 +66,10 @@ const MIN_SWEEP: usize = 256;
 /// store, so which keys collide cannot be known without the seed, which no answer
 /// reveals; it is a fast hash, not a cryptographic one); two distinct keys share state
 /// only if their hashes collide, which for a million live keys happens with probability
-/// about 3 × 10⁻⁸. A one-word state costs 16 bytes a cell (its key's hash and its state;
+/// about 3 × 10⁻⁸. A state in a cell costs 16 bytes (its key's hash and its state;
 /// each level of a shard's cells half as large again as the one before, filled to seven
 /// eighths, so 18 to 29 bytes a key once a shard holds a few hundred), a two-word state
-/// 24 bytes in its table, a sliding window log about 200 bytes with one entry and 16 to
+/// in its table 24 bytes, a sliding window log about 200 bytes with one entry and 16 to
 /// 32 more an entry; `BENCHMARKS.md` has the measured bytes per key. A shard takes about
 /// a kilobyte before any key (its first sixteen cells inline, the headers of its later
 /// levels, its lock and tables), so the default store about a megabyte. The cells a
@@ -133,7 +139,7 @@ struct Notes {
 /// walks cells the keys have left.
 #[repr(align(128))]
 struct Shard {
-    /// The states of one word (GCRA, the leaky bucket shaper), read and updated without
+    /// The states that fit one word (see [`word`]), read and updated without
     /// the lock; keys come and go under it.
     cells: Cells,
     table: SpinMutex<Table, Yield>,
@@ -142,7 +148,8 @@ struct Shard {
 struct Table {
     /// What the lock guards of the shard's cells.
     cells: Meta,
-    /// Fixed-size states of two words: `(key hash, slot)`, 24 bytes an entry.
+    /// Fixed-size states of two words that do not pack in a cell: `(key hash, slot)`, 24
+    /// bytes an entry.
     slots: HashTable<(u64, Slot)>,
     /// Sliding window logs.
     logs: HashTable<(u64, Log)>,
@@ -265,7 +272,8 @@ impl<C: Clock> MemoryStore<C> {
         (shard, key_hash, now)
     }
 
-    /// Decides under the shard's lock: several limits, a state of two words or a log,
+    /// Decides under the shard's lock: several limits, a state of two words not in a
+    /// cell or a log,
     /// or a key that has no cell yet.
     fn decide_locked(
         &self,
@@ -459,7 +467,8 @@ impl<C> Shared<C> {
 
 impl Shard {
     /// Decides one limit kept in a cell the key already has, without the lock; `None`
-    /// for another algorithm or a key with no cell.
+    /// for another algorithm, a key with no cell, or a token bucket whose state would
+    /// no longer pack in one (see [`word`]).
     #[inline(always)]
     fn decide_in_cell(
         &self,
@@ -468,14 +477,51 @@ impl Shard {
         policy: &Policy,
         cost: u32,
     ) -> Option<Decision> {
-        if !in_cell(policy.algorithm()) {
-            return None;
+        let hash = key_hash ^ policy.id();
+        let (q, c) = (policy.quota(), cost);
+        match policy.algorithm() {
+            Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
+                self.cells.update(word::instant_key(hash), |state| {
+                    let (decision, next) = word_check(policy, state, now, cost);
+                    (decision, decision.is_allowed().then_some(next))
+                })
+            }
+            Algorithm::TokenBucket => {
+                self.decide_packed(hash, q, |s| token_bucket::check(s, now, q, c))
+            }
+            Algorithm::LeakyBucket => {
+                self.decide_packed(hash, q, |s| leaky_bucket::meter(s, now, q, c))
+            }
+            Algorithm::FixedWindow => {
+                self.decide_packed(hash, q, |s| fixed_window::check(s, now, q, c))
+            }
+            Algorithm::SlidingWindowCounter | Algorithm::SlidingWindowLog => None,
         }
-        let cell = cells::cell_key(key_hash ^ policy.id());
-        self.cells.update(cell, |state| {
-            let (decision, next) = word_check(policy, state, now, cost);
-            (decision, decision.is_allowed().then_some(next))
-        })
+    }
+
+    /// [`decide_in_cell`](Self::decide_in_cell) for a state packed in its cell (see
+    /// [`word`]), decided by `check`. Not inlined: GCRA's path stays as small as it was
+    /// (inlined, this cost GCRA's check 10% in the `memory_store` bench).
+    #[inline(never)]
+    fn decide_packed<S: Packs>(
+        &self,
+        hash: u64,
+        quota: &Quota,
+        check: impl Fn(S) -> (Decision, S),
+    ) -> Option<Decision> {
+        self.cells
+            .update(word::packed_key(hash), |state| {
+                let (decision, next) = check(S::unpack(state, quota));
+                if !decision.is_allowed() {
+                    return (Some(decision), None);
+                }
+                match next.pack(quota) {
+                    Some(next) => (Some(decision), Some(next)),
+                    // It takes the lock, to move the state out of its cell.
+                    None => (None, None),
+                }
+            })
+            .flatten()
     }
 }
 
@@ -489,8 +535,12 @@ struct Bounds {
 enum Change<'a> {
     /// Nothing to write: the state is unchanged, or a fresh state that need not be kept.
     None,
-    /// A fixed-size state, kept under `hash`.
-    Slot { hash: u64, next: Slot, known: bool },
+    /// A fixed-size state, kept under `hash`, where `place` says.
+    Slot {
+        hash: u64,
+        next: Slot,
+        place: Place<'a>,
+    },
     /// An admission into the log kept under `hash` (`known`: the log exists).
     Log { hash: u64, known: bool },
     /// A one-word state, in the cell `key`: `pinned` while the request is decided (see
@@ -502,12 +552,24 @@ enum Change<'a> {
     },
 }
 
+/// Where a fixed-size state is kept under the lock: in the shard's table, or packed in a
+/// cell (a bucket's or a fixed window's, while it fits one word: see [`word`]).
+enum Place<'a> {
+    /// A key with no state yet.
+    New,
+    Table,
+    /// The cell, pinned while the request is decided.
+    Cell(Pinned<'a>),
+}
+
 impl Change<'_> {
     fn is_new_key(&self) -> bool {
         matches!(
             self,
-            Change::Slot { known: false, .. }
-                | Change::Log { known: false, .. }
+            Change::Slot {
+                place: Place::New,
+                ..
+            } | Change::Log { known: false, .. }
                 | Change::Cell { pinned: None, .. }
         )
     }
@@ -516,7 +578,7 @@ impl Change<'_> {
 /// The fixed-size state of a key no request has changed.
 const FRESH: Slot = [0, 0];
 
-/// Whether an algorithm's state is one word, kept in the shard's lock-free cells.
+/// Whether an algorithm's state is one instant, kept in the shard's lock-free cells.
 fn in_cell(algorithm: Algorithm) -> bool {
     matches!(algorithm, Algorithm::Gcra | Algorithm::LeakyBucketShaper)
 }
@@ -551,16 +613,58 @@ fn take_and_owe(operation: Operation, left: u64) -> (u32, u32) {
     }
 }
 
-/// A charge or drain (see [`Operation`]) on a one-word state `tat`, in one step.
-fn word_operate(policy: &Policy, tat: u64, now: u64, operation: Operation) -> u64 {
-    let left = word_check(policy, tat, now, 0).0.remaining();
+/// A charge or drain (see [`Operation`]) on `state`, in one step: `check` decides a
+/// request of a cost, `charge` takes units whether or not they fit.
+fn operate<S: Copy>(
+    state: S,
+    operation: Operation,
+    check: impl Fn(S, u32) -> (Decision, S),
+    charge: impl Fn(S, u32) -> S,
+) -> S {
+    let left = check(state, 0).0.remaining();
     let (cost, owed) = take_and_owe(operation, left);
-    let (decision, next) = word_check(policy, tat, now, cost);
-    let taken = if decision.is_allowed() { next } else { tat };
-    if owed > 0 {
-        word_correct(policy, taken, now, owed, true)
-    } else {
-        taken
+    let (decision, next) = check(state, cost);
+    let taken = if decision.is_allowed() { next } else { state };
+    if owed > 0 { charge(taken, owed) } else { taken }
+}
+
+/// A charge or drain on a one-word state `tat`.
+fn word_operate(policy: &Policy, tat: u64, now: u64, operation: Operation) -> u64 {
+    operate(
+        tat,
+        operation,
+        |tat, cost| word_check(policy, tat, now, cost),
+        |tat, units| word_correct(policy, tat, now, units, true),
+    )
+}
+
+/// A charge or drain on a state that [packs](word::packs), as a [`Slot`]: the buckets
+/// owe what does not fit (up to a capacity), the fixed window does not count past its
+/// limit.
+fn slot_operate(policy: &Policy, slot: Slot, now: u64, operation: Operation) -> Slot {
+    let q = policy.quota();
+    match policy.algorithm() {
+        Algorithm::LeakyBucket => operate(
+            token_bucket::State::from_slot(slot),
+            operation,
+            |s, cost| leaky_bucket::meter(s, now, q, cost),
+            |s, units| leaky_bucket::meter_charge(s, now, q, units),
+        )
+        .to_slot(),
+        Algorithm::FixedWindow => operate(
+            fixed_window::State::from_slot(slot),
+            operation,
+            |s, cost| fixed_window::check(s, now, q, cost),
+            |s, _| s,
+        )
+        .to_slot(),
+        _ => operate(
+            token_bucket::State::from_slot(slot),
+            operation,
+            |s, cost| token_bucket::check(s, now, q, cost),
+            |s, units| token_bucket::charge(s, now, q, units),
+        )
+        .to_slot(),
     }
 }
 
@@ -662,10 +766,20 @@ impl Table {
                 // A charge or drain on a cell is one step on the pinned state (or, for a
                 // key with no cell, on a fresh one, inserted whole): a check without the
                 // lock cannot come between its parts.
-                if matches!(operation, Operation::Charge(_) | Operation::Drain(_))
-                    && in_cell(policy.algorithm())
-                {
-                    let key = cells::cell_key(hash);
+                let one_step = matches!(operation, Operation::Charge(_) | Operation::Drain(_));
+                if one_step && packs(policy.algorithm()) {
+                    let (place, slot) = self.find_slot(cells, hash, policy);
+                    let next = slot_operate(policy, slot, now, operation);
+                    // A new key is kept if the operation leaves it other than fresh.
+                    if !matches!(place, Place::New)
+                        || (next[0] > now && self.has_room(cells, now, bounds.max, 1))
+                    {
+                        self.write_slot(cells, hash, next, place, policy, true);
+                    }
+                    return self.read(cells, hash, now, policy, 0).0;
+                }
+                if one_step && in_cell(policy.algorithm()) {
+                    let key = word::instant_key(hash);
                     if let Some(mut pinned) = cells.pin(&self.cells, key) {
                         pinned.set(word_operate(policy, pinned.state(), now, operation));
                     } else {
@@ -706,18 +820,18 @@ impl Table {
     fn refund(&mut self, cells: &Cells, hash: u64, now: u64, policy: &Policy, units: u32) {
         let (q, u) = (policy.quota(), units);
         match policy.algorithm() {
-            Algorithm::TokenBucket => {
-                self.update_slot(hash, |s| repacked(token_bucket::refund, s, now, q, u))
-            }
-            Algorithm::LeakyBucket => {
-                self.update_slot(hash, |s| repacked(leaky_bucket::meter_refund, s, now, q, u))
-            }
-            Algorithm::FixedWindow => {
-                self.update_slot(hash, |s| repacked(fixed_window::refund, s, now, q, u))
-            }
-            Algorithm::SlidingWindowCounter => {
-                self.update_slot(hash, |s| repacked(sliding_counter::refund, s, now, q, u))
-            }
+            Algorithm::TokenBucket => self.update_slot(cells, hash, policy, |s| {
+                repacked(token_bucket::refund, s, now, q, u)
+            }),
+            Algorithm::LeakyBucket => self.update_slot(cells, hash, policy, |s| {
+                repacked(leaky_bucket::meter_refund, s, now, q, u)
+            }),
+            Algorithm::FixedWindow => self.update_slot(cells, hash, policy, |s| {
+                repacked(fixed_window::refund, s, now, q, u)
+            }),
+            Algorithm::SlidingWindowCounter => self.update_slot(cells, hash, policy, |s| {
+                repacked(sliding_counter::refund, s, now, q, u)
+            }),
             Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
                 update_cell(cells, hash, |s| word_correct(policy, s, now, u, false))
             }
@@ -735,12 +849,12 @@ impl Table {
     fn overdraw(&mut self, cells: &Cells, hash: u64, now: u64, policy: &Policy, units: u32) {
         let (q, u) = (policy.quota(), units);
         match policy.algorithm() {
-            Algorithm::TokenBucket => {
-                self.update_slot(hash, |s| repacked(token_bucket::charge, s, now, q, u))
-            }
-            Algorithm::LeakyBucket => {
-                self.update_slot(hash, |s| repacked(leaky_bucket::meter_charge, s, now, q, u))
-            }
+            Algorithm::TokenBucket => self.update_slot(cells, hash, policy, |s| {
+                repacked(token_bucket::charge, s, now, q, u)
+            }),
+            Algorithm::LeakyBucket => self.update_slot(cells, hash, policy, |s| {
+                repacked(leaky_bucket::meter_charge, s, now, q, u)
+            }),
             Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
                 update_cell(cells, hash, |s| word_correct(policy, s, now, u, true))
             }
@@ -751,9 +865,16 @@ impl Table {
     }
 
     /// Replaces the fixed-size state kept under `hash`, if there is one, by `update`'s.
-    fn update_slot(&mut self, hash: u64, update: impl FnOnce(Slot) -> Slot) {
-        if let Some((_, slot)) = self.slots.find_mut(hash, |e| e.0 == hash) {
-            *slot = update(*slot);
+    fn update_slot(
+        &mut self,
+        cells: &Cells,
+        hash: u64,
+        policy: &Policy,
+        update: impl FnOnce(Slot) -> Slot,
+    ) {
+        match self.find_slot(cells, hash, policy) {
+            (Place::New, _) => {}
+            (place, slot) => self.write_slot(cells, hash, update(slot), place, policy, true),
         }
     }
 
@@ -765,7 +886,8 @@ impl Table {
         if let Ok(entry) = self.logs.find_entry(hash, |e| e.0 == hash) {
             entry.remove();
         }
-        cells.remove(&mut self.cells, cells::cell_key(hash));
+        cells.remove(&mut self.cells, word::instant_key(hash));
+        cells.remove(&mut self.cells, word::packed_key(hash));
     }
 
     /// The decision of one limit at `cost`, and what admitting it would change.
@@ -780,18 +902,18 @@ impl Table {
         let (q, c) = (policy.quota(), cost);
         // A direct call per algorithm (not a function pointer), so each is inlined.
         match policy.algorithm() {
-            Algorithm::TokenBucket => {
-                self.read_slot(hash, now, |s| packed(token_bucket::check, s, now, q, c))
-            }
-            Algorithm::LeakyBucket => {
-                self.read_slot(hash, now, |s| packed(leaky_bucket::meter, s, now, q, c))
-            }
-            Algorithm::FixedWindow => {
-                self.read_slot(hash, now, |s| packed(fixed_window::check, s, now, q, c))
-            }
-            Algorithm::SlidingWindowCounter => {
-                self.read_slot(hash, now, |s| packed(sliding_counter::check, s, now, q, c))
-            }
+            Algorithm::TokenBucket => self.read_slot(cells, hash, now, policy, |s| {
+                packed(token_bucket::check, s, now, q, c)
+            }),
+            Algorithm::LeakyBucket => self.read_slot(cells, hash, now, policy, |s| {
+                packed(leaky_bucket::meter, s, now, q, c)
+            }),
+            Algorithm::FixedWindow => self.read_slot(cells, hash, now, policy, |s| {
+                packed(fixed_window::check, s, now, q, c)
+            }),
+            Algorithm::SlidingWindowCounter => self.read_slot(cells, hash, now, policy, |s| {
+                packed(sliding_counter::check, s, now, q, c)
+            }),
             Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
                 self.read_cell(cells, hash, now, policy, cost)
             }
@@ -802,27 +924,79 @@ impl Table {
     #[inline(always)]
     fn read_slot<'a>(
         &self,
+        cells: &'a Cells,
         hash: u64,
         now: u64,
+        policy: &Policy,
         run: impl FnOnce(Slot) -> (Decision, Slot),
     ) -> (Decision, Change<'a>) {
-        let existing = self.slots.find(hash, |e| e.0 == hash).map(|e| e.1);
-        let (decision, next) = run(existing.unwrap_or(FRESH));
-        let change = match existing {
-            Some(_) => Change::Slot {
-                hash,
-                next,
-                known: true,
-            },
+        let (place, state) = self.find_slot(cells, hash, policy);
+        let (decision, next) = run(state);
+        let change = match place {
             // A fresh state that the request leaves fresh is not worth keeping.
-            None if next[0] > now => Change::Slot {
-                hash,
-                next,
-                known: false,
-            },
-            None => Change::None,
+            Place::New if next[0] <= now => Change::None,
+            place => Change::Slot { hash, next, place },
         };
         (decision, change)
+    }
+
+    /// Where the fixed-size state kept under `hash` is, and what it is (a fresh key's,
+    /// if new). A cell it is packed in is pinned (see [`Cells::pin`]).
+    fn find_slot<'a>(&self, cells: &'a Cells, hash: u64, policy: &Policy) -> (Place<'a>, Slot) {
+        if let Some(&(_, slot)) = self.slots.find(hash, |e| e.0 == hash) {
+            return (Place::Table, slot);
+        }
+        if packs(policy.algorithm())
+            && let Some(pinned) = cells.pin(&self.cells, word::packed_key(hash))
+        {
+            let slot = word::unpack_slot(policy.algorithm(), pinned.state(), policy.quota());
+            return (Place::Cell(pinned), slot);
+        }
+        (Place::New, FRESH)
+    }
+
+    /// Leaves a fixed-size state `next` where `place` says: one that packs in its cell
+    /// while it fits one, else in the table, to which it moves from its cell
+    /// when it no longer fits; a new key only if `room` (else it goes untracked, as
+    /// [`WhenFull::AllowUntracked`] asks).
+    fn write_slot(
+        &mut self,
+        cells: &Cells,
+        hash: u64,
+        next: Slot,
+        place: Place<'_>,
+        policy: &Policy,
+        room: bool,
+    ) {
+        let packed = word::pack_slot(policy.algorithm(), next, policy.quota());
+        match (place, packed) {
+            (Place::Table, _) => {
+                if let Some(entry) = self.slots.find_mut(hash, |e| e.0 == hash) {
+                    entry.1 = next;
+                }
+                return;
+            }
+            (Place::Cell(mut pinned), Some(word)) => {
+                pinned.set(word);
+                return;
+            }
+            (Place::Cell(pinned), None) => pinned.remove(&mut self.cells),
+            (Place::New, _) if !room => return,
+            (Place::New, Some(word)) => {
+                let key = word::packed_key(hash);
+                // Into the table if every level is full.
+                if cells.insert(&mut self.cells, key, word)
+                    || (cells.has_vacancy(&mut self.cells, key)
+                        && cells.insert(&mut self.cells, key, word))
+                {
+                    self.earliest_expiry = self.earliest_expiry.min(next[0]);
+                    return;
+                }
+            }
+            (Place::New, None) => {}
+        }
+        self.earliest_expiry = self.earliest_expiry.min(next[0]);
+        self.slots.insert_unique(hash, (hash, next), |e| e.0);
     }
 
     fn read_cell<'a>(
@@ -833,7 +1007,7 @@ impl Table {
         policy: &Policy,
         cost: u32,
     ) -> (Decision, Change<'a>) {
-        let key = cells::cell_key(hash);
+        let key = word::instant_key(hash);
         let pinned = cells.pin(&self.cells, key);
         let state = pinned.as_ref().map_or(FRESH[0], Pinned::state);
         let (decision, next) = word_check(policy, state, now, cost);
@@ -889,24 +1063,8 @@ impl Table {
                 next,
                 ..
             } => pinned.set(next),
-            Change::Slot {
-                hash,
-                next,
-                known: true,
-            } => {
-                if let Some(entry) = self.slots.find_mut(hash, |e| e.0 == hash) {
-                    entry.1 = next;
-                }
-            }
-            Change::Slot {
-                hash,
-                next,
-                known: false,
-            } => {
-                if room {
-                    self.earliest_expiry = self.earliest_expiry.min(next[0]);
-                    self.slots.insert_unique(hash, (hash, next), |e| e.0);
-                }
+            Change::Slot { hash, next, place } => {
+                self.write_slot(cells, hash, next, place, policy, room);
             }
             Change::Cell {
                 key,
@@ -989,7 +1147,7 @@ impl Table {
 /// Runs `update` on a one-word state in its cell, if the key has one (under the
 /// shard's lock: a check without it may store first, and `update` runs again).
 fn update_cell(cells: &Cells, hash: u64, update: impl Fn(u64) -> u64) {
-    cells.update(cells::cell_key(hash), |s| ((), Some(update(s))));
+    cells.update(word::instant_key(hash), |s| ((), Some(update(s))));
 }
 
 /// Runs a fixed-size state's refund or charge on its packed [`Slot`].
@@ -1368,6 +1526,132 @@ mod tests {
         }
         assert_eq!(store.len(), 1);
         assert_eq!(store.check_sync(b"k", &policy, 1).remaining(), 2);
+    }
+
+    /// Token bucket states held in the store's tables (the rest are in cells).
+    fn in_tables<C>(store: &MemoryStore<C>) -> usize {
+        let shards = store.shared.shards.iter();
+        shards.map(|shard| shard.table.lock().slots.len()).sum()
+    }
+
+    /// Replays checks, refunds and charges of one key under `policy` through the store
+    /// and through the algorithm's functions, from `start` in steps of 150 ms, and
+    /// asserts every decision the same; and that the state sits in the table exactly
+    /// from the first time its instant reaches `edge`, where it stops packing.
+    #[allow(clippy::type_complexity)]
+    fn replay_across_the_edge<S: SlotState + Default>(
+        policy: &Policy,
+        start: u64,
+        edge: u64,
+        check: fn(S, u64, &Quota, u32) -> (Decision, S),
+        refund: fn(S, u64, &Quota, u32) -> S,
+        charge: fn(S, u64, &Quota, u32) -> S,
+    ) {
+        let quota = *policy.quota();
+        let (store, clock) = store(100, WhenFull::Deny);
+        let (mut state, mut moved) = (S::default(), false);
+        for step in 0..60u32 {
+            let now = start + u64::from(step) * 150_000;
+            clock.set_micros(now);
+            let units = 1 + step % 3;
+            if step % 7 == 6 {
+                store.apply(b"k", &[policy], Operation::Refund(units));
+                state = refund(state, now, &quota, units);
+            } else if step % 11 == 10 {
+                store.apply(b"k", &[policy], Operation::Charge(units));
+                state = operate(
+                    state,
+                    Operation::Charge(units),
+                    |s, cost| check(s, now, &quota, cost),
+                    |s, units| charge(s, now, &quota, units),
+                );
+            } else {
+                let (want, next) = check(state, now, &quota, units);
+                if want.is_allowed() {
+                    state = next;
+                }
+                let got = store.check_sync(b"k", policy, units);
+                assert_eq!(got, want, "{policy:?}, step {step}");
+            }
+            moved |= state.to_slot()[0] >= edge;
+            assert_eq!(in_tables(&store), usize::from(moved), "step {step}");
+            assert!(store.len() <= 1);
+        }
+        assert!(moved, "the key moved out of its cell");
+    }
+
+    // A token bucket's state, or a fixed window's, is packed in a cell while it fits one
+    // word, and moves to the table when it no longer does. On both sides of the move
+    // every decision, refund and charge is the algorithm's.
+    #[test]
+    fn packed_states_decide_exactly_in_their_cells_and_after_moving_out() {
+        // 3 a second: `limit / gcd` takes 2 bits, so a state packs while it is full
+        // again before 2^57 µs.
+        let quota = Quota::per_second(3).unwrap().with_burst(5).unwrap();
+        let (start, edge) = ((1 << 57) - 4_000_000, 1 << 57);
+        let policy = Policy::new("tb", Algorithm::TokenBucket, quota).unwrap();
+        replay_across_the_edge(
+            &policy,
+            start,
+            edge,
+            token_bucket::check,
+            token_bucket::refund,
+            token_bucket::charge,
+        );
+        let policy = Policy::new("lb", Algorithm::LeakyBucket, quota).unwrap();
+        replay_across_the_edge(
+            &policy,
+            start,
+            edge,
+            leaky_bucket::meter,
+            leaky_bucket::meter_refund,
+            leaky_bucket::meter_charge,
+        );
+        // 5 a second: a count takes 3 bits, so a window packs while it ends before 2^56
+        // µs. A charge does not count past the limit.
+        let quota = Quota::per_second(5).unwrap();
+        let policy = Policy::new("fw", Algorithm::FixedWindow, quota).unwrap();
+        replay_across_the_edge(
+            &policy,
+            (1 << 56) - 4_000_000,
+            1 << 56,
+            fixed_window::check,
+            fixed_window::refund,
+            |s, _, _, _| s,
+        );
+    }
+
+    // Keys whose token buckets are packed in cells are swept once full again, as the
+    // table's are: a sweep reads a packed cell's instant, not its word.
+    #[test]
+    fn packed_token_buckets_are_swept_once_full_again() {
+        // 7 a second: packed with 3 bits of a partial microsecond.
+        let quota = Quota::per_second(7).unwrap();
+        let policy = Policy::new("tb", Algorithm::TokenBucket, quota).unwrap();
+        let (store, clock) = store(1_000, WhenFull::Deny);
+        clock.set_micros(1_000_000);
+        for i in 0..100u32 {
+            let cost = 1 + i % 7;
+            assert!(
+                store
+                    .check_sync(&i.to_le_bytes(), &policy, cost)
+                    .is_allowed()
+            );
+        }
+        assert_eq!((store.len(), in_tables(&store)), (100, 0));
+        // Key i is full again (1 + i % 7) / 7 s on, rounded up to a microsecond: those
+        // of cost 1 to 3 at 428,572 µs, and not a microsecond sooner.
+        let costing = |most: u32| (0..100u32).filter(|i| i % 7 < most).count();
+        clock.advance(Duration::from_micros(428_571));
+        assert_eq!(
+            store.sweep(),
+            100 - costing(2),
+            "cost 3 is a microsecond short"
+        );
+        clock.advance(Duration::from_micros(1));
+        assert_eq!(store.sweep(), 100 - costing(3), "keys left");
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(store.sweep(), 0);
     }
 
     // What the docs say a shard takes before any key.

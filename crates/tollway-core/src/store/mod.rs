@@ -16,6 +16,7 @@ mod redis;
 mod replicated;
 #[cfg(feature = "regions")]
 mod split;
+mod word;
 
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;

@@ -1,0 +1,270 @@
+//! How a state is written in one 64-bit word of the memory store's lock-free cells.
+//!
+//! - GCRA's and the leaky bucket shaper's state is one instant, the theoretical arrival
+//!   time: the word is that instant, and the state is a fresh key's from then on.
+//! - The token bucket's state (and the leaky bucket meter's, the same) and the fixed
+//!   window's are two integers: an instant from which the state is a fresh key's, and a
+//!   small number, which [`Packs`] fits in `b` bits:
+//!
+//!   ```text
+//!   b (5 bits) | instant (59 − b bits) | small number (b bits)
+//!   ```
+//!
+//!   The token bucket's instant is `full_at`, the microsecond it is full again, and its
+//!   small number `frac`, the ticks of the microsecond before already refilled
+//!   (`frac < limit`; see [`token_bucket`]). A request takes `cost × period` ticks and
+//!   a microsecond refills `limit`, so every state the algorithm makes has `frac` a
+//!   multiple of `g = gcd(limit, period)`: the word holds `frac / g < limit / g`, which
+//!   takes no bits at all for the usual quotas, whose limit divides the period (100 a
+//!   minute, 10 a second). The fixed window's instant is the window's end and its small
+//!   number the count, at most the limit.
+//!
+//!   The word is exactly the state while the instant is below `2^(59 − b)` µs: 18,000
+//!   years on a clock from zero for `b = 0`, 285 years for `b ≤ 6` (a token bucket whose
+//!   `limit / g` is at most 64, a fixed window of up to 63 a period), 2.4 hours at worst
+//!   (`b = 26`, as a quota allows). A state past that does not pack: the store keeps it
+//!   under the shard's lock, in its table, as it keeps the other algorithms' (exact, no
+//!   longer lock-free).
+//!
+//! A packed word says its own `b`, so a window's count reads the same under whichever
+//! limit a reader holds (a split store's count keeps its key while its share changes;
+//! a count that no longer fits the new limit's bits moves to the table). A cell's key
+//! says which form its word has (its top bit), so a sweep reads when any cell's state
+//! becomes a fresh key's without knowing its policy.
+
+use crate::Quota;
+use crate::algorithm::{Algorithm, Slot, SlotState, fixed_window, token_bucket};
+
+/// The key bit of a cell holding a packed pair.
+const PACKED: u64 = 1 << 63;
+/// Where a packed word's `b` starts.
+const BITS_AT: u32 = 59;
+/// The most bits a quota's small number needs: every quota has `limit ≤ 2^26` (`limit ≤
+/// period` and `limit × period ≤ 2^52`), and a count up to the limit takes 27.
+const MOST_BITS: u32 = 27;
+
+/// The cell key of a state of one instant kept under `hash`: never `EMPTY` or `TOMB`.
+pub(crate) fn instant_key(hash: u64) -> u64 {
+    (hash & !PACKED).max(2)
+}
+
+/// The cell key of a packed pair kept under `hash`.
+pub(crate) fn packed_key(hash: u64) -> u64 {
+    hash | PACKED
+}
+
+/// The first instant at which the state `word` in the cell of `key` is a fresh key's.
+pub(crate) fn expiry(key: u64, word: u64) -> u64 {
+    if key & PACKED == 0 {
+        word
+    } else {
+        unpack_pair(word).0
+    }
+}
+
+/// `instant` and `small` in one word, `small` in `bits` bits, if they fit.
+#[inline]
+fn pack_pair(instant: u64, small: u64, bits: u32) -> Option<u64> {
+    if bits > MOST_BITS || small >> bits != 0 || instant >> (BITS_AT - bits) != 0 {
+        return None;
+    }
+    Some((u64::from(bits) << BITS_AT) | (instant << bits) | small)
+}
+
+/// The instant and small number of a word from [`pack_pair`], as many bits as it says;
+/// both 0 for the word 0. (The word's own `b`, not its quota's: a split store's count
+/// keeps one key while its limit changes.)
+#[inline]
+fn unpack_pair(word: u64) -> (u64, u64) {
+    let (body, bits) = (word & ((1 << BITS_AT) - 1), word >> BITS_AT);
+    (body >> bits, body & ((1 << bits) - 1))
+}
+
+/// A state of two integers kept in a cell's word while it fits one (see the module
+/// docs).
+pub(crate) trait Packs: SlotState {
+    /// The state as one word under `quota`, if it fits.
+    fn pack(self, quota: &Quota) -> Option<u64>;
+    /// The state a word from [`pack`](Self::pack) holds under the same `quota`; a fresh
+    /// key's for the word 0.
+    fn unpack(word: u64, quota: &Quota) -> Self;
+}
+
+impl Packs for token_bucket::State {
+    #[inline]
+    fn pack(self, quota: &Quota) -> Option<u64> {
+        match quota.per_common(self.frac) {
+            (frac, 0) => pack_pair(self.full_at, frac, quota.common_bits()),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn unpack(word: u64, quota: &Quota) -> Self {
+        let (full_at, frac) = unpack_pair(word);
+        token_bucket::State {
+            full_at,
+            frac: frac * quota.common(),
+        }
+    }
+}
+
+/// Bits a fixed window's count takes: up to the limit.
+fn count_bits(quota: &Quota) -> u32 {
+    u64::BITS - quota.limit().leading_zeros()
+}
+
+impl Packs for fixed_window::State {
+    #[inline]
+    fn pack(self, quota: &Quota) -> Option<u64> {
+        pack_pair(self.end, self.count, count_bits(quota))
+    }
+
+    #[inline]
+    fn unpack(word: u64, _: &Quota) -> Self {
+        let (end, count) = unpack_pair(word);
+        fixed_window::State { end, count }
+    }
+}
+
+/// Whether an algorithm's state is one of those [`Packs`] is for.
+pub(crate) fn packs(algorithm: Algorithm) -> bool {
+    matches!(
+        algorithm,
+        Algorithm::TokenBucket | Algorithm::LeakyBucket | Algorithm::FixedWindow
+    )
+}
+
+/// [`Packs::pack`] for a state of `algorithm` as a [`Slot`]; `None` for an algorithm
+/// whose state never packs.
+pub(crate) fn pack_slot(algorithm: Algorithm, slot: Slot, quota: &Quota) -> Option<u64> {
+    match algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            token_bucket::State::from_slot(slot).pack(quota)
+        }
+        Algorithm::FixedWindow => fixed_window::State::from_slot(slot).pack(quota),
+        _ => None,
+    }
+}
+
+/// [`Packs::unpack`] for a word of `algorithm`'s, as a [`Slot`].
+pub(crate) fn unpack_slot(algorithm: Algorithm, word: u64, quota: &Quota) -> Slot {
+    match algorithm {
+        Algorithm::FixedWindow => fixed_window::State::unpack(word, quota).to_slot(),
+        _ => token_bucket::State::unpack(word, quota).to_slot(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::algorithm::token_bucket::{State, charge, check, refund};
+
+    fn pack(state: State, quota: &Quota) -> Option<u64> {
+        state.pack(quota)
+    }
+
+    fn unpack(word: u64, quota: &Quota) -> State {
+        State::unpack(word, quota)
+    }
+
+    fn quota(limit: u32, period_us: u64, burst: u32) -> Quota {
+        Quota::with_period(limit, Duration::from_micros(period_us))
+            .and_then(|q| q.with_burst(burst))
+            .unwrap()
+    }
+
+    /// Every state a run of checks, refunds and charges makes packs and unpacks to
+    /// itself, and says when it is full again; a state past the clock's range does not
+    /// pack.
+    #[test]
+    fn token_bucket_states_pack_exactly() {
+        let quotas = [
+            // limit / g: 1 (the usual case), 3, 7, 999_983 (a prime limit), 2^26 - 1
+            // (the most bits).
+            quota(100, 60_000_000, 100),
+            quota(3, 1_000_000, 5),
+            quota(7, 1_000_000, 1),
+            quota(999_983, 1_000_000, 1_000),
+            quota((1 << 26) - 1, 1 << 26, 1),
+        ];
+        for q in quotas {
+            let bits = q.common_bits();
+            let mut state = State::default();
+            let mut now = 1_000;
+            for step in 0u64..2_000 {
+                now += step * 7_919 % 1_013;
+                let cost = (step % 4) as u32;
+                state = match step % 5 {
+                    3 => refund(state, now, &q, cost),
+                    4 => charge(state, now, &q, cost),
+                    _ => check(state, now, &q, cost).1,
+                };
+                let word = pack(state, &q).unwrap();
+                assert_eq!(unpack(word, &q), state, "{q:?} at {now}");
+                assert_eq!(expiry(packed_key(step), word), state.full_at);
+            }
+            let last = (1 << (BITS_AT - bits)) - 1;
+            let at_last = State {
+                full_at: last,
+                frac: 0,
+            };
+            assert_eq!(unpack(pack(at_last, &q).unwrap(), &q), at_last);
+            let past = State {
+                full_at: last + 1,
+                frac: 0,
+            };
+            assert_eq!(pack(past, &q), None, "{q:?}");
+        }
+        assert_eq!(unpack(0, &quotas[3]), State::default());
+    }
+
+    /// Every fixed window state a run of checks and refunds makes packs and unpacks to
+    /// itself, a full window's included, and says when its window ends.
+    #[test]
+    fn fixed_window_states_pack_exactly() {
+        use crate::algorithm::fixed_window;
+        // Counts of 1 bit, 7, and 27 (a limit of 2^26, the most a quota allows).
+        for q in [
+            quota(1, 1_000_000, 1),
+            quota(100, 60_000_000, 100),
+            quota(1 << 26, 1 << 26, 1 << 26),
+        ] {
+            let mut state = fixed_window::State::default();
+            let mut now = 5;
+            for step in 0u64..2_000 {
+                now += step * 7_919 % 1_000_003;
+                let cost = (step % 4) as u32;
+                state = match step % 5 {
+                    4 => fixed_window::refund(state, now, &q, cost),
+                    _ => fixed_window::check(state, now, &q, cost).1,
+                };
+                let word = state.pack(&q).unwrap();
+                assert_eq!(fixed_window::State::unpack(word, &q), state, "{q:?}");
+                // Under another limit too: the word says how many bits its count has.
+                let other = quota(3, 1_000_000, 3);
+                assert_eq!(fixed_window::State::unpack(word, &other), state);
+                assert_eq!(expiry(packed_key(step), word), state.end);
+            }
+            let full = fixed_window::State {
+                end: q.period_micros(),
+                count: q.limit(),
+            };
+            assert_eq!(
+                fixed_window::State::unpack(full.pack(&q).unwrap(), &q),
+                full
+            );
+        }
+    }
+
+    #[test]
+    fn a_key_says_which_form_its_cell_holds() {
+        let hash = 0x8000_0000_0000_0001;
+        assert_eq!(expiry(instant_key(hash), 12_345), 12_345);
+        assert_eq!(instant_key(0), 2);
+        assert_eq!(instant_key(PACKED | 1), 2);
+        assert_ne!(packed_key(hash) & PACKED, 0);
+    }
+}
