@@ -26,9 +26,9 @@
 //! **A sweep beside checks.** 1,000,000 keys of which half have expired; one thread
 //! checks live keys in a random order, timing each check, while another sweeps the
 //! store (`MemoryStore::sweep`; governor: `retain_recent`) over and over. tollway runs
-//! it under GCRA (checks in lock-free cells, which a sweep does not stop) and under the
-//! token bucket (checks under the shard's lock, which a sweep holds one shard at a
-//! time). Printed: the checking thread's latency percentiles with and without the
+//! it under GCRA and the token bucket (checks in lock-free cells, which a sweep does not
+//! stop) and under the sliding window counter (checks under the shard's lock, which a
+//! sweep holds one shard at a time). Printed: the checking thread's latency percentiles with and without the
 //! sweeper.
 
 #![allow(clippy::unwrap_used)]
@@ -305,10 +305,12 @@ fn sweep_latency() {
     let short = Quota::per_second(10).unwrap();
     let long = Quota::per_hour(10).unwrap();
     for sweeping in [false, true] {
-        // tollway: GCRA in lock-free cells, the token bucket in the shards' locked tables.
+        // tollway: GCRA and the token bucket in lock-free cells, the sliding window
+        // counter in the shards' locked tables.
         for (algorithm, name) in [
             (Algorithm::Gcra, "tollway GCRA"),
             (Algorithm::TokenBucket, "tollway token bucket"),
+            (Algorithm::SlidingWindowCounter, "tollway sliding counter"),
         ] {
             let clock = ManualClock::new();
             let store = MemoryStore::builder()
@@ -336,7 +338,7 @@ fn sweep_latency() {
                 &live,
             );
             println!(
-                "{name:<21} {:<16} {} ns  ({sweeps} sweeps)",
+                "{name:<23} {:<16} {} ns  ({sweeps} sweeps)",
                 if sweeping { "while sweeping" } else { "alone" },
                 percentiles(lat)
             );
@@ -362,7 +364,7 @@ fn sweep_latency() {
             &live,
         );
         println!(
-            "{:<21} {:<16} {} ns  ({sweeps} sweeps)",
+            "{:<23} {:<16} {} ns  ({sweeps} sweeps)",
             "governor",
             if sweeping { "while sweeping" } else { "alone" },
             percentiles(lat)

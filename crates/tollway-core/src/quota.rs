@@ -78,8 +78,8 @@ pub struct Quota {
     /// [`token_bucket`](crate::algorithm::token_bucket)) come and go in multiples of it,
     /// so its state packs in fewer bits (the memory store's cells).
     by_common: StrengthReducedU64,
-    /// Bits `limit / gcd(limit, period)` takes, less one: those of a token bucket's
-    /// partial microsecond in whole multiples of the gcd.
+    /// The bits of `limit / gcd(limit, period) − 1`, the most a token bucket's partial
+    /// microsecond counts in whole multiples of the gcd.
     common_bits: u32,
 }
 

@@ -35,10 +35,11 @@
 //! (the store then takes its shard's lock). What remains is a reader that read a state
 //! of another key's tenure and then saw its own key back (removed, reinserted) before
 //! its compare-and-swap: that succeeds only if the cell's word is the one it read.
-//! Every state is stored XORed with its key's hash (64 random bits: the store's hasher
-//! is seeded per store), so two keys' words agree by chance only, with probability
-//! 2⁻⁶⁴ per such race; the same chance, for a state that happens to equal `REMOVED`'s
-//! pattern, sends checks of that key through the lock.
+//! Every state is stored XORed with its key (63 random bits of a hash, the store's
+//! hasher seeded per store, and a bit that says how the state is written), so two
+//! keys' words agree by chance only, with probability 2⁻⁶³ per such race; a chance as
+//! small, for a state that happens to equal `REMOVED`'s pattern, sends checks of that
+//! key through the lock.
 //!
 //! The transitions are checked by `loom` for two and three threads: run
 //! `RUSTFLAGS="--cfg tollway_loom" cargo test -p tollway-core --release --lib loom`.

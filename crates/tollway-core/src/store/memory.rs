@@ -46,11 +46,12 @@ const MIN_SWEEP: usize = 256;
 /// Keys are arbitrary bytes. The store is split into shards. A state that fits one
 /// 64-bit word lives in its shard's *cells*: GCRA's and the leaky bucket shaper's always
 /// (one instant), the token bucket's, the leaky bucket meter's and the fixed window's
-/// packed exactly while their instant is below 2^(59 − b) µs, where `b` is 0 for a
-/// bucket whose limit divides its period and at most 27 (the window's count takes
-/// `b` bits, a bucket's partial microsecond those of `limit / gcd(limit, period)`); on a
-/// clock from zero, that is thousands of years for the usual quotas and 2.4 hours at
-/// worst. A check under one such limit, for a key the store already holds, reads the
+/// packed exactly while their instant is below 2^(59 − b) µs, where `b` is the bits of
+/// the window's limit, or those a bucket's partial microsecond needs (none for a limit
+/// that divides its period, as 100 a minute does); on the default clock, from zero when
+/// the store is made, that is thousands of years for such a bucket, 143 for a window of
+/// 100 a period, 51 days for a window of 100,000 and 1.2 hours at worst (a window of
+/// 2^26); on the Unix epoch's clock only `b ≤ 8` packs. A check under one such limit, for a key the store already holds, reads the
 /// key's cell and updates it by compare-and-swap without taking a lock, and writes no
 /// memory but the state's own, so threads deciding for different keys do not queue
 /// behind one another, nor behind a sweep. Everything else — the sliding window counter,
@@ -58,16 +59,18 @@ const MIN_SWEEP: usize = 256;
 /// exactly as it was), a request under several limits, a key's arrival and removal — is
 /// decided under the shard's lock, which still reads and swaps the cells' states, so
 /// both paths decide one key's requests as if one at a time (the lock-free transitions
-/// are model-checked with `loom`). It is bounded: at most `max_keys` keys are tracked, and a key whose state has become equivalent to a fresh one (its
-/// bucket refilled, its windows passed) is dropped when its shard next sweeps, so a flood
-/// of unique keys — a botnet rotating addresses — cannot grow memory without bound.
+/// are model-checked with `loom`). It is bounded: at most `max_keys` keys are tracked,
+/// and a key whose state has become equivalent to a fresh one (its bucket refilled, its
+/// windows passed) is dropped when its shard next sweeps, so a flood of unique keys — a
+/// botnet rotating addresses — cannot grow memory without bound.
 ///
 /// Keys are stored as a 64-bit hash (foldhash's quality hasher, seeded at random per
 /// store, so which keys collide cannot be known without the seed, which no answer
 /// reveals; it is a fast hash, not a cryptographic one); two distinct keys share state
 /// only if their hashes collide, which for a million live keys happens with probability
-/// about 3 × 10⁻⁸. A state in a cell costs 16 bytes (its key's hash and its state;
-/// each level of a shard's cells half as large again as the one before, filled to seven
+/// about 5 × 10⁻⁸ (a cell keeps 63 of the 64 bits: the last says how its state is
+/// written). A state in a cell costs 16 bytes (its key's hash and its state; each
+/// level of a shard's cells half as large again as the one before, filled to seven
 /// eighths, so 18 to 29 bytes a key once a shard holds a few hundred), a two-word state
 /// in its table 24 bytes, a sliding window log about 200 bytes with one entry and 16 to
 /// 32 more an entry; `BENCHMARKS.md` has the measured bytes per key. A shard takes about
@@ -273,8 +276,7 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// Decides under the shard's lock: several limits, a state of two words not in a
-    /// cell or a log,
-    /// or a key that has no cell yet.
+    /// cell or a log, or a key that has no cell yet.
     fn decide_locked(
         &self,
         shard: &Shard,
@@ -467,8 +469,8 @@ impl<C> Shared<C> {
 
 impl Shard {
     /// Decides one limit kept in a cell the key already has, without the lock; `None`
-    /// for another algorithm, a key with no cell, or a token bucket whose state would
-    /// no longer pack in one (see [`word`]).
+    /// for another algorithm, a key with no cell, or a packed state that would no longer
+    /// pack (see [`word`]).
     #[inline(always)]
     fn decide_in_cell(
         &self,
@@ -487,13 +489,13 @@ impl Shard {
                 })
             }
             Algorithm::TokenBucket => {
-                self.decide_packed(hash, q, |s| token_bucket::check(s, now, q, c))
+                self.decide_packed(hash, now, q, |s| token_bucket::check(s, now, q, c))
             }
             Algorithm::LeakyBucket => {
-                self.decide_packed(hash, q, |s| leaky_bucket::meter(s, now, q, c))
+                self.decide_packed(hash, now, q, |s| leaky_bucket::meter(s, now, q, c))
             }
             Algorithm::FixedWindow => {
-                self.decide_packed(hash, q, |s| fixed_window::check(s, now, q, c))
+                self.decide_packed(hash, now, q, |s| fixed_window::check(s, now, q, c))
             }
             Algorithm::SlidingWindowCounter | Algorithm::SlidingWindowLog => None,
         }
@@ -506,9 +508,13 @@ impl Shard {
     fn decide_packed<S: Packs>(
         &self,
         hash: u64,
+        now: u64,
         quota: &Quota,
         check: impl Fn(S) -> (Decision, S),
     ) -> Option<Decision> {
+        if !word::may_pack::<S>(now, quota) {
+            return None;
+        }
         self.cells
             .update(word::packed_key(hash), |state| {
                 let (decision, next) = check(S::unpack(state, quota));
@@ -795,15 +801,14 @@ impl Table {
                     return self.read(cells, hash, now, policy, 0).0;
                 }
                 match operation {
+                    // The sliding windows: what does not fit is not counted (their window
+                    // is spent already).
                     Operation::Charge(_) | Operation::Drain(_) => {
                         let left = self.read(cells, hash, now, policy, 0).0.remaining();
-                        let (cost, owed) = take_and_owe(operation, left);
+                        let (cost, _) = take_and_owe(operation, left);
                         // A drain with nothing over `keep` takes nothing.
                         if cost > 0 || matches!(operation, Operation::Charge(_)) {
                             self.decide(cells, key_hash, now, &[policy], cost, bounds, true);
-                        }
-                        if owed > 0 {
-                            self.overdraw(cells, hash, now, policy, owed);
                         }
                     }
                     Operation::Refund(units) => self.refund(cells, hash, now, policy, units),
@@ -840,27 +845,6 @@ impl Table {
                     sliding_log::refund(log, now, q, u);
                 }
             }
-        }
-    }
-
-    /// Takes `units` that do not fit from one policy's state, if the key has one: the
-    /// buckets and GCRA owe them (up to a capacity); the window algorithms, whose window
-    /// is spent already, do not count past their limit.
-    fn overdraw(&mut self, cells: &Cells, hash: u64, now: u64, policy: &Policy, units: u32) {
-        let (q, u) = (policy.quota(), units);
-        match policy.algorithm() {
-            Algorithm::TokenBucket => self.update_slot(cells, hash, policy, |s| {
-                repacked(token_bucket::charge, s, now, q, u)
-            }),
-            Algorithm::LeakyBucket => self.update_slot(cells, hash, policy, |s| {
-                repacked(leaky_bucket::meter_charge, s, now, q, u)
-            }),
-            Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
-                update_cell(cells, hash, |s| word_correct(policy, s, now, u, true))
-            }
-            Algorithm::FixedWindow
-            | Algorithm::SlidingWindowCounter
-            | Algorithm::SlidingWindowLog => {}
         }
     }
 
@@ -973,8 +957,10 @@ impl Table {
             (Place::Table, _) => {
                 if let Some(entry) = self.slots.find_mut(hash, |e| e.0 == hash) {
                     entry.1 = next;
+                    return;
                 }
-                return;
+                // Swept since it was read (idle then), by a sweep another limit of the
+                // request made room with: kept again, with what this request changed.
             }
             (Place::Cell(mut pinned), Some(word)) => {
                 pinned.set(word);
@@ -1084,6 +1070,16 @@ impl Table {
             Change::Log { hash, known: true } => {
                 if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
                     sliding_log::admit(log, now, policy.quota(), cost);
+                } else {
+                    // Swept since it was read, as in `write_slot`: kept again.
+                    self.write(
+                        cells,
+                        Change::Log { hash, known: false },
+                        now,
+                        policy,
+                        cost,
+                        true,
+                    );
                 }
             }
             Change::Log { hash, known: false } => {
@@ -1526,6 +1522,33 @@ mod tests {
         }
         assert_eq!(store.len(), 1);
         assert_eq!(store.check_sync(b"k", &policy, 1).remaining(), 2);
+    }
+
+    // A request under two limits whose second is a new key may sweep to make room for
+    // it after the first limit was read: the first limit's state, idle but not yet
+    // dropped, is swept then, and is written back with what the request took (it was
+    // lost, and the next request had a whole limit again).
+    #[test]
+    fn a_state_swept_between_a_requests_limits_keeps_what_the_request_took() {
+        for algorithm in [Algorithm::SlidingWindowCounter, Algorithm::SlidingWindowLog] {
+            let (store, clock) = store(4, WhenFull::Deny);
+            let first = Policy::new("first", algorithm, Quota::per_second(1).unwrap()).unwrap();
+            let second = Policy::new("second", algorithm, Quota::per_hour(1).unwrap()).unwrap();
+            // Four keys, the shard's bound, idle 2 s on.
+            for key in [b"k", b"a", b"b", b"c"] {
+                assert!(store.check_sync(key, &first, 1).is_allowed());
+            }
+            clock.set_micros(2_500_000);
+            // The second limit's new key finds the shard full: a sweep makes room.
+            let both = store.decide(b"k", &[&first, &second], 1);
+            assert!(both.is_allowed(), "{algorithm:?}");
+            let again = store.check_sync(b"k", &first, 1);
+            assert!(
+                !again.is_allowed(),
+                "{algorithm:?}: the first limit counted it"
+            );
+            assert_eq!(store.len(), 2);
+        }
     }
 
     /// Token bucket states held in the store's tables (the rest are in cells).

@@ -13,18 +13,22 @@
 //!   The token bucket's instant is `full_at`, the microsecond it is full again, and its
 //!   small number `frac`, the ticks of the microsecond before already refilled
 //!   (`frac < limit`; see [`token_bucket`]). A request takes `cost × period` ticks and
-//!   a microsecond refills `limit`, so every state the algorithm makes has `frac` a
-//!   multiple of `g = gcd(limit, period)`: the word holds `frac / g < limit / g`, which
-//!   takes no bits at all for the usual quotas, whose limit divides the period (100 a
-//!   minute, 10 a second). The fixed window's instant is the window's end and its small
-//!   number the count, at most the limit.
+//!   a microsecond refills `limit`, so the states the algorithm makes have `frac` a
+//!   multiple of `g = gcd(limit, period)` (but for a debt capped at 2^52 ticks, which
+//!   does not pack): the word holds `frac / g < limit / g`, which takes no bits at all
+//!   for the usual quotas, whose limit divides the period (100 a minute, 10 a second).
+//!   The fixed window's instant is the window's end and its small number the count, up
+//!   to the limit: `b` is the bits of the limit (7 for 100 a minute).
 //!
-//!   The word is exactly the state while the instant is below `2^(59 − b)` µs: 18,000
-//!   years on a clock from zero for `b = 0`, 285 years for `b ≤ 6` (a token bucket whose
-//!   `limit / g` is at most 64, a fixed window of up to 63 a period), 2.4 hours at worst
-//!   (`b = 26`, as a quota allows). A state past that does not pack: the store keeps it
-//!   under the shard's lock, in its table, as it keeps the other algorithms' (exact, no
-//!   longer lock-free).
+//!   The word is exactly the state while the instant is below `2^(59 − b)` µs. On a
+//!   clock from zero (the default, from when the store was made): 18,000 years for
+//!   `b = 0`, 285 years for `b ≤ 6`, 143 years for a window of 100 a period (`b = 7`),
+//!   18 years for 1,000 (`b = 10`), 51 days for 100,000 (`b = 17`), 1.2 hours at worst
+//!   (`b = 27`, a window of 2^26, the most a quota allows). On the Unix epoch's clock
+//!   (2^50.6 µs in 2026), only `b ≤ 8` packs. A state past that does not pack: the
+//!   store keeps it under the shard's lock, in its table, as it keeps the other
+//!   algorithms' (exact, no longer lock-free), and once the clock itself has passed the
+//!   edge, a check under such a quota goes to the lock without looking in the cells.
 //!
 //! A packed word says its own `b`, so a window's count reads the same under whichever
 //! limit a reader holds (a split store's count keeps its key while its share changes;
@@ -83,6 +87,8 @@ fn unpack_pair(word: u64) -> (u64, u64) {
 /// A state of two integers kept in a cell's word while it fits one (see the module
 /// docs).
 pub(crate) trait Packs: SlotState {
+    /// The bits of the small number under `quota`.
+    fn bits(quota: &Quota) -> u32;
     /// The state as one word under `quota`, if it fits.
     fn pack(self, quota: &Quota) -> Option<u64>;
     /// The state a word from [`pack`](Self::pack) holds under the same `quota`; a fresh
@@ -91,10 +97,14 @@ pub(crate) trait Packs: SlotState {
 }
 
 impl Packs for token_bucket::State {
+    fn bits(quota: &Quota) -> u32 {
+        quota.common_bits()
+    }
+
     #[inline]
     fn pack(self, quota: &Quota) -> Option<u64> {
         match quota.per_common(self.frac) {
-            (frac, 0) => pack_pair(self.full_at, frac, quota.common_bits()),
+            (frac, 0) => pack_pair(self.full_at, frac, Self::bits(quota)),
             _ => None,
         }
     }
@@ -109,15 +119,15 @@ impl Packs for token_bucket::State {
     }
 }
 
-/// Bits a fixed window's count takes: up to the limit.
-fn count_bits(quota: &Quota) -> u32 {
-    u64::BITS - quota.limit().leading_zeros()
-}
-
 impl Packs for fixed_window::State {
+    /// A count up to the limit.
+    fn bits(quota: &Quota) -> u32 {
+        u64::BITS - quota.limit().leading_zeros()
+    }
+
     #[inline]
     fn pack(self, quota: &Quota) -> Option<u64> {
-        pack_pair(self.end, self.count, count_bits(quota))
+        pack_pair(self.end, self.count, Self::bits(quota))
     }
 
     #[inline]
@@ -125,6 +135,14 @@ impl Packs for fixed_window::State {
         let (end, count) = unpack_pair(word);
         fixed_window::State { end, count }
     }
+}
+
+/// Whether a state of `S` under `quota` that is not a fresh key's at `now` (its instant
+/// later) may pack: if not, no such state is in a cell.
+#[inline]
+pub(crate) fn may_pack<S: Packs>(now: u64, quota: &Quota) -> bool {
+    let bits = S::bits(quota);
+    bits <= MOST_BITS && now >> (BITS_AT - bits) == 0
 }
 
 /// Whether an algorithm's state is one of those [`Packs`] is for.
