@@ -471,9 +471,9 @@ impl Cells {
     }
 
     /// Removes every key whose state is a fresh key's at `now` (from its
-    /// [`word::expiry`] on), empties the tombstones no probe passes through, and returns
+    /// [`word::expiry`] on; `origin`: the store's), empties the tombstones no probe passes through, and returns
     /// the earliest instant at which a remaining key becomes idle (`u64::MAX`: none).
-    pub(crate) fn sweep(&self, meta: &mut Meta, now: u64) -> u64 {
+    pub(crate) fn sweep(&self, meta: &mut Meta, now: u64, origin: u64) -> u64 {
         let mut earliest = u64::MAX;
         for (n, level) in self.levels() {
             for i in 0..level.cap() {
@@ -485,7 +485,7 @@ impl Cells {
                 // A pinned cell (or a state with `REMOVED`'s pattern) stays this time;
                 // an update between the read and the swap keeps the key.
                 if stored != REMOVED
-                    && word::expiry(key, stored ^ key) <= now
+                    && word::expiry(key, stored ^ key, origin) <= now
                     && level
                         .state(i)
                         .compare_exchange(stored, REMOVED, Ordering::AcqRel, Ordering::Relaxed)
@@ -500,7 +500,7 @@ impl Cells {
                     let expiry = if stored == REMOVED {
                         now
                     } else {
-                        word::expiry(key, stored ^ key)
+                        word::expiry(key, stored ^ key, origin)
                     };
                     earliest = earliest.min(expiry.max(now + 1));
                 }
@@ -701,7 +701,7 @@ mod tests {
         }
         let used: usize = meta.used.iter().sum();
         assert_eq!(used, 1_000);
-        assert_eq!(cells.sweep(&mut meta, 100), 500);
+        assert_eq!(cells.sweep(&mut meta, 100, 0), 500);
         assert_eq!(Cells::len(&meta), 500);
         for k in 0..1_000u64 {
             assert_eq!(cells.find(spread(k)).is_some(), k % 2 == 1, "key {k}");
@@ -711,7 +711,7 @@ mod tests {
             left < used,
             "some tombstones end their runs: {left} of {used} used"
         );
-        assert_eq!(cells.sweep(&mut meta, 500), u64::MAX);
+        assert_eq!(cells.sweep(&mut meta, 500, 0), u64::MAX);
         assert_eq!(Cells::len(&meta), 0);
         assert_eq!(
             meta.used.iter().sum::<usize>(),
@@ -751,7 +751,7 @@ mod tests {
                 assert!(cells.insert(&mut meta, spread(key), round), "round {round}");
                 key += 1;
             }
-            cells.sweep(&mut meta, round);
+            cells.sweep(&mut meta, round, 0);
             assert_eq!(Cells::len(&meta), 0);
         }
         let made = cells.levels().count();
@@ -880,7 +880,7 @@ mod loom_tests {
                 // State 0 is idle at instant 0.
                 thread::spawn(move || {
                     let mut meta = shard.1.lock().unwrap();
-                    shard.0.sweep(&mut meta, 0);
+                    shard.0.sweep(&mut meta, 0, 0);
                 })
             };
             for h in checks {
@@ -938,17 +938,17 @@ mod loom_tests {
                     assert!(shard.0.insert(&mut meta, 9, 0));
                 }
                 let check = move |word: u64| {
-                    let state = State::unpack(word, &quota);
+                    let state = State::unpack(word, &quota, 0);
                     let (decision, next) = token_bucket::check(state, 1_000, &quota, 1);
                     let ok = decision.is_allowed();
-                    (ok, ok.then(|| next.pack(&quota).unwrap()))
+                    (ok, ok.then(|| next.pack(&quota, 0).unwrap()))
                 };
                 let admitted = admissions(threads, {
                     let shard = shard.clone();
                     move || shard.0.update(9, check).unwrap()
                 });
                 assert_eq!(admitted, 2);
-                let left = State::unpack(count(&shard, 9), &quota);
+                let left = State::unpack(count(&shard, 9), &quota, 0);
                 let (decision, _) = token_bucket::check(left, 1_000, &quota, 0);
                 assert_eq!(decision.remaining(), 0, "both tokens taken in the word");
             });

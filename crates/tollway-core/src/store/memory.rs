@@ -46,12 +46,11 @@ const MIN_SWEEP: usize = 256;
 /// Keys are arbitrary bytes. The store is split into shards. A state that fits one
 /// 64-bit word lives in its shard's *cells*: GCRA's and the leaky bucket shaper's always
 /// (one instant), the token bucket's, the leaky bucket meter's and the fixed window's
-/// packed exactly while their instant is below 2^(59 − b) µs, where `b` is the bits of
-/// the window's limit, or those a bucket's partial microsecond needs (none for a limit
-/// that divides its period, as 100 a minute does); on the default clock, from zero when
-/// the store is made, that is thousands of years for such a bucket, 143 for a window of
-/// 100 a period, 51 days for a window of 100,000 and 1.2 hours at worst (a window of
-/// 2^26); on the Unix epoch's clock only `b ≤ 8` packs. A check under one such limit, for a key the store already holds, reads the
+/// packed exactly while their instant is at most 2^(59 − b) µs after the store was made,
+/// where `b` is the bits of the window's limit, or those a bucket's partial microsecond
+/// needs (none for a limit that divides its period, as 100 a minute does): thousands of
+/// years for such a bucket, 143 for a window of 100 a period, 51 days for a window of
+/// 100,000 and 1.2 hours at worst (a window of 2^26). A check under one such limit, for a key the store already holds, reads the
 /// key's cell and updates it by compare-and-swap without taking a lock, and writes no
 /// memory but the state's own, so threads deciding for different keys do not queue
 /// behind one another, nor behind a sweep. Everything else — the sliding window counter,
@@ -107,6 +106,9 @@ pub struct MemoryStore<C = MonotonicClock> {
 
 struct Shared<C> {
     clock: C,
+    /// The clock when the store was made: packed states count their instants from it
+    /// (see [`word`]).
+    origin: u64,
     hasher: foldhash::quality::RandomState,
     shards: Box<[Shard]>,
     shard_mask: u64,
@@ -162,6 +164,8 @@ struct Table {
     earliest_expiry: u64,
     /// When the last sweep ran.
     swept_at: u64,
+    /// The store's [`origin`](Shared::origin).
+    origin: u64,
 }
 
 /// At the bound, a full shard sweeps at most once per this many nanoseconds an entry or
@@ -217,6 +221,7 @@ impl<C: Clock> MemoryStore<C> {
             .unwrap_or_else(|| default_shards(builder.max_keys));
         // Rounded down: together the shards never hold more than `max_keys`.
         let max_per_shard = builder.max_keys / shards;
+        let origin = builder.clock.now_micros();
         let shards: Box<[Shard]> = (0..shards)
             .map(|_| {
                 let (cells, meta) = Cells::new(max_per_shard);
@@ -229,6 +234,7 @@ impl<C: Clock> MemoryStore<C> {
                         sweep_at: MIN_SWEEP.min(max_per_shard),
                         earliest_expiry: 0,
                         swept_at: 0,
+                        origin,
                     }),
                 }
             })
@@ -236,6 +242,7 @@ impl<C: Clock> MemoryStore<C> {
         MemoryStore {
             shared: Arc::new(Shared {
                 clock: builder.clock,
+                origin,
                 hasher: foldhash::quality::RandomState::default(),
                 shard_mask: shards.len() as u64 - 1,
                 shards,
@@ -256,7 +263,8 @@ impl<C: Clock> MemoryStore<C> {
     pub fn decide(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Decisions {
         let (shard, key_hash, now) = self.locate(key);
         if let [policy] = policies
-            && let Some(decision) = shard.decide_in_cell(key_hash, now, policy, cost)
+            && let Some(decision) =
+                shard.decide_in_cell(key_hash, now, self.shared.origin, policy, cost)
         {
             return Decisions::from(decision);
         }
@@ -331,7 +339,9 @@ impl<C: Clock> MemoryStore<C> {
     /// This never fails: a store that is full answers per its [`WhenFull`] setting.
     pub fn check_sync(&self, key: &[u8], policy: &Policy, cost: u32) -> Decision {
         let (shard, key_hash, now) = self.locate(key);
-        if let Some(decision) = shard.decide_in_cell(key_hash, now, policy, cost) {
+        if let Some(decision) =
+            shard.decide_in_cell(key_hash, now, self.shared.origin, policy, cost)
+        {
             return decision;
         }
         let decisions = self.decide_locked(shard, key_hash, now, &[policy], cost);
@@ -476,11 +486,12 @@ impl Shard {
         &self,
         key_hash: u64,
         now: u64,
+        origin: u64,
         policy: &Policy,
         cost: u32,
     ) -> Option<Decision> {
         let hash = key_hash ^ policy.id();
-        let (q, c) = (policy.quota(), cost);
+        let (q, c, o) = (policy.quota(), cost, origin);
         match policy.algorithm() {
             Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
                 self.cells.update(word::instant_key(hash), |state| {
@@ -489,13 +500,13 @@ impl Shard {
                 })
             }
             Algorithm::TokenBucket => {
-                self.decide_packed(hash, now, q, |s| token_bucket::check(s, now, q, c))
+                self.decide_packed(hash, now, q, o, |s| token_bucket::check(s, now, q, c))
             }
             Algorithm::LeakyBucket => {
-                self.decide_packed(hash, now, q, |s| leaky_bucket::meter(s, now, q, c))
+                self.decide_packed(hash, now, q, o, |s| leaky_bucket::meter(s, now, q, c))
             }
             Algorithm::FixedWindow => {
-                self.decide_packed(hash, now, q, |s| fixed_window::check(s, now, q, c))
+                self.decide_packed(hash, now, q, o, |s| fixed_window::check(s, now, q, c))
             }
             Algorithm::SlidingWindowCounter | Algorithm::SlidingWindowLog => None,
         }
@@ -510,18 +521,19 @@ impl Shard {
         hash: u64,
         now: u64,
         quota: &Quota,
+        origin: u64,
         check: impl Fn(S) -> (Decision, S),
     ) -> Option<Decision> {
-        if !word::may_pack::<S>(now, quota) {
+        if !word::may_pack::<S>(now, quota, origin) {
             return None;
         }
         self.cells
             .update(word::packed_key(hash), |state| {
-                let (decision, next) = check(S::unpack(state, quota));
+                let (decision, next) = check(S::unpack(state, quota, origin));
                 if !decision.is_allowed() {
                     return (Some(decision), None);
                 }
-                match next.pack(quota) {
+                match next.pack(quota, origin) {
                     Some(next) => (Some(decision), Some(next)),
                     // It takes the lock, to move the state out of its cell.
                     None => (None, None),
@@ -933,7 +945,8 @@ impl Table {
         if packs(policy.algorithm())
             && let Some(pinned) = cells.pin(&self.cells, word::packed_key(hash))
         {
-            let slot = word::unpack_slot(policy.algorithm(), pinned.state(), policy.quota());
+            let (state, quota) = (pinned.state(), policy.quota());
+            let slot = word::unpack_slot(policy.algorithm(), state, quota, self.origin);
             return (Place::Cell(pinned), slot);
         }
         (Place::New, FRESH)
@@ -952,7 +965,7 @@ impl Table {
         policy: &Policy,
         room: bool,
     ) {
-        let packed = word::pack_slot(policy.algorithm(), next, policy.quota());
+        let packed = word::pack_slot(policy.algorithm(), next, policy.quota(), self.origin);
         match (place, packed) {
             (Place::Table, _) => {
                 if let Some(entry) = self.slots.find_mut(hash, |e| e.0 == hash) {
@@ -1113,7 +1126,7 @@ impl Table {
     /// costs O(1) per key inserted (cells left by a flood aside), and never past the
     /// bound.
     fn sweep(&mut self, cells: &Cells, now: u64, max: usize) {
-        let mut earliest = cells.sweep(&mut self.cells, now);
+        let mut earliest = cells.sweep(&mut self.cells, now, self.origin);
         self.slots.retain(|e| {
             let keep = e.1[0] > now;
             if keep {
@@ -1642,6 +1655,34 @@ mod tests {
             fixed_window::refund,
             |s, _, _, _| s,
         );
+    }
+
+    // Packed instants count from the store's origin, its clock when made: on an epoch
+    // clock a window of 1,000 a minute (a count of 10 bits, so 2^49 µs, 17 years, from
+    // the origin) packs as it does on a clock from zero. A state from before the origin
+    // (a clock set back) is kept in the table.
+    #[test]
+    fn packed_states_count_from_the_stores_origin() {
+        let origin = 1_780_000_000_000_000;
+        let clock = ManualClock::at_micros(origin);
+        let store = MemoryStore::builder()
+            .max_keys(1_000)
+            .shards(1)
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let quota = Quota::per_minute(1_000).unwrap();
+        let policy = Policy::new("fw", Algorithm::FixedWindow, quota).unwrap();
+        for _ in 0..1_000 {
+            assert!(store.check_sync(b"k", &policy, 1).is_allowed());
+        }
+        assert!(!store.check_sync(b"k", &policy, 1).is_allowed());
+        assert_eq!((store.len(), in_tables(&store)), (1, 0));
+        clock.set_micros(origin - 120_000_000);
+        assert!(store.check_sync(b"early", &policy, 1).is_allowed());
+        assert_eq!((store.len(), in_tables(&store)), (2, 1));
+        clock.set_micros(origin + 60_000_000);
+        assert_eq!(store.sweep(), 0, "both windows over");
     }
 
     // Keys whose token buckets are packed in cells are swept once full again, as the

@@ -10,6 +10,10 @@
 //!   b (5 bits) | instant (59 − b bits) | small number (b bits)
 //!   ```
 //!
+//!   The instant is written as microseconds from the store's *origin*, its clock when
+//!   it was made, whatever that clock counts from (zero, or the Unix epoch); a fresh
+//!   key's state, both integers 0, has a word of its own.
+//!
 //!   The token bucket's instant is `full_at`, the microsecond it is full again, and its
 //!   small number `frac`, the ticks of the microsecond before already refilled
 //!   (`frac < limit`; see [`token_bucket`]). A request takes `cost × period` ticks and
@@ -20,15 +24,15 @@
 //!   The fixed window's instant is the window's end and its small number the count, up
 //!   to the limit: `b` is the bits of the limit (7 for 100 a minute).
 //!
-//!   The word is exactly the state while the instant is below `2^(59 − b)` µs. On a
-//!   clock from zero (the default, from when the store was made): 18,000 years for
-//!   `b = 0`, 285 years for `b ≤ 6`, 143 years for a window of 100 a period (`b = 7`),
-//!   18 years for 1,000 (`b = 10`), 51 days for 100,000 (`b = 17`), 1.2 hours at worst
-//!   (`b = 27`, a window of 2^26, the most a quota allows). On the Unix epoch's clock
-//!   (2^50.6 µs in 2026), only `b ≤ 8` packs. A state past that does not pack: the
-//!   store keeps it under the shard's lock, in its table, as it keeps the other
-//!   algorithms' (exact, no longer lock-free), and once the clock itself has passed the
-//!   edge, a check under such a quota goes to the lock without looking in the cells.
+//!   The word is exactly the state while the instant is at most `2^(59 − b)` µs after
+//!   the origin: 18,000 years for `b = 0`, 285 years for `b ≤ 6`, 143 years for a
+//!   window of 100 a period (`b = 7`), 18 years for 1,000 (`b = 10`), 51 days for
+//!   100,000 (`b = 17`), 1.2 hours at worst (`b = 27`, a window of 2^26, the most a
+//!   quota allows). A state past that, or before the origin (a clock set back), does
+//!   not pack: the store keeps it under the shard's lock, in its table, as it keeps the
+//!   other algorithms' (exact, no longer lock-free), and once the clock itself has
+//!   passed the edge, a check under such a quota goes to the lock without looking in
+//!   the cells.
 //!
 //! A packed word says its own `b`, so a window's count reads the same under whichever
 //! limit a reader holds (a split store's count keeps its key while its share changes;
@@ -57,43 +61,60 @@ pub(crate) fn packed_key(hash: u64) -> u64 {
     hash | PACKED
 }
 
-/// The first instant at which the state `word` in the cell of `key` is a fresh key's.
-pub(crate) fn expiry(key: u64, word: u64) -> u64 {
+/// The first instant at which the state `word` in the cell of `key` is a fresh key's
+/// (`origin`: the store's, see [`Packs`]).
+pub(crate) fn expiry(key: u64, word: u64, origin: u64) -> u64 {
     if key & PACKED == 0 {
         word
     } else {
-        unpack_pair(word).0
+        unpack_pair(word, origin).0
     }
 }
 
-/// `instant` and `small` in one word, `small` in `bits` bits, if they fit.
+/// The word of a fresh key's state, both integers 0, which an instant from the origin
+/// cannot say: a `b` too large for any quota.
+const FRESH: u64 = 31 << BITS_AT;
+
+/// `instant` (from `origin`) and `small` in one word, `small` in `bits` bits, if they
+/// fit.
 #[inline]
-fn pack_pair(instant: u64, small: u64, bits: u32) -> Option<u64> {
+fn pack_pair(instant: u64, small: u64, bits: u32, origin: u64) -> Option<u64> {
+    if (instant, small) == (0, 0) {
+        return Some(FRESH);
+    }
+    let instant = instant.checked_sub(origin)?;
     if bits > MOST_BITS || small >> bits != 0 || instant >> (BITS_AT - bits) != 0 {
         return None;
     }
     Some((u64::from(bits) << BITS_AT) | (instant << bits) | small)
 }
 
-/// The instant and small number of a word from [`pack_pair`], as many bits as it says;
-/// both 0 for the word 0. (The word's own `b`, not its quota's: a split store's count
-/// keeps one key while its limit changes.)
+/// The instant and small number of a word from [`pack_pair`] with the same `origin`, as
+/// many bits as the word says. (The word's own `b`, not its quota's: a split store's
+/// count keeps one key while its limit changes.)
 #[inline]
-fn unpack_pair(word: u64) -> (u64, u64) {
+fn unpack_pair(word: u64, origin: u64) -> (u64, u64) {
+    if word == FRESH {
+        return (0, 0);
+    }
     let (body, bits) = (word & ((1 << BITS_AT) - 1), word >> BITS_AT);
-    (body >> bits, body & ((1 << bits) - 1))
+    (
+        (body >> bits).saturating_add(origin),
+        body & ((1 << bits) - 1),
+    )
 }
 
 /// A state of two integers kept in a cell's word while it fits one (see the module
-/// docs).
+/// docs). Its instant is written as microseconds from `origin`, the store's clock when
+/// the store was made.
 pub(crate) trait Packs: SlotState {
     /// The bits of the small number under `quota`.
     fn bits(quota: &Quota) -> u32;
     /// The state as one word under `quota`, if it fits.
-    fn pack(self, quota: &Quota) -> Option<u64>;
-    /// The state a word from [`pack`](Self::pack) holds under the same `quota`; a fresh
-    /// key's for the word 0.
-    fn unpack(word: u64, quota: &Quota) -> Self;
+    fn pack(self, quota: &Quota, origin: u64) -> Option<u64>;
+    /// The state a word from [`pack`](Self::pack) holds under the same `quota` and
+    /// `origin`.
+    fn unpack(word: u64, quota: &Quota, origin: u64) -> Self;
 }
 
 impl Packs for token_bucket::State {
@@ -102,16 +123,16 @@ impl Packs for token_bucket::State {
     }
 
     #[inline]
-    fn pack(self, quota: &Quota) -> Option<u64> {
+    fn pack(self, quota: &Quota, origin: u64) -> Option<u64> {
         match quota.per_common(self.frac) {
-            (frac, 0) => pack_pair(self.full_at, frac, Self::bits(quota)),
+            (frac, 0) => pack_pair(self.full_at, frac, Self::bits(quota), origin),
             _ => None,
         }
     }
 
     #[inline]
-    fn unpack(word: u64, quota: &Quota) -> Self {
-        let (full_at, frac) = unpack_pair(word);
+    fn unpack(word: u64, quota: &Quota, origin: u64) -> Self {
+        let (full_at, frac) = unpack_pair(word, origin);
         token_bucket::State {
             full_at,
             frac: frac * quota.common(),
@@ -126,13 +147,13 @@ impl Packs for fixed_window::State {
     }
 
     #[inline]
-    fn pack(self, quota: &Quota) -> Option<u64> {
-        pack_pair(self.end, self.count, Self::bits(quota))
+    fn pack(self, quota: &Quota, origin: u64) -> Option<u64> {
+        pack_pair(self.end, self.count, Self::bits(quota), origin)
     }
 
     #[inline]
-    fn unpack(word: u64, _: &Quota) -> Self {
-        let (end, count) = unpack_pair(word);
+    fn unpack(word: u64, _: &Quota, origin: u64) -> Self {
+        let (end, count) = unpack_pair(word, origin);
         fixed_window::State { end, count }
     }
 }
@@ -140,9 +161,9 @@ impl Packs for fixed_window::State {
 /// Whether a state of `S` under `quota` that is not a fresh key's at `now` (its instant
 /// later) may pack: if not, no such state is in a cell.
 #[inline]
-pub(crate) fn may_pack<S: Packs>(now: u64, quota: &Quota) -> bool {
+pub(crate) fn may_pack<S: Packs>(now: u64, quota: &Quota, origin: u64) -> bool {
     let bits = S::bits(quota);
-    bits <= MOST_BITS && now >> (BITS_AT - bits) == 0
+    bits <= MOST_BITS && now.wrapping_sub(origin) >> (BITS_AT - bits) == 0
 }
 
 /// Whether an algorithm's state is one of those [`Packs`] is for.
@@ -155,21 +176,26 @@ pub(crate) fn packs(algorithm: Algorithm) -> bool {
 
 /// [`Packs::pack`] for a state of `algorithm` as a [`Slot`]; `None` for an algorithm
 /// whose state never packs.
-pub(crate) fn pack_slot(algorithm: Algorithm, slot: Slot, quota: &Quota) -> Option<u64> {
+pub(crate) fn pack_slot(
+    algorithm: Algorithm,
+    slot: Slot,
+    quota: &Quota,
+    origin: u64,
+) -> Option<u64> {
     match algorithm {
         Algorithm::TokenBucket | Algorithm::LeakyBucket => {
-            token_bucket::State::from_slot(slot).pack(quota)
+            token_bucket::State::from_slot(slot).pack(quota, origin)
         }
-        Algorithm::FixedWindow => fixed_window::State::from_slot(slot).pack(quota),
+        Algorithm::FixedWindow => fixed_window::State::from_slot(slot).pack(quota, origin),
         _ => None,
     }
 }
 
 /// [`Packs::unpack`] for a word of `algorithm`'s, as a [`Slot`].
-pub(crate) fn unpack_slot(algorithm: Algorithm, word: u64, quota: &Quota) -> Slot {
+pub(crate) fn unpack_slot(algorithm: Algorithm, word: u64, quota: &Quota, origin: u64) -> Slot {
     match algorithm {
-        Algorithm::FixedWindow => fixed_window::State::unpack(word, quota).to_slot(),
-        _ => token_bucket::State::unpack(word, quota).to_slot(),
+        Algorithm::FixedWindow => fixed_window::State::unpack(word, quota, origin).to_slot(),
+        _ => token_bucket::State::unpack(word, quota, origin).to_slot(),
     }
 }
 
@@ -180,12 +206,15 @@ mod tests {
     use super::*;
     use crate::algorithm::token_bucket::{State, charge, check, refund};
 
+    /// The store's clock when it was made: here, an epoch clock's in 2026.
+    const ORIGIN: u64 = 1_780_000_000_000_000;
+
     fn pack(state: State, quota: &Quota) -> Option<u64> {
-        state.pack(quota)
+        state.pack(quota, ORIGIN)
     }
 
     fn unpack(word: u64, quota: &Quota) -> State {
-        State::unpack(word, quota)
+        State::unpack(word, quota, ORIGIN)
     }
 
     fn quota(limit: u32, period_us: u64, burst: u32) -> Quota {
@@ -195,8 +224,8 @@ mod tests {
     }
 
     /// Every state a run of checks, refunds and charges makes packs and unpacks to
-    /// itself, and says when it is full again; a state past the clock's range does not
-    /// pack.
+    /// itself, and says when it is full again; a state before the origin, or past the
+    /// range after it, does not pack.
     #[test]
     fn token_bucket_states_pack_exactly() {
         let quotas = [
@@ -211,7 +240,7 @@ mod tests {
         for q in quotas {
             let bits = q.common_bits();
             let mut state = State::default();
-            let mut now = 1_000;
+            let mut now = ORIGIN + 1_000;
             for step in 0u64..2_000 {
                 now += step * 7_919 % 1_013;
                 let cost = (step % 4) as u32;
@@ -222,9 +251,14 @@ mod tests {
                 };
                 let word = pack(state, &q).unwrap();
                 assert_eq!(unpack(word, &q), state, "{q:?} at {now}");
-                assert_eq!(expiry(packed_key(step), word), state.full_at);
+                assert_eq!(expiry(packed_key(step), word, ORIGIN), state.full_at);
             }
-            let last = (1 << (BITS_AT - bits)) - 1;
+            let before = State {
+                full_at: ORIGIN - 1,
+                frac: 0,
+            };
+            assert_eq!(pack(before, &q), None);
+            let last = ORIGIN + (1 << (BITS_AT - bits)) - 1;
             let at_last = State {
                 full_at: last,
                 frac: 0,
@@ -236,7 +270,9 @@ mod tests {
             };
             assert_eq!(pack(past, &q), None, "{q:?}");
         }
-        assert_eq!(unpack(0, &quotas[3]), State::default());
+        let fresh = pack(State::default(), &quotas[3]).unwrap();
+        assert_eq!(unpack(fresh, &quotas[3]), State::default());
+        assert_eq!(expiry(packed_key(1), fresh, ORIGIN), 0);
     }
 
     /// Every fixed window state a run of checks and refunds makes packs and unpacks to
@@ -251,7 +287,7 @@ mod tests {
             quota(1 << 26, 1 << 26, 1 << 26),
         ] {
             let mut state = fixed_window::State::default();
-            let mut now = 5;
+            let mut now = ORIGIN + 5;
             for step in 0u64..2_000 {
                 now += step * 7_919 % 1_000_003;
                 let cost = (step % 4) as u32;
@@ -259,28 +295,27 @@ mod tests {
                     4 => fixed_window::refund(state, now, &q, cost),
                     _ => fixed_window::check(state, now, &q, cost).1,
                 };
-                let word = state.pack(&q).unwrap();
-                assert_eq!(fixed_window::State::unpack(word, &q), state, "{q:?}");
+                let word = state.pack(&q, ORIGIN).unwrap();
+                let unpacked = fixed_window::State::unpack(word, &q, ORIGIN);
+                assert_eq!(unpacked, state, "{q:?}");
                 // Under another limit too: the word says how many bits its count has.
                 let other = quota(3, 1_000_000, 3);
-                assert_eq!(fixed_window::State::unpack(word, &other), state);
-                assert_eq!(expiry(packed_key(step), word), state.end);
+                assert_eq!(fixed_window::State::unpack(word, &other, ORIGIN), state);
+                assert_eq!(expiry(packed_key(step), word, ORIGIN), state.end);
             }
             let full = fixed_window::State {
-                end: q.period_micros(),
+                end: ORIGIN + q.period_micros(),
                 count: q.limit(),
             };
-            assert_eq!(
-                fixed_window::State::unpack(full.pack(&q).unwrap(), &q),
-                full
-            );
+            let word = full.pack(&q, ORIGIN).unwrap();
+            assert_eq!(fixed_window::State::unpack(word, &q, ORIGIN), full);
         }
     }
 
     #[test]
     fn a_key_says_which_form_its_cell_holds() {
         let hash = 0x8000_0000_0000_0001;
-        assert_eq!(expiry(instant_key(hash), 12_345), 12_345);
+        assert_eq!(expiry(instant_key(hash), 12_345, ORIGIN), 12_345);
         assert_eq!(instant_key(0), 2);
         assert_eq!(instant_key(PACKED | 1), 2);
         assert_ne!(packed_key(hash) & PACKED, 0);
