@@ -13,11 +13,12 @@
 //! - `shared`: every thread checks all the keys, each in a random order of its own;
 //! - `hot`: every thread checks one key.
 //!
-//! Three contenders, each built afresh every round (untimed), the same GCRA quota that
-//! allows every check: tollway's `MemoryStore` (one store shared by the threads),
-//! governor's keyed limiter (one, shared), and `share_nothing`: one `MemoryStore` per
-//! thread, each holding the keys its thread checks — the same table work with nothing
-//! shared between threads, which is what the machine gives at best. Each case runs
+//! Four contenders, each built afresh every round (untimed), the same quota that allows
+//! every check: tollway's `MemoryStore` (one store shared by the threads) under GCRA
+//! (`tollway`) and under the token bucket (`tollway_tb`), governor's keyed limiter (one,
+//! shared), and `share_nothing`: one `MemoryStore` per thread under GCRA, each holding
+//! the keys its thread checks — the same table work with nothing shared between
+//! threads, which is what the machine gives at best. Each case runs
 //! about 100 ms a round, the cases in rotating order round after round, so that a slow
 //! spell of a shared host falls on all of them. Printed: the median total checks per
 //! second of each case, and per contender and pattern the median of the per-round
@@ -55,9 +56,9 @@ fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).unwrap()
 }
 
-fn policy() -> Policy {
+fn policy(algorithm: Algorithm) -> Policy {
     let quota = Quota::per_second(RATE).unwrap().with_burst(BURST).unwrap();
-    Policy::new("bench", Algorithm::Gcra, quota).unwrap()
+    Policy::new("bench", algorithm, quota).unwrap()
 }
 
 fn governor() -> governor::DefaultKeyedRateLimiter<u64> {
@@ -104,14 +105,17 @@ impl Pattern {
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Contender {
+    /// GCRA.
     Tollway,
+    TollwayTokenBucket,
     Governor,
     ShareNothing,
 }
 
 impl Contender {
-    const ALL: [Contender; 3] = [
+    const ALL: [Contender; 4] = [
         Contender::Tollway,
+        Contender::TollwayTokenBucket,
         Contender::Governor,
         Contender::ShareNothing,
     ];
@@ -119,6 +123,7 @@ impl Contender {
     fn name(self) -> &'static str {
         match self {
             Contender::Tollway => "tollway",
+            Contender::TollwayTokenBucket => "tollway_tb",
             Contender::Governor => "governor",
             Contender::ShareNothing => "share_nothing",
         }
@@ -141,7 +146,10 @@ fn run(contender: Contender, pattern: Pattern, threads: usize, n: u64, ids: &[u6
     let per_thread: Vec<Vec<u64>> = (0..threads)
         .map(|t| pattern.keys(ids, t, threads))
         .collect();
-    let policy = policy();
+    let policy = policy(match contender {
+        Contender::TollwayTokenBucket => Algorithm::TokenBucket,
+        _ => Algorithm::Gcra,
+    });
     let shared_store = MemoryStore::new();
     let limiter = governor();
     // One store per thread for the share-nothing baseline; the shared ones otherwise.
@@ -149,7 +157,7 @@ fn run(contender: Contender, pattern: Pattern, threads: usize, n: u64, ids: &[u6
     for (t, keys) in per_thread.iter().enumerate() {
         for &k in keys {
             match contender {
-                Contender::Tollway => {
+                Contender::Tollway | Contender::TollwayTokenBucket => {
                     shared_store.check_sync(&k.to_le_bytes(), &policy, 1);
                 }
                 Contender::Governor => {
@@ -174,9 +182,11 @@ fn run(contender: Contender, pattern: Pattern, threads: usize, n: u64, ids: &[u6
                     start.wait();
                     let began = Instant::now();
                     match contender {
-                        Contender::Tollway => drive(count, keys, |k| {
-                            black_box(shared_store.check_sync(&k.to_le_bytes(), policy, 1));
-                        }),
+                        Contender::Tollway | Contender::TollwayTokenBucket => {
+                            drive(count, keys, |k| {
+                                black_box(shared_store.check_sync(&k.to_le_bytes(), policy, 1));
+                            })
+                        }
                         Contender::Governor => drive(count, keys, |k| {
                             let _ = black_box(limiter.check_key(&k));
                         }),

@@ -19,12 +19,12 @@
 //!   (`frac < limit`; see [`token_bucket`]). A request takes `cost × period` ticks and
 //!   a microsecond refills `limit`, so the states the algorithm makes have `frac` a
 //!   multiple of `g = gcd(limit, period)` (but for a debt capped at 2^52 ticks, which
-//!   does not pack): the word holds `frac / g < limit / g`, which takes no bits at all
+//!   may not be, and then goes to the table): the word holds `frac / g < limit / g`, which takes no bits at all
 //!   for the usual quotas, whose limit divides the period (100 a minute, 10 a second).
 //!   The fixed window's instant is the window's end and its small number the count, up
 //!   to the limit: `b` is the bits of the limit (7 for 100 a minute).
 //!
-//!   The word is exactly the state while the instant is at most `2^(59 − b)` µs after
+//!   The word is exactly the state while the instant is less than `2^(59 − b)` µs after
 //!   the origin: 18,000 years for `b = 0`, 285 years for `b ≤ 6`, 143 years for a
 //!   window of 100 a period (`b = 7`), 18 years for 1,000 (`b = 10`), 51 days for
 //!   100,000 (`b = 17`), 1.2 hours at worst (`b = 27`, a window of 2^26, the most a
@@ -158,8 +158,10 @@ impl Packs for fixed_window::State {
     }
 }
 
-/// Whether a state of `S` under `quota` that is not a fresh key's at `now` (its instant
-/// later) may pack: if not, no such state is in a cell.
+/// Whether a check at `now` under `quota` looks for its state of `S` in the cells: not
+/// once `now` is past the quota's edge after the origin, when no state that is not a
+/// fresh key's (its instant later than `now`) packs; nor before the origin (a clock set
+/// back), when the lock finds any that is.
 #[inline]
 pub(crate) fn may_pack<S: Packs>(now: u64, quota: &Quota, origin: u64) -> bool {
     let bits = S::bits(quota);
