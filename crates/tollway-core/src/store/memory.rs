@@ -835,6 +835,9 @@ impl Table {
 
     /// Gives `units` back to one policy's state, if the key has one.
     fn refund(&mut self, cells: &Cells, hash: u64, now: u64, policy: &Policy, units: u32) {
+        // The key may be idle sooner than the shard noted, from now on: a sweep at the
+        // bound is not put off past that.
+        self.earliest_expiry = self.earliest_expiry.min(now);
         let (q, u) = (policy.quota(), units);
         match policy.algorithm() {
             Algorithm::TokenBucket => self.update_slot(cells, hash, now, policy, |s| {
@@ -1585,6 +1588,29 @@ mod tests {
             assert!(!both.is_allowed());
             assert_eq!(both[1].denial(), Some(Denial::StoreFull), "{algorithm:?}");
             assert!(full.len() <= 4, "{algorithm:?}: {} keys", full.len());
+        }
+    }
+
+    // A refund can leave a key idle sooner than its shard noted when it last swept: at
+    // the bound, a new key then gets the room a sweep makes (it was refused until the
+    // key's old expiry, six minutes on here).
+    #[test]
+    fn a_refund_that_idles_a_key_makes_room_at_the_bound() {
+        for algorithm in [
+            Algorithm::Gcra,
+            Algorithm::TokenBucket,
+            Algorithm::FixedWindow,
+            Algorithm::SlidingWindowLog,
+        ] {
+            let (store, clock) = store(1, WhenFull::Deny);
+            let policy = Policy::new("p", algorithm, Quota::per_hour(10).unwrap()).unwrap();
+            assert!(store.check_sync(b"a", &policy, 1).is_allowed());
+            assert_eq!(store.sweep(), 1, "a sweep notes when the key goes idle");
+            store.apply(b"a", &[&policy], Operation::Refund(1));
+            clock.set_micros(1_000);
+            let b = store.check_sync(b"b", &policy, 1);
+            assert!(b.is_allowed(), "{algorithm:?}: {b:?}");
+            assert_eq!(store.len(), 1);
         }
     }
 
