@@ -26,8 +26,11 @@
 //! operation such as a charge) *pins* each cell it reads: it swaps the state for
 //! `REMOVED`, so every check without the lock that meets the cell meanwhile fails and
 //! waits for the lock, and it stores the state to keep when it is done (the one it
-//! pinned, if it changed nothing). Between the pin and that store nothing else writes
-//! the cell, so the locked decision is made on the state as it is, never undone.
+//! pinned, if it changed nothing) — or, for a state moved out of the cells (one that no
+//! longer packs in a word), takes the cell away ([`Pinned::remove`]: the state stays
+//! `REMOVED`, the key becomes a tombstone). Between the pin and that store nothing else
+//! writes the cell, so the locked decision is made on the state as it is, never
+//! undone.
 //!
 //! **Why a stale reader cannot write a wrong cell.** A reader finds the key, reads the
 //! state (acquire), then reads the key again: a cell that was removed, or emptied and

@@ -153,8 +153,9 @@ struct Shard {
 struct Table {
     /// What the lock guards of the shard's cells.
     cells: Meta,
-    /// Fixed-size states of two words that do not pack in a cell: `(key hash, slot)`, 24
-    /// bytes an entry.
+    /// Fixed-size states of two words not in a cell: the sliding window counter's, and
+    /// a packing algorithm's that did not pack when written (kept until idle) or found
+    /// every level full. `(key hash, slot)`, 24 bytes an entry.
     slots: HashTable<(u64, Slot)>,
     /// Sliding window logs.
     logs: HashTable<(u64, Log)>,
@@ -283,8 +284,9 @@ impl<C: Clock> MemoryStore<C> {
         (shard, key_hash, now)
     }
 
-    /// Decides under the shard's lock: several limits, a state of two words not in a
-    /// cell or a log, or a key that has no cell yet.
+    /// Decides under the shard's lock: several limits, a sliding window's state, a state
+    /// in the table, a packed state that would no longer pack or a quota past its
+    /// packing's range, or a key that has no cell yet.
     fn decide_locked(
         &self,
         shard: &Shard,
@@ -479,8 +481,9 @@ impl<C> Shared<C> {
 
 impl Shard {
     /// Decides one limit kept in a cell the key already has, without the lock; `None`
-    /// for another algorithm, a key with no cell, or a packed state that would no longer
-    /// pack (see [`word`]).
+    /// for another algorithm, a key with no cell, a packed state that would no longer
+    /// pack, or a check at a time its quota's states cannot pack (see
+    /// [`word::may_pack`]).
     #[inline(always)]
     fn decide_in_cell(
         &self,
@@ -561,8 +564,9 @@ enum Change<'a> {
     },
     /// An admission into the log kept under `hash` (`known`: the log exists).
     Log { hash: u64, known: bool },
-    /// A one-word state, in the cell `key`: `pinned` while the request is decided (see
-    /// [`Cells::pin`]; `None`: the key has no cell yet, and gets one).
+    /// An instant state (GCRA's, the shaper's), in the cell `key`: `pinned` while the
+    /// request is decided (see [`Cells::pin`]; `None`: the key has no cell yet, and gets
+    /// one).
     Cell {
         key: u64,
         pinned: Option<Pinned<'a>>,
@@ -601,8 +605,8 @@ fn in_cell(algorithm: Algorithm) -> bool {
     matches!(algorithm, Algorithm::Gcra | Algorithm::LeakyBucketShaper)
 }
 
-/// Decides a request of `cost` under a one-word policy on the state `tat`; returns the
-/// state admitting it would leave.
+/// Decides a request of `cost` under an instant policy (GCRA, the shaper) on the state
+/// `tat`; returns the state admitting it would leave.
 #[inline(always)]
 fn word_check(policy: &Policy, tat: u64, now: u64, cost: u32) -> (Decision, u64) {
     let state = gcra::State { tat };
@@ -646,7 +650,7 @@ fn operate<S: Copy>(
     if owed > 0 { charge(taken, owed) } else { taken }
 }
 
-/// A charge or drain on a one-word state `tat`.
+/// A charge or drain on an instant state `tat` (GCRA's, the shaper's).
 fn word_operate(policy: &Policy, tat: u64, now: u64, operation: Operation) -> u64 {
     operate(
         tat,
@@ -686,7 +690,7 @@ fn slot_operate(policy: &Policy, slot: Slot, now: u64, operation: Operation) -> 
     }
 }
 
-/// A one-word policy's refund (`charge`: or charge) of `units` on the state `tat`.
+/// An instant policy's refund (`charge`: or charge) of `units` on the state `tat`.
 fn word_correct(policy: &Policy, tat: u64, now: u64, units: u32, charge: bool) -> u64 {
     let (state, q) = (gcra::State { tat }, policy.quota());
     let next = match (policy.algorithm(), charge) {
@@ -980,10 +984,10 @@ impl Table {
         }
     }
 
-    /// Leaves a fixed-size state `next` where `place` says: one that packs in its cell
-    /// while it fits one, else in the table, to which it moves from its cell
-    /// when it no longer fits; a new key only if `room` (else it goes untracked, as
-    /// [`WhenFull::AllowUntracked`] asks).
+    /// Leaves a fixed-size state `next` where `place` says: in the table if it is
+    /// there; in its cell while it packs, moving to the table when it no longer does; a
+    /// new key in a cell if it packs and a level has room, else in the table; a new key
+    /// only if `room` (else it goes untracked, as [`WhenFull::AllowUntracked`] asks).
     fn write_slot(
         &mut self,
         cells: &Cells,
@@ -1170,7 +1174,7 @@ impl Table {
     }
 }
 
-/// Runs `update` on a one-word state in its cell, if the key has one (under the
+/// Runs `update` on an instant state in its cell, if the key has one (under the
 /// shard's lock: a check without it may store first, and `update` runs again).
 fn update_cell(cells: &Cells, hash: u64, update: impl Fn(u64) -> u64) {
     cells.update(word::instant_key(hash), |s| ((), Some(update(s))));
@@ -1593,7 +1597,8 @@ mod tests {
 
     // A refund can leave a key idle sooner than its shard noted when it last swept: at
     // the bound, a new key then gets the room a sweep makes (it was refused until the
-    // key's old expiry, six minutes on here).
+    // key's old expiry: six minutes on for GCRA and the token bucket, an hour for the
+    // fixed window and the log).
     #[test]
     fn a_refund_that_idles_a_key_makes_room_at_the_bound() {
         for algorithm in [
@@ -1715,7 +1720,7 @@ mod tests {
     }
 
     // Packed instants count from the store's origin, its clock when made: on an epoch
-    // clock a window of 1,000 a minute (a count of 10 bits, so 2^49 µs, 17 years, from
+    // clock a window of 1,000 a minute (a count of 10 bits, so 2^49 µs, 17.8 years, from
     // the origin) packs as it does on a clock from zero. A state from before the origin
     // (a clock set back) is kept in the table.
     #[test]

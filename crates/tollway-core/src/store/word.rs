@@ -25,8 +25,8 @@
 //!   to the limit: `b` is the bits of the limit (7 for 100 a minute).
 //!
 //!   The word is exactly the state while the instant is less than `2^(59 − b)` µs after
-//!   the origin: 18,000 years for `b = 0`, 285 years for `b ≤ 6`, 143 years for a
-//!   window of 100 a period (`b = 7`), 18 years for 1,000 (`b = 10`), 51 days for
+//!   the origin: 18,000 years for `b = 0`, at least 285 years for `b ≤ 6`, 143 years for
+//!   a window of 100 a period (`b = 7`), 17.8 years for 1,000 (`b = 10`), 51 days for
 //!   100,000 (`b = 17`), 1.2 hours at worst (`b = 27`, a window of 2^26, the most a
 //!   quota allows). A state past that, or before the origin (a clock set back), does
 //!   not pack: the store keeps it under the shard's lock, in its table, as it keeps the
