@@ -460,9 +460,7 @@ impl Cells {
     pub(crate) fn remove(&self, meta: &mut Meta, key: u64) {
         if let Some(cell) = self.find(key) {
             cell.level.state(cell.index).swap(REMOVED, Ordering::AcqRel);
-            cell.level.key(cell.index).store(TOMB, Ordering::Release);
-            meta.live -= 1;
-            meta.used[cell.n] -= clear_run_end(cell.level, cell.index);
+            bury(meta, cell.level, cell.n, cell.index);
         }
     }
 
@@ -474,8 +472,9 @@ impl Cells {
     }
 
     /// Removes every key whose state is a fresh key's at `now` (from its
-    /// [`word::expiry`] on; `origin`: the store's), empties the tombstones no probe passes through, and returns
-    /// the earliest instant at which a remaining key becomes idle (`u64::MAX`: none).
+    /// [`word::expiry`] on; `origin`: the store's), empties the tombstones no probe
+    /// passes through, and returns the earliest instant at which a remaining key becomes
+    /// idle (`u64::MAX`: none).
     pub(crate) fn sweep(&self, meta: &mut Meta, now: u64, origin: u64) -> u64 {
         let mut earliest = u64::MAX;
         for (n, level) in self.levels() {
@@ -494,9 +493,7 @@ impl Cells {
                         .compare_exchange(stored, REMOVED, Ordering::AcqRel, Ordering::Relaxed)
                         .is_ok()
                 {
-                    level.key(i).store(TOMB, Ordering::Release);
-                    meta.live -= 1;
-                    meta.used[n] -= clear_run_end(level, i);
+                    bury(meta, level, n, i);
                 } else {
                     // A pinned cell's state is unknown here: soon, to be safe.
                     let stored = level.state(i).load(Ordering::Acquire);
@@ -549,12 +546,7 @@ impl Pinned<'_> {
     /// (its state stays `REMOVED`), as [`Cells::remove`] does.
     pub(crate) fn remove(mut self, meta: &mut Meta) {
         self.next = Some(REMOVED ^ self.cell.key);
-        let Cell {
-            level, n, index, ..
-        } = self.cell;
-        level.key(index).store(TOMB, Ordering::Release);
-        meta.live -= 1;
-        meta.used[n] -= clear_run_end(level, index);
+        bury(meta, self.cell.level, self.cell.n, self.cell.index);
     }
 }
 
@@ -566,6 +558,14 @@ impl Drop for Pinned<'_> {
             .state(self.cell.index)
             .store(word, Ordering::Release);
     }
+}
+
+/// Marks cell `i` of level `n`, whose state is `REMOVED` already, a tombstone: one key
+/// fewer, and the tombstones at the end of its run emptied.
+fn bury(meta: &mut Meta, level: Level<'_>, n: usize, i: usize) {
+    level.key(i).store(TOMB, Ordering::Release);
+    meta.live -= 1;
+    meta.used[n] -= clear_run_end(level, i);
 }
 
 /// After the tombstone at `i`: if an empty cell follows it, no probe passes through it,

@@ -50,10 +50,11 @@ const MIN_SWEEP: usize = 256;
 /// where `b` is the bits of the window's limit, or those a bucket's partial microsecond
 /// needs (none for a limit that divides its period, as 100 a minute does): thousands of
 /// years for such a bucket, 143 for a window of 100 a period, 51 days for a window of
-/// 100,000 and 1.2 hours at worst (a window of 2^26). A check under one such limit, for a key the store already holds, reads the
-/// key's cell and updates it by compare-and-swap without taking a lock, and writes no
-/// memory but the state's own, so threads deciding for different keys do not queue
-/// behind one another, nor behind a sweep. Everything else — the sliding window counter,
+/// 100,000 and 1.2 hours at worst (a window of 2^26). A check under one such limit, for
+/// a key the store already holds, reads the key's cell and updates it by
+/// compare-and-swap without taking a lock, and writes no memory but the state's own, so
+/// threads deciding for different keys do not queue behind one another, nor behind a
+/// sweep. Everything else — the sliding window counter,
 /// the sliding window log, a state past its packing's range (moved to the shard's table,
 /// exactly as it was), a request under several limits, a key's arrival and removal — is
 /// decided under the shard's lock, which still reads and swaps the cells' states, so
@@ -946,6 +947,11 @@ impl Table {
 
     /// Where the fixed-size state kept under `hash` is, and what it is (a fresh key's,
     /// if new). A cell it is packed in is pinned (see [`Cells::pin`]).
+    ///
+    /// A state in the table that is idle at `now` (a fresh key's, as a sweep would find
+    /// it) is dropped here and counted as a new key: else a sweep that a later limit of
+    /// the request makes room with could drop it between its read and its write, and
+    /// with it what the request took.
     fn find_slot<'a>(
         &mut self,
         cells: &'a Cells,
@@ -953,9 +959,12 @@ impl Table {
         now: u64,
         policy: &Policy,
     ) -> (Place<'a>, Slot) {
-        self.drop_idle(hash, now);
-        if let Some(&(_, slot)) = self.slots.find(hash, |e| e.0 == hash) {
-            return (Place::Table, slot);
+        if let Ok(entry) = self.slots.find_entry(hash, |e| e.0 == hash) {
+            let slot = entry.get().1;
+            if slot[0] > now {
+                return (Place::Table, slot);
+            }
+            entry.remove();
         }
         if packs(policy.algorithm())
             && let Some(pinned) = cells.pin(&self.cells, word::packed_key(hash))
@@ -965,23 +974,6 @@ impl Table {
             return (Place::Cell(pinned), slot);
         }
         (Place::New, FRESH)
-    }
-
-    /// Drops the state in the table or the log kept under `hash` if it is idle at `now`
-    /// (a fresh key's, as a sweep would): a request then counts it as a new key. Else a
-    /// sweep that a later limit of the request makes room with could drop it between
-    /// its read and its write, and with it what the request took.
-    fn drop_idle(&mut self, hash: u64, now: u64) {
-        if let Ok(entry) = self.slots.find_entry(hash, |e| e.0 == hash)
-            && entry.get().1[0] <= now
-        {
-            entry.remove();
-        }
-        if let Ok(entry) = self.logs.find_entry(hash, |e| e.0 == hash)
-            && entry.get().1.expires_at() <= now
-        {
-            entry.remove();
-        }
     }
 
     /// Leaves a fixed-size state `next` where `place` says: in the table if it is
@@ -1057,8 +1049,16 @@ impl Table {
         cost: u32,
     ) -> (Decision, Change<'a>) {
         let quota = policy.quota();
-        self.drop_idle(hash, now);
-        match self.logs.find_mut(hash, |e| e.0 == hash) {
+        // An idle log is dropped and counted as a new key, as in `find_slot`.
+        let live = match self.logs.find_entry(hash, |e| e.0 == hash) {
+            Ok(entry) if entry.get().1.expires_at() > now => Some(entry.into_mut()),
+            Ok(entry) => {
+                entry.remove();
+                None
+            }
+            Err(_) => None,
+        };
+        match live {
             Some((_, log)) => {
                 let d = sliding_log::decide(log, now, quota, cost);
                 (d, Change::Log { hash, known: true })
