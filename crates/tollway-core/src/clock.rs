@@ -43,6 +43,7 @@ impl Default for MonotonicClock {
 }
 
 impl Clock for MonotonicClock {
+    #[inline]
     fn now_micros(&self) -> u64 {
         self.clock.delta_as_nanos(self.origin, self.clock.raw()) / 1_000
     }

@@ -42,6 +42,7 @@ fn window_end(state: State, now: u64, quota: &Quota) -> u64 {
 
 /// Decides one request of `cost` units at `now` (microseconds).
 #[must_use]
+#[inline]
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
     let limit = quota.limit();
     let end = window_end(state, now, quota);

@@ -29,6 +29,7 @@ pub type ShaperState = gcra::State;
 
 /// The meter: admits a request of `cost` units at `now` if it fits in the bucket.
 #[must_use]
+#[inline]
 pub fn meter(state: MeterState, now: u64, quota: &Quota, cost: u32) -> (Decision, MeterState) {
     token_bucket::check(state, now, quota, cost)
 }
@@ -36,6 +37,7 @@ pub fn meter(state: MeterState, now: u64, quota: &Quota, cost: u32) -> (Decision
 /// The shaper: admits a request of `cost` units at `now` with the delay that keeps the
 /// output at a steady rate, or rejects it when the queue already holds `burst` units.
 #[must_use]
+#[inline]
 pub fn shape(state: ShaperState, now: u64, quota: &Quota, cost: u32) -> (Decision, ShaperState) {
     let (decision, next) = gcra::check(state, now, quota, cost);
     if !decision.is_allowed() {

@@ -29,6 +29,7 @@ impl State {
     /// Ticks missing from a full bucket at `now` (at most the capacity and as much
     /// again owed, see [`charge`]), and the microseconds until it is full again:
     /// `ceil(ticks / limit)`, found without a division when it can be.
+    #[inline]
     fn deficit(self, now: u64, quota: &Quota) -> (u64, u64) {
         if now >= self.full_at {
             return (0, 0);
@@ -51,6 +52,7 @@ impl State {
     }
 
     /// The state with `deficit` ticks missing at `now`, and how long until it is full.
+    #[inline]
     fn with_deficit(now: u64, deficit: u64, quota: &Quota) -> (Self, u64) {
         let us = quota.per_limit_ceil(deficit);
         let state = State {
@@ -75,6 +77,7 @@ impl SlotState for State {
 
 /// Decides one request of `cost` units at `now` (microseconds).
 #[must_use]
+#[inline]
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
     let period = quota.period_micros();
     let cap = quota.burst() * period;

@@ -284,26 +284,37 @@ impl Cells {
 
     /// The cell of `key`, without a lock: its home cell in every level, then the levels
     /// probed newest (largest) first.
-    #[inline]
+    #[inline(always)]
     fn find(&self, key: u64) -> Option<Cell<'_>> {
+        // A key has one cell at most. Its home cell in every level first: in the first
+        // level without reading the rest of the shard (inlined in the caller); then the
+        // others', whose reads do not wait for one another, so the processor fetches
+        // their lines together instead of one miss after another. Most keys are found
+        // at home. (Relaxed loads and a fence on a hit, so that no load waits for an
+        // acquire before it on processors where one would.)
+        let first = self.first();
+        let index = home(key, FIRST);
+        if first.key(index).load(Ordering::Relaxed) == key {
+            fence(Ordering::Acquire);
+            return Some(Cell {
+                level: first,
+                n: 0,
+                index,
+                key,
+            });
+        }
+        self.find_away(key)
+    }
+
+    /// [`find`](Self::find) for a key not at home in the first level.
+    #[inline(never)]
+    fn find_away(&self, key: u64) -> Option<Cell<'_>> {
         let cell = |n: usize, level, index| Cell {
             level,
             n,
             index,
             key,
         };
-        // A key has one cell at most. Its home cell in every level first: in the first
-        // level without reading the rest of the shard; then the others', whose reads do
-        // not wait for one another, so the processor fetches their lines together
-        // instead of one miss after another. Most keys are found at home.
-        // (Relaxed loads and a fence on a hit, so that no load waits for an acquire
-        // before it on processors where one would.)
-        let first = self.first();
-        let i = home(key, FIRST);
-        if first.key(i).load(Ordering::Relaxed) == key {
-            fence(Ordering::Acquire);
-            return Some(cell(0, first, i));
-        }
         let made = self.made.load(Ordering::Acquire);
         for n in (1..made).rev() {
             let level = self.level(n)?;

@@ -52,11 +52,13 @@ const BITS_AT: u32 = 59;
 const MOST_BITS: u32 = 27;
 
 /// The cell key of a state of one instant kept under `hash`: never `EMPTY` or `TOMB`.
+#[inline]
 pub(crate) fn instant_key(hash: u64) -> u64 {
     (hash & !PACKED).max(2)
 }
 
 /// The cell key of a packed pair kept under `hash`.
+#[inline]
 pub(crate) fn packed_key(hash: u64) -> u64 {
     hash | PACKED
 }
