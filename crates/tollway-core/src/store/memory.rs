@@ -10,7 +10,7 @@ use smallvec::SmallVec;
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
-use super::cells::{self, Cells, Meta, Pinned};
+use super::cells::{self, Cells, Levels, Meta, Pinned};
 use super::word::{self, Packs, packs};
 use super::{Checked, Operation, Store};
 use crate::algorithm::sliding_log::{self, Log};
@@ -111,6 +111,8 @@ struct Shared<C> {
     /// (see [`word`]).
     origin: u64,
     hasher: foldhash::quality::RandomState,
+    /// The cells of every shard (see [`cells`]).
+    cells: Levels,
     shards: Box<[Shard]>,
     shard_mask: u64,
     max_per_shard: usize,
@@ -130,8 +132,8 @@ struct Notes {
     notes: std::collections::HashMap<Vec<u8>, u64>,
 }
 
-/// A shard's cells, and one lock and its tables, on cache lines of their own so that two
-/// cores working on neighbouring shards do not contend.
+/// A shard's lock and its tables (its cells are among the store's [`Levels`]), on cache
+/// lines of their own so that two cores working on neighbouring shards do not contend.
 ///
 /// The lock is `spin`'s spin lock, whose release is a plain store, with its `Yield`
 /// strategy: a waiter yields its core until the lock is free, so a holder that was
@@ -141,13 +143,10 @@ struct Notes {
 /// sweep holds it longer, O(keys and cells in the shard): with the default of a shard
 /// per 1,024 keys of the bound, a few microseconds, once per doubling of the shard.
 /// Checks in cells do not wait for it (but for a cell a locked decision has pinned). A
-/// shard's cells keep the size its busiest moment gave them, so after a flood a sweep
-/// walks cells the keys have left.
+/// shard's cells keep the size its busiest moment gave them (and a level is made for 64
+/// shards at once), so after a flood a sweep walks cells the keys have left.
 #[repr(align(128))]
 struct Shard {
-    /// The states that fit one word (see [`word`]), read and updated without
-    /// the lock; keys come and go under it.
-    cells: Cells,
     table: SpinMutex<Table, Yield>,
 }
 
@@ -224,21 +223,18 @@ impl<C: Clock> MemoryStore<C> {
         // Rounded down: together the shards never hold more than `max_keys`.
         let max_per_shard = builder.max_keys / shards;
         let origin = builder.clock.now_micros();
+        let cells = Levels::new(shards, max_per_shard);
         let shards: Box<[Shard]> = (0..shards)
-            .map(|_| {
-                let (cells, meta) = Cells::new(max_per_shard);
-                Shard {
-                    cells,
-                    table: SpinMutex::new(Table {
-                        cells: meta,
-                        slots: HashTable::new(),
-                        logs: HashTable::new(),
-                        sweep_at: MIN_SWEEP.min(max_per_shard),
-                        earliest_expiry: 0,
-                        swept_at: 0,
-                        origin,
-                    }),
-                }
+            .map(|_| Shard {
+                table: SpinMutex::new(Table {
+                    cells: cells.meta(),
+                    slots: HashTable::new(),
+                    logs: HashTable::new(),
+                    sweep_at: MIN_SWEEP.min(max_per_shard),
+                    earliest_expiry: 0,
+                    swept_at: 0,
+                    origin,
+                }),
             })
             .collect();
         MemoryStore {
@@ -246,6 +242,7 @@ impl<C: Clock> MemoryStore<C> {
                 clock: builder.clock,
                 origin,
                 hasher: foldhash::quality::RandomState::default(),
+                cells,
                 shard_mask: shards.len() as u64 - 1,
                 shards,
                 max_per_shard,
@@ -265,23 +262,29 @@ impl<C: Clock> MemoryStore<C> {
     pub fn decide(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Decisions {
         let (shard, key_hash, now) = self.locate(key);
         if let [policy] = policies
-            && let Some(decision) =
-                shard.decide_in_cell(key_hash, now, self.shared.origin, policy, cost)
+            && let Some(decision) = decide_in_cell(
+                self.shared.cells.shard(shard),
+                key_hash,
+                now,
+                self.shared.origin,
+                policy,
+                cost,
+            )
         {
             return Decisions::from(decision);
         }
         self.decide_locked(shard, key_hash, now, policies, cost)
     }
 
-    /// The key's shard, its hash, and the time now.
+    /// The key's shard (its place), its hash, and the time now.
     #[inline(always)]
-    fn locate(&self, key: &[u8]) -> (&Shard, u64, u64) {
+    fn locate(&self, key: &[u8]) -> (usize, u64, u64) {
         let shared = &*self.shared;
         let now = shared.clock.now_micros();
         // Every state of one key lives in the key's shard, so one lock covers all of a
         // request's limits.
         let key_hash = shared.hasher.hash_one(key);
-        let shard = &shared.shards[((key_hash >> 32) & shared.shard_mask) as usize];
+        let shard = ((key_hash >> 32) & shared.shard_mask) as usize;
         (shard, key_hash, now)
     }
 
@@ -290,17 +293,17 @@ impl<C: Clock> MemoryStore<C> {
     /// packing's range, or a key that has no cell yet.
     fn decide_locked(
         &self,
-        shard: &Shard,
+        shard: usize,
         key_hash: u64,
         now: u64,
         policies: &[&Policy],
         cost: u32,
     ) -> Decisions {
-        let mut table = shard.table.lock();
+        let mut table = self.shared.shards[shard].table.lock();
         #[cfg(feature = "metrics")]
         let held = table.len();
         let decisions = table.decide(
-            &shard.cells,
+            self.shared.cells.shard(shard),
             key_hash,
             now,
             policies,
@@ -319,12 +322,12 @@ impl<C: Clock> MemoryStore<C> {
         let shared = &*self.shared;
         let now = shared.clock.now_micros();
         let key_hash = shared.hasher.hash_one(key);
-        let shard = &shared.shards[((key_hash >> 32) & shared.shard_mask) as usize];
-        let mut table = shard.table.lock();
+        let shard = ((key_hash >> 32) & shared.shard_mask) as usize;
+        let mut table = shared.shards[shard].table.lock();
         #[cfg(feature = "metrics")]
         let held = table.len();
         let decisions = table.apply(
-            &shard.cells,
+            shared.cells.shard(shard),
             key_hash,
             now,
             policies,
@@ -342,8 +345,9 @@ impl<C: Clock> MemoryStore<C> {
     /// This never fails: a store that is full answers per its [`WhenFull`] setting.
     pub fn check_sync(&self, key: &[u8], policy: &Policy, cost: u32) -> Decision {
         let (shard, key_hash, now) = self.locate(key);
+        let cells = self.shared.cells.shard(shard);
         if let Some(decision) =
-            shard.decide_in_cell(key_hash, now, self.shared.origin, policy, cost)
+            decide_in_cell(cells, key_hash, now, self.shared.origin, policy, cost)
         {
             return decision;
         }
@@ -380,11 +384,12 @@ impl<C: Clock> MemoryStore<C> {
         self.shared
             .shards
             .iter()
-            .map(|s| {
+            .enumerate()
+            .map(|(i, s)| {
                 let mut table = s.table.lock();
                 #[cfg(feature = "metrics")]
                 let held = table.len();
-                table.sweep(&s.cells, now, self.shared.max_per_shard);
+                table.sweep(self.shared.cells.shard(i), now, self.shared.max_per_shard);
                 #[cfg(feature = "metrics")]
                 self.shared.count_keys(held, table.len());
                 table.len()
@@ -480,71 +485,69 @@ impl<C> Shared<C> {
     }
 }
 
-impl Shard {
-    /// Decides one limit kept in a cell the key already has, without the lock; `None`
-    /// for another algorithm, a key with no cell, a packed state that would no longer
-    /// pack, or a check at a time its quota's states cannot pack (see
-    /// [`word::may_pack`]).
-    #[inline(always)]
-    fn decide_in_cell(
-        &self,
-        key_hash: u64,
-        now: u64,
-        origin: u64,
-        policy: &Policy,
-        cost: u32,
-    ) -> Option<Decision> {
-        let hash = key_hash ^ policy.id();
-        let (q, c, o) = (policy.quota(), cost, origin);
-        match policy.algorithm() {
-            Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
-                self.cells.update(word::instant_key(hash), |state| {
-                    let (decision, next) = word_check(policy, state, now, cost);
-                    (decision, decision.is_allowed().then_some(next))
-                })
-            }
-            Algorithm::TokenBucket => {
-                self.decide_packed(hash, now, q, o, |s| token_bucket::check(s, now, q, c))
-            }
-            Algorithm::LeakyBucket => {
-                self.decide_packed(hash, now, q, o, |s| leaky_bucket::meter(s, now, q, c))
-            }
-            Algorithm::FixedWindow => {
-                self.decide_packed(hash, now, q, o, |s| fixed_window::check(s, now, q, c))
-            }
-            Algorithm::SlidingWindowCounter | Algorithm::SlidingWindowLog => None,
-        }
-    }
-
-    /// [`decide_in_cell`](Self::decide_in_cell) for a state packed in its cell (see
-    /// [`word`]), decided by `check`. Not inlined: GCRA's path stays as small as it was
-    /// (inlined, this cost GCRA's check 10% in the `memory_store` bench).
-    #[inline(never)]
-    fn decide_packed<S: Packs>(
-        &self,
-        hash: u64,
-        now: u64,
-        quota: &Quota,
-        origin: u64,
-        check: impl Fn(S) -> (Decision, S),
-    ) -> Option<Decision> {
-        if !word::may_pack::<S>(now, quota, origin) {
-            return None;
-        }
-        self.cells
-            .update(word::packed_key(hash), |state| {
-                let (decision, next) = check(S::unpack(state, quota, origin));
-                if !decision.is_allowed() {
-                    return (Some(decision), None);
-                }
-                match next.pack(quota, origin) {
-                    Some(next) => (Some(decision), Some(next)),
-                    // It takes the lock, to move the state out of its cell.
-                    None => (None, None),
-                }
+/// Decides one limit kept in a cell the key already has, without the lock; `None`
+/// for another algorithm, a key with no cell, a packed state that would no longer
+/// pack, or a check at a time its quota's states cannot pack (see
+/// [`word::may_pack`]).
+#[inline(always)]
+fn decide_in_cell(
+    cells: Cells<'_>,
+    key_hash: u64,
+    now: u64,
+    origin: u64,
+    policy: &Policy,
+    cost: u32,
+) -> Option<Decision> {
+    let hash = key_hash ^ policy.id();
+    let (q, c, o) = (policy.quota(), cost, origin);
+    match policy.algorithm() {
+        Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
+            cells.update(word::instant_key(hash), |state| {
+                let (decision, next) = word_check(policy, state, now, cost);
+                (decision, decision.is_allowed().then_some(next))
             })
-            .flatten()
+        }
+        Algorithm::TokenBucket => decide_packed(cells, hash, now, q, o, |s| {
+            token_bucket::check(s, now, q, c)
+        }),
+        Algorithm::LeakyBucket => decide_packed(cells, hash, now, q, o, |s| {
+            leaky_bucket::meter(s, now, q, c)
+        }),
+        Algorithm::FixedWindow => decide_packed(cells, hash, now, q, o, |s| {
+            fixed_window::check(s, now, q, c)
+        }),
+        Algorithm::SlidingWindowCounter | Algorithm::SlidingWindowLog => None,
     }
+}
+
+/// [`decide_in_cell`] for a state packed in its cell (see
+/// [`word`]), decided by `check`. Not inlined: GCRA's path stays as small as it was
+/// (inlined, this cost GCRA's check 10% in the `memory_store` bench).
+#[inline(never)]
+fn decide_packed<S: Packs>(
+    cells: Cells<'_>,
+    hash: u64,
+    now: u64,
+    quota: &Quota,
+    origin: u64,
+    check: impl Fn(S) -> (Decision, S),
+) -> Option<Decision> {
+    if !word::may_pack::<S>(now, quota, origin) {
+        return None;
+    }
+    cells
+        .update(word::packed_key(hash), |state| {
+            let (decision, next) = check(S::unpack(state, quota, origin));
+            if !decision.is_allowed() {
+                return (Some(decision), None);
+            }
+            match next.pack(quota, origin) {
+                Some(next) => (Some(decision), Some(next)),
+                // It takes the lock, to move the state out of its cell.
+                None => (None, None),
+            }
+        })
+        .flatten()
 }
 
 /// A shard's bound on keys, and what to do at it.
@@ -716,7 +719,7 @@ impl Table {
     #[allow(clippy::too_many_arguments)]
     fn decide(
         &mut self,
-        cells: &Cells,
+        cells: Cells<'_>,
         key_hash: u64,
         now: u64,
         policies: &[&Policy],
@@ -772,7 +775,7 @@ impl Table {
     /// Carries out `operation` (see [`Operation`]) on each policy's state.
     fn apply(
         &mut self,
-        cells: &Cells,
+        cells: Cells<'_>,
         key_hash: u64,
         now: u64,
         policies: &[&Policy],
@@ -839,7 +842,7 @@ impl Table {
     }
 
     /// Gives `units` back to one policy's state, if the key has one.
-    fn refund(&mut self, cells: &Cells, hash: u64, now: u64, policy: &Policy, units: u32) {
+    fn refund(&mut self, cells: Cells<'_>, hash: u64, now: u64, policy: &Policy, units: u32) {
         // The key may be idle sooner than the shard noted, from now on: a sweep at the
         // bound is not put off past that.
         self.earliest_expiry = self.earliest_expiry.min(now);
@@ -871,7 +874,7 @@ impl Table {
     /// Replaces the fixed-size state kept under `hash`, if there is one, by `update`'s.
     fn update_slot(
         &mut self,
-        cells: &Cells,
+        cells: Cells<'_>,
         hash: u64,
         now: u64,
         policy: &Policy,
@@ -884,7 +887,7 @@ impl Table {
     }
 
     /// Forgets one policy's state of the key.
-    fn forget(&mut self, cells: &Cells, hash: u64) {
+    fn forget(&mut self, cells: Cells<'_>, hash: u64) {
         if let Ok(entry) = self.slots.find_entry(hash, |e| e.0 == hash) {
             entry.remove();
         }
@@ -898,7 +901,7 @@ impl Table {
     /// The decision of one limit at `cost`, and what admitting it would change.
     fn read<'a>(
         &mut self,
-        cells: &'a Cells,
+        cells: Cells<'a>,
         hash: u64,
         now: u64,
         policy: &Policy,
@@ -929,7 +932,7 @@ impl Table {
     #[inline(always)]
     fn read_slot<'a>(
         &mut self,
-        cells: &'a Cells,
+        cells: Cells<'a>,
         hash: u64,
         now: u64,
         policy: &Policy,
@@ -954,7 +957,7 @@ impl Table {
     /// with it what the request took.
     fn find_slot<'a>(
         &mut self,
-        cells: &'a Cells,
+        cells: Cells<'a>,
         hash: u64,
         now: u64,
         policy: &Policy,
@@ -982,7 +985,7 @@ impl Table {
     /// only if `room` (else it goes untracked, as [`WhenFull::AllowUntracked`] asks).
     fn write_slot(
         &mut self,
-        cells: &Cells,
+        cells: Cells<'_>,
         hash: u64,
         next: Slot,
         place: Place<'_>,
@@ -1022,7 +1025,7 @@ impl Table {
 
     fn read_cell<'a>(
         &self,
-        cells: &'a Cells,
+        cells: Cells<'a>,
         hash: u64,
         now: u64,
         policy: &Policy,
@@ -1079,7 +1082,7 @@ impl Table {
     /// [`WhenFull::AllowUntracked`] asks).
     fn write(
         &mut self,
-        cells: &Cells,
+        cells: Cells<'_>,
         change: Change<'_>,
         now: u64,
         policy: &Policy,
@@ -1131,7 +1134,7 @@ impl Table {
     /// below the bound at every doubling of the shard (O(1) a key inserted, cells left by
     /// a flood aside); at the bound whenever a held key has expired, at most once per the
     /// shard's sweep gap.
-    fn has_room(&mut self, cells: &Cells, now: u64, max: usize, needed: usize) -> bool {
+    fn has_room(&mut self, cells: Cells<'_>, now: u64, max: usize, needed: usize) -> bool {
         let held = self.len() + needed;
         if held > self.sweep_at && now >= self.earliest_expiry {
             let walked = self.slots.len() + self.logs.len() + cells.cap();
@@ -1146,7 +1149,7 @@ impl Table {
     /// Drops idle keys and sets when to sweep next: at twice what is left, so sweeping
     /// costs O(1) per key inserted (cells left by a flood aside), and never past the
     /// bound.
-    fn sweep(&mut self, cells: &Cells, now: u64, max: usize) {
+    fn sweep(&mut self, cells: Cells<'_>, now: u64, max: usize) {
         let mut earliest = cells.sweep(&mut self.cells, now, self.origin);
         self.slots.retain(|e| {
             let keep = e.1[0] > now;
@@ -1176,7 +1179,7 @@ impl Table {
 
 /// Runs `update` on an instant state in its cell, if the key has one (under the
 /// shard's lock: a check without it may store first, and `update` runs again).
-fn update_cell(cells: &Cells, hash: u64, update: impl Fn(u64) -> u64) {
+fn update_cell(cells: Cells<'_>, hash: u64, update: impl Fn(u64) -> u64) {
     cells.update(word::instant_key(hash), |s| ((), Some(update(s))));
 }
 
