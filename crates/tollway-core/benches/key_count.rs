@@ -15,6 +15,11 @@
 //! and the median of the per-round ratios tollway / governor. The `memory_store` bench
 //! cycles through 10,000 keys in order; here the order is random and the larger counts
 //! leave the processor's caches, so a check's cost is mostly the cache lines it reads.
+//!
+//! With `KEY_COUNT_COUNT=<contender>:<keys>` (contender `gcra`, `token_bucket` or
+//! `governor`) it times nothing: it fills that contender with the keys and makes
+//! [`COUNTED`] checks in `counted`, for `benches/check_instructions.sh` to count their
+//! instructions (and cache misses) under callgrind.
 
 #![allow(clippy::unwrap_used)]
 
@@ -30,6 +35,8 @@ use common::shuffled;
 
 const COUNTS: [usize; 3] = [10_000, 100_000, 1_000_000];
 const CHECKS: usize = 2_000_000;
+/// Checks made in count mode: within the burst on one key, so that every one is allowed.
+const COUNTED: usize = 9_000;
 
 fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).unwrap()
@@ -59,6 +66,49 @@ fn time(keys: &[u64], check: impl Fn(u64)) -> f64 {
     began.elapsed().as_nanos() as f64 / CHECKS as f64
 }
 
+/// [`COUNTED`] checks cycling through `keys`: what count mode's callgrind counts.
+#[inline(never)]
+fn counted(keys: &[u64], check: impl Fn(u64)) {
+    let mut i = 0;
+    for _ in 0..COUNTED {
+        check(black_box(keys[i]));
+        i = if i + 1 == keys.len() { 0 } else { i + 1 };
+    }
+}
+
+/// Count mode: `spec` is `<contender>:<keys>`.
+fn count(spec: &str, quota: Quota) {
+    let (contender, n) = spec
+        .split_once(':')
+        .expect("KEY_COUNT_COUNT=<contender>:<keys>");
+    let keys = keys(n.parse().expect("a number of keys"));
+    let store = MemoryStore::builder().max_keys(4_000_000).build().unwrap();
+    let algorithm = match contender {
+        "gcra" | "governor" => Algorithm::Gcra,
+        "token_bucket" => Algorithm::TokenBucket,
+        other => panic!("no contender {other}: gcra, token_bucket or governor"),
+    };
+    let policy = Policy::new("bench", algorithm, quota).unwrap();
+    if contender == "governor" {
+        let limiter = RateLimiter::keyed(
+            GovQuota::with_period(Duration::from_millis(86_400))
+                .unwrap()
+                .allow_burst(nz(10_000)),
+        );
+        for &k in &keys {
+            assert!(limiter.check_key(&k).is_ok());
+        }
+        counted(&keys, |k| assert!(limiter.check_key(&k).is_ok()));
+    } else {
+        for &k in &keys {
+            assert!(store.check_sync(&k.to_le_bytes(), &policy, 1).is_allowed());
+        }
+        counted(&keys, |k| {
+            assert!(store.check_sync(&k.to_le_bytes(), &policy, 1).is_allowed());
+        });
+    }
+}
+
 fn main() {
     // `cargo test --benches` runs this binary without --bench: do nothing then.
     if !std::env::args().any(|a| a == "--bench") {
@@ -78,6 +128,10 @@ fn main() {
         .unwrap()
         .with_burst(10_000)
         .unwrap();
+    if let Ok(spec) = std::env::var("KEY_COUNT_COUNT") {
+        count(&spec, quota);
+        return;
+    }
     let policy = Policy::new("bench", Algorithm::Gcra, quota).unwrap();
     println!("ns per check, GCRA, keys in a random order; {rounds} rounds, medians");
     println!(
