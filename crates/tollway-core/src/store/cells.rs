@@ -7,12 +7,14 @@
 //! thread can hold a reference into one without a lock or a reclamation scheme. A key
 //! has one cell at most; a lookup reads its home cell in every level first (these reads
 //! do not wait for one another), then probes the levels newest first. A level is one
-//! allocation for 64 shards at a time (the first, for all of them, made with the store),
-//! and which levels each shard uses is a byte beside the other shards': a lookup reads
-//! nothing of its shard but its cells, and the lines it reads besides (the store's
-//! level table and that byte) are shared by every shard, so they stay in the
-//! processor's cache (at 100,000 keys this took a check from 4.3 lines missing a 512
-//! KiB cache to 2.9, in `cachegrind`, and 5–12% off its time). A level keeps
+//! allocation for up to 64 shards at a time (the first, for all of them, made with the
+//! store), and which levels each shard uses is a byte beside the other shards': a
+//! lookup reads nothing of its shard but its cells and that byte, and the lines it reads
+//! besides its cells (the store's table of levels, the bytes) are shared by many shards,
+//! so they stay in the processor's cache (at 100,000 keys this took a check's misses of
+//! a simulated 512 KiB cache from 2.6 to 1.7, `benches/check_instructions.sh`, and,
+//! with the check's calls inlined, 25% off its time, `benches/key_count.rs`). A level
+//! keeps
 //! eight keys on one cache line and their eight states on the next: looking a key up
 //! reads only key words, which change when a key comes or goes, and a check writes only
 //! its own state word, so checks on different keys write no line but the states' (in a
@@ -98,32 +100,37 @@ fn home(key: u64, cap: usize) -> usize {
     (((key & 0xffff_ffff) * cap as u64) >> 32) as usize
 }
 
-/// The cells of a store's shards. A level's cells for [`SEGMENT`] shards are one
-/// allocation, a run of `cap` cells a shard. A lookup reads nothing of its shard but its
-/// cells and its byte of `used` (and this struct, the same for every shard, which stays
-/// in the processor's cache).
+/// The cells of a store's shards. A level's cells for a segment of shards (up to
+/// [`SEGMENT`]) are one allocation, a run of `cap` cells a shard. A lookup reads nothing
+/// of its shard but its cells and its byte of `used` (and this struct, the same for every
+/// shard, which stays in the processor's cache).
 pub(crate) struct Levels {
-    /// How many levels each shard has keys in (or had), the first included: the levels
-    /// its lookups read. A byte a shard, side by side, so that lookups in 64 shards read
-    /// one line; raised by the holder of the shard's lock.
+    /// How many levels each shard uses (has or had keys in), the first included: the
+    /// levels its lookups read. A byte a shard, side by side, so that lookups in
+    /// neighbouring shards read the same line or two; raised by the holder of the
+    /// shard's lock.
     used: Box<[AtomicU8]>,
     /// How many levels a shard's bound allows.
     limit: usize,
     /// The first level, made with the store.
     first: Box<[Block]>,
-    /// The levels after the first, by segments of [`SEGMENT`] shards (or fewer, all of
-    /// a store's): level `n`'s segment `j` is `more[(n - 1) × segments + j]`, made when a
-    /// key of one of its shards first needs it.
+    /// The levels after the first, by segments of `segment` shards: level `n`'s segment
+    /// `j` is `more[(n - 1) × segments + j]`, made when a key of one of its shards first
+    /// needs it.
     more: Box<[OnceLock<Box<[Block]>>]>,
     /// Segments a level has.
     segments: usize,
-    /// Shards a segment has.
+    /// Shards a segment has: a power of two, `1 << shift`.
     segment: usize,
+    shift: u32,
 }
 
-/// The most shards whose cells of a level are made together (one allocation; a level's
-/// cells for all 1,024 shards at once took a check 3 ms to make, at a million keys).
+/// The most shards whose cells of a level are made together, in one allocation of at
+/// most [`SEGMENT_BYTES`] for the largest level a shard may have: the thread that needs
+/// a segment first makes it, holding its shard's lock (a level's cells for all 1,024
+/// shards at once, 8–12 MB, took one check 3 ms at a million keys).
 const SEGMENT: usize = 64;
+const SEGMENT_BYTES: usize = 4 << 20;
 
 /// A shard's cells.
 #[derive(Clone, Copy)]
@@ -297,7 +304,11 @@ impl Levels {
             keys += room(CAPS[levels]);
             levels += 1;
         }
-        let (segment, segments) = (shards.min(SEGMENT), shards.div_ceil(SEGMENT));
+        // A power of two no larger than the shards (themselves a power of two).
+        let largest = CAPS[levels - 1] * 2 * size_of::<u64>();
+        let segment = (SEGMENT_BYTES / largest).clamp(1, SEGMENT.min(shards.max(1)));
+        let shift = segment.ilog2();
+        let (segment, segments) = (1 << shift, shards.div_ceil(1 << shift));
         Levels {
             used: (0..shards).map(|_| AtomicU8::new(1)).collect(),
             limit: levels,
@@ -307,12 +318,18 @@ impl Levels {
                 .collect(),
             segments,
             segment,
+            shift,
         }
     }
 
     /// Shard `shard`'s cells.
     #[inline]
     pub(crate) fn shard(&self, shard: usize) -> Cells<'_> {
+        debug_assert!(
+            shard < self.used.len(),
+            "shard {shard} of {}",
+            self.used.len()
+        );
         Cells {
             levels: self,
             shard,
@@ -378,7 +395,8 @@ impl<'a> Cells<'a> {
         })
     }
 
-    /// How many levels this shard has keys in, or had.
+    /// How many levels this shard uses (has or had keys in): fewer than its segments may
+    /// have made.
     #[inline]
     fn made(self) -> usize {
         self.levels
@@ -392,7 +410,10 @@ impl<'a> Cells<'a> {
     fn level(self, n: usize) -> Option<Level<'a>> {
         let (all, at): (&'a [Block], usize) = match n.checked_sub(1) {
             None => (&self.levels.first, self.shard),
-            Some(_) => (self.segment(n)?.get()?, self.shard % SEGMENT),
+            Some(_) => (
+                self.segment(n)?.get()?,
+                self.shard & (self.levels.segment - 1),
+            ),
         };
         let per = CAPS.get(n)? / (BLOCK / 2);
         let blocks = all.get(at * per..(at + 1) * per)?;
@@ -405,7 +426,7 @@ impl<'a> Cells<'a> {
         let levels = self.levels;
         levels
             .more
-            .get((n - 1) * levels.segments + self.shard / SEGMENT)
+            .get((n - 1) * levels.segments + (self.shard >> levels.shift))
     }
 
     /// The levels this shard has keys in (or had), with their places.
@@ -594,7 +615,7 @@ impl<'a> Cells<'a> {
         meta.live
     }
 
-    /// Cells a sweep walks: every level made.
+    /// Cells a sweep walks: every level this shard uses.
     pub(crate) fn cap(self) -> usize {
         let made = self.made();
         CAPS[..made].iter().sum()
@@ -786,6 +807,29 @@ mod tests {
         assert_eq!((Cells::len(&ma), Cells::len(&mc)), (600, 0));
         assert_eq!(a.update(spread(599), |s| (s, None)), Some(500));
         assert_eq!(d.update(spread(0), |s| (s, None)), Some(7));
+    }
+
+    // A segment of a level is made by one check, holding its shard's lock: at most 64
+    // shards, and at most SEGMENT_BYTES for the largest level their bound allows.
+    #[test]
+    fn segments_stay_within_their_bytes() {
+        for (shards, max, segment) in [(1_024, 1_024, 64), (1_024, 4_096, 64), (8, 1_024, 8)] {
+            assert_eq!(
+                Levels::new(shards, max).segment,
+                segment,
+                "{shards} x {max}"
+            );
+        }
+        for (shards, max) in [(64, 262_144), (1_024, 65_536), (1, 286_692)] {
+            let levels = Levels::new(shards, max);
+            let largest = CAPS[levels.limit - 1] * 16 * levels.segment;
+            assert!(
+                largest <= SEGMENT_BYTES || levels.segment == 1,
+                "{shards} x {max}"
+            );
+            assert_eq!(levels.segments * levels.segment, shards);
+        }
+        assert_eq!(Levels::new(64, 262_144).segment, 1);
     }
 
     // A thread that found a key's cell and is then overtaken by the key's removal and

@@ -71,12 +71,14 @@ const MIN_SWEEP: usize = 256;
 /// about 5 × 10⁻⁸ (a cell keeps 63 of the 64 bits: the last says how its state is
 /// written). A state in a cell costs 16 bytes (its key's hash and its state; each
 /// level of a shard's cells half as large again as the one before, filled to seven
-/// eighths, so 18 to 29 bytes a key once a shard holds a few hundred), a two-word state
+/// eighths, so 18 to 29 bytes a key in the levels a shard uses once it holds a few
+/// hundred, more while its neighbours have made a level it does not use), a two-word state
 /// in its table 24 bytes, a sliding window log about 200 bytes with one entry and 16 to
 /// 32 more an entry; `BENCHMARKS.md` has the measured bytes per key. A shard takes about
 /// 400 bytes before any key (its lock and tables, 128 bytes; its first sixteen cells,
 /// 256, made with the store for every shard), so the default store about 0.4 MB; its
-/// later levels are made for 64 shards at a time, when the first of them needs one. The
+/// later levels are made for up to 64 shards at a time (at most 4 MB), when the first of
+/// them needs one. The
 /// cells the shards grow are kept until the store is dropped: after a flood, a shard's
 /// idle keys are swept and their cells reused, but its cell memory is not returned.
 ///
@@ -144,8 +146,8 @@ struct Notes {
 /// sweep holds it longer, O(keys and cells in the shard): with the default of a shard
 /// per 1,024 keys of the bound, a few microseconds, once per doubling of the shard.
 /// Checks in cells do not wait for it (but for a cell a locked decision has pinned). A
-/// shard's cells keep the size its busiest moment gave them (and a level is made for 64
-/// shards at once), so after a flood a sweep walks cells the keys have left.
+/// shard's cells keep the size its busiest moment gave them, so after a flood a sweep
+/// walks cells the keys have left.
 #[repr(align(128))]
 struct Shard {
     table: SpinMutex<Table, Yield>,
