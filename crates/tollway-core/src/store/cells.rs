@@ -14,8 +14,7 @@
 //! so they stay in the processor's cache (at 100,000 keys this took a check's misses of
 //! a simulated 512 KiB cache from 2.6 to 1.7, `benches/check_instructions.sh`, and,
 //! with the check's calls inlined, 25% off its time, `benches/key_count.rs`). A level
-//! keeps
-//! eight keys on one cache line and their eight states on the next: looking a key up
+//! keeps eight keys on one cache line and their eight states on the next: looking a key up
 //! reads only key words, which change when a key comes or goes, and a check writes only
 //! its own state word, so checks on different keys write no line but the states' (in a
 //! bare table on this project's Intel machine, keys beside their states scaled two
@@ -120,8 +119,7 @@ pub(crate) struct Levels {
     more: Box<[OnceLock<Box<[Block]>>]>,
     /// Segments a level has.
     segments: usize,
-    /// Shards a segment has: a power of two, `1 << shift`.
-    segment: usize,
+    /// Shards a segment has: `1 << shift`.
     shift: u32,
 }
 
@@ -304,11 +302,12 @@ impl Levels {
             keys += room(CAPS[levels]);
             levels += 1;
         }
-        // A power of two no larger than the shards (themselves a power of two).
+        // Shards a segment has: as many as SEGMENT_BYTES of the largest level hold, at
+        // most SEGMENT and the shards, rounded down to a power of two (as the shards are).
         let largest = CAPS[levels - 1] * 2 * size_of::<u64>();
         let segment = (SEGMENT_BYTES / largest).clamp(1, SEGMENT.min(shards.max(1)));
         let shift = segment.ilog2();
-        let (segment, segments) = (1 << shift, shards.div_ceil(1 << shift));
+        let segments = shards.div_ceil(1 << shift);
         Levels {
             used: (0..shards).map(|_| AtomicU8::new(1)).collect(),
             limit: levels,
@@ -317,7 +316,6 @@ impl Levels {
                 .map(|_| OnceLock::new())
                 .collect(),
             segments,
-            segment,
             shift,
         }
     }
@@ -334,6 +332,11 @@ impl Levels {
             levels: self,
             shard,
         }
+    }
+
+    /// Shards a segment has.
+    fn segment_shards(&self) -> usize {
+        1 << self.shift
     }
 
     /// What a shard's lock guards of its cells, for a shard with none yet.
@@ -408,25 +411,25 @@ impl<'a> Cells<'a> {
     /// Level `n`, if made: this shard's run of its cells.
     #[inline]
     fn level(self, n: usize) -> Option<Level<'a>> {
-        let (all, at): (&'a [Block], usize) = match n.checked_sub(1) {
-            None => (&self.levels.first, self.shard),
-            Some(_) => (
-                self.segment(n)?.get()?,
-                self.shard & (self.levels.segment - 1),
-            ),
+        let (all, at): (&'a [Block], usize) = if n == 0 {
+            (&self.levels.first, self.shard)
+        } else {
+            let at = self.shard & (self.levels.segment_shards() - 1);
+            (self.segment(n)?.get()?, at)
         };
         let per = CAPS.get(n)? / (BLOCK / 2);
         let blocks = all.get(at * per..(at + 1) * per)?;
         Some(Level { blocks })
     }
 
-    /// The segment of level `n` (not the first) that holds this shard's cells.
+    /// The segment of level `n` that holds this shard's cells (`None` for the first,
+    /// made with the store).
     #[inline]
     fn segment(self, n: usize) -> Option<&'a OnceLock<Box<[Block]>>> {
         let levels = self.levels;
         levels
             .more
-            .get((n - 1) * levels.segments + (self.shard >> levels.shift))
+            .get(n.checked_sub(1)? * levels.segments + (self.shard >> levels.shift))
     }
 
     /// The levels this shard has keys in (or had), with their places.
@@ -507,10 +510,8 @@ impl<'a> Cells<'a> {
         let Some((n, i, fresh)) = self.spot(meta, key) else {
             return false;
         };
-        if n > 0
-            && let Some(segment) = self.segment(n)
-        {
-            segment.get_or_init(|| blocks(self.levels.segment, CAPS[n]));
+        if let Some(segment) = self.segment(n) {
+            segment.get_or_init(|| blocks(self.levels.segment_shards(), CAPS[n]));
         }
         // `n < LEVELS`: it fits a byte.
         if n == self.made()
@@ -815,21 +816,21 @@ mod tests {
     fn segments_stay_within_their_bytes() {
         for (shards, max, segment) in [(1_024, 1_024, 64), (1_024, 4_096, 64), (8, 1_024, 8)] {
             assert_eq!(
-                Levels::new(shards, max).segment,
+                Levels::new(shards, max).segment_shards(),
                 segment,
                 "{shards} x {max}"
             );
         }
         for (shards, max) in [(64, 262_144), (1_024, 65_536), (1, 286_692)] {
             let levels = Levels::new(shards, max);
-            let largest = CAPS[levels.limit - 1] * 16 * levels.segment;
+            let largest = CAPS[levels.limit - 1] * 16 * levels.segment_shards();
             assert!(
-                largest <= SEGMENT_BYTES || levels.segment == 1,
+                largest <= SEGMENT_BYTES || levels.segment_shards() == 1,
                 "{shards} x {max}"
             );
-            assert_eq!(levels.segments * levels.segment, shards);
+            assert_eq!(levels.segments * levels.segment_shards(), shards);
         }
-        assert_eq!(Levels::new(64, 262_144).segment, 1);
+        assert_eq!(Levels::new(64, 262_144).segment_shards(), 1);
     }
 
     // A thread that found a key's cell and is then overtaken by the key's removal and

@@ -322,10 +322,8 @@ impl<C: Clock> MemoryStore<C> {
     /// Looks at or corrects `key`'s state under each policy, without awaiting: what
     /// [`Store::operate`] answers.
     pub fn apply(&self, key: &[u8], policies: &[&Policy], operation: Operation) -> Decisions {
+        let (shard, key_hash, now) = self.locate(key);
         let shared = &*self.shared;
-        let now = shared.clock.now_micros();
-        let key_hash = shared.hasher.hash_one(key);
-        let shard = ((key_hash >> 32) & shared.shard_mask) as usize;
         let mut table = shared.shards[shard].table.lock();
         #[cfg(feature = "metrics")]
         let held = table.len();
