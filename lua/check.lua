@@ -35,8 +35,8 @@ if n == 1 then
       if cost > 0 then sliding_window_log_admit(key, now, cost, argv[6] + 0, grace, x, y) end
     elseif y > now then
       if x ~= v then
-        local ttl = (y - now) / 1000
-        call('SET', key, x, 'PX', ttl + (-ttl) % 1 + grace)
+        local ttl = (y - since) / 1000
+        call('SET', key, x, px, ttl + (-ttl) % 1 + grace)
       end
     elseif v then
       call('DEL', key)
@@ -99,8 +99,8 @@ if commit and not denied then
       if cost > 0 then sliding_window_log_admit(key, now, cost, argv[5 * i + 1] + 0, grace, x, y) end
     elseif y > now then
       if x ~= v then
-        local ttl = (y - now) / 1000
-        call('SET', key, x, 'PX', ttl + (-ttl) % 1 + grace)
+        local ttl = (y - since) / 1000
+        call('SET', key, x, px, ttl + (-ttl) % 1 + grace)
       end
     elseif v then
       call('DEL', key)

@@ -40,8 +40,8 @@ end
 local function store(key, v, x, a)
   if a > now then
     if x ~= v then
-      local ttl = (a - now) / 1000
-      call('SET', key, x, 'PX', ttl + (-ttl) % 1 + grace)
+      local ttl = (a - since) / 1000
+      call('SET', key, x, px, ttl + (-ttl) % 1 + grace)
     end
     return x
   end

@@ -29,7 +29,8 @@
 --
 -- A state's first number `a` is the instant it becomes equivalent to a fresh key's: a
 -- state with a <= now is deleted (or never written), any other is written with a TTL of
--- ceil((a − now) / 1000) + grace ms in the same SET. States are struct.pack'ed doubles
+-- ceil((a − now) / 1000) + grace ms in the same SET (on the server's clock, the instant
+-- ceil(a / 1000) + grace ms: see `px` below). States are struct.pack'ed doubles
 -- ('<d', '<dd', '<ddd'): exact for integers below 2^53, nothing to format or parse.
 --
 -- Arithmetic: every quantity is an integer below 2^53 (the Rust side validates quotas so,
@@ -47,7 +48,15 @@ local n = #keys
 
 -- `told`: the time read, replied after the decisions when ARGV[1] asks for it; nil (and
 -- so no reply entry) otherwise.
+-- A state's time-to-live is written as `px` (SET) or `pexpire` (the log's PEXPIRE),
+-- (a − since) / 1000 ms rounded up, + grace. On the server's clock, the instant itself
+-- (PXAT, PEXPIREAT; Redis 6.2 or later), so that the key's expiry counts from the TIME
+-- this script read: a relative TTL counts from the server's own millisecond when the
+-- command ran (from 7.2, when the EVALSHA started, before TIME was read), which can be
+-- a millisecond or more before `now`, and the key would go while its state still counts.
+-- On a caller's clock, a time from `now` (that clock's origin is not the server's).
 local now, told = argv[1], nil
+local px, pexpire, since = 'PXAT', 'PEXPIREAT', 0
 if now == '' then
   local t = call('TIME')
   now = t[1] * 1000000 + t[2]
@@ -57,6 +66,7 @@ elseif now == 'TIME' then
   told = now
 else
   now = now + 0
+  px, pexpire, since = 'PX', 'PEXPIRE', now
 end
 
 -- A function definition makes a new closure on every call (measured: ~500 instructions

@@ -48,14 +48,14 @@ if not only or only == '5' then
         end
       end
     end
-    local ttl = period
+    local a = now + period
     if newest and newest > now then
       -- A caller's clock behind the newest entry: renumber that entry past the new ones.
       call('ZREM', key, seq)
       call('ZADD', key, newest, seq + cost + 1)
-      ttl = newest + period - now
+      a = newest + period
     end
-    ttl = ttl / 1000
-    call('PEXPIRE', key, ttl + (-ttl) % 1 + grace)
+    local ttl = (a - since) / 1000
+    call(pexpire, key, ttl + (-ttl) % 1 + grace)
   end
 end

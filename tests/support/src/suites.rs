@@ -869,7 +869,10 @@ pub async fn expiry(target: &Target) -> Vec<String> {
     let callers: Vec<String> = (0..6).map(|c| format!("idler-{c}")).collect();
     let mut con = target.admin().await;
     let mut keys = Vec::new();
-    // Server time: the TTL is exactly the time the state needs to become fresh.
+    // Server time: a key expires at the instant its state is fresh, rounded up to Redis's
+    // millisecond, counted from the TIME the script read — not from the millisecond the
+    // command ran, which Redis 7.2 takes when the EVALSHA starts, before TIME (a key of a
+    // 1 ms log written with a relative PEXPIRE could then go while an entry still counts).
     let store = target
         .connect(
             RedisStore::builder()
@@ -881,19 +884,24 @@ pub async fn expiry(target: &Target) -> Vec<String> {
     for algorithm in Algorithm::ALL {
         let policy = Policy::new("idle", algorithm, Quota::per_second(4).unwrap()).unwrap();
         for caller in &callers {
-            let d: Decision = store
-                .check_one(caller.as_bytes(), &policy, 2)
+            let (d, told) = store
+                .check_telling_time(caller.as_bytes(), &[&policy], 2)
                 .await
                 .unwrap();
             assert!(d.is_allowed());
             let key = store.state_key(caller.as_bytes(), &policy);
-            let ttl: i64 = con.pttl(&key).await.unwrap();
-            // Never without an expiry, and never longer than the state needs: the reset
-            // time (rounded up to a millisecond), less what has passed since.
-            let most = i64::try_from(d.reset_after().as_micros().div_ceil(1000)).unwrap();
-            assert!(
-                ttl > 0 && ttl <= most,
-                "{algorithm:?} {key}: pttl {ttl}, reset {most} ms"
+            let at: u64 = redis::cmd("PEXPIRETIME")
+                .arg(&key)
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            // Every one of these states is fresh again when its reset time has passed.
+            let fresh = told + u64::try_from(d[0].reset_after().as_micros()).unwrap();
+            assert_eq!(
+                at,
+                fresh.div_ceil(1000),
+                "{algorithm:?} {key}: expires at {at} ms, TIME {told} µs, reset {:?}",
+                d[0].reset_after()
             );
             keys.push(key);
         }

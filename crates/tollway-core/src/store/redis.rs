@@ -95,6 +95,9 @@ fn code(algorithm: Algorithm) -> u64 {
 /// **Time** comes from the server (`redis.call('TIME')`) by default, so clock skew
 /// between gateways cannot widen a limit; [`RedisStoreBuilder::caller_time`] passes the
 /// caller's clock instead, for services that reject `TIME` in scripts, and for tests.
+/// On the server's clock a key is written to expire at the instant (`PXAT`,
+/// `PEXPIREAT`: Redis 6.2 or later) its state becomes equivalent to a fresh one, counted
+/// from the `TIME` the script read.
 ///
 /// **Keys** are `prefix:{key}:policy:id`, one per limit: the braces are a hash tag, so
 /// all of a caller's limits share a cluster slot and one script decides them; `id` is
