@@ -7,9 +7,13 @@
 //! SCALING_PART=scaling cargo bench -p tollway-core --bench scaling   # or =sweep: one part
 //! ```
 //!
-//! **Scaling.** Three patterns over 10,000 keys, at 1 and 2 threads (and at every
+//! **Scaling.** Four patterns over 10,000 keys, at 1 and 2 threads (and at every
 //! thread count up to the machine's cores, if it has more):
 //! - `own`: each thread checks its own share of the keys, in a random order of its own;
+//! - `apart`: the same, with keys chosen so that no two threads' keys share a shard of
+//!   the shared store (and so no cache line of its cells): what `own` would give if the
+//!   threads' states did not share lines (a diagnosis, not a traffic pattern: which
+//!   shard a caller lands in cannot be chosen);
 //! - `shared`: every thread checks all the keys, each in a random order of its own;
 //! - `hot`: every thread checks one key.
 //!
@@ -52,6 +56,11 @@ const KEYS: usize = 10_000;
 const RATE: u32 = 1_000_000;
 const BURST: u32 = 1_000_000_000;
 
+/// The `i`th key id.
+fn id(i: u64) -> u64 {
+    i.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
 fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).unwrap()
 }
@@ -68,32 +77,44 @@ fn governor() -> governor::DefaultKeyedRateLimiter<u64> {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Pattern {
     Own,
+    Apart,
     Shared,
     Hot,
 }
 
 impl Pattern {
-    const ALL: [Pattern; 3] = [Pattern::Own, Pattern::Shared, Pattern::Hot];
+    const ALL: [Pattern; 4] = [Pattern::Own, Pattern::Apart, Pattern::Shared, Pattern::Hot];
 
     fn name(self) -> &'static str {
         match self {
             Pattern::Own => "own",
+            Pattern::Apart => "apart",
             Pattern::Shared => "shared",
             Pattern::Hot => "hot",
         }
     }
 
-    /// The key ids thread `t` of `threads` checks, in its order.
-    fn keys(self, ids: &[u64], t: usize, threads: usize) -> Vec<u64> {
+    /// The key ids thread `t` of `threads` checks, in its order; `shard` is the shared
+    /// store's shard of a key id.
+    fn keys(self, ids: &[u64], t: usize, threads: usize, shard: impl Fn(u64) -> usize) -> Vec<u64> {
+        let share = ids.len() / threads;
+        let in_order = |mine: Vec<u64>| {
+            shuffled(mine.len(), 7 + t as u64)
+                .into_iter()
+                .map(|i| mine[i])
+                .collect()
+        };
         match self {
-            Pattern::Own => {
-                let share = ids.len() / threads;
-                let mine = &ids[t * share..(t + 1) * share];
-                shuffled(mine.len(), 7 + t as u64)
-                    .into_iter()
-                    .map(|i| mine[i])
-                    .collect()
-            }
+            Pattern::Own => in_order(ids[t * share..(t + 1) * share].to_vec()),
+            // The ids in the order `ids` has them, continued past its end, whose shard is
+            // thread t's (the shards taken round robin).
+            Pattern::Apart => in_order(
+                (0..)
+                    .map(id)
+                    .filter(|&k| shard(k) % threads == t)
+                    .take(share)
+                    .collect(),
+            ),
             Pattern::Shared => shuffled(ids.len(), 7 + t as u64)
                 .into_iter()
                 .map(|i| ids[i])
@@ -143,14 +164,14 @@ fn drive(n: u64, keys: &[u64], check: impl Fn(u64)) {
 /// moment the first starts to the moment the last finishes, as the threads time it (the
 /// thread that releases them may not run again until they are done).
 fn run(contender: Contender, pattern: Pattern, threads: usize, n: u64, ids: &[u64]) -> Duration {
-    let per_thread: Vec<Vec<u64>> = (0..threads)
-        .map(|t| pattern.keys(ids, t, threads))
-        .collect();
     let policy = policy(match contender {
         Contender::TollwayTokenBucket => Algorithm::TokenBucket,
         _ => Algorithm::Gcra,
     });
     let shared_store = MemoryStore::new();
+    let per_thread: Vec<Vec<u64>> = (0..threads)
+        .map(|t| pattern.keys(ids, t, threads, |k| shared_store.shard_of(&k.to_le_bytes())))
+        .collect();
     let limiter = governor();
     // One store per thread for the share-nothing baseline; the shared ones otherwise.
     let own_stores: Vec<MemoryStore> = (0..threads).map(|_| MemoryStore::new()).collect();
@@ -213,9 +234,7 @@ fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
 }
 
 fn scaling(rounds: usize) {
-    let ids: Vec<u64> = (0..KEYS as u64)
-        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-        .collect();
+    let ids: Vec<u64> = (0..KEYS as u64).map(id).collect();
     let cores = std::thread::available_parallelism().map_or(2, usize::from);
     let thread_counts: Vec<usize> = (1..=cores.max(2)).collect();
     let mut cases = Vec::new();
@@ -292,9 +311,7 @@ fn scaling(rounds: usize) {
 /// sweeping the same store over and over, or not.
 fn sweep_latency() {
     const KEYS: u64 = 1_000_000;
-    let ids: Vec<u64> = (0..KEYS)
-        .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-        .collect();
+    let ids: Vec<u64> = (0..KEYS).map(id).collect();
     // Live keys: the odd ones, which a fresh check keeps for an hour; the even ones were
     // checked an hour ago on a 10 per second quota and have expired.
     let live: Vec<u64> = shuffled(KEYS as usize / 2, 3)

@@ -360,6 +360,14 @@ impl<C: Clock> MemoryStore<C> {
             .unwrap_or(Decision::allow(0, 0, 0, 0))
     }
 
+    /// Which of the store's shards keeps `key`'s states: for benches that place keys
+    /// (`benches/scaling.rs`, pattern `apart`). Not a stable API.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn shard_of(&self, key: &[u8]) -> usize {
+        self.locate(key).0
+    }
+
     /// The number of keys held, idle ones not yet swept included.
     #[must_use]
     pub fn len(&self) -> usize {
