@@ -15,8 +15,10 @@
 //! - **per key**: 100,000 to 2,000,000 distinct keys (six counts, so that no one table
 //!   size decides the figure; their mean is printed too) inserted into a `MemoryStore`
 //!   (`max_keys` 4,000,000: room for every key in every shard; a `ManualClock` that
-//!   never moves, so nothing expires) under GCRA, the token bucket and the sliding
-//!   window log (one admission a key), and into
+//!   never moves, so nothing expires) under GCRA, the token bucket, the sliding window
+//!   counter (10 a second, in the lock-free cells, and 40,000 a second, a limit too
+//!   large for them: in the shards' tables) and the sliding window log (one admission a
+//!   key), and into
 //!   `governor::RateLimiter::keyed` with `u64` keys. tollway gets each `u64`'s 8-byte
 //!   little-endian encoding, built on the stack, so neither side allocates per key
 //!   outside its own table.
@@ -59,9 +61,11 @@ const FLOOD_ROW_EVERY: u64 = 500_000;
 /// The store's length is sampled every this many requests.
 const FLOOD_SAMPLE_EVERY: u64 = 1_000;
 
-const PER_KEY_CASES: [&str; 4] = [
+const PER_KEY_CASES: [&str; 6] = [
     "tollway_gcra",
     "tollway_token_bucket",
+    "tollway_counter_10",
+    "tollway_counter_40k",
     "tollway_sliding_log",
     "governor",
 ];
@@ -170,9 +174,11 @@ fn child(case: &str, env: &[(&str, &str)]) -> String {
 
 fn run_child(case: &str) {
     match case {
-        "tollway_gcra" => per_key_tollway(Algorithm::Gcra),
-        "tollway_token_bucket" => per_key_tollway(Algorithm::TokenBucket),
-        "tollway_sliding_log" => per_key_tollway(Algorithm::SlidingWindowLog),
+        "tollway_gcra" => per_key_tollway(Algorithm::Gcra, 10),
+        "tollway_token_bucket" => per_key_tollway(Algorithm::TokenBucket, 10),
+        "tollway_counter_10" => per_key_tollway(Algorithm::SlidingWindowCounter, 10),
+        "tollway_counter_40k" => per_key_tollway(Algorithm::SlidingWindowCounter, 40_000),
+        "tollway_sliding_log" => per_key_tollway(Algorithm::SlidingWindowLog, 10),
         "governor" => per_key_governor(),
         "flood_gcra_10_per_second" => flood(Algorithm::Gcra, Quota::per_second(10).unwrap()),
         "flood_token_bucket_10_per_second" => {
@@ -205,8 +211,10 @@ fn per_key_keys() -> u64 {
         .unwrap_or(1_000_000)
 }
 
-fn per_key_tollway(algorithm: Algorithm) {
-    let policy = Policy::new("mem", algorithm, Quota::per_second(10).unwrap()).unwrap();
+/// Keys under `algorithm` at `per_second` a second.
+fn per_key_tollway(algorithm: Algorithm, per_second: u32) {
+    let quota = Quota::per_second(per_second).unwrap();
+    let policy = Policy::new("mem", algorithm, quota).unwrap();
     let before = rss_kib();
     let store = MemoryStore::builder()
         .max_keys(PER_KEY_MAX)

@@ -31,10 +31,10 @@
 //! **A sweep beside checks.** 1,000,000 keys of which half have expired; one thread
 //! checks live keys in a random order, timing each check, while another sweeps the
 //! store (`MemoryStore::sweep`; governor: `retain_recent`) over and over. tollway runs
-//! it under GCRA and the token bucket (checks in lock-free cells, which a sweep does not
-//! stop) and under the sliding window counter (checks under the shard's lock, which a
-//! sweep holds one shard at a time). Printed: the checking thread's latency percentiles with and without the
-//! sweeper.
+//! it under GCRA, the token bucket and the sliding window counter (checks in lock-free
+//! cells, which a sweep does not stop) and under the sliding window log (checks under
+//! the shard's lock, which a sweep holds one shard at a time). Printed: the checking
+//! thread's latency percentiles with and without the sweeper.
 
 #![allow(clippy::unwrap_used)]
 
@@ -332,12 +332,13 @@ fn sweep_latency() {
     let short = Quota::per_second(10).unwrap();
     let long = Quota::per_hour(10).unwrap();
     for sweeping in [false, true] {
-        // tollway: GCRA and the token bucket in lock-free cells, the sliding window
-        // counter in the shards' locked tables.
+        // tollway: GCRA, the token bucket and the sliding window counter in lock-free
+        // cells, the sliding window log in the shards' locked tables.
         for (algorithm, name) in [
             (Algorithm::Gcra, "tollway GCRA"),
             (Algorithm::TokenBucket, "tollway token bucket"),
             (Algorithm::SlidingWindowCounter, "tollway sliding counter"),
+            (Algorithm::SlidingWindowLog, "tollway sliding log"),
         ] {
             let clock = ManualClock::new();
             let store = MemoryStore::builder()

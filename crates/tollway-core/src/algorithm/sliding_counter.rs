@@ -99,6 +99,7 @@ impl State {
 
 /// Decides one request of `cost` units at `now` (microseconds).
 #[must_use]
+#[inline]
 pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
     let (limit, period) = (quota.limit(), quota.period_micros());
     let start = state.current_start(now, quota);

@@ -1,6 +1,7 @@
 //! Cells that threads read and update without a lock: the memory store's home for the
 //! states that fit in one 64-bit word (GCRA's and the leaky bucket shaper's instant;
-//! the buckets' and the fixed window's states packed: see [`word`](super::word)).
+//! the buckets', the fixed window's and the sliding window counter's states packed: see
+//! [`word`](super::word)).
 //!
 //! A shard's cells are a few open-addressing tables, *levels*, each half as large again
 //! as the one before, each allocated once and kept until the store is dropped, so a

@@ -50,12 +50,18 @@ const MIN_SWEEP: usize = 256;
 /// where `b` is the bits of the window's limit, or those a bucket's partial microsecond
 /// needs (none for a limit that divides its period, as 100 a minute does): thousands of
 /// years for such a bucket, 143 for a window of 100 a period, 51 days for a window of
-/// 100,000 and 1.2 hours at worst (a window of 2^26). A check under one such limit, for
+/// 100,000 and 1.2 hours at worst (a window of 2^26); and the sliding window counter's,
+/// for a limit up to 32,767, while its window ends less than 2^(49 − 2l) units of the
+/// largest power of two of microseconds up to the period (and up to 2^24, 16.8 s: a
+/// sweep takes such a key for fresh up to a unit late) after the store was made (`l`
+/// the bits of the limit): 18,000 years for 100 a minute, 8.9 years for 1,000 a second,
+/// 407 days for 10,000 a minute, 12.7 days for 10,000 a second, 2.4 hours at worst. A
+/// check under one such limit, for
 /// a key the store already holds, reads the key's cell and updates it by
 /// compare-and-swap without taking a lock, and writes no memory but the state's own, so
 /// threads deciding for different keys do not queue behind one another, nor behind a
-/// sweep. Everything else — the sliding window counter,
-/// the sliding window log, a state past its packing's range (moved to the shard's table,
+/// sweep. Everything else — the sliding window log, a state past its packing's range
+/// or a counter of a larger limit (moved to the shard's table,
 /// exactly as it was), a request under several limits, a key's arrival and removal — is
 /// decided under the shard's lock, which still reads and swaps the cells' states, so
 /// both paths decide one key's requests as if one at a time (the lock-free transitions
@@ -156,9 +162,9 @@ struct Shard {
 struct Table {
     /// What the lock guards of the shard's cells.
     cells: Meta,
-    /// Fixed-size states of two words not in a cell: the sliding window counter's, and
-    /// a packing algorithm's that did not pack when written (kept until idle) or found
-    /// every level full. `(key hash, slot)`, 24 bytes an entry.
+    /// Fixed-size states of two words not in a cell: a packing algorithm's that did not
+    /// pack when written (kept until idle) or found every level full. `(key hash,
+    /// slot)`, 24 bytes an entry.
     slots: HashTable<(u64, Slot)>,
     /// Sliding window logs.
     logs: HashTable<(u64, Log)>,
@@ -291,7 +297,7 @@ impl<C: Clock> MemoryStore<C> {
         (shard, key_hash, now)
     }
 
-    /// Decides under the shard's lock: several limits, a sliding window's state, a state
+    /// Decides under the shard's lock: several limits, a sliding window log, a state
     /// in the table, a packed state that would no longer pack or a quota past its
     /// packing's range, or a key that has no cell yet.
     fn decide_locked(
@@ -384,8 +390,10 @@ impl<C: Clock> MemoryStore<C> {
         self.len() == 0
     }
 
-    /// Drops every key whose state is now equivalent to a fresh one, and returns how
-    /// many keys remain. The store also does this by itself as it fills; call it to
+    /// Drops every key whose state is now equivalent to a fresh one (a sliding window
+    /// counter's in a cell: from the end of the unit its instant falls in, up to 16.8 s
+    /// later), and returns how many keys remain. The store also does this by itself as
+    /// it fills; call it to
     /// release memory after a flood without waiting for new keys (the two-word states'
     /// tables and the logs; cells are kept for new keys).
     pub fn sweep(&self) -> usize {
@@ -497,7 +505,7 @@ impl<C> Shared<C> {
 /// Decides one limit kept in a cell the key already has, without the lock; `None`
 /// for another algorithm, a key with no cell, a packed state that would no longer
 /// pack, or a check at a time its quota's states cannot pack (see
-/// [`word::may_pack`]).
+/// [`Packs::may_pack`]).
 #[inline(always)]
 fn decide_in_cell(
     cells: Cells<'_>,
@@ -525,7 +533,10 @@ fn decide_in_cell(
         Algorithm::FixedWindow => decide_packed(cells, hash, now, q, o, |s| {
             fixed_window::check(s, now, q, c)
         }),
-        Algorithm::SlidingWindowCounter | Algorithm::SlidingWindowLog => None,
+        Algorithm::SlidingWindowCounter => decide_packed(cells, hash, now, q, o, |s| {
+            sliding_counter::check(s, now, q, c)
+        }),
+        Algorithm::SlidingWindowLog => None,
     }
 }
 
@@ -541,7 +552,7 @@ fn decide_packed<S: Packs>(
     origin: u64,
     check: impl Fn(S) -> (Decision, S),
 ) -> Option<Decision> {
-    if !word::may_pack::<S>(now, quota, origin) {
+    if !S::may_pack(now, quota, origin) {
         return None;
     }
     cells
@@ -588,7 +599,8 @@ enum Change<'a> {
 }
 
 /// Where a fixed-size state is kept under the lock: in the shard's table, or packed in a
-/// cell (a bucket's or a fixed window's, while it fits one word: see [`word`]).
+/// cell (a bucket's, a fixed window's or a sliding window counter's, while it fits one
+/// word: see [`word`]).
 enum Place<'a> {
     /// A key with no state yet.
     New,
@@ -674,7 +686,7 @@ fn word_operate(policy: &Policy, tat: u64, now: u64, operation: Operation) -> u6
 }
 
 /// A charge or drain on a state that [packs](word::packs), as a [`Slot`]: the buckets
-/// owe what does not fit (up to a capacity), the fixed window does not count past its
+/// owe what does not fit (up to a capacity), the windows do not count past their
 /// limit.
 fn slot_operate(policy: &Policy, slot: Slot, now: u64, operation: Operation) -> Slot {
     let q = policy.quota();
@@ -690,6 +702,13 @@ fn slot_operate(policy: &Policy, slot: Slot, now: u64, operation: Operation) -> 
             fixed_window::State::from_slot(slot),
             operation,
             |s, cost| fixed_window::check(s, now, q, cost),
+            |s, _| s,
+        )
+        .to_slot(),
+        Algorithm::SlidingWindowCounter => operate(
+            sliding_counter::State::from_slot(slot),
+            operation,
+            |s, cost| sliding_counter::check(s, now, q, cost),
             |s, _| s,
         )
         .to_slot(),
@@ -830,8 +849,9 @@ impl Table {
                     return self.read(cells, hash, now, policy, 0).0;
                 }
                 match operation {
-                    // The sliding windows: what does not fit is not counted (their window
-                    // is spent already).
+                    // The sliding window log (and a state of a policy that does not
+                    // pack): what does not fit is not counted (its window is spent
+                    // already).
                     Operation::Charge(_) | Operation::Drain(_) => {
                         let left = self.read(cells, hash, now, policy, 0).0.remaining();
                         let (cost, _) = take_and_owe(operation, left);
@@ -1574,7 +1594,8 @@ mod tests {
     // it after the first limit was read. The first limit's state, idle but not yet
     // dropped, counts as a new key too: a sweep cannot drop it between its read and its
     // write (it did, and what the request took was lost: the next request had a whole
-    // limit again), and the keys never pass the bound.
+    // limit again), and the keys never pass the bound. (A log is in the shard's table; a
+    // sliding counter's state in its cell, which the read pins, so a sweep passes it.)
     #[test]
     fn an_idle_state_read_by_a_request_counts_as_a_new_key() {
         for algorithm in [Algorithm::SlidingWindowCounter, Algorithm::SlidingWindowLog] {
@@ -1729,6 +1750,54 @@ mod tests {
             fixed_window::refund,
             |s, _, _, _| s,
         );
+        // 32,767 a second: counts of 15 bits each, so a counter packs while its instant
+        // is within 2^19 units of 2^19 µs (the largest power of two up to the period):
+        // up to 2^38 − 2^19 µs. A charge does not count past the limit.
+        let quota = Quota::per_second(32_767).unwrap();
+        let policy = Policy::new("swc", Algorithm::SlidingWindowCounter, quota).unwrap();
+        let edge = (1 << 38) - (1 << 19) + 1;
+        replay_across_the_edge(
+            &policy,
+            edge - 4_000_000,
+            edge,
+            sliding_counter::check,
+            sliding_counter::refund,
+            |s, _, _, _| s,
+        );
+    }
+
+    // A sliding window counter in a cell says when it is fresh again to the end of the
+    // unit its window's end falls in (its word keeps the instant in units of the largest
+    // power of two up to the period): a sweep keeps it up to a period longer than the
+    // table would, never less.
+    #[test]
+    fn packed_sliding_counters_are_swept_by_the_end_of_their_unit() {
+        let quota = Quota::per_second(10).unwrap();
+        let policy = Policy::new("swc", Algorithm::SlidingWindowCounter, quota).unwrap();
+        let (store, clock) = store(1_000, WhenFull::Deny);
+        clock.set_micros(1_200_000);
+        assert!(store.check_sync(b"k", &policy, 3).is_allowed());
+        assert_eq!((store.len(), in_tables(&store)), (1, 0));
+        // Its window [1 s, 2 s) weighs on the next: fresh at 3 s, which falls in the unit
+        // of 2^19 µs ending at 6 × 524,288 µs.
+        clock.set_micros(2_999_999);
+        assert_eq!(store.check_sync(b"k", &policy, 0).remaining(), 9);
+        clock.set_micros(3_000_000);
+        assert_eq!(store.sweep(), 1);
+        clock.set_micros(3_145_727);
+        assert_eq!(store.sweep(), 1);
+        clock.set_micros(3_145_728);
+        assert_eq!(store.sweep(), 0);
+        assert_eq!(store.check_sync(b"k", &policy, 0).remaining(), 10);
+        // Past the cells' range, in the table, it is swept at its instant.
+        clock.set_micros(1 << 62);
+        assert!(store.check_sync(b"k", &policy, 1).is_allowed());
+        assert_eq!((store.len(), in_tables(&store)), (1, 1));
+        let fresh = (1 << 62) / 1_000_000 * 1_000_000 + 2_000_000;
+        clock.set_micros(fresh - 1);
+        assert_eq!(store.sweep(), 1);
+        clock.set_micros(fresh);
+        assert_eq!(store.sweep(), 0);
     }
 
     // Packed instants count from the store's origin, its clock when made: on an epoch
