@@ -76,8 +76,8 @@ const MIN_SWEEP: usize = 256;
 /// only if their hashes collide, which for a million live keys happens with probability
 /// about 5 × 10⁻⁸ (a cell keeps 63 of the 64 bits: the last says how its state is
 /// written). A state in a cell costs 16 bytes (its key's hash and its state; each
-/// level of a shard's cells half as large again as the one before, filled to seven
-/// eighths, so 18 to 29 bytes a key in the levels a shard uses once it holds a few
+/// level of a shard's cells half as large again as the one before, filled to three
+/// quarters, so 21 to 33 bytes a key in the levels a shard uses once it holds a few
 /// hundred, more while its neighbours have made a level it does not use), a two-word state
 /// in its table 24 bytes, a sliding window log about 200 bytes with one entry and 16 to
 /// 32 more an entry; `BENCHMARKS.md` has the measured bytes per key. A shard takes about
@@ -1313,7 +1313,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     /// # Errors
     ///
     /// When `max_keys` is zero, or `shards` is not a power of two from 1 to 1024 or is
-    /// more than `max_keys`, or leaves a shard more than 286,692 keys.
+    /// more than `max_keys`, or leaves a shard more than 245,736 keys.
     pub fn build(self) -> Result<MemoryStore<C>, ConfigError> {
         if self.max_keys == 0 {
             return Err(ConfigError::new(
@@ -1878,7 +1878,7 @@ mod tests {
             .build()
             .unwrap_err();
         assert!(
-            err.to_string().contains("at most 286692 keys each"),
+            err.to_string().contains("at most 245736 keys each"),
             "{err}"
         );
     }
