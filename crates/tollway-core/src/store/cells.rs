@@ -944,6 +944,30 @@ mod tests {
         // and more.
         assert_eq!(n, 12);
     }
+
+    // A lookup reads a key's home cell in every level and then probes the levels on from
+    // there: keys pushed past their home's line of keys, and across a tombstone, in two
+    // levels, are found; keys in none are not.
+    #[test]
+    fn keys_pushed_past_their_home_line_are_found() {
+        let levels = Levels::new(1, 64);
+        let (cells, mut meta) = (levels.shard(0), levels.meta());
+        // Every key below 2^27 has its home at cell 0 in the first two levels (16 and
+        // 24 cells): 12 keys fill the first level's cells 0-11, 18 the second's 0-17.
+        for k in 2..32 {
+            assert!(cells.insert(&mut meta, k, k + 100));
+        }
+        assert_eq!(cells.levels().count(), 2);
+        cells.remove(&mut meta, 3);
+        cells.remove(&mut meta, 16);
+        for k in (2..32).filter(|&k| k != 3 && k != 16) {
+            let state = cells.find(k).and_then(|c| c.load()).map(|l| l.state);
+            assert_eq!(state, Some(k + 100), "key {k}");
+        }
+        for k in [3, 16, 32, 1 << 40] {
+            assert!(cells.find(k).is_none(), "key {k}");
+        }
+    }
 }
 
 /// The transitions under every interleaving `loom` finds, for two and three threads on
