@@ -90,9 +90,8 @@ const CAPS: [usize; LEVELS] = {
 /// Keys a level of `cap` cells takes before the next one is made: three quarters, so
 /// every probe meets an empty cell, and soon. A lookup that misses a level (a key that
 /// lives in an older one, or a new key) probes it to an empty cell: about 8 cells on
-/// average in a level three quarters full, 32 in one seven eighths full (which a store
-/// filled before; `benches/key_count.rs` at 1,000,000 keys: 131% of governor's time a
-/// check then, 108–118% now, for 3 more bytes a key on average).
+/// average in a level three quarters full, 32 in one seven eighths full (`BENCHMARKS.md`
+/// has what each costs a check and a key).
 const fn room(cap: usize) -> usize {
     cap * 3 / 4
 }
