@@ -16,6 +16,7 @@
 mod answers;
 mod breaker;
 mod cluster;
+mod migration;
 mod outage;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -322,6 +322,114 @@ impl RedisCluster {
         (replica, killed_at.elapsed())
     }
 
+    /// How many error replies of these kinds (`ASK`, `MOVED`, `TRYAGAIN`, ...) the node
+    /// on `port` has sent (`INFO errorstats`).
+    pub async fn error_replies(&self, port: u16, kinds: &[&str]) -> u64 {
+        let mut con = self.connect(port).await.unwrap();
+        let info: String = redis::cmd("INFO")
+            .arg("errorstats")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        // `errorstat_ASK:count=3`
+        info.lines()
+            .filter_map(|line| line.strip_prefix("errorstat_")?.split_once(":count="))
+            .filter(|(kind, _)| kinds.contains(kind))
+            .filter_map(|(_, n)| n.trim().parse::<u64>().ok())
+            .sum()
+    }
+
+    /// The slot `key` hashes to (`CLUSTER KEYSLOT`).
+    pub async fn slot_of(&self, key: &str) -> u32 {
+        let mut con = self.connect(self.live_ports()[0]).await.unwrap();
+        redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query_async(&mut con)
+            .await
+            .unwrap()
+    }
+
+    /// Moves `slot` to the master on `to`, the way `redis-cli --cluster reshard` does:
+    /// `CLUSTER SETSLOT … IMPORTING` on the target, `… MIGRATING` on the source, then
+    /// `MIGRATE` one key at a time (so a caller's keys are split between the two nodes
+    /// for a while, as in a batched reshard), then `CLUSTER SETSLOT … NODE` on every
+    /// master, and waits until the cluster has settled. Returns how many keys moved.
+    ///
+    /// # Panics
+    ///
+    /// When `to` is not a master, already serves `slot`, or a step fails.
+    pub async fn migrate_slot(&self, slot: u32, to: u16) -> usize {
+        let view = self.view(to).await.unwrap();
+        let source = view
+            .iter()
+            .find(|n| n.master && !n.failing && n.serves(slot))
+            .unwrap_or_else(|| panic!("no master serves slot {slot}"))
+            .clone();
+        let target = view
+            .iter()
+            .find(|n| n.port == to && n.master)
+            .unwrap_or_else(|| panic!("{to} is not a master"))
+            .clone();
+        assert_ne!(source.port, to, "{to} already serves slot {slot}");
+        let mut from = self.connect(source.port).await.unwrap();
+        let mut into = self.connect(to).await.unwrap();
+        let set = |state: &str, id: &str| {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SETSLOT").arg(slot).arg(state).arg(id);
+            cmd
+        };
+        let () = set("IMPORTING", &source.id)
+            .query_async(&mut into)
+            .await
+            .unwrap();
+        let () = set("MIGRATING", &target.id)
+            .query_async(&mut from)
+            .await
+            .unwrap();
+        let mut moved = 0;
+        loop {
+            let keys: Vec<String> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(1)
+                .query_async(&mut from)
+                .await
+                .unwrap();
+            let Some(key) = keys.first() else { break };
+            let answer: String = redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(to)
+                .arg("")
+                .arg(0)
+                .arg(5_000)
+                .arg("KEYS")
+                .arg(key)
+                .query_async(&mut from)
+                .await
+                .unwrap();
+            assert!(
+                answer == "OK" || answer == "NOKEY",
+                "MIGRATE {key}: {answer}"
+            );
+            moved += 1;
+        }
+        // The target first, so that it owns the slot before the source lets go.
+        let () = set("NODE", &target.id)
+            .query_async(&mut into)
+            .await
+            .unwrap();
+        for master in view
+            .iter()
+            .filter(|n| n.master && !n.failing && n.port != to)
+        {
+            let mut con = self.connect(master.port).await.unwrap();
+            let () = set("NODE", &target.id).query_async(&mut con).await.unwrap();
+        }
+        self.wait_until_settled().await;
+        moved
+    }
+
     async fn wait_until_settled(&self) {
         let deadline = Instant::now() + SETTLE;
         loop {
