@@ -10,9 +10,12 @@ use std::collections::BTreeMap;
 
 use http::{Method, StatusCode};
 use metrics_exporter_prometheus::PrometheusBuilder;
+use std::time::Duration;
 use support::http::{Client, Server};
 use support::stores::{EPOCH_US, memory_store};
-use tollway_core::ManualClock;
+
+use support::CheckOne;
+use tollway_core::{BreakerState, CircuitBreaker, ManualClock, RedisStore};
 use tollway_tower::BoxStore;
 
 const ADMIN: (&str, &str) = ("authorization", "Bearer test-admin");
@@ -164,4 +167,34 @@ async fn the_example_counts_every_decision_in_its_metrics() {
         21.0
     );
     assert_eq!(line("tollway_deny_cache_hits_total"), 9.0);
+
+    // Regression: the breaker's gauge had no label, so two stores wrote one series and
+    // the last state change hid the other. Each breaker's carries its store's name.
+    let mut dead = support::RedisServer::start();
+    let redis = RedisStore::builder()
+        .timeout(Duration::from_millis(200))
+        .without_breaker()
+        .without_local_fallback()
+        .connect(&dead.url())
+        .await
+        .unwrap();
+    dead.kill();
+    let policy = support::stores::per_minute("p", 10);
+    for name in ["sessions", "checkout"] {
+        let store = CircuitBreaker::builder(redis.clone())
+            .threshold(1)
+            .name(name)
+            .build()
+            .unwrap();
+        assert!(store.check_one(b"k", &policy, 1).await.is_err());
+        assert_eq!(store.state(), BreakerState::Open);
+    }
+    let scrape = client.get("/metrics").await.body;
+    for name in ["sessions", "checkout"] {
+        let series = format!("tollway_breaker_state{{store=\"{name}\"}} 2");
+        assert!(
+            scrape.lines().any(|l| l == series),
+            "no {series} in {scrape}"
+        );
+    }
 }

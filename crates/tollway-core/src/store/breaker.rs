@@ -69,6 +69,10 @@ struct Inner<S, C> {
     /// calls the primary (a fallback alone).
     threshold: Option<u32>,
     cool_down_us: u64,
+    /// The longest cool-down: each failed probe doubles it up to this.
+    max_cool_down_us: u64,
+    /// The store's name, in the breaker's log lines and its gauge's `store` label.
+    name: &'static str,
     breaker: Mutex<Breaker>,
     listener: Option<Listener>,
 }
@@ -86,6 +90,13 @@ struct Breaker {
     failures: u32,
     open_until_us: u64,
     probing: bool,
+    /// The cool-down now: doubled by each failed probe, reset when the store answers.
+    cool_down_us: u64,
+    /// When the breaker opened after the store last answered, microseconds.
+    down_since_us: u64,
+    /// When the outage was last logged, and the probes failed since.
+    logged_at_us: u64,
+    failed_probes: u64,
 }
 
 /// What the breaker lets one decision do.
@@ -122,8 +133,12 @@ impl<S, C> fmt::Debug for CircuitBreaker<S, C> {
 
 /// The default breaker: this many failed calls in a row open it...
 pub(crate) const DEFAULT_THRESHOLD: u32 = 5;
-/// ...for this long.
+/// ...for this long, doubled by each failed probe...
 pub(crate) const DEFAULT_COOL_DOWN: Duration = Duration::from_millis(250);
+/// ...up to this.
+pub(crate) const DEFAULT_MAX_COOL_DOWN: Duration = Duration::from_secs(5);
+/// How often an outage that lasts is summarised in the log.
+const SUMMARY_EVERY_US: u64 = 10_000_000;
 
 impl<S: Store> CircuitBreaker<S, MonotonicClock> {
     /// Wraps `primary`: 5 failures open the breaker for 250 ms; no local fallback.
@@ -133,6 +148,8 @@ impl<S: Store> CircuitBreaker<S, MonotonicClock> {
             clock: MonotonicClock::new(),
             threshold: Some(DEFAULT_THRESHOLD),
             cool_down: DEFAULT_COOL_DOWN,
+            max_cool_down: DEFAULT_MAX_COOL_DOWN,
+            name: "store",
             share: None,
             listener: None,
         }
@@ -153,26 +170,52 @@ impl<S: Store, C: Clock + Clone> CircuitBreaker<S, C> {
 }
 
 impl<S, C: Clock> Inner<S, C> {
-    fn set(&self, breaker: &mut Breaker, state: BreakerState) {
-        if breaker.state == state {
+    /// Moves the breaker to `state`. The log says when the store fails (one `warn`),
+    /// summarises every 10 s while it stays down, and says when it answers again; the
+    /// probes in between are `debug`.
+    fn set(&self, b: &mut Breaker, state: BreakerState) {
+        if b.state == state {
             return;
         }
-        breaker.state = state;
-        match state {
-            BreakerState::Open => tracing::warn!(
-                failures = breaker.failures,
-                cool_down_ms = self.cool_down_us / 1_000,
-                "rate limit store failing: breaker open, decisions are local or per the failure policy"
+        let (was, now) = (b.state, self.clock.now_micros());
+        b.state = state;
+        let store = self.name;
+        match (was, state) {
+            (BreakerState::Closed, BreakerState::Open) => {
+                b.down_since_us = now;
+                b.logged_at_us = now;
+                b.failed_probes = 0;
+                tracing::warn!(
+                    store,
+                    failures = b.failures,
+                    "rate limit store failing: breaker open, decisions are local or per the \
+                     failure policy until it answers (summarised every {} s)",
+                    SUMMARY_EVERY_US / 1_000_000
+                );
+            }
+            (_, BreakerState::Open) => {
+                b.failed_probes += 1;
+                tracing::debug!(store, cool_down_ms = b.cool_down_us / 1_000, "probe failed");
+                if now.saturating_sub(b.logged_at_us) >= SUMMARY_EVERY_US {
+                    b.logged_at_us = now;
+                    tracing::warn!(
+                        store,
+                        down_s = (now - b.down_since_us) / 1_000_000,
+                        failed_probes = b.failed_probes,
+                        "rate limit store still failing: breaker open"
+                    );
+                }
+            }
+            (_, BreakerState::HalfOpen) => tracing::debug!(store, "breaker half-open: probing"),
+            (_, BreakerState::Closed) => tracing::warn!(
+                store,
+                down_ms = now.saturating_sub(b.down_since_us) / 1_000,
+                failed_probes = b.failed_probes,
+                "rate limit store answering again: breaker closed"
             ),
-            BreakerState::HalfOpen => {
-                tracing::info!("rate limit store breaker half-open: probing the store")
-            }
-            BreakerState::Closed => {
-                tracing::info!("rate limit store answering again: breaker closed")
-            }
         }
         #[cfg(feature = "metrics")]
-        metrics::gauge!("tollway_breaker_state").set(match state {
+        metrics::gauge!("tollway_breaker_state", "store" => store).set(match state {
             BreakerState::Closed => 0.0,
             BreakerState::HalfOpen => 1.0,
             BreakerState::Open => 2.0,
@@ -212,6 +255,7 @@ impl<S, C: Clock> Inner<S, C> {
         }
         if ok {
             b.failures = 0;
+            b.cool_down_us = self.cool_down_us;
             if probe || b.state == BreakerState::HalfOpen {
                 self.set(&mut b, BreakerState::Closed);
             }
@@ -219,7 +263,11 @@ impl<S, C: Clock> Inner<S, C> {
         }
         b.failures = b.failures.saturating_add(1);
         if probe || (b.state == BreakerState::Closed && b.failures >= threshold) {
-            b.open_until_us = self.clock.now_micros() + self.cool_down_us;
+            if probe {
+                // The store is still down: wait twice as long before the next probe.
+                b.cool_down_us = b.cool_down_us.saturating_mul(2).min(self.max_cool_down_us);
+            }
+            b.open_until_us = self.clock.now_micros().saturating_add(b.cool_down_us);
             self.set(&mut b, BreakerState::Open);
         }
     }
@@ -244,6 +292,25 @@ impl<S, C: Clock> Inner<S, C> {
 
 impl<C: Clock> Fallback<C> {
     fn decide(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Result<Decisions, StoreError> {
+        let scaled = self.scaled(policies)?;
+        let scaled: SmallVec<[&Policy; 4]> = scaled.iter().collect();
+        Ok(self.store.decide(key, &scaled, cost))
+    }
+
+    /// A charge or drain, on this node's share of each policy.
+    fn operate(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        operation: Operation,
+    ) -> Result<Decisions, StoreError> {
+        let scaled = self.scaled(policies)?;
+        let scaled: SmallVec<[&Policy; 4]> = scaled.iter().collect();
+        Ok(self.store.apply(key, &scaled, operation))
+    }
+
+    /// `policies` scaled to this node's share, each made once.
+    fn scaled(&self, policies: &[&Policy]) -> Result<SmallVec<[Policy; 4]>, StoreError> {
         let scaled: SmallVec<[Policy; 4]> = {
             let mut scaled = self.scaled.lock();
             policies
@@ -264,8 +331,7 @@ impl<C: Clock> Fallback<C> {
                 })
                 .collect::<Result<_, StoreError>>()?
         };
-        let scaled: SmallVec<[&Policy; 4]> = scaled.iter().collect();
-        Ok(self.store.decide(key, &scaled, cost))
+        Ok(scaled)
     }
 }
 
@@ -344,12 +410,15 @@ where
         }
     }
 
-    /// Straight to the primary store, never to the fallback: looking at or correcting a
-    /// caller's shared state is something only the primary can do, and asking it of a
-    /// dead primary gets its error. A peek, refund or reset goes whatever the breaker
-    /// says (an administrator's request); a charge — part of serving a request, after
-    /// its response — is not sent while the breaker is not closed, and fails at once.
-    /// The outcome does not move the breaker.
+    /// A peek, refund or reset goes straight to the primary store whatever the breaker
+    /// says (an administrator's request): looking at or correcting a caller's shared
+    /// state is something only the primary can do, and asking it of a dead primary gets
+    /// its error. A charge or drain — part of serving a request, after its response —
+    /// goes to the primary while the breaker is closed, and to the local fallback (if
+    /// any) while it is not, so an outage does not lift a `charge_after` budget; without
+    /// a fallback it fails at once. What the fallback charged stays local: it is not
+    /// replayed to the primary when it answers again. The outcome does not move the
+    /// breaker.
     fn operate(
         &self,
         key: &[u8],
@@ -359,10 +428,13 @@ where
         if matches!(operation, Operation::Charge(_) | Operation::Drain(_))
             && self.state() != BreakerState::Closed
         {
-            return Checked::Ready(Err(StoreError::new(
-                StoreErrorKind::Other,
-                "rate limit store unavailable: breaker open, the charge is not sent",
-            )));
+            return Checked::Ready(match &self.inner.fallback {
+                Some(fallback) => fallback.operate(key, policies, operation),
+                None => Err(StoreError::new(
+                    StoreErrorKind::Other,
+                    "rate limit store unavailable: breaker open, the charge is not sent",
+                )),
+            });
         }
         boxed(self.inner.primary.operate(key, policies, operation))
     }
@@ -394,6 +466,8 @@ pub struct CircuitBreakerBuilder<S, C> {
     clock: C,
     threshold: Option<u32>,
     cool_down: Duration,
+    max_cool_down: Duration,
+    name: &'static str,
     share: Option<f64>,
     listener: Option<Listener>,
 }
@@ -416,8 +490,25 @@ impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
     }
 
     /// How long an open breaker keeps calls away from the primary (default 250 ms).
+    /// Each failed probe doubles it, up to [`max_cool_down`](Self::max_cool_down); the
+    /// primary's next answer resets it.
     pub fn cool_down(mut self, cool_down: Duration) -> Self {
         self.cool_down = cool_down;
+        self
+    }
+
+    /// The longest cool-down that failed probes double it to (default 5 s; never below
+    /// the cool-down itself).
+    pub fn max_cool_down(mut self, max: Duration) -> Self {
+        self.max_cool_down = max;
+        self
+    }
+
+    /// The store's name in the breaker's log lines and the `store` label of its
+    /// `tollway_breaker_state` gauge (default `store`; a Redis store's is its kind,
+    /// `redis`, `redis_cluster` or `redis_pool`).
+    pub fn name(mut self, name: &'static str) -> Self {
+        self.name = name;
         self
     }
 
@@ -452,6 +543,8 @@ impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
             clock,
             threshold: self.threshold,
             cool_down: self.cool_down,
+            max_cool_down: self.max_cool_down,
+            name: self.name,
             share: self.share,
             listener: self.listener,
         }
@@ -474,11 +567,15 @@ impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
                 scaled: Mutex::default(),
             }),
         };
+        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let cool_down_us = micros(self.cool_down);
         Ok(CircuitBreaker {
             inner: Arc::new(Inner {
                 primary: self.primary,
                 fallback,
-                cool_down_us: u64::try_from(self.cool_down.as_micros()).unwrap_or(u64::MAX),
+                cool_down_us,
+                max_cool_down_us: micros(self.max_cool_down).max(cool_down_us),
+                name: self.name,
                 clock: self.clock,
                 threshold: self.threshold,
                 breaker: Mutex::new(Breaker {
@@ -486,6 +583,10 @@ impl<S: Store, C: Clock + Clone> CircuitBreakerBuilder<S, C> {
                     failures: 0,
                     open_until_us: 0,
                     probing: false,
+                    cool_down_us,
+                    down_since_us: 0,
+                    logged_at_us: 0,
+                    failed_probes: 0,
                 }),
                 listener: self.listener,
             }),
@@ -586,7 +687,8 @@ mod tests {
         }
         assert_eq!(flaky.calls.load(Ordering::SeqCst), 3);
         // An operation goes to the store all the same, and does not move the breaker —
-        // but a charge (serving requests) is not sent while it is open.
+        // but a charge (serving requests) is not sent while it is open (with no
+        // fallback, it fails).
         let peek = store.operate(b"k", &[&policy], Operation::Peek(1));
         assert!(poll(peek.into_future()).is_err());
         assert_eq!(flaky.calls.load(Ordering::SeqCst), 4);
@@ -599,8 +701,11 @@ mod tests {
         assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_err());
         assert_eq!(flaky.calls.load(Ordering::SeqCst), 4);
         assert_eq!(store.state(), BreakerState::Open);
-        // The store recovers; the next probe closes the breaker.
+        // The store recovers; the next probe, after the doubled cool-down, closes it.
         flaky.down.store(false, Ordering::SeqCst);
+        clock.advance(Duration::from_millis(100));
+        assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_err());
+        assert_eq!(flaky.calls.load(Ordering::SeqCst), 4);
         clock.advance(Duration::from_millis(100));
         assert!(poll(store.check(b"k", &[&policy], 1).into_future()).is_ok());
         assert_eq!(store.state(), BreakerState::Closed);
@@ -647,6 +752,223 @@ mod tests {
             Checked::Ready(Err(error)) => panic!("the memory store failed: {error}"),
             Checked::Pending(_) => panic!("a decision the memory store made at once waits"),
         }
+    }
+
+    /// A store that, while told to, never answers: its calls wait like a stalled Redis's.
+    #[derive(Clone, Default)]
+    struct Stalled {
+        flaky: Flaky,
+        stalled: Arc<AtomicBool>,
+    }
+
+    impl Store for Stalled {
+        type Future = BoxStoreFuture;
+        fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+            if self.stalled.load(Ordering::SeqCst) {
+                self.flaky.calls.fetch_add(1, Ordering::SeqCst);
+                return Checked::Pending(Box::pin(std::future::pending()));
+            }
+            boxed(self.flaky.check(key, policies, cost))
+        }
+        fn operate(
+            &self,
+            key: &[u8],
+            policies: &[&Policy],
+            op: Operation,
+        ) -> Checked<Self::Future> {
+            boxed(self.flaky.operate(key, policies, op))
+        }
+    }
+
+    // While the probe waits for a stalled store, every other decision is the fallback's,
+    // at once: only the probe's caller waits for the store.
+    #[test]
+    fn half_open_sends_one_probe_and_answers_the_rest_at_once() {
+        let clock = ManualClock::new();
+        let store = Stalled::default();
+        let breaker = CircuitBreaker::builder(store.clone())
+            .threshold(1)
+            .local_fallback(1.0)
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
+        store.flaky.down.store(true, Ordering::SeqCst);
+        assert!(poll(breaker.check(b"k", &[&policy], 1).into_future()).is_ok());
+        assert_eq!(breaker.state(), BreakerState::Open);
+        store.stalled.store(true, Ordering::SeqCst);
+        clock.advance(DEFAULT_COOL_DOWN);
+        let probe = breaker.check(b"k", &[&policy], 1);
+        assert!(
+            matches!(probe, Checked::Pending(_)),
+            "the probe calls the store"
+        );
+        assert_eq!(breaker.state(), BreakerState::HalfOpen);
+        for _ in 0..100 {
+            match breaker.check(b"k", &[&policy], 1) {
+                Checked::Ready(answer) => assert!(answer.is_ok_and(|d| d.is_allowed())),
+                Checked::Pending(_) => panic!("a second call waits for the stalled store"),
+            }
+        }
+        assert_eq!(
+            store.flaky.calls.load(Ordering::SeqCst),
+            2,
+            "one failure, one probe"
+        );
+        drop(probe);
+    }
+
+    // Regression: the cool-down was fixed, so a dead store was probed (and a caller made
+    // to wait for the probe's timeout) every 350 ms for as long as it was down. Each
+    // failed probe now doubles it, up to the cap; an answer brings it back to the start.
+    #[test]
+    fn the_cool_down_doubles_while_probes_fail_up_to_a_cap_and_resets_on_success() {
+        let clock = ManualClock::new();
+        let flaky = Flaky::default();
+        let store = CircuitBreaker::builder(flaky.clone())
+            .threshold(1)
+            .cool_down(Duration::from_millis(100))
+            .max_cool_down(Duration::from_millis(1_000))
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_second(10).unwrap()).unwrap();
+        let check = || {
+            let _ = poll(store.check(b"k", &[&policy], 1).into_future());
+        };
+        // How long, in ms stepped, until the store is called again.
+        let next_probe = || {
+            let before = flaky.calls.load(Ordering::SeqCst);
+            let mut waited = 0;
+            while flaky.calls.load(Ordering::SeqCst) == before {
+                assert!(waited < 10_000, "no probe in 10 s");
+                clock.advance(Duration::from_millis(1));
+                waited += 1;
+                check();
+            }
+            waited
+        };
+        flaky.down.store(true, Ordering::SeqCst);
+        check();
+        assert_eq!(store.state(), BreakerState::Open);
+        let waits: Vec<u64> = (0..6).map(|_| next_probe()).collect();
+        assert_eq!(waits, [100, 200, 400, 800, 1_000, 1_000]);
+        flaky.down.store(false, Ordering::SeqCst);
+        assert_eq!(next_probe(), 1_000);
+        assert_eq!(store.state(), BreakerState::Closed);
+        flaky.down.store(true, Ordering::SeqCst);
+        check();
+        assert_eq!(store.state(), BreakerState::Open);
+        assert_eq!(
+            next_probe(),
+            100,
+            "the next outage starts from the cool-down again"
+        );
+    }
+
+    // Regression: charges after a response (an LLM's tokens) failed while the breaker was
+    // open, so an outage lifted the budget: a caller spent 400 times its tokens in one
+    // stall. They are charged to the local fallback now, which then refuses the caller.
+    #[test]
+    fn charges_while_the_breaker_is_open_reach_the_fallback() {
+        let clock = ManualClock::new();
+        let flaky = Flaky::default();
+        let store = CircuitBreaker::builder(flaky.clone())
+            .threshold(1)
+            .local_fallback(1.0)
+            .clock(clock)
+            .build()
+            .unwrap();
+        let tokens = Policy::new(
+            "t",
+            Algorithm::TokenBucket,
+            Quota::per_minute(1_000).unwrap(),
+        )
+        .unwrap();
+        flaky.down.store(true, Ordering::SeqCst);
+        let first = poll(store.check(b"k", &[&tokens], 0).into_future()).unwrap();
+        assert!(first.is_allowed());
+        assert_eq!(store.state(), BreakerState::Open);
+        let calls = flaky.calls.load(Ordering::SeqCst);
+        let charged = store.operate(b"k", &[&tokens], Operation::Charge(900));
+        let charged = poll(charged.into_future()).unwrap();
+        assert_eq!(charged[0].remaining(), 100);
+        assert_eq!(
+            flaky.calls.load(Ordering::SeqCst),
+            calls,
+            "not sent to the store"
+        );
+        // The fallback remembers: 200 more tokens do not fit.
+        let next = poll(store.check(b"k", &[&tokens], 200).into_future()).unwrap();
+        assert!(!next.is_allowed());
+    }
+
+    /// Keeps the breaker's log lines at `info` and above: their level and `store` field.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<(tracing::Level, String)>>>);
+
+    struct StoreField(String);
+
+    impl tracing::field::Visit for StoreField {
+        fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+            if field.name() == "store" {
+                self.0 = value.to_owned();
+            }
+        }
+        fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn fmt::Debug) {}
+    }
+
+    impl tracing::Subscriber for Lines {
+        fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+            *metadata.level() <= tracing::Level::INFO
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut store = StoreField(String::new());
+            event.record(&mut store);
+            self.0.lock().push((*event.metadata().level(), store.0));
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    // Regression: a dead store logged an open/half-open pair every 350 ms for as long as
+    // it was down. Now: one warning when it fails, one summary every 10 s while it stays
+    // down, one line when it answers again, each naming the store.
+    #[test]
+    fn an_outage_is_logged_when_it_starts_every_10_s_and_when_it_ends() {
+        let lines = Lines::default();
+        let clock = ManualClock::new();
+        let flaky = Flaky::default();
+        let store = CircuitBreaker::builder(flaky.clone())
+            .threshold(1)
+            .name("sessions")
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_second(10).unwrap()).unwrap();
+        tracing::subscriber::with_default(lines.clone(), || {
+            flaky.down.store(true, Ordering::SeqCst);
+            // 25 s down, a request every 10 ms.
+            for _ in 0..2_500 {
+                let _ = poll(store.check(b"k", &[&policy], 1).into_future());
+                clock.advance(Duration::from_millis(10));
+            }
+            flaky.down.store(false, Ordering::SeqCst);
+            while store.state() != BreakerState::Closed {
+                let _ = poll(store.check(b"k", &[&policy], 1).into_future());
+                clock.advance(Duration::from_millis(10));
+            }
+        });
+        let warn = (tracing::Level::WARN, "sessions".to_owned());
+        assert_eq!(
+            *lines.0.lock(),
+            [warn.clone(), warn.clone(), warn.clone(), warn]
+        );
     }
 
     #[test]

@@ -449,15 +449,19 @@ impl Store for RedisStore {
         }
     }
 
-    /// Straight to Redis, past the breaker and never to the fallback (see
-    /// [`CircuitBreaker`]'s `operate`).
+    /// Through the breaker (see [`CircuitBreaker`]'s `operate`): a charge or drain
+    /// goes to the local fallback while the breaker is open; anything else straight
+    /// to Redis.
     fn operate(
         &self,
         key: &[u8],
         policies: &[&Policy],
         operation: Operation,
     ) -> Checked<Self::Future> {
-        self.scripts().operate(key, policies, operation)
+        match &self.front {
+            Front::Scripts(scripts) => scripts.operate(key, policies, operation),
+            Front::Guarded(guarded) => guarded.operate(key, policies, operation),
+        }
     }
 }
 
@@ -1106,7 +1110,8 @@ impl RedisStoreBuilder {
                 front: Front::Scripts(scripts),
             });
         }
-        let mut guarded = CircuitBreaker::builder(scripts);
+        let name = scripts.kind();
+        let mut guarded = CircuitBreaker::builder(scripts).name(name);
         guarded = match breaker {
             Some((threshold, cool_down)) => guarded.threshold(threshold).cool_down(cool_down),
             None => guarded.without_breaker(),
