@@ -72,7 +72,10 @@ async fn the_example_counts_every_decision_in_its_metrics() {
         std::path::Path::new(demo::axum_app::DEFAULT_CONFIG),
         store,
         metrics,
-        "test-admin",
+        &demo::axum_app::Doors {
+            admin_token: Some("test-admin".to_owned()),
+            lab: false,
+        },
     )
     .unwrap();
     let server = Server::start(app).await;
@@ -116,6 +119,8 @@ async fn the_example_counts_every_decision_in_its_metrics() {
     assert_eq!(
         grown(&before, &after),
         BTreeMap::from([
+            // The three admin requests, through the admin API's own limit.
+            (r#"{policy="admin",outcome="allowed"}"#.to_owned(), 3),
             (r#"{policy="anonymous",outcome="allowed"}"#.to_owned(), 20),
             (
                 r#"{policy="anonymous",outcome="shadow_limited"}"#.to_owned(),
@@ -139,7 +144,10 @@ async fn the_example_counts_every_decision_in_its_metrics() {
         std::path::Path::new(demo::axum_app::DEFAULT_CONFIG),
         redis,
         metrics,
-        "test-admin",
+        &demo::axum_app::Doors {
+            admin_token: Some("test-admin".to_owned()),
+            lab: false,
+        },
     )
     .unwrap();
     let on_redis = Server::start(app).await;
