@@ -56,6 +56,9 @@ pub struct Doors {
     pub admin_token: Option<String>,
     /// Whether `/lab` is mounted (on a memory store of its own).
     pub lab: bool,
+    /// Host names besides `localhost` and IP addresses the lab and `/metrics` answer
+    /// at (see [`crate::guard`]).
+    pub hosts: Vec<String>,
 }
 
 impl std::fmt::Debug for Doors {
@@ -64,6 +67,7 @@ impl std::fmt::Debug for Doors {
         f.debug_struct("Doors")
             .field("admin_token", &self.admin_token.as_ref().map(|_| "<set>"))
             .field("lab", &self.lab)
+            .field("hosts", &self.hosts)
             .finish()
     }
 }
@@ -108,7 +112,15 @@ pub fn app(
         metrics,
     });
     // Added after the layer, so not limited by it.
-    let mut router = Router::new().route("/metrics", get(render_metrics));
+    // `/metrics` at our own names only: a rebinding page cannot read it.
+    let guard = crate::guard::Guard::new(&doors.hosts, "");
+    let mut router = Router::new().route(
+        "/metrics",
+        get(render_metrics).layer(axum::middleware::from_fn_with_state(
+            guard,
+            crate::guard::guard,
+        )),
+    );
     if doors.admin_token.is_some() {
         // Limited before the token is looked at: guesses cost the guesser.
         let guesses = Policy::new(
@@ -133,7 +145,7 @@ pub fn app(
     if doors.lab {
         // The lab: its own limits, one an algorithm, on a memory store of its own, so
         // that it can never touch (nor evict) the callers' keys in `store`.
-        router = router.merge(crate::lab::router(MemoryStore::new())?);
+        router = router.merge(crate::lab::router(MemoryStore::new(), &doors.hosts)?);
     }
     Ok((router, reloader))
 }

@@ -72,7 +72,21 @@ async fn run() -> Result<(), Box<dyn Error>> {
         Err(_) => demo_memory,
     };
     let admin_token = std::env::var("ADMIN_TOKEN").ok().filter(|t| !t.is_empty());
-    let doors = Doors { admin_token, lab };
+    // Names besides localhost and IP addresses the lab and /metrics answer at.
+    let hosts = std::env::var("TOLLWAY_HOSTS")
+        .map(|names| {
+            names
+                .split(',')
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let doors = Doors {
+        admin_token,
+        lab,
+        hosts,
+    };
     serve(store, &config, &doors, listener, addr).await
 }
 

@@ -56,12 +56,15 @@ pub fn policies() -> Result<Vec<Policy>, ConfigError> {
 }
 
 /// The lab's routes over `store`, a memory store of the lab's own: the page, an
-/// endpoint an algorithm, their states, and the two scenarios.
+/// endpoint an algorithm, their states, and the two scenarios. They answer at
+/// `localhost`, an IP address or one of `hosts` only, refuse writes from other sites,
+/// and send a Content-Security-Policy, `X-Frame-Options` and `nosniff` (see
+/// [`crate::guard`]); the scenarios are limited to 10 runs a minute per address.
 ///
 /// # Errors
 ///
 /// Never: the lab's layers are its own.
-pub fn router<C: Clock>(store: MemoryStore<C>) -> Result<Router, ConfigError> {
+pub fn router<C: Clock>(store: MemoryStore<C>, hosts: &[String]) -> Result<Router, ConfigError> {
     let store = BoxStore::new(store);
     let policies = policies()?;
     let mut lab = Router::new();
@@ -88,12 +91,24 @@ pub fn router<C: Clock>(store: MemoryStore<C>) -> Result<Router, ConfigError> {
         fixed: Policy::new("lab-boundary-fixed", Algorithm::FixedWindow, window)?,
         log: Policy::new("lab-boundary-log", Algorithm::SlidingWindowLog, window)?,
     });
+    let runs = Policy::new("lab-runs", Algorithm::TokenBucket, Quota::per_minute(10)?)?;
+    let runs = RateLimitLayer::builder(MemoryStore::new(), runs)
+        .headers(HeaderStyle::Legacy)
+        .build()?;
+    let scenarios = Router::new()
+        .route("/lab/race", post(race))
+        .route("/lab/boundary", post(boundary))
+        .layer(runs);
+    let guard = crate::guard::Guard::new(hosts, PAGE);
     Ok(lab
         .route("/lab", get(page))
         .route("/lab/state/{algorithm}", get(bucket))
-        .route("/lab/race", post(race))
-        .route("/lab/boundary", post(boundary))
-        .with_state(state))
+        .merge(scenarios)
+        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(
+            guard,
+            crate::guard::guard,
+        )))
 }
 
 /// The boundary scenario's window.

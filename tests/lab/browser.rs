@@ -108,7 +108,7 @@ async fn until(browser: &Client, id: &str, wanted: &str, prefix: bool) -> String
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_drives_the_real_limiter() {
     let clock = ManualClock::at_micros(EPOCH_US);
-    let lab = demo::lab::router(memory_store(&clock)).unwrap();
+    let lab = demo::lab::router(memory_store(&clock), &[]).unwrap();
     let server = Server::start(lab).await;
     let addr: SocketAddr = server.addr();
     let driver = Driver::start().await;

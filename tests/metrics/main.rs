@@ -75,6 +75,7 @@ async fn the_example_counts_every_decision_in_its_metrics() {
         &demo::axum_app::Doors {
             admin_token: Some("test-admin".to_owned()),
             lab: false,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -147,6 +148,7 @@ async fn the_example_counts_every_decision_in_its_metrics() {
         &demo::axum_app::Doors {
             admin_token: Some("test-admin".to_owned()),
             lab: false,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -34,6 +34,7 @@ async fn example<St: Store + Clone>(store: St) -> (Server, Client) {
         &demo::axum_app::Doors {
             admin_token: Some("test-admin".to_owned()),
             lab: false,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -264,6 +265,7 @@ async fn the_admin_api_needs_a_token_of_your_own_and_is_limited() {
         let doors = demo::axum_app::Doors {
             admin_token: admin_token.map(str::to_owned),
             lab: false,
+            ..Default::default()
         };
         let config = std::path::Path::new(demo::axum_app::DEFAULT_CONFIG);
         let store = BoxStore::new(support::stores::memory_store(&clock));
