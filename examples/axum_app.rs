@@ -15,7 +15,11 @@
 //! | `GET /lab` | the live lab: the seven algorithms, each limiting `/lab/api/{algorithm}` (see `lab.rs`) |
 //!
 //! `{key}` is the caller's key as the store sees it: `ip:203.0.113.9`, `key:demo-free-key`.
-//! The admin routes want `Authorization: Bearer <token>`: none is 401, another is 403.
+//! The admin routes exist only when an admin token is given ([`Doors::admin_token`]);
+//! they want `Authorization: Bearer <token>` (none is 401, another is 403) and are
+//! limited to [`ADMIN_PER_MINUTE`] requests a minute per address, right or wrong, by a
+//! tollway layer on a memory store of their own. The lab is mounted only when
+//! [`Doors::lab`] says so, on a memory store of its own: it never touches `store`.
 //! `demo-partner-key` is on the allow list (never limited), `demo-banned-key` on the deny
 //! list (403).
 
@@ -30,7 +34,10 @@ use axum::routing::{get, post, put};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 use tollway_tower::config::{ConfigKey, LimitsFile, Reloader};
-use tollway_tower::{BoxStore, ConfigError, Operation, Policy, RateLimitLayer, Store, StoreError};
+use tollway_tower::{
+    Algorithm, BoxStore, ConfigError, MemoryStore, Operation, PeerIp, Policy, Quota,
+    RateLimitLayer, Store, StoreError,
+};
 
 /// The example's layer: limits from its file, keys by API key, else the peer address.
 pub type Limits = RateLimitLayer<BoxStore, ConfigKey>;
@@ -38,15 +45,39 @@ pub type Limits = RateLimitLayer<BoxStore, ConfigKey>;
 /// The header a completion reports the tokens it used in.
 pub const TOKENS_USED: &str = "x-tokens-used";
 
-/// The admin token when `ADMIN_TOKEN` is not set.
-pub const DEFAULT_ADMIN_TOKEN: &str = "demo-admin-token";
+/// How many admin requests an address may make a minute (a token bucket): a guess at
+/// the token costs one.
+pub const ADMIN_PER_MINUTE: u32 = 30;
+
+/// Which of the example's doors are open.
+#[derive(Clone, Default)]
+pub struct Doors {
+    /// The admin API's bearer token; `None`: no admin routes at all.
+    pub admin_token: Option<String>,
+    /// Whether `/lab` is mounted (on a memory store of its own).
+    pub lab: bool,
+    /// Host names besides `localhost` and IP addresses the lab and `/metrics` answer
+    /// at (see [`crate::guard`]).
+    pub hosts: Vec<String>,
+}
+
+impl std::fmt::Debug for Doors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token itself.
+        f.debug_struct("Doors")
+            .field("admin_token", &self.admin_token.as_ref().map(|_| "<set>"))
+            .field("lab", &self.lab)
+            .field("hosts", &self.hosts)
+            .finish()
+    }
+}
 
 /// The example's limits file, `examples/tollway.toml`.
 pub const DEFAULT_CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tollway.toml");
 
 /// The example's application over `store`, its limits from the file at `config`: the
-/// limited API, `/metrics` from `metrics`, and the admin API for `admin_token`. Also
-/// returns its reloader (to watch the file, or reload it by hand).
+/// limited API, `/metrics` from `metrics`, and the admin API and the lab if `doors`
+/// open them. Also returns its reloader (to watch the file, or reload it by hand).
 ///
 /// # Errors
 ///
@@ -55,14 +86,9 @@ pub fn app(
     config: &std::path::Path,
     store: BoxStore,
     metrics: PrometheusHandle,
-    admin_token: &str,
+    doors: &Doors,
 ) -> Result<(Router, Reloader<BoxStore>), ConfigError> {
     let file = LimitsFile::read(config)?;
-    // The lab's race runs its naive limiter on Redis too when the store is Redis.
-    let naive_redis = std::env::var("REDIS_URL")
-        .ok()
-        .and_then(|url| redis::Client::open(url).ok());
-    let lab = crate::lab::router(store.clone(), naive_redis)?;
     // What a file cannot say: how many tokens a completion used.
     let reloader = Reloader::from_file_with(config, file, store, |builder| {
         builder.charge_after("tokens", |_, headers, _| {
@@ -82,21 +108,45 @@ pub fn app(
     let admin = Arc::new(Admin {
         limits,
         reloader: reloader.clone(),
-        token: admin_token.to_owned(),
+        token: doors.admin_token.clone().unwrap_or_default(),
         metrics,
     });
     // Added after the layer, so not limited by it.
-    let router = api
-        .route("/metrics", get(render_metrics))
-        .route(
-            "/admin/limits/{policy}/{key}",
-            get(peek_limit).delete(reset_limit),
-        )
-        .route("/admin/shadow/{policy}", put(set_shadow))
-        .route("/admin/reload", post(reload))
-        .with_state(admin)
-        // The lab: its own limits, one a algorithm.
-        .merge(lab);
+    // `/metrics` at our own names only: a rebinding page cannot read it.
+    let guard = crate::guard::Guard::new(&doors.hosts, "");
+    let mut router = Router::new().route(
+        "/metrics",
+        get(render_metrics).layer(axum::middleware::from_fn_with_state(
+            guard,
+            crate::guard::guard,
+        )),
+    );
+    if doors.admin_token.is_some() {
+        // Limited before the token is looked at: guesses cost the guesser.
+        let guesses = Policy::new(
+            "admin",
+            Algorithm::TokenBucket,
+            Quota::per_minute(ADMIN_PER_MINUTE)?,
+        )?;
+        let limited = RateLimitLayer::builder(MemoryStore::new(), guesses)
+            .key(PeerIp::new())
+            .build()?;
+        let routes = Router::new()
+            .route(
+                "/admin/limits/{policy}/{key}",
+                get(peek_limit).delete(reset_limit),
+            )
+            .route("/admin/shadow/{policy}", put(set_shadow))
+            .route("/admin/reload", post(reload))
+            .layer(limited);
+        router = router.merge(routes);
+    }
+    let mut router = api.merge(router.with_state(admin));
+    if doors.lab {
+        // The lab: its own limits, one an algorithm, on a memory store of its own, so
+        // that it can never touch (nor evict) the callers' keys in `store`.
+        router = router.merge(crate::lab::router(MemoryStore::new(), &doors.hosts)?);
+    }
     Ok((router, reloader))
 }
 
@@ -275,9 +325,17 @@ fn refuse(admin: &Admin, headers: &HeaderMap) -> Option<Response> {
         .then(|| error(StatusCode::FORBIDDEN, "that is not the admin token"))
 }
 
-/// Compares in time that depends on the lengths only, not on where they differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Whether `given` is `token`, in time that depends on the length of `given` only: not
+/// on where they differ, nor on the token's length.
+fn same(given: &[u8], token: &[u8]) -> bool {
+    if token.is_empty() {
+        return false;
+    }
+    let differ = given
+        .iter()
+        .enumerate()
+        .fold(0u8, |acc, (i, x)| acc | (x ^ token[i % token.len()]));
+    differ == 0 && given.len() == token.len()
 }
 
 fn error(status: StatusCode, message: &str) -> Response {

@@ -32,19 +32,26 @@
 //!
 //! `GET /metrics` is Prometheus text; `/admin/limits/{policy}/{key}` peeks (`GET`) at and
 //! resets (`DELETE`) a caller's state, and `PUT /admin/shadow/{policy|all}` (body `on` or
-//! `off`) switches shadow mode, behind `Authorization: Bearer $ADMIN_TOKEN` (default
-//! `demo-admin-token`). See `examples/axum_app.rs`.
+//! `off`) switches shadow mode, behind `Authorization: Bearer $ADMIN_TOKEN`. Without
+//! `ADMIN_TOKEN` there is no admin API; the token is never printed. See
+//! `examples/axum_app.rs`.
+//!
+//! The store: the limits file's `[store]` section if it has one, else `REDIS_URL`, else
+//! memory; a file with a `[store]` section and a `REDIS_URL` both is refused at start.
+//!
+//! The lab (`/lab`) runs on a memory store of its own. It is on by default only on the
+//! demo's memory store; elsewhere `TOLLWAY_LAB=1` mounts it (`TOLLWAY_LAB=0` never).
 
 use std::error::Error;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::ExitCode;
 
-use demo::axum_app::{self, DEFAULT_ADMIN_TOKEN, DEFAULT_CONFIG};
+use demo::axum_app::{self, DEFAULT_CONFIG, Doors};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tokio::net::TcpListener;
 use tollway_tower::BoxStore;
-use tollway_tower::config::Reloader;
+use tollway_tower::config::{LimitsFile, Reloader};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -54,13 +61,40 @@ async fn main() -> ExitCode {
 
 async fn run() -> Result<(), Box<dyn Error>> {
     let (listener, addr) = demo::listen(3000).await?;
-    let store = demo::store_from_env().await?;
-    serve(store, listener, addr).await
+    let config = std::env::var("TOLLWAY_CONFIG").unwrap_or_else(|_| DEFAULT_CONFIG.to_owned());
+    let file = LimitsFile::read(&config)?;
+    let redis_url = std::env::var("REDIS_URL").ok();
+    let (store, demo_memory) = demo::store_for(Some(&file), redis_url.as_deref()).await?;
+    let lab = match std::env::var("TOLLWAY_LAB").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        Ok(other) => return Err(format!("TOLLWAY_LAB must be 1 or 0 (got {other:?})").into()),
+        Err(_) => demo_memory,
+    };
+    let admin_token = std::env::var("ADMIN_TOKEN").ok().filter(|t| !t.is_empty());
+    // Names besides localhost and IP addresses the lab and /metrics answer at.
+    let hosts = std::env::var("TOLLWAY_HOSTS")
+        .map(|names| {
+            names
+                .split(',')
+                .map(|n| n.trim().to_owned())
+                .filter(|n| !n.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let doors = Doors {
+        admin_token,
+        lab,
+        hosts,
+    };
+    serve(store, &config, &doors, listener, addr).await
 }
 
 /// Builds the application over `store` and serves it until Ctrl-C.
 async fn serve(
     store: BoxStore,
+    config: &str,
+    doors: &Doors,
     listener: TcpListener,
     addr: SocketAddr,
 ) -> Result<(), Box<dyn Error>> {
@@ -73,15 +107,13 @@ async fn serve(
             ],
         )?
         .install_recorder()?;
-    let token = std::env::var("ADMIN_TOKEN").unwrap_or_else(|_| DEFAULT_ADMIN_TOKEN.to_owned());
-    let config = std::env::var("TOLLWAY_CONFIG").unwrap_or_else(|_| DEFAULT_CONFIG.to_owned());
-    let (app, reloader) = axum_app::app(Path::new(&config), store, metrics, &token)?;
+    let (app, reloader) = axum_app::app(Path::new(config), store, metrics, doors)?;
     // Reloaded whenever the file changes, while this lives, and on SIGHUP.
     let _watcher = reloader.watch()?;
     reload_on_hangup(reloader.clone());
     println!("limits: {config} (watched: edit it and the next request sees the change)");
 
-    print_usage(addr, &token);
+    print_usage(addr, doors);
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),
@@ -117,10 +149,14 @@ fn reload_on_hangup(reloader: Reloader<BoxStore>) {
 #[cfg(not(unix))]
 fn reload_on_hangup(_: Reloader<BoxStore>) {}
 
-fn print_usage(addr: SocketAddr, token: &str) {
+fn print_usage(addr: SocketAddr, doors: &Doors) {
     let base = format!("localhost:{}", addr.port());
     println!("listening on http://{addr}");
-    println!("the live lab: http://{base}/lab");
+    if doors.lab {
+        println!("the live lab: http://{base}/lab (on a memory store of its own)");
+    } else {
+        println!("the lab is off (not the demo's memory store): TOLLWAY_LAB=1 mounts it");
+    }
     println!();
     println!("demo API keys:");
     for (key, tier) in demo::DEMO_KEYS {
@@ -145,16 +181,24 @@ fn print_usage(addr: SocketAddr, token: &str) {
     println!("  curl -i -H 'X-API-Key: {}' {base}/", demo::BANNED_KEY);
     println!("  # a completion charged after the response for the 400 tokens it used (1,000/min)");
     println!("  curl -i -X POST '{base}/api/v1/completions?tokens=400'");
-    println!("  # metrics, and the admin API (token {token:?}; set ADMIN_TOKEN to choose it)");
+    println!("  # metrics");
     println!("  curl {base}/metrics");
-    println!(
-        "  curl -H 'Authorization: Bearer {token}' {base}/admin/limits/anonymous/ip:127.0.0.1"
-    );
-    println!(
-        "  curl -X DELETE -H 'Authorization: Bearer {token}' {base}/admin/limits/anonymous/ip:127.0.0.1"
-    );
-    println!("  curl -X PUT -H 'Authorization: Bearer {token}' -d on {base}/admin/shadow/all");
-    println!("  curl -X POST -H 'Authorization: Bearer {token}' {base}/admin/reload");
+    if doors.admin_token.is_none() {
+        println!(
+            "  # the admin API is off: start with ADMIN_TOKEN=<a secret of your own> to mount it"
+        );
+    } else {
+        // The token itself is never printed: the shell fills it in.
+        println!(
+            "  # the admin API ({} requests a minute per address)",
+            axum_app::ADMIN_PER_MINUTE
+        );
+        let auth = "-H \"Authorization: Bearer $ADMIN_TOKEN\"";
+        println!("  curl {auth} {base}/admin/limits/anonymous/ip:127.0.0.1");
+        println!("  curl -X DELETE {auth} {base}/admin/limits/anonymous/ip:127.0.0.1");
+        println!("  curl -X PUT {auth} -d on {base}/admin/shadow/all");
+        println!("  curl -X POST {auth} {base}/admin/reload");
+    }
     println!();
     println!("Ctrl-C stops the server.");
 }

@@ -8,6 +8,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::process::ExitCode;
 
 use tokio::net::TcpListener;
+use tollway_tower::config::LimitsFile;
 use tollway_tower::{
     Algorithm, ApiKey, BoxStore, ConfigError, Fallback, MemoryStore, Or, PeerIp, Policy, Quota,
     RedisStore,
@@ -15,6 +16,7 @@ use tollway_tower::{
 use tracing_subscriber::EnvFilter;
 
 pub mod axum_app;
+pub mod guard;
 pub mod lab;
 
 /// The demo API keys and the tier each belongs to.
@@ -96,16 +98,54 @@ pub async fn redis_store(url: &str) -> Result<RedisStore, String> {
 /// The store `REDIS_URL` names (limits shared by every server using it), else the
 /// memory store (this process only), as one type for the layer: a [`BoxStore`].
 pub async fn store_from_env() -> Result<BoxStore, String> {
-    match std::env::var("REDIS_URL") {
-        Ok(url) => {
-            let store = redis_store(&url).await?;
-            println!("store: Redis at {url} (limits shared by every server using it)");
-            Ok(BoxStore::new(store))
+    let url = std::env::var("REDIS_URL").ok();
+    Ok(store_for(None, url.as_deref()).await?.0)
+}
+
+/// The store a server uses: the limits file's `[store]` section when it has one, else
+/// the Redis at `redis_url`, else the memory store (this process only); and whether it
+/// is the demo's own memory store (neither a file's store nor Redis). A file naming a store and a `REDIS_URL` both is refused: one
+/// of them would be ignored, and gateways that meant to share limits would not.
+///
+/// # Errors
+///
+/// When both name a store, or the store cannot be reached.
+pub async fn store_for(
+    file: Option<&LimitsFile>,
+    redis_url: Option<&str>,
+) -> Result<(BoxStore, bool), String> {
+    match (file.filter(|f| f.has_store()), redis_url) {
+        (Some(file), Some(_)) => Err(format!(
+            "{} has a [store] section and REDIS_URL is set too: remove the section, or unset \
+             REDIS_URL, so that one of them says where the limits are kept",
+            file.name()
+        )),
+        (Some(file), None) => {
+            let store = file.store().await.map_err(|e| e.to_string())?;
+            println!("store: the [store] section of {}", file.name());
+            // Whatever it names, a file that chose a store is no throwaway demo.
+            Ok((store, false))
         }
-        Err(_) => {
+        (None, Some(url)) => {
+            let store = redis_store(url).await?;
+            println!(
+                "store: Redis at {} (limits shared by every server using it)",
+                without_password(url)
+            );
+            Ok((BoxStore::new(store), false))
+        }
+        (None, None) => {
             println!("store: memory (this process only; set REDIS_URL to share limits)");
-            Ok(BoxStore::new(MemoryStore::new()))
+            Ok((BoxStore::new(MemoryStore::new()), true))
         }
+    }
+}
+
+/// `url` without what comes before an `@` (a user name and password).
+fn without_password(url: &str) -> String {
+    match (url.split_once("://"), url.rsplit_once('@')) {
+        (Some((scheme, _)), Some((_, host))) => format!("{scheme}://…@{host}"),
+        _ => url.to_owned(),
     }
 }
 

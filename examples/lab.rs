@@ -7,8 +7,11 @@
 //! boundary burst (a fixed window against the log); `POST /lab/race` runs scenario 2, the
 //! distributed race: two gateways on one store, tollway against a naive read-then-write
 //! limiter.
+//!
+//! The lab runs on a memory store of its own, never the application's: a race makes
+//! fresh keys every time, and on a shared Redis those would crowd out (or, under
+//! `maxmemory`, evict) the keys that limit real callers.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,14 +55,17 @@ pub fn policies() -> Result<Vec<Policy>, ConfigError> {
         .collect()
 }
 
-/// The lab's routes over `store`: the page, an endpoint a algorithm, their states, and
-/// the two scenarios. `naive_redis` is the Redis the race's naive limiter reads and
-/// writes when the store is Redis (`None`: a map in this process).
+/// The lab's routes over `store`, a memory store of the lab's own: the page, an
+/// endpoint an algorithm, their states, and the two scenarios. They answer at
+/// `localhost`, an IP address or one of `hosts` only, refuse writes from other sites,
+/// and send a Content-Security-Policy, `X-Frame-Options` and `nosniff` (see
+/// [`crate::guard`]); the scenarios are limited to 10 runs a minute per address.
 ///
 /// # Errors
 ///
 /// Never: the lab's layers are its own.
-pub fn router(store: BoxStore, naive_redis: Option<redis::Client>) -> Result<Router, ConfigError> {
+pub fn router<C: Clock>(store: MemoryStore<C>, hosts: &[String]) -> Result<Router, ConfigError> {
+    let store = BoxStore::new(store);
     let policies = policies()?;
     let mut lab = Router::new();
     for policy in &policies {
@@ -78,7 +84,6 @@ pub fn router(store: BoxStore, naive_redis: Option<redis::Client>) -> Result<Rou
     let state = Arc::new(Lab {
         store,
         policies,
-        naive_redis,
         race: limit,
         races: AtomicU64::new(0),
         windows: MemoryStore::builder().clock(clock.clone()).build()?,
@@ -86,12 +91,24 @@ pub fn router(store: BoxStore, naive_redis: Option<redis::Client>) -> Result<Rou
         fixed: Policy::new("lab-boundary-fixed", Algorithm::FixedWindow, window)?,
         log: Policy::new("lab-boundary-log", Algorithm::SlidingWindowLog, window)?,
     });
+    let runs = Policy::new("lab-runs", Algorithm::TokenBucket, Quota::per_minute(10)?)?;
+    let runs = RateLimitLayer::builder(MemoryStore::new(), runs)
+        .headers(HeaderStyle::Legacy)
+        .build()?;
+    let scenarios = Router::new()
+        .route("/lab/race", post(race))
+        .route("/lab/boundary", post(boundary))
+        .layer(runs);
+    let guard = crate::guard::Guard::new(hosts, PAGE);
     Ok(lab
         .route("/lab", get(page))
         .route("/lab/state/{algorithm}", get(bucket))
-        .route("/lab/race", post(race))
-        .route("/lab/boundary", post(boundary))
-        .with_state(state))
+        .merge(scenarios)
+        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(
+            guard,
+            crate::guard::guard,
+        )))
 }
 
 /// The boundary scenario's window.
@@ -136,7 +153,6 @@ async fn boundary(State(lab): State<Arc<Lab>>) -> Response {
 struct Lab {
     store: BoxStore,
     policies: Vec<Policy>,
-    naive_redis: Option<redis::Client>,
     /// The race's limit: 10 a minute.
     race: Policy,
     /// Races and boundary runs, so that each starts from a fresh key.
@@ -186,15 +202,8 @@ async fn race(State(lab): State<Arc<Lab>>) -> Response {
         .iter()
         .filter(|d| d.as_ref().is_ok_and(Decisions::is_allowed))
         .count();
-    let naive = match &lab.naive_redis {
-        None => NaiveLimiter::Memory(Mutex::default()),
-        Some(client) => match client.get_multiplexed_async_connection().await {
-            Ok(connection) => NaiveLimiter::Redis(connection),
-            Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
-        },
-    };
-    let naive_key = format!("tollway-lab:naive:{run}:{}", std::process::id());
-    let naive_admitted = join_all((0..RACE_REQUESTS).map(|_| naive.admit(&naive_key, 10)))
+    let naive = NaiveLimiter::default();
+    let naive_admitted = join_all((0..RACE_REQUESTS).map(|_| naive.admit(10)))
         .await
         .into_iter()
         .filter(|&admitted| admitted)
@@ -203,7 +212,7 @@ async fn race(State(lab): State<Arc<Lab>>) -> Response {
         "limit": 10,
         "sent": RACE_REQUESTS,
         "gateways": 2,
-        "naive_store": if lab.naive_redis.is_some() { "redis" } else { "memory" },
+        "naive_store": "memory",
         "tollway_admitted": tollway_admitted,
         "naive_admitted": naive_admitted,
     });
@@ -215,50 +224,22 @@ async fn race(State(lab): State<Arc<Lab>>) -> Response {
 }
 
 /// The limiter the race shows the flaw of: it reads a count, and writes the count plus
-/// one in a second step, a round trip later — a GET then a SET on Redis, or the same on
-/// a map in this process.
-enum NaiveLimiter {
-    Memory(Mutex<HashMap<String, u64>>),
-    Redis(redis::aio::MultiplexedConnection),
+/// one in a second step, a round trip later.
+#[derive(Default)]
+struct NaiveLimiter {
+    count: Mutex<u64>,
 }
 
 impl NaiveLimiter {
-    async fn admit(&self, key: &str, limit: u64) -> bool {
-        match self {
-            NaiveLimiter::Memory(counts) => {
-                let count = counts.lock().get(key).copied().unwrap_or(0);
-                // The round trip between the read and the write, when others run.
-                tokio::task::yield_now().await;
-                if count >= limit {
-                    return false;
-                }
-                counts.lock().insert(key.to_owned(), count + 1);
-                true
-            }
-            NaiveLimiter::Redis(connection) => {
-                let mut connection = connection.clone();
-                let count: Option<u64> = match redis::cmd("GET")
-                    .arg(key)
-                    .query_async(&mut connection)
-                    .await
-                {
-                    Ok(count) => count,
-                    Err(_) => return false,
-                };
-                let count = count.unwrap_or(0);
-                if count >= limit {
-                    return false;
-                }
-                let set: redis::RedisResult<()> = redis::cmd("SET")
-                    .arg(key)
-                    .arg(count + 1)
-                    .arg("EX")
-                    .arg(60)
-                    .query_async(&mut connection)
-                    .await;
-                set.is_ok()
-            }
+    async fn admit(&self, limit: u64) -> bool {
+        let count = *self.count.lock();
+        // The round trip between the read and the write, when others run.
+        tokio::task::yield_now().await;
+        if count >= limit {
+            return false;
         }
+        *self.count.lock() = count + 1;
+        true
     }
 }
 

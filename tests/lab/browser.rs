@@ -13,7 +13,6 @@ use support::stores::{EPOCH_US, memory_store};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tollway_core::ManualClock;
-use tollway_tower::BoxStore;
 
 /// chromedriver on a free loopback port, killed when dropped.
 struct Driver {
@@ -109,7 +108,7 @@ async fn until(browser: &Client, id: &str, wanted: &str, prefix: bool) -> String
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_drives_the_real_limiter() {
     let clock = ManualClock::at_micros(EPOCH_US);
-    let lab = demo::lab::router(BoxStore::new(memory_store(&clock)), None).unwrap();
+    let lab = demo::lab::router(memory_store(&clock), &[]).unwrap();
     let server = Server::start(lab).await;
     let addr: SocketAddr = server.addr();
     let driver = Driver::start().await;

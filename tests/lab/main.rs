@@ -16,7 +16,7 @@ use tollway_core::{Algorithm, ManualClock};
 use tollway_tower::BoxStore;
 
 async fn lab(clock: &ManualClock) -> (Server, Client) {
-    let router = demo::lab::router(BoxStore::new(memory_store(clock)), None).unwrap();
+    let router = demo::lab::router(memory_store(clock), &[]).unwrap();
     let server = Server::start(router).await;
     let client = server.client();
     (server, client)
@@ -117,7 +117,7 @@ async fn the_race_admits_exactly_the_limit_with_tollway_and_more_without() {
 async fn the_boundary_burst_passes_twice_the_limit_in_a_fixed_window_and_the_limit_in_the_log() {
     use tower::ServiceExt;
     let clock = ManualClock::at_micros(EPOCH_US);
-    let router = demo::lab::router(BoxStore::new(memory_store(&clock)), None).unwrap();
+    let router = demo::lab::router(memory_store(&clock), &[]).unwrap();
     let start = tokio::time::Instant::now();
     let request = http::Request::post("/lab/boundary")
         .body(axum::body::Body::empty())
@@ -143,21 +143,129 @@ async fn the_boundary_burst_passes_twice_the_limit_in_a_fixed_window_and_the_lim
     );
 }
 
-/// The race on Redis: tollway on a Redis store shared by the two gateways admits exactly
-/// 10; the naive limiter's GET then SET on the same server admits more.
+/// The lab never touches the application's store: the example on Redis with the lab
+/// mounted, a race, a burst and a look at the lab's state leave not one key in Redis
+/// (the lab used to run on the application's store: each race made fresh keys there,
+/// which under `maxmemory` evicted the real callers' limits). The API still counts in
+/// Redis.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_race_on_redis_admits_the_limit_with_tollway_and_more_without() {
+async fn the_lab_keeps_its_keys_off_the_applications_store() {
     let clock = ManualClock::at_micros(EPOCH_US);
-    let store = BoxStore::new(support::stores::redis_store(&clock).await);
-    let naive = redis::Client::open(support::shared_server().url()).unwrap();
-    let router = demo::lab::router(store, Some(naive)).unwrap();
-    let server = Server::start(router).await;
-    let reply = server
-        .client()
-        .send(http::Method::POST, "/lab/race", &[])
-        .await;
-    let race = state(&reply.body);
-    assert_eq!(race["naive_store"], "redis");
+    let prefix = support::redis::unique_prefix("lab");
+    let store = BoxStore::new(support::stores::redis_store_under(&prefix, &clock).await);
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .build_recorder()
+        .handle();
+    let doors = demo::axum_app::Doors {
+        admin_token: None,
+        lab: true,
+        ..Default::default()
+    };
+    let config = std::path::Path::new(demo::axum_app::DEFAULT_CONFIG);
+    let (app, _limits) = demo::axum_app::app(config, store, metrics, &doors).unwrap();
+    let server = Server::start(app).await;
+    let client = server.client();
+    let redis = redis::Client::open(support::shared_server().url()).unwrap();
+    let mut connection = redis.get_multiplexed_async_connection().await.unwrap();
+    let mut keys = async || -> Vec<String> {
+        redis::cmd("KEYS")
+            .arg(format!("{prefix}*"))
+            .query_async(&mut connection)
+            .await
+            .unwrap()
+    };
+    let race = state(&client.send(http::Method::POST, "/lab/race", &[]).await.body);
     assert_eq!(race["tollway_admitted"], 10);
-    assert!(race["naive_admitted"].as_u64().unwrap() > 10, "{race}");
+    for _ in 0..15 {
+        client.get("/lab/api/token_bucket").await;
+    }
+    assert_eq!(
+        client.get("/lab/state/token_bucket").await.status,
+        StatusCode::OK
+    );
+    assert_eq!(keys().await, Vec::<String>::new());
+    assert_eq!(client.get("/").await.status, StatusCode::OK);
+    assert_eq!(keys().await.len(), 1, "the API's caller, in Redis");
+}
+
+/// The lab and `/metrics` answer at `localhost`, an IP address, or a configured name
+/// only: a page on another name that rebinds its DNS to this server gets 403 (they
+/// used to answer any `Host`). A write sent by another site's page (its `Origin`, or
+/// `Sec-Fetch-Site: cross-site`) is refused; one from the lab's own page passes. Every
+/// answer carries a Content-Security-Policy naming the page's script by digest,
+/// `X-Frame-Options: DENY` and `nosniff` (there were none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lab_answers_its_own_host_and_origin_only_with_security_headers() {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .build_recorder()
+        .handle();
+    let doors = demo::axum_app::Doors {
+        lab: true,
+        hosts: vec!["gateway.example".to_owned()],
+        ..Default::default()
+    };
+    let config = std::path::Path::new(demo::axum_app::DEFAULT_CONFIG);
+    let store = BoxStore::new(memory_store(&clock));
+    let (app, _limits) = demo::axum_app::app(config, store, metrics, &doors).unwrap();
+    let server = Server::start(app).await;
+    let client = server.client();
+    let rebound = [("host", "attacker.example:3000")];
+
+    let page = client.get("/lab").await;
+    assert_eq!(page.status, StatusCode::OK);
+    let csp = page.header("content-security-policy").unwrap();
+    assert!(csp.contains("script-src 'sha256-"), "{csp}");
+    assert!(csp.contains("frame-ancestors 'none'"), "{csp}");
+    assert!(!csp.contains("unsafe-inline"), "{csp}");
+    assert_eq!(page.header("x-frame-options"), Some("DENY"));
+    assert_eq!(page.header("x-content-type-options"), Some("nosniff"));
+    for path in [
+        "/lab",
+        "/lab/state/token_bucket",
+        "/lab/api/gcra",
+        "/metrics",
+    ] {
+        assert_eq!(
+            client.get_with(path, &rebound).await.status,
+            StatusCode::FORBIDDEN,
+            "{path}"
+        );
+        let named = client.get_with(path, &[("host", "gateway.example")]).await;
+        assert_eq!(named.status, StatusCode::OK, "{path}");
+    }
+    assert_eq!(client.get("/metrics").await.status, StatusCode::OK);
+
+    let post = async |headers: &[(&str, &str)]| {
+        client
+            .send(http::Method::POST, "/lab/race", headers)
+            .await
+            .status
+    };
+    assert_eq!(
+        post(&[("origin", "http://attacker.example")]).await,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(post(&[("origin", "null")]).await, StatusCode::FORBIDDEN);
+    assert_eq!(
+        post(&[("sec-fetch-site", "cross-site")]).await,
+        StatusCode::FORBIDDEN
+    );
+    let own = format!("http://{}", server.addr());
+    assert_eq!(post(&[("origin", &own)]).await, StatusCode::OK);
+    assert_eq!(post(&[]).await, StatusCode::OK);
+}
+
+/// The lab's scenarios are limited: 10 runs a minute per address, then 429 (each race
+/// is 30 store calls and a boundary run holds its request for up to 5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_labs_scenarios_are_limited_per_address() {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let (_server, client) = lab(&clock).await;
+    for _ in 0..10 {
+        let reply = client.send(http::Method::POST, "/lab/race", &[]).await;
+        assert_eq!(reply.status, StatusCode::OK);
+    }
+    let refused = client.send(http::Method::POST, "/lab/race", &[]).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
 }

@@ -75,7 +75,11 @@ async fn the_example_counts_every_decision_in_its_metrics() {
         std::path::Path::new(demo::axum_app::DEFAULT_CONFIG),
         store,
         metrics,
-        "test-admin",
+        &demo::axum_app::Doors {
+            admin_token: Some("test-admin".to_owned()),
+            lab: false,
+            ..Default::default()
+        },
     )
     .unwrap();
     let server = Server::start(app).await;
@@ -119,6 +123,8 @@ async fn the_example_counts_every_decision_in_its_metrics() {
     assert_eq!(
         grown(&before, &after),
         BTreeMap::from([
+            // The three admin requests, through the admin API's own limit.
+            (r#"{policy="admin",outcome="allowed"}"#.to_owned(), 3),
             (r#"{policy="anonymous",outcome="allowed"}"#.to_owned(), 20),
             (
                 r#"{policy="anonymous",outcome="shadow_limited"}"#.to_owned(),
@@ -142,7 +148,11 @@ async fn the_example_counts_every_decision_in_its_metrics() {
         std::path::Path::new(demo::axum_app::DEFAULT_CONFIG),
         redis,
         metrics,
-        "test-admin",
+        &demo::axum_app::Doors {
+            admin_token: Some("test-admin".to_owned()),
+            lab: false,
+            ..Default::default()
+        },
     )
     .unwrap();
     let on_redis = Server::start(app).await;

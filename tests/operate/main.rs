@@ -31,7 +31,11 @@ async fn example<St: Store + Clone>(store: St) -> (Server, Client) {
         std::path::Path::new(demo::axum_app::DEFAULT_CONFIG),
         BoxStore::new(store),
         metrics,
-        "test-admin",
+        &demo::axum_app::Doors {
+            admin_token: Some("test-admin".to_owned()),
+            lab: false,
+            ..Default::default()
+        },
     )
     .unwrap();
     let server = Server::start(app).await;
@@ -247,4 +251,102 @@ async fn allowed_callers_are_never_limited_and_denied_ones_are_forbidden() {
     .build()
     .unwrap_err();
     assert!(err.to_string().contains("not a network"), "{err}");
+}
+
+/// The admin API's doors: without a token the admin routes do not exist (the example
+/// used to mount them with the token `demo-admin-token`); with one, an address gets 30
+/// admin requests a minute, right or wrong, so the token cannot be guessed at
+/// thousands a second (it used to be unlimited); and `/metrics` stays unlimited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_needs_a_token_of_your_own_and_is_limited() {
+    let clock = ManualClock::at_micros(support::stores::EPOCH_US);
+    let app = |admin_token: Option<&str>| {
+        let metrics = PrometheusBuilder::new().build_recorder().handle();
+        let doors = demo::axum_app::Doors {
+            admin_token: admin_token.map(str::to_owned),
+            lab: false,
+            ..Default::default()
+        };
+        let config = std::path::Path::new(demo::axum_app::DEFAULT_CONFIG);
+        let store = BoxStore::new(support::stores::memory_store(&clock));
+        demo::axum_app::app(config, store, metrics, &doors)
+            .unwrap()
+            .0
+    };
+    let path = "/admin/limits/anonymous/ip:127.0.0.1";
+
+    let closed = Server::start(app(None)).await;
+    let client = closed.client();
+    for token in ["demo-admin-token", "test-admin", ""] {
+        let bearer = format!("Bearer {token}");
+        let reply = client.get_with(path, &[("authorization", &bearer)]).await;
+        assert_eq!(reply.status, StatusCode::NOT_FOUND, "{token:?}");
+    }
+    let reload = client.send(Method::POST, "/admin/reload", &[ADMIN]).await;
+    assert_eq!(reload.status, StatusCode::NOT_FOUND);
+
+    let open = Server::start(app(Some("test-admin"))).await;
+    let client = open.client();
+    let guess = [("authorization", "Bearer guess")];
+    for _ in 0..demo::axum_app::ADMIN_PER_MINUTE - 1 {
+        assert_eq!(
+            client.get_with(path, &guess).await.status,
+            StatusCode::FORBIDDEN
+        );
+    }
+    assert_eq!(client.get_with(path, &[ADMIN]).await.status, StatusCode::OK);
+    // The budget is spent: even the right token waits now.
+    let limited = client.get_with(path, &[ADMIN]).await;
+    assert_eq!(limited.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(limited.header("retry-after").is_some());
+    for _ in 0..40 {
+        assert_eq!(client.get("/metrics").await.status, StatusCode::OK);
+    }
+}
+
+/// The example uses the store its limits file names: two gateways on a file whose
+/// `[store]` section names one Redis share its 20 a minute (each used to build a memory
+/// store of its own and admit 20: 40 in all). A file naming a store and a `REDIS_URL`
+/// both is refused, saying what to remove.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_on_a_file_naming_redis_share_its_limits() {
+    let example = std::fs::read_to_string(demo::axum_app::DEFAULT_CONFIG).unwrap();
+    let prefix = support::redis::unique_prefix("store-section");
+    let url = support::shared_server().url();
+    let text =
+        format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\nprefix = \"{prefix}\"\n\n{example}");
+    let dir = std::env::temp_dir().join(format!("tollway-{prefix}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tollway.toml");
+    std::fs::write(&path, text).unwrap();
+    let file = tollway_tower::config::LimitsFile::read(&path).unwrap();
+
+    let mut admitted = 0;
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let (store, demo_memory) = demo::store_for(Some(&file), None).await.unwrap();
+        assert!(!demo_memory);
+        let metrics = PrometheusBuilder::new().build_recorder().handle();
+        let doors = demo::axum_app::Doors::default();
+        let (app, _limits) = demo::axum_app::app(&path, store, metrics, &doors).unwrap();
+        servers.push(Server::start(app).await);
+    }
+    for server in &servers {
+        let client = server.client();
+        for _ in 0..25 {
+            if client.get("/").await.status == StatusCode::OK {
+                admitted += 1;
+            }
+        }
+    }
+    assert_eq!(admitted, 20);
+
+    let both = demo::store_for(Some(&file), Some(&url)).await;
+    let err = both.err().unwrap();
+    assert!(
+        err.contains("[store]") && err.contains("REDIS_URL"),
+        "{err}"
+    );
+    assert!(!err.contains(&url), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

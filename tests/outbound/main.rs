@@ -590,6 +590,123 @@ async fn a_refused_request_goes_once_more_when_it_may_and_the_pause_fits() {
     assert_eq!(answer, (StatusCode::TOO_MANY_REQUESTS, 1));
 }
 
+/// Accounts share an upstream, each with its own quota there: the first request of
+/// `Authorization: Bearer a` is refused (`Retry-After: 2`), every other is served. The
+/// upstream records when (tokio time) each request reached it, and whose it was.
+async fn refusing_account_a() -> (
+    Server,
+    Arc<std::sync::Mutex<Vec<(String, tokio::time::Instant)>>>,
+) {
+    use axum::response::IntoResponse;
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&arrivals);
+    let app = axum::Router::new().route(
+        "/",
+        axum::routing::any(move |headers: http::HeaderMap| {
+            let seen = Arc::clone(&seen);
+            async move {
+                let who = headers
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                let mut seen = seen.lock().unwrap();
+                let first_of_a = who == "Bearer a" && !seen.iter().any(|(w, _)| *w == who);
+                seen.push((who, tokio::time::Instant::now()));
+                if first_of_a {
+                    return (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "2")]).into_response();
+                }
+                StatusCode::OK.into_response()
+            }
+        }),
+    );
+    (Server::start(app).await, arrivals)
+}
+
+/// One account's 429 pauses that account, not every account of the upstream: the
+/// default pause key is the upstream and a digest of the request's `Authorization`.
+/// Account `a` is refused (`Retry-After: 2`); `b`, right after, goes at once, and `a`'s
+/// next request waits the 2 s out. (The pause used to be keyed by the upstream alone:
+/// `b` waited 2 s for `a`'s quota.)
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn one_accounts_429_pauses_that_account_and_no_other() {
+    let (server, arrivals) = refusing_account_a().await;
+    let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
+    let mut client = OutboundLayer::builder(paused_store(), policy)
+        .replay(NoReplay)
+        .jitter(0.0)
+        .build()
+        .unwrap()
+        .layer(http_client());
+    let as_account = |who: &str| {
+        Request::get(format!("http://{}/", server.addr()))
+            .header("authorization", format!("Bearer {who}"))
+            .body(Empty::<Bytes>::new())
+            .unwrap()
+    };
+    let mut status = async |who: &str| {
+        let response = client.ready().await.unwrap().call(as_account(who)).await;
+        response.unwrap().status()
+    };
+    assert_eq!(status("a").await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(status("b").await, StatusCode::OK);
+    assert_eq!(status("a").await, StatusCode::OK);
+    let arrivals = arrivals.lock().unwrap().clone();
+    let whose: Vec<&str> = arrivals.iter().map(|(who, _)| who.as_str()).collect();
+    assert_eq!(whose, ["Bearer a", "Bearer b", "Bearer a"]);
+    let refused_at = arrivals[0].1;
+    assert!(
+        arrivals[1].1 - refused_at < Duration::from_millis(100),
+        "b waited {:?}",
+        arrivals[1].1 - refused_at
+    );
+    assert!(
+        arrivals[2].1 - refused_at >= Duration::from_secs(2),
+        "a waited {:?}",
+        arrivals[2].1 - refused_at
+    );
+}
+
+/// One 429 is one pause. The upstream refuses a `GET` and its copy (`Retry-After: 2`):
+/// the first refusal pauses the key for 2 s, the copy waits that out and is refused too,
+/// and the caller gets the 429 — without a second pause. So another client's request,
+/// right after, goes at once. (It used to wait 2 s more: the copy's refusal paused
+/// everyone again, two pauses for the one 429 the caller saw.)
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refused_copy_pauses_nobody_a_second_time() {
+    let (server, arrivals) = refusing_first(2, "2").await;
+    let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(1_000).unwrap()).unwrap();
+    let store = paused_store();
+    let layer = || {
+        OutboundLayer::builder(store.clone(), policy.clone())
+            .jitter(0.0)
+            .build()
+            .unwrap()
+            .layer(http_client())
+    };
+    let (mut first, mut second) = (layer(), layer());
+    assert_eq!(
+        send(&mut first, &server).await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send(&mut second, &server).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(
+        arrivals.len(),
+        3,
+        "the request, its copy, the other client's"
+    );
+    assert_eq!(arrivals[1] - arrivals[0], Duration::from_secs(2));
+    assert!(
+        arrivals[2] - arrivals[1] < Duration::from_millis(100),
+        "the other client waited {:?} after the copy's refusal",
+        arrivals[2] - arrivals[1]
+    );
+}
+
 /// `request` through `client` to an upstream recording its `arrivals`: the status the
 /// caller got, and how many times the request reached the upstream.
 async fn outcome<S, B>(

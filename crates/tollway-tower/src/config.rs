@@ -302,6 +302,13 @@ impl LimitsFile {
         &self.name
     }
 
+    /// Whether the file has a `[store]` section (without one, [`store`](Self::store) is
+    /// a memory store).
+    #[must_use]
+    pub fn has_store(&self) -> bool {
+        self.file.store.is_some()
+    }
+
     /// The store the file describes: a memory store with its bound, or a Redis store
     /// (standalone at `url`, or a cluster of `nodes`) with its settings, connected.
     ///

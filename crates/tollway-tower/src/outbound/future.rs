@@ -14,7 +14,7 @@ use smallvec::SmallVec;
 use tollway_core::{Checked, Decisions, Denial, Operation, Policy, Store, StoreError};
 use tower_service::Service;
 
-use super::layer::{OutboundError, Shared};
+use super::layer::{Keys, OutboundError, Shared};
 use super::{Replay, pause_of};
 
 type BoxError = Box<dyn Error + Send + Sync>;
@@ -38,7 +38,7 @@ pin_project! {
         state: State<S::Future, St::Future, S::Response>,
         inner: S,
         shared: Arc<Shared<St, R>>,
-        key: Option<String>,
+        keys: Keys,
         cost: u32,
         request: Option<Request<B>>,
         // The copy to send if the upstream refuses the request (made before it is sent).
@@ -76,7 +76,7 @@ where
     pub(super) fn new(
         inner: S,
         shared: Arc<Shared<St, R>>,
-        key: Option<String>,
+        keys: Keys,
         cost: u32,
         request: Request<B>,
     ) -> Self {
@@ -84,7 +84,7 @@ where
             state: State::Start,
             inner,
             shared,
-            key,
+            keys,
             cost,
             request: Some(request),
             spare: None,
@@ -101,7 +101,7 @@ where
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture")
-            .field("key", &self.key)
+            .field("keys", &self.keys)
             .field("cost", &self.cost)
             .field("waited", &self.waited)
             .finish_non_exhaustive()
@@ -177,23 +177,30 @@ where
     ) -> Poll<Result<Step<S::Future, St::Future, S::Response>, BoxError>> {
         let this = self;
         let next = match this.state.as_mut().project() {
-            StateProj::Start => match (this.key.as_deref(), &this.shared.pause) {
-                // No key: not limited.
-                (None, _) => State::Ready,
-                (Some(key), Some(pause)) => {
-                    let whole = Operation::Peek(capacity(pause));
-                    match this.shared.store.operate(key.as_bytes(), &[pause], whole) {
-                        Checked::Ready(answer) => {
-                            unpaused(answer, this.shared, key, *this.cost, this.waited)?
+            StateProj::Start => {
+                let keys = (this.keys.limits.as_deref(), this.keys.pause());
+                match (keys, &this.shared.pause) {
+                    // No key: not limited.
+                    ((None, _), _) => State::Ready,
+                    ((Some(key), Some(pause_key)), Some(pause)) => {
+                        let whole = Operation::Peek(capacity(pause));
+                        match this
+                            .shared
+                            .store
+                            .operate(pause_key.as_bytes(), &[pause], whole)
+                        {
+                            Checked::Ready(answer) => {
+                                unpaused(answer, this.shared, key, *this.cost, this.waited)?
+                            }
+                            Checked::Pending(check) => State::Pausing { check },
                         }
-                        Checked::Pending(check) => State::Pausing { check },
                     }
+                    ((Some(key), _), _) => limits(this.shared, key, *this.cost, this.waited)?,
                 }
-                (Some(key), None) => limits(this.shared, key, *this.cost, this.waited)?,
-            },
+            }
             StateProj::Pausing { check } => {
                 let answer = ready!(check.poll(cx));
-                let key = this.key.as_deref().unwrap_or_default();
+                let key = this.keys.limits.as_deref().unwrap_or_default();
                 unpaused(answer, this.shared, key, *this.cost, this.waited)?
             }
             StateProj::Checking { check } => {
@@ -217,7 +224,7 @@ where
                 // The first time only, and only if a refusal would pause (and so be
                 // waited out before the copy goes) and the request may wait at all.
                 if this.refused.is_none()
-                    && this.key.is_some()
+                    && this.keys.pause().is_some()
                     && this.shared.pause.is_some()
                     && !this.shared.max_wait.is_zero()
                 {
@@ -229,15 +236,21 @@ where
             }
             StateProj::Calling { call } => {
                 let mut response = ready!(call.poll(cx)).map_err(Into::into)?;
-                let Some(key) = this.key.as_deref() else {
+                let Some(key) = this.keys.limits.as_deref() else {
                     return Poll::Ready(Ok(Step::Answer(response)));
                 };
-                let (work, pause) = told(this.shared, key, *this.cost, &response);
+                // One 429, one pause: a copy's refusal pauses nobody again (its first
+                // refusal did, and the copy waited that out), nor does a refusal an
+                // outbound layer inside this one handed on (it paused, or had paused).
+                let handled = response.extensions().get::<Handled>().is_some();
+                let pause_key = (this.refused.is_none() && !handled)
+                    .then(|| this.keys.pause())
+                    .flatten();
+                let (work, pause) = told(this.shared, key, pause_key, *this.cost, &response);
                 // Again if the upstream refused it, a copy was made, the pause ends
                 // within what is left of the wait, and no outbound layer inside this one
                 // handed the refusal on already (stacked layers would multiply the sends).
                 let left = this.shared.max_wait.saturating_sub(*this.waited);
-                let handled = response.extensions().get::<Handled>().is_some();
                 let again =
                     !handled && this.spare.is_some() && pause.is_some_and(|pause| pause <= left);
                 if pause.is_some() && !again {
@@ -374,12 +387,15 @@ fn after<F, C, R, St, P>(
     })
 }
 
-/// What the response tells the store, if anything: a pause for every worker sharing the
-/// key, when it is a refusal (see [`pause_of`]); the difference between the real cost
-/// and the estimate charged, when the layer settles costs. With the pause, if any.
+/// What the response tells the store, if anything: a pause for every worker sharing
+/// `pause_key` (none without one), when it is a refusal (see [`pause_of`]); the
+/// difference between the real cost and the estimate charged to `key`, when the layer
+/// settles costs. With the pause the refusal asks for, if the layer pauses, recorded or
+/// not.
 fn told<St: Store, R: Send + Sync + 'static, RB>(
     shared: &Arc<Shared<St, R>>,
     key: &str,
+    pause_key: Option<&str>,
     cost: u32,
     response: &Response<RB>,
 ) -> (Option<Work>, Option<Duration>) {
@@ -388,25 +404,26 @@ fn told<St: Store, R: Send + Sync + 'static, RB>(
         let longest = Duration::from_millis(u64::from(capacity(policy)));
         pause_of(status, headers, longest).map(|pause| (policy.clone(), pause))
     });
+    let paused = pause.as_ref().map(|&(_, pause)| pause);
+    let record = pause.zip(pause_key.map(str::to_owned));
     let used = shared
         .settle
         .as_ref()
         .and_then(|settle| settle(&status, headers))
         .filter(|&used| used != cost);
-    if pause.is_none() && used.is_none() {
-        return (None, None);
+    if record.is_none() && used.is_none() {
+        return (None, paused);
     }
-    let paused = pause.as_ref().map(|&(_, pause)| pause);
     let (shared, key) = (Arc::clone(shared), key.to_owned());
     let work: Work = Box::pin(async move {
         let store = &shared.store;
-        if let Some((policy, pause)) = pause {
+        if let Some(((policy, pause), pause_key)) = record {
             // At most `capacity − pause` left: the capacity is whole again `pause` from
             // now. One operation, so that 429s racing each other do not add up, and a
             // longer pause already running stands.
             let ms = u32::try_from(pause.as_micros().div_ceil(1_000)).unwrap_or(u32::MAX);
             let drain = Operation::Drain(capacity(&policy).saturating_sub(ms));
-            if let Err(e) = store.operate(key.as_bytes(), &[&policy], drain).await {
+            if let Err(e) = store.operate(pause_key.as_bytes(), &[&policy], drain).await {
                 tracing::warn!(error = %e, "outbound: the store failed to record a pause");
             }
         }

@@ -27,6 +27,8 @@ pub(super) struct Shared<St, R> {
     pub(super) store: St,
     pub(super) policies: Vec<Policy>,
     key: Box<KeyFn>,
+    /// Whose pause a 429 starts and a request waits out; `None`: the limits' key.
+    pause_key: Option<Box<KeyFn>>,
     cost: Option<Box<CostFn>>,
     pub(super) max_wait: Duration,
     jitter: f64,
@@ -74,7 +76,8 @@ impl<St, R> fmt::Debug for OutboundLayer<St, R> {
 }
 
 impl<St: Store> OutboundLayer<St> {
-    /// A builder limiting requests by `policy` in `store`, keyed per upstream.
+    /// A builder limiting requests by `policy` in `store`, keyed per upstream, and
+    /// pausing per upstream and account (see [`pause_key`](OutboundLayerBuilder::pause_key)).
     pub fn builder(store: St, policy: Policy) -> OutboundLayerBuilder<St> {
         OutboundLayerBuilder {
             settings: Settings {
@@ -83,6 +86,9 @@ impl<St: Store> OutboundLayer<St> {
                 key: Box::new(|_, uri, _| {
                     Some(uri.authority().map_or("", |a| a.as_str()).to_owned())
                 }),
+                pause_key: Some(Box::new(|_, uri, headers| {
+                    Some(super::pause::account_key(uri, headers))
+                })),
                 cost: None,
                 max_wait: Duration::from_secs(30),
                 jitter: 0.1,
@@ -117,6 +123,7 @@ struct Settings<St> {
     store: St,
     policies: Vec<Policy>,
     key: Box<KeyFn>,
+    pause_key: Option<Box<KeyFn>>,
     cost: Option<Box<CostFn>>,
     max_wait: Duration,
     jitter: f64,
@@ -146,12 +153,30 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
     /// Whose budget a request draws on, from its method, URI and headers (default: the
     /// URI's authority, `api.example.com`, so every upstream has its own). Return the
     /// account or API key as well to keep one budget per account; `None` sends the
-    /// request unlimited.
+    /// request unlimited. An upstream's 429 then pauses the requests of this key (unless
+    /// [`pause_key`](Self::pause_key) says otherwise).
     pub fn key(
         mut self,
         key: impl Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
         self.settings.key = Box::new(key);
+        self.settings.pause_key = None;
+        self
+    }
+
+    /// Whose requests an upstream's 429 pauses, from the refused request's method, URI
+    /// and headers; the requests a pause holds are those with the same pause key. The
+    /// default is the upstream and the account the request names: the URI's authority,
+    /// and a digest of the first of [`ACCOUNT_HEADERS`](super::ACCOUNT_HEADERS) it
+    /// carries (`Authorization`, `X-API-Key`, `Api-Key`). So one account's 429 does not
+    /// pause the others, and the credentials never reach the store. A request naming no
+    /// account is paused per upstream. After [`key`](Self::key), the default is that key.
+    /// `None`: the request is never paused.
+    pub fn pause_key(
+        mut self,
+        key: impl Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.settings.pause_key = Some(Box::new(key));
         self
     }
 
@@ -244,6 +269,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
             store,
             policies,
             key,
+            pause_key,
             cost,
             max_wait,
             jitter,
@@ -255,6 +281,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
                 store,
                 policies,
                 key,
+                pause_key,
                 cost,
                 max_wait,
                 jitter,
@@ -312,11 +339,49 @@ where
         let shared = &self.shared;
         let (method, uri, headers) = (request.method(), request.uri(), request.headers());
         let key = (shared.key)(method, uri, headers);
+        // Only a layer that pauses needs it; `None` in the pause key: the limits' key.
+        let pause_key = match (&shared.pause, &shared.pause_key) {
+            (Some(_), Some(pause_key)) => PauseKey::Own(pause_key(method, uri, headers)),
+            (Some(_), None) => PauseKey::Limits,
+            (None, _) => PauseKey::Own(None),
+        };
         let cost = shared
             .cost
             .as_ref()
             .map_or(1, |cost| cost(method, uri, headers));
-        ResponseFuture::new(self.inner.clone(), Arc::clone(shared), key, cost, request)
+        let keys = Keys {
+            limits: key,
+            pause: pause_key,
+        };
+        ResponseFuture::new(self.inner.clone(), Arc::clone(shared), keys, cost, request)
+    }
+}
+
+/// A request's keys: whose budget it draws on, and whose pause it waits out and starts.
+#[derive(Debug)]
+pub(super) struct Keys {
+    /// `None`: not limited (nor paused).
+    pub(super) limits: Option<String>,
+    pub(super) pause: PauseKey,
+}
+
+/// Whose pause a request waits out and starts.
+#[derive(Debug)]
+pub(super) enum PauseKey {
+    /// The limits' key (no second string to make).
+    Limits,
+    /// A key of its own; `None`: never paused.
+    Own(Option<String>),
+}
+
+impl Keys {
+    /// The pause key, if the request is limited and paused.
+    pub(super) fn pause(&self) -> Option<&str> {
+        self.limits.as_ref()?;
+        match &self.pause {
+            PauseKey::Limits => self.limits.as_deref(),
+            PauseKey::Own(key) => key.as_deref(),
+        }
     }
 }
 

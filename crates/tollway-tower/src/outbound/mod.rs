@@ -19,13 +19,17 @@
 //! admission, so a waiting request holds none of its capacity either.
 //!
 //! **Listen to the upstream.** A response that is a 429 (or a gRPC `RESOURCE_EXHAUSTED`)
-//! pauses every worker sharing its key, through the store, for what its `Retry-After`
-//! says, by the rule of [`pause_of`], and never longer than
-//! [`max_pause`](OutboundLayerBuilder::max_pause) (default 60 s). The refused request is
-//! then sent once more, after the pause, if it is idempotent (`GET`, `PUT`, `DELETE`…;
-//! or whatever [`replay`](OutboundLayerBuilder::replay) allows) and the pause ends within
-//! what is left of its `max_wait`; otherwise, or if it cannot go in time, the caller gets
-//! the upstream's 429 as it came.
+//! pauses every worker sharing its pause key, through the store, for what its
+//! `Retry-After` says, by the rule of [`pause_of`], and never longer than
+//! [`max_pause`](OutboundLayerBuilder::max_pause) (default 60 s). The pause key is the
+//! upstream and the account the request names (a digest of its `Authorization`,
+//! `X-API-Key` or `Api-Key`), so one account's 429 pauses that account only; see
+//! [`pause_key`](OutboundLayerBuilder::pause_key). The refused request is then sent once
+//! more, after the pause, if it is idempotent (`GET`, `PUT`, `DELETE`…; or whatever
+//! [`replay`](OutboundLayerBuilder::replay) allows) and the pause ends within what is
+//! left of its `max_wait`; otherwise, or if it cannot go in time, the caller gets the
+//! upstream's 429 as it came. One 429 is one pause: a copy the upstream refuses again
+//! is answered as it came and pauses nobody a second time.
 //!
 //! **Costs the response decides.** With [`settle`](OutboundLayerBuilder::settle), a
 //! request is charged its estimated [`cost`](OutboundLayerBuilder::cost) up front, and
@@ -146,5 +150,5 @@ mod replay;
 
 pub use future::ResponseFuture;
 pub use layer::{Outbound, OutboundError, OutboundLayer, OutboundLayerBuilder};
-pub use pause::{DEFAULT_PAUSE, pause_of};
+pub use pause::{ACCOUNT_HEADERS, DEFAULT_PAUSE, pause_of};
 pub use replay::{Idempotent, NoReplay, Replay};
