@@ -2,10 +2,10 @@
 
 use std::collections::HashMap;
 
+use axum::http::StatusCode;
 use support::http::{Hits, serve};
 use support::stores::{EPOCH_US, memory_store, per_minute};
 use tollway_core::ManualClock;
-use axum::http::StatusCode;
 use tollway_tower::config::LimitsFile;
 use tollway_tower::{
     ApiKey, ClientIp, Fallback, ForwardedHeader, Key, KeyExtractor, PeerIp, RateLimitLayer,
@@ -215,7 +215,12 @@ async fn an_address_on_the_deny_list_is_refused_whatever_api_key_it_sends() {
     let issued = HashMap::from([("demo-pro-key".to_owned(), "pro".to_owned())]);
     let clock = ManualClock::at_micros(EPOCH_US);
     let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("attacked", 20))
-        .key(ApiKey::header("x-api-key").unwrap().known(issued).or(PeerIp::new()))
+        .key(
+            ApiKey::header("x-api-key")
+                .unwrap()
+                .known(issued)
+                .or(PeerIp::new()),
+        )
         .deny_key(Key::new("ip", "127.0.0.1"))
         .build()
         .unwrap();

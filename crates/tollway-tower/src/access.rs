@@ -141,7 +141,10 @@ mod tests {
         let none = |_: &Request<()>| -> Option<Key> { None };
         let ours = from("10.1.2.3");
         assert_eq!(lists.find(&none, None, &ours), Some(Listed::Allowed));
-        assert_eq!(lists.find(&none, None, &from("10.6.6.6")), Some(Listed::Denied));
+        assert_eq!(
+            lists.find(&none, None, &from("10.6.6.6")),
+            Some(Listed::Denied)
+        );
         assert_eq!(lists.find(&none, None, &from("203.0.113.9")), None);
         let partner = Key::new("key", "partner");
         assert_eq!(
@@ -174,7 +177,10 @@ mod tests {
             Some(Listed::Denied)
         );
         let other = from("203.0.113.10");
-        assert_eq!(lists.find(&chain, chain.extract(&other).as_ref(), &other), None);
+        assert_eq!(
+            lists.find(&chain, chain.extract(&other).as_ref(), &other),
+            None
+        );
     }
 
     #[test]
