@@ -534,8 +534,10 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// # Errors
     ///
     /// When a route pattern or a listed network is malformed, two of the layer's
-    /// policies share a name (the name keeps their state apart in the store), or a
-    /// policy put in shadow mode or charged after responses is not one of the layer's.
+    /// policies share a name (the name keeps their state apart in the store), a
+    /// policy put in shadow mode or charged after responses is not one of the layer's,
+    /// or the store cannot decide one of the policies ([`Store::supports`]: a
+    /// `SplitStore` decides only the policies declared to it).
     pub fn build(mut self) -> Result<RateLimitLayer<St, K>, ConfigError> {
         if !self.errors.is_empty() {
             return Err(self.errors.swap_remove(0));
@@ -549,6 +551,9 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                     policy.name()
                 )));
             }
+        }
+        for policy in &self.policies {
+            self.store.supports(policy)?;
         }
         let limits = Limits::new(self.policies, self.tier_names, self.tiers, self.routes);
         let mut in_shadow = vec![false; limits.policies().len()];
