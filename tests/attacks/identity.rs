@@ -2,11 +2,13 @@
 
 use std::collections::HashMap;
 
+use axum::http::StatusCode;
 use support::http::{Hits, serve};
 use support::stores::{EPOCH_US, memory_store, per_minute};
 use tollway_core::ManualClock;
+use tollway_tower::config::LimitsFile;
 use tollway_tower::{
-    ApiKey, ClientIp, Fallback, ForwardedHeader, KeyExtractor, PeerIp, RateLimitLayer,
+    ApiKey, ClientIp, Fallback, ForwardedHeader, Key, KeyExtractor, PeerIp, RateLimitLayer,
 };
 
 use super::admitted;
@@ -202,6 +204,77 @@ async fn an_ipv4_mapped_trusted_network_trusts_the_ipv4_proxy() {
         }
     }
     assert_eq!(admitted(&replies), 15, "three clients, five each");
+}
+
+/// Issue 34: `deny_keys = ["ip:<addr>"]` was skipped whenever the caller also sent a
+/// known API key (5 of 5 served), since the list was matched against the one key the
+/// chain limited by. Now every key the chain knows the caller by is matched: the API
+/// key and the address, through the builder and through a limits file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_on_the_deny_list_is_refused_whatever_api_key_it_sends() {
+    let issued = HashMap::from([("demo-pro-key".to_owned(), "pro".to_owned())]);
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("attacked", 20))
+        .key(
+            ApiKey::header("x-api-key")
+                .unwrap()
+                .known(issued)
+                .or(PeerIp::new()),
+        )
+        .deny_key(Key::new("ip", "127.0.0.1"))
+        .build()
+        .unwrap();
+    let hits = Hits::default();
+    let server = serve(layer, &hits).await;
+    let client = server.client();
+    for api_key in [None, Some("demo-pro-key"), Some("made-up")] {
+        let headers: Vec<_> = api_key.map(|k| ("x-api-key", k)).into_iter().collect();
+        for _ in 0..5 {
+            let reply = client.get_with("/", &headers).await;
+            assert_eq!(reply.status, StatusCode::FORBIDDEN, "{api_key:?}");
+        }
+    }
+    assert_eq!(hits.get(), 0);
+
+    // The same through a limits file, keyed as the axum example keys: known API keys,
+    // else the peer.
+    let file = LimitsFile::parse(
+        "limits.toml",
+        r#"
+[layer]
+default = "anonymous"
+
+[key]
+api_key = { header = "x-api-key", only_known = true }
+
+[policies.anonymous]
+algorithm = "gcra"
+limit = 20
+period = "1m"
+
+[policies.pro]
+algorithm = "gcra"
+limit = 1000
+period = "1m"
+
+[tiers]
+"demo-pro-key" = "pro"
+
+[lists]
+deny_keys = ["ip:127.0.0.1"]
+"#,
+    )
+    .unwrap();
+    let layer = file
+        .layer(memory_store(&clock), file.key().unwrap())
+        .unwrap();
+    let server = serve(layer, &hits).await;
+    let client = server.client();
+    for _ in 0..5 {
+        let reply = client.get_with("/", &[("x-api-key", "demo-pro-key")]).await;
+        assert_eq!(reply.status, StatusCode::FORBIDDEN);
+    }
+    assert_eq!(hits.get(), 0);
 }
 
 /// Serves `routes` behind a layer over a memory store: `per_minute` (`limit`) keyed by

@@ -43,6 +43,10 @@ impl<St: Store> Store for Deferred<St> {
         let answer = self.0.operate(key, policies, op);
         Checked::Pending(Box::pin(answer.into_future()))
     }
+
+    fn supports(&self, policy: &Policy) -> Result<(), tollway_core::ConfigError> {
+        self.0.supports(policy)
+    }
 }
 
 /// Lets every spawned task run until it waits on the (paused) clock.

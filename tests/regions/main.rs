@@ -498,3 +498,46 @@ async fn split_a_partition_never_over_admits_and_each_side_keeps_deciding() {
     let (_, per_window) = split("a 70 s partition", &both, Some((2, 30, 100))).await;
     assert_eq!(per_window, [vec![50, 0, 33], vec![50, 0, 50]]);
 }
+
+/// Issue 34: a layer over a split store built without one of its policies answered every
+/// request of that policy with a store error, which the default `OnStoreError::Allow`
+/// let through unlimited. The layer refuses to build now, naming the policy.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_layer_over_a_split_store_refuses_a_policy_the_store_was_not_told_about() {
+    let clock = TokioClock::new();
+    let local = tollway_core::MemoryStore::builder()
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let peer = tollway_core::MemoryStore::builder()
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let declared = hundred_a_minute();
+    let split = SplitStore::builder("eu", local, clock)
+        .policy(&declared)
+        .peer("us", peer)
+        .build()
+        .await
+        .unwrap();
+    let undeclared = Policy::new(
+        "checkout",
+        Algorithm::FixedWindow,
+        Quota::per_minute(5).unwrap(),
+    )
+    .unwrap();
+    let err = tollway_tower::RateLimitLayer::builder(split.clone(), declared.clone())
+        .route(None, "/checkout", undeclared)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("\"checkout\"") && err.contains(".policy("),
+        "{err}"
+    );
+    assert!(
+        tollway_tower::RateLimitLayer::builder(split, declared)
+            .build()
+            .is_ok()
+    );
+}

@@ -7,7 +7,7 @@ use http::Request;
 use ipnet::IpNet;
 use tollway_core::ConfigError;
 
-use crate::key::{ClientIp, Key, canonical, parse_network, peer_addr};
+use crate::key::{ClientIp, Key, KeyExtractor, canonical, parse_network, peer_addr};
 
 /// Which list a request's caller is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,7 +19,9 @@ pub(crate) enum Listed {
 }
 
 /// A layer's allow and deny lists: networks, matched against the client's address, and
-/// keys, matched against the caller's [`Key`]. A caller on both is denied.
+/// keys, matched against every key the caller is known by (its
+/// [`identities`](KeyExtractor::identities): with `api_key.or(client_ip)`, its API key
+/// and its address). A caller on both lists, under any of its keys, is denied.
 #[derive(Debug, Default)]
 pub(crate) struct AccessLists {
     allow: List,
@@ -39,9 +41,8 @@ impl List {
         self.networks.is_empty() && self.keys.is_empty()
     }
 
-    fn holds(&self, address: Option<IpAddr>, key: Option<&Key>) -> bool {
-        key.is_some_and(|key| self.keys.contains(key))
-            || address.is_some_and(|ip| self.networks.iter().any(|net| net.contains(&ip)))
+    fn holds_address(&self, address: Option<IpAddr>) -> bool {
+        address.is_some_and(|ip| self.networks.iter().any(|net| net.contains(&ip)))
     }
 }
 
@@ -68,16 +69,36 @@ impl AccessLists {
         self.address = Some(client_ip);
     }
 
-    /// The list the caller of `request`, whose key is `key`, is on, if any.
+    /// The list the caller of `request` is on, if any: `key` is the key it is limited
+    /// by, and `extractor` names every key it is known by.
     #[inline]
-    pub(crate) fn find<B>(&self, key: Option<&Key>, request: &Request<B>) -> Option<Listed> {
+    pub(crate) fn find<B, K>(
+        &self,
+        extractor: &K,
+        key: Option<&Key>,
+        request: &Request<B>,
+    ) -> Option<Listed>
+    where
+        K: KeyExtractor<B> + ?Sized,
+    {
         if self.allow.is_empty() && self.deny.is_empty() {
             return None;
         }
+        let (mut denied, mut allowed) = (false, false);
+        if !(self.allow.keys.is_empty() && self.deny.keys.is_empty()) {
+            let mut check = |key: &Key| {
+                denied |= self.deny.keys.contains(key);
+                allowed |= self.allow.keys.contains(key);
+            };
+            // The key it is limited by is one of the chain's, but a key extractor of the
+            // user's own may not list it.
+            key.into_iter().for_each(&mut check);
+            extractor.identities(request, &mut |key| check(&key));
+        }
         let address = self.client_address(request);
-        if self.deny.holds(address, key) {
+        if denied || self.deny.holds_address(address) {
             Some(Listed::Denied)
-        } else if self.allow.holds(address, key) {
+        } else if allowed || self.allow.holds_address(address) {
             Some(Listed::Allowed)
         } else {
             None
@@ -117,19 +138,48 @@ mod tests {
         lists.allow_network("10.0.0.0/8").unwrap();
         lists.deny_network("10.6.6.6").unwrap();
         lists.allow_key(Key::new("key", "partner"));
+        let none = |_: &Request<()>| -> Option<Key> { None };
         let ours = from("10.1.2.3");
-        assert_eq!(lists.find(None, &ours), Some(Listed::Allowed));
-        assert_eq!(lists.find(None, &from("10.6.6.6")), Some(Listed::Denied));
-        assert_eq!(lists.find(None, &from("203.0.113.9")), None);
+        assert_eq!(lists.find(&none, None, &ours), Some(Listed::Allowed));
+        assert_eq!(
+            lists.find(&none, None, &from("10.6.6.6")),
+            Some(Listed::Denied)
+        );
+        assert_eq!(lists.find(&none, None, &from("203.0.113.9")), None);
         let partner = Key::new("key", "partner");
         assert_eq!(
-            lists.find(Some(&partner), &from("203.0.113.9")),
+            lists.find(&none, Some(&partner), &from("203.0.113.9")),
             Some(Listed::Allowed)
         );
         // IPv4-mapped peers are their IPv4 address.
         assert_eq!(
-            lists.find(None, &from("[::ffff:10.1.2.3]")),
+            lists.find(&none, None, &from("[::ffff:10.1.2.3]")),
             Some(Listed::Allowed)
+        );
+    }
+
+    #[test]
+    fn a_listed_key_matches_whichever_link_of_the_chain_names_it() {
+        use crate::key::{ApiKey, Fallback, PeerIp};
+
+        let mut lists = AccessLists::default();
+        lists.deny_key(Key::new("ip", "203.0.113.9"));
+        let chain = ApiKey::header("x-api-key").unwrap().or(PeerIp::new());
+        let mut request = from("203.0.113.9");
+        request
+            .headers_mut()
+            .insert("x-api-key", http::HeaderValue::from_static("k-pro"));
+        // Limited by its API key, denied by its address.
+        let key = chain.extract(&request);
+        assert_eq!(key, Some(Key::new("key", "k-pro")));
+        assert_eq!(
+            lists.find(&chain, key.as_ref(), &request),
+            Some(Listed::Denied)
+        );
+        let other = from("203.0.113.10");
+        assert_eq!(
+            lists.find(&chain, chain.extract(&other).as_ref(), &other),
+            None
         );
     }
 

@@ -902,18 +902,32 @@ impl fmt::Debug for ConfigKey {
     }
 }
 
-impl<B> KeyExtractor<B> for ConfigKey {
-    fn extract(&self, request: &Request<B>) -> Option<Key> {
-        if let Some(api) = &self.api_key
-            && let Some(key) = api.header.extract(request)
-            && (!api.only_known || self.known.load().is_known(key.value()))
-        {
-            return Some(key);
-        }
+impl ConfigKey {
+    /// The caller's API key, when the file reads one and the caller sent one it accepts.
+    fn api_key<B>(&self, request: &Request<B>) -> Option<Key> {
+        let api = self.api_key.as_ref()?;
+        let key = api.header.extract(request)?;
+        (!api.only_known || self.known.load().is_known(key.value())).then_some(key)
+    }
+
+    /// The caller's address key.
+    fn address<B>(&self, request: &Request<B>) -> Option<Key> {
         match &self.address {
             Address::Peer(peer) => KeyExtractor::<B>::extract(peer, request),
             Address::Client(client) => KeyExtractor::<B>::extract(client, request),
         }
+    }
+}
+
+impl<B> KeyExtractor<B> for ConfigKey {
+    fn extract(&self, request: &Request<B>) -> Option<Key> {
+        self.api_key(request).or_else(|| self.address(request))
+    }
+
+    /// The API key and the address, both: the lists match either.
+    fn identities(&self, request: &Request<B>, found: &mut dyn FnMut(Key)) {
+        self.api_key(request).into_iter().for_each(&mut *found);
+        self.address(request).into_iter().for_each(found);
     }
 }
 

@@ -240,12 +240,12 @@ impl<St: Store> Limiter<St> {
     /// Reads `request`: its key found by `key` (or what to do without one), its limits
     /// and its cost.
     #[inline]
-    pub(crate) fn start<B, K>(&self, key: &K, request: &Request<B>) -> Start<'_>
+    pub(crate) fn start<B, K>(&self, extractor: &K, request: &Request<B>) -> Start<'_>
     where
         K: KeyExtractor<B>,
     {
-        let key = key.extract(request);
-        if let Some(listed) = self.lists.find(key.as_ref(), request) {
+        let key = extractor.extract(request);
+        if let Some(listed) = self.lists.find(extractor, key.as_ref(), request) {
             return Start::Decided(match listed {
                 Listed::Allowed => {
                     self.report(key.as_ref(), DecisionOutcome::AllowListed);

@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use super::{Checked, Operation, Store};
-use crate::{Decisions, Policy, StoreError};
+use crate::{ConfigError, Decisions, Policy, StoreError};
 
 /// The future of a [`BoxStore`] decision that waits.
 pub type BoxStoreFuture = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
@@ -60,6 +60,7 @@ impl fmt::Debug for BoxStore {
 trait ErasedStore: Send + Sync {
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture>;
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture>;
+    fn supports(&self, policy: &Policy) -> Result<(), ConfigError>;
 }
 
 impl<S: Store> ErasedStore for S {
@@ -69,6 +70,10 @@ impl<S: Store> ErasedStore for S {
 
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture> {
         boxed(Store::operate(self, key, policies, op))
+    }
+
+    fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
+        Store::supports(self, policy)
     }
 }
 
@@ -92,5 +97,9 @@ impl Store for BoxStore {
 
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture> {
         self.inner.operate(key, policies, op)
+    }
+
+    fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
+        self.inner.supports(policy)
     }
 }

@@ -438,6 +438,10 @@ where
         }
         boxed(self.inner.primary.operate(key, policies, operation))
     }
+
+    fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
+        self.inner.primary.supports(policy)
+    }
 }
 
 /// Ends a probe whose future is dropped before it answers (its caller gave up: a client

@@ -36,7 +36,7 @@ pub use self::replicated::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
 #[cfg(feature = "regions")]
 pub use self::split::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreBuilder};
 
-use crate::{Decisions, Policy, StoreError};
+use crate::{ConfigError, Decisions, Policy, StoreError};
 
 /// Decides requests against limiter state kept somewhere.
 ///
@@ -122,6 +122,33 @@ pub trait Store: Send + Sync + 'static {
         policies: &[&Policy],
         operation: Operation,
     ) -> Checked<Self::Future>;
+
+    /// Whether this store can decide `policy`: `Err` says why not, and what to change.
+    ///
+    /// A rate-limit layer asks it about each of its policies when it is built, and
+    /// refuses to build over a store that would fail their requests (a failure the
+    /// default `OnStoreError::Allow` would turn into no limit at all). The default
+    /// accepts every policy; a store that decides only some — a [`SplitStore`] (feature
+    /// `regions`) only those declared to it — says which. A store that wraps another
+    /// asks the one it wraps.
+    ///
+    /// # Errors
+    ///
+    /// When the store cannot decide `policy`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_core::{Algorithm, MemoryStore, Policy, Quota, Store};
+    ///
+    /// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_minute(10)?)?;
+    /// assert!(MemoryStore::new().supports(&policy).is_ok());
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
+        let _ = policy;
+        Ok(())
+    }
 }
 
 /// What [`Store::operate`] does to a caller's state, besides deciding a request.

@@ -410,6 +410,10 @@ impl<S: Store + Clone> Store for ReplicatedStore<S> {
             }),
         }
     }
+
+    fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
+        self.inner.local.supports(policy)
+    }
 }
 
 /// A request the local store is deciding, to owe the peers if it is admitted.

@@ -753,6 +753,14 @@ impl<S: Store + Board + Clone> Store for SplitStore<S> {
             local.operate(key, derived, operation)
         })
     }
+
+    /// Only the policies declared to the builder: another would fail every request.
+    fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
+        match self.inner.split_of(policy) {
+            Ok(_) => Ok(()),
+            Err(error) => Err(ConfigError::new(error.to_string())),
+        }
+    }
 }
 
 impl<S: Store + Board + Clone> SplitStore<S> {

@@ -187,6 +187,40 @@ pub(crate) fn canonical(ip: IpAddr) -> IpAddr {
 pub trait KeyExtractor<B>: Send + Sync + 'static {
     /// The caller's key, or `None` when this request carries none.
     fn extract(&self, request: &Request<B>) -> Option<Key>;
+
+    /// Hands `found` every key the caller of `request` could be known by: what the
+    /// allow and deny lists match (see
+    /// [`deny_key`](crate::RateLimitLayerBuilder::deny_key)).
+    ///
+    /// The default hands over the key [`extract`](Self::extract) finds. A chain
+    /// ([`Or`]) hands over every link's keys, not only the one that limits the caller:
+    /// with `api_key.or(client_ip)`, a caller that sends a known API key is known by that
+    /// key and by its address, and `ip:<address>` on the deny list refuses it. A closure
+    /// has one key, its own; to list more, implement this trait on a type of your own.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::net::SocketAddr;
+    /// use http::Request;
+    /// use tollway_tower::{ApiKey, Fallback, Key, KeyExtractor, PeerIp};
+    ///
+    /// let key = ApiKey::header("x-api-key")?.or(PeerIp::new());
+    /// let mut req = Request::get("/").header("x-api-key", "k-123").body(())?;
+    /// req.extensions_mut().insert("203.0.113.7:5000".parse::<SocketAddr>()?);
+    ///
+    /// let mut known_by = Vec::new();
+    /// key.identities(&req, &mut |key| known_by.push(key));
+    /// assert_eq!(known_by, [Key::new("key", "k-123"), Key::new("ip", "203.0.113.7")]);
+    /// // The API key alone is what the caller is limited by.
+    /// assert_eq!(key.extract(&req), Some(Key::new("key", "k-123")));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn identities(&self, request: &Request<B>, found: &mut dyn FnMut(Key)) {
+        if let Some(key) = self.extract(request) {
+            found(key);
+        }
+    }
 }
 
 impl<B, F> KeyExtractor<B> for F
@@ -362,6 +396,11 @@ where
         self.first
             .extract(request)
             .or_else(|| self.then.extract(request))
+    }
+
+    fn identities(&self, request: &Request<B>, found: &mut dyn FnMut(Key)) {
+        self.first.identities(request, found);
+        self.then.identities(request, found);
     }
 }
 

@@ -264,6 +264,9 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
                 self.settings.max_pause
             )));
         }
+        for policy in &self.settings.policies {
+            self.settings.store.supports(policy)?;
+        }
         let pause = super::pause::policy(self.settings.max_pause)?;
         let Settings {
             store,

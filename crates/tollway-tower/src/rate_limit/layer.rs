@@ -434,14 +434,22 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
-    /// Lets the caller whose key is `key` through without limiting it (a partner's API
-    /// key: `Key::new("key", "partner-key")`).
+    /// Lets the caller known by `key` through without limiting it (a partner's API
+    /// key: `Key::new("key", "partner-key")`). Matched like [`deny_key`](Self::deny_key).
     pub fn allow_key(mut self, key: Key) -> Self {
         self.lists.allow_key(key);
         self
     }
 
-    /// Refuses the caller whose key is `key` with 403 Forbidden.
+    /// Refuses the caller known by `key` with 403 Forbidden.
+    ///
+    /// A caller is known by every key its key extractor's chain could name it by (see
+    /// [`KeyExtractor::identities`](crate::KeyExtractor::identities)), not only the one
+    /// that limits it: with `api_key.or(client_ip)`, `Key::new("ip", "203.0.113.9")`
+    /// refuses that address whatever API key it sends, and `Key::new("key", "k-stolen")`
+    /// refuses that key from any address. An address key is written as the chain writes
+    /// it: IPv6 grouped by its prefix (`ip:2001:db8:1:2::/64`). To refuse a network,
+    /// use [`deny_network`](Self::deny_network).
     pub fn deny_key(mut self, key: Key) -> Self {
         self.lists.deny_key(key);
         self
@@ -526,8 +534,10 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// # Errors
     ///
     /// When a route pattern or a listed network is malformed, two of the layer's
-    /// policies share a name (the name keeps their state apart in the store), or a
-    /// policy put in shadow mode or charged after responses is not one of the layer's.
+    /// policies share a name (the name keeps their state apart in the store), a
+    /// policy put in shadow mode or charged after responses is not one of the layer's,
+    /// or the store cannot decide one of the policies ([`Store::supports`]: a
+    /// `SplitStore` decides only the policies declared to it).
     pub fn build(mut self) -> Result<RateLimitLayer<St, K>, ConfigError> {
         if !self.errors.is_empty() {
             return Err(self.errors.swap_remove(0));
@@ -541,6 +551,9 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                     policy.name()
                 )));
             }
+        }
+        for policy in &self.policies {
+            self.store.supports(policy)?;
         }
         let limits = Limits::new(self.policies, self.tier_names, self.tiers, self.routes);
         let mut in_shadow = vec![false; limits.policies().len()];
