@@ -521,6 +521,7 @@ impl LimitsFile {
             Address::Peer(_) => None,
         };
         let mut builder = RateLimitLayer::builder(store, default.clone())
+            .from_file(&self.name)
             .key(key)
             .shadow(layer.shadow);
         if let Some(client_ip) = client_ip {
