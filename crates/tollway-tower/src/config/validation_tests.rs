@@ -124,6 +124,12 @@ fn invalid_utf8_is_refused_at_its_byte() {
     bytes.extend_from_slice(b"\xff\" = \"api\"\n");
     let err = LimitsFile::from_bytes("limits.toml", &bytes).unwrap_err().to_string();
     assert!(err.starts_with("limits.toml:10:5: byte 0xff is not UTF-8"), "{err}");
+    // And as `read` (what `check` and the server call) finds it on disk.
+    let path = std::env::temp_dir().join(format!("tollway-utf8-{}.toml", std::process::id()));
+    std::fs::write(&path, &bytes).unwrap();
+    let err = LimitsFile::read(&path).unwrap_err().to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(err.starts_with(&format!("{}:10:5: ", path.display())), "{err}");
 }
 
 /// A dotted key deeper than toml reads had no place; it is at its line now.
