@@ -212,5 +212,8 @@ fn a_policy_that_lost_its_route_is_refused_at_its_line_before_the_server_starts(
         .unwrap_err()
         .to_string();
     let named = format!("{}: ", dir.file().display());
-    assert!(err.starts_with(&named) && err.contains("\"tokens\""), "{err}");
+    assert!(
+        err.starts_with(&named) && err.contains("\"tokens\""),
+        "{err}"
+    );
 }

@@ -57,7 +57,8 @@ fn check_prints_no_api_key_and_refuses_a_policy_without_its_route() {
     let base = "[layer]\ndefault = \"api\"\n\n[key]\napi_key = { header = \"x-api-key\" }\n\n\
                 [policies.api]\nalgorithm = \"gcra\"\nlimit = 10\nperiod = \"1m\"\n\n\
                 [policies.pro]\nalgorithm = \"gcra\"\nlimit = 100\nperiod = \"1m\"\n\n";
-    let keys = "[tiers]\n\"sk-live-4f9a8b7c\" = \"pro\"\n\n[lists]\ndeny_keys = [\"key:stolen-5e6d\"]\n";
+    let keys =
+        "[tiers]\n\"sk-live-4f9a8b7c\" = \"pro\"\n\n[lists]\ndeny_keys = [\"key:stolen-5e6d\"]\n";
     std::fs::write(&path, format!("{base}{keys}")).unwrap();
     let file = path.to_str().unwrap();
     let (code, out, err) = tollway(&["check", file]);
@@ -69,6 +70,9 @@ fn check_prints_no_api_key_and_refuses_a_policy_without_its_route() {
     std::fs::write(&path, base).unwrap();
     let (code, _, err) = tollway(&["check", file]);
     assert_eq!(code, 1);
-    assert!(err.starts_with(&format!("{file}:12:1: policy \"pro\" limits nothing")), "{err}");
+    assert!(
+        err.starts_with(&format!("{file}:12:1: policy \"pro\" limits nothing")),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

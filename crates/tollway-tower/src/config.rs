@@ -521,7 +521,7 @@ impl LimitsFile {
             Address::Peer(_) => None,
         };
         let mut builder = RateLimitLayer::builder(store, default.clone())
-            .from_file(&self.name)
+            .named_by_file(&self.name)
             .key(key)
             .shadow(layer.shadow);
         if let Some(client_ip) = client_ip {
@@ -963,8 +963,10 @@ fn api_key_value(value: &str) -> Result<(), &'static str> {
     if value.is_empty() {
         Err("an API key is empty here: write the key, like \"key:partner-key\"")
     } else if value.trim() != value {
-        Err("this API key starts or ends with whitespace, which a request's header never \
-             does (HTTP trims it), so it would never match: remove the spaces")
+        Err(
+            "this API key starts or ends with whitespace, which a request's header never \
+             does (HTTP trims it), so it would never match: remove the spaces",
+        )
     } else if value.chars().any(char::is_control) {
         Err("this API key has a control character, which no header carries: remove it")
     } else {

@@ -26,10 +26,14 @@ const ROUTE: &str = "\n[policies.checkout]\nalgorithm = \"gcra\"\nlimit = 1\nper
 /// the spelling that matches. Upper-case extension methods stay accepted.
 #[test]
 fn a_lower_case_method_is_refused_with_its_upper_case() {
-    let text = file(&format!("{ROUTE}method = \"post\"\npolicy = \"checkout\"\n"));
+    let text = file(&format!(
+        "{ROUTE}method = \"post\"\npolicy = \"checkout\"\n"
+    ));
     let err = error(&text, 16, 10);
     assert!(err.contains("write method = \"POST\""), "{err}");
-    let text = file(&format!("{ROUTE}method = \"PURGE\"\npolicy = \"checkout\"\n"));
+    let text = file(&format!(
+        "{ROUTE}method = \"PURGE\"\npolicy = \"checkout\"\n"
+    ));
     LimitsFile::parse("limits.toml", &text).unwrap();
 }
 
@@ -38,9 +42,19 @@ fn a_lower_case_method_is_refused_with_its_upper_case() {
 #[test]
 fn listed_keys_that_could_never_match_are_refused() {
     let deny = |entry: &str| file(&format!("\n[lists]\ndeny_keys = [{entry:?}]\n"));
-    for entry in ["Key:stolen-key", "KEY:stolen-key", " key:stolen-key", "key :stolen-key", "user:42", "stolen-key"] {
+    for entry in [
+        "Key:stolen-key",
+        "KEY:stolen-key",
+        " key:stolen-key",
+        "key :stolen-key",
+        "user:42",
+        "stolen-key",
+    ] {
         let err = error(&deny(entry), 10, 14);
-        assert!(err.contains("in lower case and without spaces"), "{entry}: {err}");
+        assert!(
+            err.contains("in lower case and without spaces"),
+            "{entry}: {err}"
+        );
         assert!(!err.contains("stolen"), "the key is repeated: {err}");
     }
     for entry in ["key: stolen-key", "key:stolen-key ", "key:"] {
@@ -57,7 +71,10 @@ fn listed_keys_that_could_never_match_are_refused() {
     // A tier's key with a space is no key a request sends either.
     let text = file("\n[tiers]\n\"pro-key \" = \"api\"\n");
     let err = error(&text, 10, 1);
-    assert!(err.contains("whitespace") && !err.contains("pro-key"), "{err}");
+    assert!(
+        err.contains("whitespace") && !err.contains("pro-key"),
+        "{err}"
+    );
 }
 
 /// `127.77.0.9/16` meant the whole /16: refused, with both spellings it could mean.
@@ -92,7 +109,8 @@ fn a_policy_nothing_names_is_refused_where_it_is() {
         "{err}"
     );
     // In shadow, it failed at build with no file or line.
-    let text = file("\n[policies.x]\nalgorithm = \"gcra\"\nlimit = 1\nperiod = \"1s\"\nshadow = true\n");
+    let text =
+        file("\n[policies.x]\nalgorithm = \"gcra\"\nlimit = 1\nperiod = \"1s\"\nshadow = true\n");
     error(&text, 9, 1);
 }
 
@@ -101,10 +119,15 @@ fn a_policy_nothing_names_is_refused_where_it_is() {
 fn the_summary_holds_no_api_key() {
     let text = format!(
         "[key]\napi_key = {{ header = \"x-api-key\" }}\n\n{}",
-        file("\n[tiers]\n\"sk-live-4f9a8b7c\" = \"api\"\n\n[lists]\ndeny_keys = [\"key:stolen-5e6d\", \"ip:203.0.113.9\"]\n")
+        file(
+            "\n[tiers]\n\"sk-live-4f9a8b7c\" = \"api\"\n\n[lists]\ndeny_keys = [\"key:stolen-5e6d\", \"ip:203.0.113.9\"]\n"
+        )
     );
     let summary = LimitsFile::parse("limits.toml", &text).unwrap().summary();
-    assert!(!summary.contains("4f9a8b7c") && !summary.contains("5e6d"), "{summary}");
+    assert!(
+        !summary.contains("4f9a8b7c") && !summary.contains("5e6d"),
+        "{summary}"
+    );
     assert!(summary.contains("tier: key \"sk-…\" -> api"), "{summary}");
     assert!(summary.contains("deny key: key:\"st…\""), "{summary}");
     assert!(summary.contains("deny key: ip:203.0.113.9"), "{summary}");
@@ -113,7 +136,14 @@ fn the_summary_holds_no_api_key() {
     let err = error(&text, 10, 13);
     assert!(!err.contains("5e6d"), "{err}");
     // Nor the Debug form.
-    let debug = format!("{:?}", LimitsFile::parse("limits.toml", &file("\n[tiers]\n\"sk-live-4f9a8b7c\" = \"api\"\n")).unwrap());
+    let debug = format!(
+        "{:?}",
+        LimitsFile::parse(
+            "limits.toml",
+            &file("\n[tiers]\n\"sk-live-4f9a8b7c\" = \"api\"\n")
+        )
+        .unwrap()
+    );
     assert!(!debug.contains("4f9a8b7c"), "{debug}");
 }
 
@@ -122,14 +152,22 @@ fn the_summary_holds_no_api_key() {
 fn invalid_utf8_is_refused_at_its_byte() {
     let mut bytes = file("\n[tiers]\n\"pro").into_bytes();
     bytes.extend_from_slice(b"\xff\" = \"api\"\n");
-    let err = LimitsFile::from_bytes("limits.toml", &bytes).unwrap_err().to_string();
-    assert!(err.starts_with("limits.toml:10:5: byte 0xff is not UTF-8"), "{err}");
+    let err = LimitsFile::from_bytes("limits.toml", &bytes)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("limits.toml:10:5: byte 0xff is not UTF-8"),
+        "{err}"
+    );
     // And as `read` (what `check` and the server call) finds it on disk.
     let path = std::env::temp_dir().join(format!("tollway-utf8-{}.toml", std::process::id()));
     std::fs::write(&path, &bytes).unwrap();
     let err = LimitsFile::read(&path).unwrap_err().to_string();
     std::fs::remove_file(&path).unwrap();
-    assert!(err.starts_with(&format!("{}:10:5: ", path.display())), "{err}");
+    assert!(
+        err.starts_with(&format!("{}:10:5: ", path.display())),
+        "{err}"
+    );
 }
 
 /// A dotted key deeper than toml reads had no place; it is at its line now.

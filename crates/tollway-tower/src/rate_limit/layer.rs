@@ -269,7 +269,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     }
 
     /// Names the limits file the settings come from in `build`'s errors.
-    pub(crate) fn from_file(mut self, name: &str) -> Self {
+    pub(crate) fn named_by_file(mut self, name: &str) -> Self {
         self.source = Some(name.to_owned());
         self
     }
