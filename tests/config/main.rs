@@ -182,3 +182,38 @@ both_stores! {
         assert!(Path::new(&dir.file()).exists());
     }
 }
+
+/// The file whose policy lost its route: `tokens`, charged after each response by the
+/// service, without the route that put it in the layer. It used to pass `check` and then
+/// fail at the server with no file or line; both refuse it at its table now. And a
+/// service charging a policy the file never had names the file.
+#[test]
+fn a_policy_that_lost_its_route_is_refused_at_its_line_before_the_server_starts() {
+    let dir = Dir::new("lost-route");
+    let kept = "[layer]\ndefault = \"api\"\n\n\
+                [policies.api]\nalgorithm = \"gcra\"\nlimit = 10\nperiod = \"1m\"\n\n\
+                [policies.tokens]\nalgorithm = \"token_bucket\"\nlimit = 1000\nperiod = \"1m\"\n";
+    dir.write(kept);
+    let at = format!("{}:9:1: ", dir.file().display());
+    let checked = tollway_tower::config::LimitsFile::read(dir.file()).unwrap_err();
+    assert!(checked.to_string().starts_with(&at), "{checked}");
+    let charge = |builder: tollway_tower::RateLimitLayerBuilder<_, _>| {
+        builder.charge_after("tokens", |_, _, _| 1)
+    };
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let served = Reloader::new(dir.file(), memory_store(&clock)).unwrap_err();
+    assert!(served.to_string().starts_with(&at), "{served}");
+
+    // Without [policies.tokens] at all: the file is valid, and the service's charge
+    // names the file it could not find the policy in.
+    dir.write("[layer]\ndefault = \"api\"\n\n[policies.api]\nalgorithm = \"gcra\"\nlimit = 10\nperiod = \"1m\"\n");
+    let file = tollway_tower::config::LimitsFile::read(dir.file()).unwrap();
+    let err = Reloader::from_file_with(dir.file(), file, memory_store(&clock), charge)
+        .unwrap_err()
+        .to_string();
+    let named = format!("{}: ", dir.file().display());
+    assert!(
+        err.starts_with(&named) && err.contains("\"tokens\""),
+        "{err}"
+    );
+}

@@ -111,7 +111,7 @@ struct File {
     key: Option<Spanned<KeySection>>,
     policies: BTreeMap<String, Spanned<PolicySection>>,
     #[serde(default)]
-    tiers: BTreeMap<String, Spanned<String>>,
+    tiers: BTreeMap<Spanned<String>, Spanned<String>>,
     #[serde(default)]
     routes: Vec<Spanned<RouteSection>>,
     #[serde(default)]
@@ -229,17 +229,29 @@ enum StoreBuilder<'f> {
 /// How long a limits file's events must have stopped before it is read.
 const SETTLE: Duration = Duration::from_millis(100);
 
+/// The most parts a key of the file has (`policies.api.limit`, `store.breaker.threshold`).
+const DEPTH: usize = 3;
+
 const REDIS_WHERE: &str = "a Redis store has url = \"redis://host:6379\" or nodes = [...] for a cluster, not both or neither";
 
 /// A limits file, read and validated: every policy, tier, route, list entry and setting
 /// in it is usable. See the [module docs](self) for what it may say.
-#[derive(Debug)]
 pub struct LimitsFile {
     name: String,
     text: String,
     file: File,
     /// The policies, validated, by name.
     policies: BTreeMap<String, Policy>,
+}
+
+impl fmt::Debug for LimitsFile {
+    /// The name and the policies: the file's text holds API keys.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimitsFile")
+            .field("name", &self.name)
+            .field("policies", &self.policies.keys())
+            .finish_non_exhaustive()
+    }
 }
 
 impl LimitsFile {
@@ -251,13 +263,38 @@ impl LimitsFile {
     /// with `path:line:column:` and says what to write instead.
     pub fn read(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| {
+        let bytes = std::fs::read(path).map_err(|e| {
             ConfigError::new(format!(
                 "{}: cannot read the limits file: {e}",
                 path.display()
             ))
         })?;
-        Self::parse(&path.display().to_string(), &text)
+        Self::from_bytes(&path.display().to_string(), &bytes)
+    }
+
+    /// Validates `bytes`, a limits file called `name` in its messages, which must be
+    /// UTF-8 text.
+    ///
+    /// # Errors
+    ///
+    /// As [`read`](Self::read); a byte that is not UTF-8 is named by its line and column.
+    pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<Self, ConfigError> {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => Self::parse(name, text),
+            Err(e) => {
+                let good = &bytes[..e.valid_up_to()];
+                let good = std::str::from_utf8(good).unwrap_or_default();
+                Err(locate(
+                    name,
+                    good,
+                    Some(good.len()..good.len()),
+                    &format!(
+                        "byte 0x{:02x} is not UTF-8: save the file as UTF-8 text",
+                        bytes[e.valid_up_to()]
+                    ),
+                ))
+            }
+        }
     }
 
     /// Validates `text`, a limits file called `name` in its messages.
@@ -272,10 +309,16 @@ impl LimitsFile {
             let message = if e.message().contains("untagged enum Switch") {
                 "write breaker = false, true or { threshold = 5, cool_down_ms = 250 }, and \
                  local_fallback = false, true or a share of each quota like 0.1"
+                    .to_owned()
+            } else if e.message() == "recursion limit" {
+                format!(
+                    "this key has more parts than toml reads; tollway's keys have at most \
+                     {DEPTH}, like policies.api.limit: write the key as the module docs show"
+                )
             } else {
-                e.message()
+                redact_strings(e.message())
             };
-            at(e.span(), message)
+            at(e.span().or_else(|| line_of(text, e.message())), &message)
         })?;
         let mut policies = BTreeMap::new();
         for (policy_name, section) in &file.policies {
@@ -485,6 +528,7 @@ impl LimitsFile {
             Address::Peer(_) => None,
         };
         let mut builder = RateLimitLayer::builder(store, default.clone())
+            .named_by_file(&self.name)
             .key(key)
             .shadow(layer.shadow);
         if let Some(client_ip) = client_ip {
@@ -496,7 +540,8 @@ impl LimitsFile {
         // Each policy serves one place: the default, a tier (however many keys name it),
         // or one route — two places sharing one policy would share its counts.
         let mut used: Vec<&str> = vec![default.name()];
-        for name in file.tiers.values() {
+        for (key, name) in &file.tiers {
+            api_key_value(key.get_ref()).map_err(|m| self.at(Some(key.span()), m))?;
             let policy = self.policy_named(name)?;
             if !used.contains(&policy.name()) {
                 used.push(policy.name());
@@ -522,14 +567,7 @@ impl LimitsFile {
                 (Some(path), None) => {
                     let method = match &r.method {
                         None => None,
-                        Some(m) => {
-                            Some(Method::from_bytes(m.get_ref().as_bytes()).map_err(|_| {
-                                self.at(
-                                    Some(m.span()),
-                                    "not an HTTP method: write method = \"GET\", \"POST\", ...",
-                                )
-                            })?)
-                        }
+                        Some(m) => Some(self.method(m)?),
                     };
                     RouteLimit::new(method.clone(), path.get_ref(), 0)
                         .map_err(|e| self.err(Some(path.span()), e))?;
@@ -548,6 +586,18 @@ impl LimitsFile {
                     ));
                 }
             };
+        }
+        for (name, section) in &file.policies {
+            if !used.contains(&name.as_str()) {
+                return Err(self.at(
+                    Some(section.span()),
+                    &format!(
+                        "policy {name:?} limits nothing: no route, tier or [layer] default \
+                         names it. Name it (a [[routes]] entry or a tier with policy = \
+                         {name:?}), or remove [policies.{name}]"
+                    ),
+                ));
+            }
         }
         if let Some(style) = &layer.headers {
             builder = builder.headers(match style.get_ref().as_str() {
@@ -642,7 +692,8 @@ impl LimitsFile {
             );
         }
         for (key, tier) in &file.tiers {
-            let _ = writeln!(out, "  tier: key {key:?} -> {}", tier.get_ref());
+            let key = redact(key.get_ref());
+            let _ = writeln!(out, "  tier: key {key} -> {}", tier.get_ref());
         }
         for route in &file.routes {
             let r = route.get_ref();
@@ -662,7 +713,12 @@ impl LimitsFile {
             ("deny key", &lists.deny_keys),
         ] {
             for entry in entries {
-                let _ = writeln!(out, "  {what}: {}", entry.get_ref());
+                let entry = entry.get_ref();
+                let shown = match entry.strip_prefix("key:") {
+                    Some(key) => format!("key:{}", redact(key)),
+                    None => entry.clone(),
+                };
+                let _ = writeln!(out, "  {what}: {shown}");
             }
         }
         out
@@ -674,14 +730,15 @@ impl LimitsFile {
         let lists = &self.file.lists;
         let listed = lists.allow_keys.iter().chain(&lists.deny_keys);
         let listed = listed.filter_map(|k| k.get_ref().strip_prefix("key:").map(str::to_owned));
-        self.file.tiers.keys().cloned().chain(listed).collect()
+        let tiers = self.file.tiers.keys().map(|k| k.get_ref().clone());
+        tiers.chain(listed).collect()
     }
 
     fn tier_map(&self) -> HashMap<String, String> {
         self.file
             .tiers
             .iter()
-            .map(|(key, tier)| (key.clone(), tier.get_ref().clone()))
+            .map(|(key, tier)| (key.get_ref().clone(), tier.get_ref().clone()))
             .collect()
     }
 
@@ -699,14 +756,63 @@ impl LimitsFile {
         })
     }
 
+    /// A `key:` or `ip:` entry of the lists, spelled as the key it must match.
     fn listed_key(&self, key: &Spanned<String>) -> Result<Key, ConfigError> {
-        match key.get_ref().split_once(':') {
-            Some((namespace, value)) if !namespace.is_empty() && !value.is_empty() => {
-                Ok(Key::new(namespace, value))
+        let at = |message: &str| self.at(Some(key.span()), message);
+        let (namespace, value) = key.get_ref().split_once(':').unwrap_or(("", ""));
+        match namespace {
+            "key" => {
+                api_key_value(value).map_err(at)?;
+                Ok(Key::new("key", value))
             }
+            "ip" => {
+                let prefix = self.file.key.as_ref();
+                let prefix = prefix.and_then(|k| k.get_ref().ipv6_prefix.as_ref());
+                let prefix = prefix.map_or(64, |p| *p.get_ref());
+                let address = value.parse::<std::net::IpAddr>().ok().or_else(|| {
+                    let net = value.parse::<ipnet::IpNet>().ok();
+                    net.filter(|n| n.prefix_len() == prefix).map(|n| n.addr())
+                });
+                let Some(address) = address else {
+                    return Err(at(&format!(
+                        "ip:{value:?} is not an address: write \"ip:203.0.113.9\", or put a \
+                         network in allow_networks / deny_networks"
+                    )));
+                };
+                let listed = Key::ip(address, prefix);
+                if listed.as_bytes() != key.get_ref().as_bytes() {
+                    return Err(at(&format!(
+                        "a caller from that address has the key {:?} (IPv6 grouped by /{prefix}): \
+                         write that, or put the address in allow_networks / deny_networks",
+                        String::from_utf8_lossy(listed.as_bytes())
+                    )));
+                }
+                Ok(listed)
+            }
+            _ => Err(at(
+                "a listed key is \"key:\" and an API key, or \"ip:\" and an address, in lower \
+                 case and without spaces, like \"ip:203.0.113.9\": the keys this file's [key] \
+                 finds",
+            )),
+        }
+    }
+
+    /// The method `m` names: upper case, as HTTP methods are compared (RFC 9110, 9.1).
+    fn method(&self, m: &Spanned<String>) -> Result<Method, ConfigError> {
+        let upper = m.get_ref().to_ascii_uppercase();
+        match Method::from_bytes(m.get_ref().as_bytes()) {
+            Ok(method) if upper == *m.get_ref() => Ok(method),
+            Ok(_) if Method::from_bytes(upper.as_bytes()).is_ok() => Err(self.at(
+                Some(m.span()),
+                &format!(
+                    "HTTP methods are case-sensitive and a request's is upper case, so \
+                     {:?} would never match: write method = {upper:?}",
+                    m.get_ref()
+                ),
+            )),
             _ => Err(self.at(
-                Some(key.span()),
-                "a listed key is namespace:value, like \"key:partner-key\" or \"user:42\"",
+                Some(m.span()),
+                "not an HTTP method: write method = \"GET\", \"POST\", ...",
             )),
         }
     }
@@ -855,6 +961,68 @@ fn parse_period(text: &str) -> Option<Duration> {
         _ => return None,
     };
     n.checked_mul(seconds).map(Duration::from_secs)
+}
+
+/// Whether `value` can be an API key a request sends: a header's value has no
+/// whitespace at its ends (HTTP trims it) and no control characters. The message never
+/// repeats the value (API keys stay out of logs).
+fn api_key_value(value: &str) -> Result<(), &'static str> {
+    if value.is_empty() {
+        Err("an API key is empty here: write the key, like \"key:partner-key\"")
+    } else if value.trim() != value {
+        Err(
+            "this API key starts or ends with whitespace, which a request's header never \
+             does (HTTP trims it), so it would never match: remove the spaces",
+        )
+    } else if value.chars().any(char::is_control) {
+        Err("this API key has a control character, which no header carries: remove it")
+    } else {
+        Ok(())
+    }
+}
+
+/// An API key as `tollway check` shows it: its first characters (at most 3, a quarter
+/// of it) and an ellipsis, so that a CI log holds no key.
+fn redact(key: &str) -> String {
+    let shown: String = key.chars().take(3.min(key.chars().count() / 4)).collect();
+    format!("\"{shown}…\"")
+}
+
+/// `message` with the text of every `string "..."` it quotes (serde's words for a value
+/// of the wrong type, which may be an API key) left out.
+fn redact_strings(message: &str) -> String {
+    let mut out = String::new();
+    let mut rest = message;
+    while let Some(i) = rest.find("string \"") {
+        let (before, quoted) = rest.split_at(i + "string \"".len());
+        out.push_str(before);
+        out.push_str("…\"");
+        let mut escaped = false;
+        let end = quoted.char_indices().find(|&(_, c)| {
+            let close = c == '"' && !escaped;
+            escaped = c == '\\' && !escaped;
+            close
+        });
+        rest = end.map_or("", |(j, _)| &quoted[j + 1..]);
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Where an error toml gives without a place comes from: the first line that, read on
+/// its own, fails with the same `message` (a key is on one line), from its first
+/// character.
+fn line_of(text: &str, message: &str) -> Option<Range<usize>> {
+    let mut start = 0;
+    for line in text.split_inclusive('\n') {
+        let alone = toml::from_str::<toml::Table>(line);
+        if alone.is_err_and(|e| e.message() == message) {
+            let indent = line.len() - line.trim_start().len();
+            return Some(start + indent..start + line.len());
+        }
+        start += line.len();
+    }
+    None
 }
 
 /// `message`, prefixed with `name:line:column:` of the start of `span`.
@@ -1145,6 +1313,9 @@ impl fmt::Debug for Watcher {
         f.debug_struct("Watcher").finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod validation_tests;
 
 #[cfg(test)]
 mod tests {

@@ -326,6 +326,16 @@ pub(crate) fn parse_network(text: &str) -> Result<ipnet::IpNet, ConfigError> {
         Ok(net) => net,
         Err(_) => ipnet::IpNet::from(text.parse::<IpAddr>().map_err(|_| bad())?),
     };
+    if net != net.trunc() {
+        return Err(ConfigError::new(format!(
+            "{text:?} has bits set past its /{prefix} prefix, so it would mean {whole}: write \
+             {whole} for the whole network, or {host}/{bits} for the one address",
+            prefix = net.prefix_len(),
+            whole = net.trunc(),
+            host = net.addr(),
+            bits = net.max_prefix_len(),
+        )));
+    }
     match net {
         // Written in IPv4-mapped form: the IPv4 network it means, which is what mapped
         // addresses are compared with.

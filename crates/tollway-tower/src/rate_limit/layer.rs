@@ -84,6 +84,7 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
                 DEFAULT_LOOKUP_TIMEOUT,
             ),
             on_lookup_error: OnLookupError::Anonymous,
+            source: None,
         }
     }
 }
@@ -221,6 +222,8 @@ pub struct RateLimitLayerBuilder<St, K> {
     lookup: Option<Arc<dyn TierLookup>>,
     lookup_cache: (u64, Duration, Duration),
     on_lookup_error: OnLookupError,
+    /// The limits file the settings come from, which `build`'s errors name.
+    source: Option<String>,
 }
 
 impl<St, K> fmt::Debug for RateLimitLayerBuilder<St, K> {
@@ -261,7 +264,14 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             lookup: self.lookup,
             lookup_cache: self.lookup_cache,
             on_lookup_error: self.on_lookup_error,
+            source: self.source,
         }
+    }
+
+    /// Names the limits file the settings come from in `build`'s errors.
+    pub(crate) fn named_by_file(mut self, name: &str) -> Self {
+        self.source = Some(name.to_owned());
+        self
     }
 
     /// Adds a tier: callers whose [`Tiers`] resolver names `policy.name()` are limited by
@@ -538,7 +548,17 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// policy put in shadow mode or charged after responses is not one of the layer's,
     /// or the store cannot decide one of the policies ([`Store::supports`]: a
     /// `SplitStore` decides only the policies declared to it).
-    pub fn build(mut self) -> Result<RateLimitLayer<St, K>, ConfigError> {
+    pub fn build(self) -> Result<RateLimitLayer<St, K>, ConfigError> {
+        let source = self.source.clone();
+        self.build_here().map_err(|e| match source {
+            Some(name) if !e.to_string().starts_with(&format!("{name}:")) => {
+                ConfigError::new(format!("{name}: {e}"))
+            }
+            _ => e,
+        })
+    }
+
+    fn build_here(mut self) -> Result<RateLimitLayer<St, K>, ConfigError> {
         if !self.errors.is_empty() {
             return Err(self.errors.swap_remove(0));
         }

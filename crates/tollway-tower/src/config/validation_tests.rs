@@ -1,0 +1,181 @@
+//! What a file may say is what the layer matches: every entry that could never match a
+//! request is refused where it is written, and `check`'s summary holds no API key.
+
+use super::*;
+
+/// A valid file with `extra` appended.
+fn file(extra: &str) -> String {
+    format!(
+        "[layer]\ndefault = \"api\"\n\n[policies.api]\nalgorithm = \"gcra\"\nlimit = 10\nperiod = \"1s\"\n{extra}"
+    )
+}
+
+/// The error `text` gets, which must start with `limits.toml:line:column:`.
+fn error(text: &str, line: usize, column: usize) -> String {
+    let err = LimitsFile::parse("limits.toml", text)
+        .unwrap_err()
+        .to_string();
+    let at = format!("limits.toml:{line}:{column}: ");
+    assert!(err.starts_with(&at), "{err:?} is not at {at:?}\n{text}");
+    err
+}
+
+const ROUTE: &str = "\n[policies.checkout]\nalgorithm = \"gcra\"\nlimit = 1\nperiod = \"1s\"\n\n[[routes]]\npath = \"/checkout\"\n";
+
+/// `method = "post"` parsed as an extension method that no request has: refused, with
+/// the spelling that matches. Upper-case extension methods stay accepted.
+#[test]
+fn a_lower_case_method_is_refused_with_its_upper_case() {
+    let text = file(&format!(
+        "{ROUTE}method = \"post\"\npolicy = \"checkout\"\n"
+    ));
+    let err = error(&text, 16, 10);
+    assert!(err.contains("write method = \"POST\""), "{err}");
+    let text = file(&format!(
+        "{ROUTE}method = \"PURGE\"\npolicy = \"checkout\"\n"
+    ));
+    LimitsFile::parse("limits.toml", &text).unwrap();
+}
+
+/// A listed key is matched byte for byte: a wrong-case namespace, a space, a namespace
+/// the file's keys never have, or an address not spelled as its key never match.
+#[test]
+fn listed_keys_that_could_never_match_are_refused() {
+    let deny = |entry: &str| file(&format!("\n[lists]\ndeny_keys = [{entry:?}]\n"));
+    for entry in [
+        "Key:stolen-key",
+        "KEY:stolen-key",
+        " key:stolen-key",
+        "key :stolen-key",
+        "user:42",
+        "stolen-key",
+    ] {
+        let err = error(&deny(entry), 10, 14);
+        assert!(
+            err.contains("in lower case and without spaces"),
+            "{entry}: {err}"
+        );
+        assert!(!err.contains("stolen"), "the key is repeated: {err}");
+    }
+    for entry in ["key: stolen-key", "key:stolen-key ", "key:"] {
+        let err = error(&deny(entry), 10, 14);
+        assert!(!err.contains("stolen"), "the key is repeated: {err}");
+    }
+    let err = error(&deny("ip:2001:DB8::1"), 10, 14);
+    assert!(err.contains("\"ip:2001:db8::/64\""), "{err}");
+    let err = error(&deny("ip:10.0.0.0/8"), 10, 14);
+    assert!(err.contains("deny_networks"), "{err}");
+    for entry in ["key:stolen-key", "ip:203.0.113.9", "ip:2001:db8::/64"] {
+        LimitsFile::parse("limits.toml", &deny(entry)).unwrap();
+    }
+    // A tier's key with a space is no key a request sends either.
+    let text = file("\n[tiers]\n\"pro-key \" = \"api\"\n");
+    let err = error(&text, 10, 1);
+    assert!(
+        err.contains("whitespace") && !err.contains("pro-key"),
+        "{err}"
+    );
+}
+
+/// `127.77.0.9/16` meant the whole /16: refused, with both spellings it could mean.
+#[test]
+fn a_network_with_host_bits_is_refused_with_both_meanings() {
+    let text = file("\n[lists]\nallow_networks = [\"127.77.0.9/16\"]\n");
+    let err = error(&text, 10, 19);
+    assert!(
+        err.contains("write 127.77.0.0/16") && err.contains("127.77.0.9/32"),
+        "{err}"
+    );
+    let text = file("\n[lists]\ndeny_networks = [\"2001:db8::1/32\"]\n");
+    let err = error(&text, 10, 18);
+    assert!(err.contains("2001:db8::/32"), "{err}");
+    let proxies = format!(
+        "[key]\nclient_ip = {{ header = \"x-forwarded-for\", trusted_proxies = [\"10.1.2.3/8\"] }}\n{}",
+        file("")
+    );
+    let err = error(&proxies, 2, 62);
+    assert!(err.contains("10.0.0.0/8"), "{err}");
+}
+
+/// A policy that no route, tier or default names limits nothing: refused at its table,
+/// so a file whose policy lost its route fails `check`, not the server (whose
+/// `charge_after` or shadow flag names it).
+#[test]
+fn a_policy_nothing_names_is_refused_where_it_is() {
+    let policy = "\n[policies.checkout]\nalgorithm = \"gcra\"\nlimit = 1\nperiod = \"1s\"\n";
+    let err = error(&file(policy), 9, 1);
+    assert!(
+        err.contains("policy \"checkout\" limits nothing") && err.contains("[[routes]]"),
+        "{err}"
+    );
+    // In shadow, it failed at build with no file or line.
+    let text =
+        file("\n[policies.x]\nalgorithm = \"gcra\"\nlimit = 1\nperiod = \"1s\"\nshadow = true\n");
+    error(&text, 9, 1);
+}
+
+/// `check`'s summary names each tier key and listed API key by a few characters only.
+#[test]
+fn the_summary_holds_no_api_key() {
+    let text = format!(
+        "[key]\napi_key = {{ header = \"x-api-key\" }}\n\n{}",
+        file(
+            "\n[tiers]\n\"sk-live-4f9a8b7c\" = \"api\"\n\n[lists]\ndeny_keys = [\"key:stolen-5e6d\", \"ip:203.0.113.9\"]\n"
+        )
+    );
+    let summary = LimitsFile::parse("limits.toml", &text).unwrap().summary();
+    assert!(
+        !summary.contains("4f9a8b7c") && !summary.contains("5e6d"),
+        "{summary}"
+    );
+    assert!(summary.contains("tier: key \"sk-…\" -> api"), "{summary}");
+    assert!(summary.contains("deny key: key:\"st…\""), "{summary}");
+    assert!(summary.contains("deny key: ip:203.0.113.9"), "{summary}");
+    // Nor does an error quoting a value of the wrong type.
+    let text = file("\n[lists]\ndeny_keys = \"key:stolen-5e6d\"\n");
+    let err = error(&text, 10, 13);
+    assert!(!err.contains("5e6d"), "{err}");
+    // Nor the Debug form.
+    let debug = format!(
+        "{:?}",
+        LimitsFile::parse(
+            "limits.toml",
+            &file("\n[tiers]\n\"sk-live-4f9a8b7c\" = \"api\"\n")
+        )
+        .unwrap()
+    );
+    assert!(!debug.contains("4f9a8b7c"), "{debug}");
+}
+
+/// A byte that is not UTF-8 is named by its line and column.
+#[test]
+fn invalid_utf8_is_refused_at_its_byte() {
+    let mut bytes = file("\n[tiers]\n\"pro").into_bytes();
+    bytes.extend_from_slice(b"\xff\" = \"api\"\n");
+    let err = LimitsFile::from_bytes("limits.toml", &bytes)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("limits.toml:10:5: byte 0xff is not UTF-8"),
+        "{err}"
+    );
+    // And as `read` (what `check` and the server call) finds it on disk.
+    let path = std::env::temp_dir().join(format!("tollway-utf8-{}.toml", std::process::id()));
+    std::fs::write(&path, &bytes).unwrap();
+    let err = LimitsFile::read(&path).unwrap_err().to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        err.starts_with(&format!("{}:10:5: ", path.display())),
+        "{err}"
+    );
+}
+
+/// A dotted key deeper than toml reads had no place; it is at its line now.
+#[test]
+fn an_over_deep_dotted_key_is_refused_at_its_line() {
+    let text = file(&format!("\n  {}x = 1\n", "a.".repeat(85)));
+    let err = error(&text, 9, 3);
+    assert!(err.contains("policies.api.limit"), "{err}");
+    let text = file(&format!("\n[{}x]\n", "a.".repeat(85)));
+    error(&text, 9, 1);
+}
