@@ -62,6 +62,8 @@ async fn a_slot_migration_under_load_fails_no_request_and_loses_nothing() {
     let admitted: Arc<Vec<AtomicU64>> =
         Arc::new(callers.iter().map(|_| AtomicU64::new(0)).collect());
     let errors = Arc::new(Mutex::new(Vec::new()));
+    // Woken after every admission, so the waits below need no polling interval.
+    let progress = Arc::new(Notify::new());
     let mut tasks = Vec::new();
     for store in &gateways {
         for (c, caller) in callers.iter().enumerate() {
@@ -71,6 +73,7 @@ async fn a_slot_migration_under_load_fails_no_request_and_loses_nothing() {
                 Arc::clone(&admitted),
                 Arc::clone(&errors),
             );
+            let progress = Arc::clone(&progress);
             tasks.push(tokio::spawn(async move {
                 let policies: Vec<&Policy> = policies.iter().collect();
                 for _ in 0..MAX_REQUESTS {
@@ -81,6 +84,7 @@ async fn a_slot_migration_under_load_fails_no_request_and_loses_nothing() {
                         Ok(d) => {
                             assert!(d.is_allowed(), "{caller}: {d:?}");
                             admitted[c].fetch_add(1, Ordering::Relaxed);
+                            progress.notify_waiters();
                         }
                         Err(e) => errors.lock().unwrap().push(format!("{caller}: {e}")),
                     }
@@ -92,9 +96,7 @@ async fn a_slot_migration_under_load_fails_no_request_and_loses_nothing() {
     let every_caller_past =
         |floor: &[u64]| counts().iter().zip(floor).all(|(n, f)| *n >= f + AROUND);
     within("admissions before the migration", 20, async {
-        while !every_caller_past(&[0; 12]) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        wait_until(&progress, || every_caller_past(&[0; 12])).await;
     })
     .await;
 
@@ -108,9 +110,7 @@ async fn a_slot_migration_under_load_fails_no_request_and_loses_nothing() {
     }
     let after = counts();
     within("admissions after the migration", 20, async {
-        while !every_caller_past(&after) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        wait_until(&progress, || every_caller_past(&after)).await;
     })
     .await;
     stop.store(true, Ordering::Relaxed);
@@ -160,4 +160,18 @@ async fn a_slot_migration_under_load_fails_no_request_and_loses_nothing() {
          {redirected} ASK or TRYAGAIN replies",
         admitted.iter().sum::<u64>()
     );
+}
+
+/// Returns once `done` holds, looking again whenever `progress` is woken.
+async fn wait_until(progress: &Notify, mut done: impl FnMut() -> bool) {
+    loop {
+        let woken = progress.notified();
+        tokio::pin!(woken);
+        // Registered before `done` is read, so no wake-up between the two is missed.
+        woken.as_mut().enable();
+        if done() {
+            return;
+        }
+        woken.await;
+    }
 }
