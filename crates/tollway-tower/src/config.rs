@@ -1322,14 +1322,14 @@ mod tests {
     use super::*;
 
     /// A valid file with `extra` appended, or `policy` in place of the one policy's body.
-    fn file(policy: &str, extra: &str) -> String {
+    pub(super) fn file(policy: &str, extra: &str) -> String {
         format!("[layer]\ndefault = \"api\"\n\n[policies.api]\n{policy}\n{extra}")
     }
 
-    const API: &str = "algorithm = \"gcra\"\nlimit = 10\nperiod = \"1s\"";
+    pub(super) const API: &str = "algorithm = \"gcra\"\nlimit = 10\nperiod = \"1s\"";
 
     /// The error `text` gets, which must start with `limits.toml:line:column:`.
-    fn error(text: &str, line: usize, column: usize) -> String {
+    pub(super) fn error(text: &str, line: usize, column: usize) -> String {
         let err = LimitsFile::parse("limits.toml", text)
             .unwrap_err()
             .to_string();

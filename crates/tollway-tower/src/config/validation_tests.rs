@@ -3,21 +3,11 @@
 
 use super::*;
 
+use super::tests::{API, error};
+
 /// A valid file with `extra` appended.
 fn file(extra: &str) -> String {
-    format!(
-        "[layer]\ndefault = \"api\"\n\n[policies.api]\nalgorithm = \"gcra\"\nlimit = 10\nperiod = \"1s\"\n{extra}"
-    )
-}
-
-/// The error `text` gets, which must start with `limits.toml:line:column:`.
-fn error(text: &str, line: usize, column: usize) -> String {
-    let err = LimitsFile::parse("limits.toml", text)
-        .unwrap_err()
-        .to_string();
-    let at = format!("limits.toml:{line}:{column}: ");
-    assert!(err.starts_with(&at), "{err:?} is not at {at:?}\n{text}");
-    err
+    super::tests::file(API, extra)
 }
 
 const ROUTE: &str = "\n[policies.checkout]\nalgorithm = \"gcra\"\nlimit = 1\nperiod = \"1s\"\n\n[[routes]]\npath = \"/checkout\"\n";
