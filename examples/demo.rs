@@ -104,8 +104,9 @@ pub async fn store_from_env() -> Result<BoxStore, String> {
 
 /// The store a server uses: the limits file's `[store]` section when it has one, else
 /// the Redis at `redis_url`, else the memory store (this process only); and whether it
-/// is the demo's own memory store (neither a file's store nor Redis). A file naming a store and a `REDIS_URL` both is refused: one
-/// of them would be ignored, and gateways that meant to share limits would not.
+/// is the demo's own memory store (neither a file's store nor Redis). A file naming a
+/// store and a `REDIS_URL` both is refused: one of them would be ignored, and gateways
+/// that meant to share limits would not.
 ///
 /// # Errors
 ///

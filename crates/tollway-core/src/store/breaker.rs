@@ -292,9 +292,7 @@ impl<S, C: Clock> Inner<S, C> {
 
 impl<C: Clock> Fallback<C> {
     fn decide(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Result<Decisions, StoreError> {
-        let scaled = self.scaled(policies)?;
-        let scaled: SmallVec<[&Policy; 4]> = scaled.iter().collect();
-        Ok(self.store.decide(key, &scaled, cost))
+        self.on_share(policies, |scaled| self.store.decide(key, scaled, cost))
     }
 
     /// A charge or drain, on this node's share of each policy.
@@ -304,9 +302,18 @@ impl<C: Clock> Fallback<C> {
         policies: &[&Policy],
         operation: Operation,
     ) -> Result<Decisions, StoreError> {
+        self.on_share(policies, |scaled| self.store.apply(key, scaled, operation))
+    }
+
+    /// `then` of `policies` scaled to this node's share.
+    fn on_share(
+        &self,
+        policies: &[&Policy],
+        then: impl FnOnce(&[&Policy]) -> Decisions,
+    ) -> Result<Decisions, StoreError> {
         let scaled = self.scaled(policies)?;
         let scaled: SmallVec<[&Policy; 4]> = scaled.iter().collect();
-        Ok(self.store.apply(key, &scaled, operation))
+        Ok(then(&scaled))
     }
 
     /// `policies` scaled to this node's share, each made once.

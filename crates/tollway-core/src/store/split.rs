@@ -756,10 +756,10 @@ impl<S: Store + Board + Clone> Store for SplitStore<S> {
 
     /// Only the policies declared to the builder: another would fail every request.
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
-        match self.inner.split_of(policy) {
-            Ok(_) => Ok(()),
-            Err(error) => Err(ConfigError::new(error.to_string())),
-        }
+        self.inner
+            .split_of(policy)
+            .map(|_| ())
+            .map_err(|error| ConfigError::new(error.to_string()))
     }
 }
 

@@ -178,7 +178,7 @@ where
         let this = self;
         let next = match this.state.as_mut().project() {
             StateProj::Start => {
-                let keys = (this.keys.limits.as_deref(), this.keys.pause());
+                let keys = (this.keys.limits.as_deref(), this.keys.pause.as_deref());
                 match (keys, &this.shared.pause) {
                     // No key: not limited.
                     ((None, _), _) => State::Ready,
@@ -224,7 +224,7 @@ where
                 // The first time only, and only if a refusal would pause (and so be
                 // waited out before the copy goes) and the request may wait at all.
                 if this.refused.is_none()
-                    && this.keys.pause().is_some()
+                    && this.keys.pause.is_some()
                     && this.shared.pause.is_some()
                     && !this.shared.max_wait.is_zero()
                 {
@@ -244,7 +244,7 @@ where
                 // outbound layer inside this one handed on (it paused, or had paused).
                 let handled = response.extensions().get::<Handled>().is_some();
                 let pause_key = (this.refused.is_none() && !handled)
-                    .then(|| this.keys.pause())
+                    .then_some(this.keys.pause.as_deref())
                     .flatten();
                 let (work, pause) = told(this.shared, key, pause_key, *this.cost, &response);
                 // Again if the upstream refused it, a copy was made, the pause ends

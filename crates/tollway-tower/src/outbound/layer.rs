@@ -342,20 +342,19 @@ where
         let shared = &self.shared;
         let (method, uri, headers) = (request.method(), request.uri(), request.headers());
         let key = (shared.key)(method, uri, headers);
-        // Only a layer that pauses needs it; `None` in the pause key: the limits' key.
-        let pause_key = match (&shared.pause, &shared.pause_key) {
-            (Some(_), Some(pause_key)) => PauseKey::Own(pause_key(method, uri, headers)),
-            (Some(_), None) => PauseKey::Limits,
-            (None, _) => PauseKey::Own(None),
+        // Only a layer that pauses needs it, and only for a request it limits.
+        let pause = match (&shared.pause, &key) {
+            (Some(_), Some(key)) => match &shared.pause_key {
+                Some(pause_key) => pause_key(method, uri, headers),
+                None => Some(key.clone()),
+            },
+            _ => None,
         };
         let cost = shared
             .cost
             .as_ref()
             .map_or(1, |cost| cost(method, uri, headers));
-        let keys = Keys {
-            limits: key,
-            pause: pause_key,
-        };
+        let keys = Keys { limits: key, pause };
         ResponseFuture::new(self.inner.clone(), Arc::clone(shared), keys, cost, request)
     }
 }
@@ -365,27 +364,8 @@ where
 pub(super) struct Keys {
     /// `None`: not limited (nor paused).
     pub(super) limits: Option<String>,
-    pub(super) pause: PauseKey,
-}
-
-/// Whose pause a request waits out and starts.
-#[derive(Debug)]
-pub(super) enum PauseKey {
-    /// The limits' key (no second string to make).
-    Limits,
-    /// A key of its own; `None`: never paused.
-    Own(Option<String>),
-}
-
-impl Keys {
-    /// The pause key, if the request is limited and paused.
-    pub(super) fn pause(&self) -> Option<&str> {
-        self.limits.as_ref()?;
-        match &self.pause {
-            PauseKey::Limits => self.limits.as_deref(),
-            PauseKey::Own(key) => key.as_deref(),
-        }
-    }
+    /// `None`: never paused (always so when not limited, or the layer never pauses).
+    pub(super) pause: Option<String>,
 }
 
 /// Why the limiter itself failed an outbound request (the inner service's own errors
