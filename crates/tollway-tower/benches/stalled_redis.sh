@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The axum example on a Redis that stalls: wrk -c32 for 6 s with `CLIENT PAUSE 5000 ALL`
+# sent 0.5 s in, then the same load with no pause. At the defaults (timeout, breaker,
+# fallback). Starts its own redis-server on a free loopback port and stops what it
+# started. Usage: bash crates/tollway-tower/benches/stalled_redis.sh [BINARY]
+# (default: target/release/examples/axum_server, built first).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+bin=${1:-}
+if [ -z "$bin" ]; then
+  cargo build --release --example axum_server
+  bin=target/release/examples/axum_server
+fi
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+out=$(mktemp -d)
+rp=$(free_port); hp=$(free_port)
+redis-server --port "$rp" --bind 127.0.0.1 --save '' --appendonly no >"$out/redis.log" 2>&1 &
+rpid=$!
+REDIS_URL=redis://127.0.0.1:$rp PORT=$hp timeout 40 "$bin" >"$out/server.log" 2>&1 &
+spid=$!
+trap 'kill $spid $rpid 2>/dev/null || true' EXIT
+until redis-cli -p "$rp" ping >/dev/null 2>&1 && curl -s -o /dev/null "http://127.0.0.1:$hp/"; do
+  sleep 0.1
+done
+(sleep 0.5; redis-cli -p "$rp" CLIENT PAUSE 5000 ALL >/dev/null) &
+echo "== 5 s pause inside a 6 s run"
+timeout 20 wrk -t2 -c32 -d6s --latency -H 'X-API-Key: demo-pro-key' "http://127.0.0.1:$hp/"
+sleep 1
+echo "== no pause"
+timeout 20 wrk -t2 -c32 -d6s --latency -H 'X-API-Key: demo-pro-key' "http://127.0.0.1:$hp/"
+echo "== breaker log lines: $(grep -c 'breaker\|store failing\|answering again' "$out/server.log" || true)"
