@@ -200,3 +200,130 @@ async fn requests_arriving_together_wait_for_one_lookup() {
     assert!(replies.iter().all(|r| limit(r) == Some("1000")));
     assert_eq!(lookups.load(Ordering::SeqCst), 1);
 }
+
+/// A request from `peer` with `X-API-Key: key`.
+fn request_from(key: &str, peer: &str) -> Request<()> {
+    let mut request = request(key);
+    let peer: SocketAddr = peer.parse().unwrap();
+    request.extensions_mut().insert(peer);
+    request
+}
+
+/// A lookup that counts its calls and the most under way at once, takes 2 s, and knows
+/// `k-pro` only.
+#[derive(Clone, Default)]
+struct Counted {
+    calls: Arc<AtomicUsize>,
+    running: Arc<AtomicUsize>,
+    most: Arc<AtomicUsize>,
+}
+
+impl Counted {
+    fn lookup(&self) -> impl tollway_tower::TierLookup {
+        let counted = self.clone();
+        move |key: Key| {
+            let counted = counted.clone();
+            async move {
+                counted.calls.fetch_add(1, Ordering::SeqCst);
+                let now = counted.running.fetch_add(1, Ordering::SeqCst) + 1;
+                counted.most.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                counted.running.fetch_sub(1, Ordering::SeqCst);
+                let tier = (key.value() == b"k-pro").then(|| "pro".to_owned());
+                Ok::<_, std::io::Error>(tier)
+            }
+        }
+    }
+}
+
+/// Regression: every made-up key cost a call to the lookup's backend, however many one
+/// address sent. Now an address starts at most its lookups per source (5 a minute here):
+/// a thousand made-up keys from one address cost the backend 5 calls, and its callers
+/// past that are limited as unknown, for the request only — the same caller from another
+/// address is looked up, and the first address may look up again as its budget refills.
+#[tokio::test(start_paused = true)]
+async fn made_up_keys_from_one_address_cost_the_backend_its_lookups_per_source() {
+    let counted = Counted::default();
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("anonymous", 100))
+        .key(ApiKey::header("x-api-key").unwrap())
+        .tier(per_minute("pro", 1_000))
+        .tier_lookup(counted.lookup())
+        .tier_lookup_timeout(Duration::from_secs(5))
+        .tier_lookups_per_source(tollway_core::Quota::per_minute(5).unwrap())
+        .build()
+        .unwrap();
+    let send_from = |key: String, peer: &'static str| {
+        let service = layer.layer(service_fn(|_: Request<()>| async {
+            Ok::<_, Infallible>(Response::new("ok".to_owned()))
+        }));
+        service.oneshot(request_from(&key, peer))
+    };
+    for n in 0..1_000 {
+        let reply = send_from(format!("made-up-{n}"), "203.0.113.9:4000")
+            .await
+            .unwrap();
+        assert_eq!(limit(&reply), Some("100"));
+    }
+    assert_eq!(counted.calls.load(Ordering::SeqCst), 5);
+    // The address has no lookups left: a real key from it is unknown this time...
+    let reply = send_from("k-pro".into(), "203.0.113.9:4000").await.unwrap();
+    assert_eq!(limit(&reply), Some("100"));
+    assert_eq!(counted.calls.load(Ordering::SeqCst), 5);
+    // ...and looked up from another address.
+    let reply = send_from("k-pro".into(), "198.51.100.7:4000")
+        .await
+        .unwrap();
+    assert_eq!(limit(&reply), Some("1000"));
+    assert_eq!(counted.calls.load(Ordering::SeqCst), 6);
+    // One lookup refills every 12 s.
+    tokio::time::advance(Duration::from_secs(12)).await;
+    send_from("made-up-again".into(), "203.0.113.9:4000")
+        .await
+        .unwrap();
+    assert_eq!(counted.calls.load(Ordering::SeqCst), 7);
+}
+
+/// Regression: nothing bounded the lookups under way. Now at most
+/// `tier_lookup_concurrency` (8 here) run at once: of 100 new keys arriving together, 8
+/// are looked up and the other 92 answered at once as unknown; once the 8 end, lookups
+/// start again.
+#[tokio::test(start_paused = true)]
+async fn lookups_under_way_are_bounded() {
+    let counted = Counted::default();
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("anonymous", 1_000))
+        .key(ApiKey::header("x-api-key").unwrap())
+        .tier(per_minute("pro", 10_000))
+        .tier_lookup(counted.lookup())
+        .tier_lookup_timeout(Duration::from_secs(5))
+        .tier_lookup_concurrency(8)
+        .tier_lookups_per_source(tollway_core::Quota::per_minute(1_000_000).unwrap())
+        .build()
+        .unwrap();
+    let keys: Vec<String> = (0..100).map(|n| format!("new-{n}")).collect();
+    let replies = futures_util::future::join_all(keys.iter().map(|key| send(&layer, key))).await;
+    assert!(replies.iter().all(|r| r.status() == StatusCode::OK));
+    assert_eq!(counted.calls.load(Ordering::SeqCst), 8);
+    assert_eq!(counted.most.load(Ordering::SeqCst), 8);
+    // The 8 answered (None: unknown, cached); new keys are looked up again.
+    let reply = send(&layer, "k-pro").await;
+    assert_eq!(limit(&reply), Some("10000"));
+    assert_eq!(counted.calls.load(Ordering::SeqCst), 9);
+}
+
+/// A bound of no lookups at all is refused when the layer is built.
+#[test]
+fn no_lookups_at_once_is_a_configuration_error() {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let err = RateLimitLayer::builder(memory_store(&clock), per_minute("anonymous", 1))
+        .tier_lookup(|_: Key| async { Ok::<Option<String>, std::io::Error>(None) })
+        .tier_lookup_concurrency(0)
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("tier_lookup_concurrency at least 1"),
+        "{err}"
+    );
+}

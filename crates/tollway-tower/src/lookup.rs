@@ -7,13 +7,16 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt;
 use futures_util::future::Shared;
 use parking_lot::Mutex;
 use tokio::time::Instant;
+use tollway_core::{Algorithm, ConfigError, MemoryStore, Policy, Quota};
 
+use crate::clock::TokioClock;
 use crate::key::Key;
 use crate::limits::Limits;
 use crate::report::Failures;
@@ -95,20 +98,82 @@ pub(crate) fn unknown_key() -> Key {
     Key::new("unknown", "")
 }
 
-/// A layer's tier lookup, its cache and its rule for failures.
+/// A layer's tier lookup, its caches, its bounds and its rule for failures.
 pub(crate) struct Lookups {
     lookup: Arc<dyn TierLookup>,
-    /// Answers with when they expire, by tokio's clock (so a test's paused clock moves
-    /// them too); the cache also drops them then by its own.
-    cache: moka::sync::Cache<Key, (Found, Instant)>,
+    /// Known callers' tiers with when they expire, by tokio's clock (so a test's paused
+    /// clock moves them too); the cache also drops them then by its own.
+    known: moka::sync::Cache<Key, (usize, Instant)>,
+    /// Keys the lookup does not know, apart, so that a flood of made-up keys cannot push
+    /// the known callers out.
+    unknown: moka::sync::Cache<Key, Instant>,
     ttl: Duration,
     /// How long a lookup may take before it counts as failed.
     timeout: Duration,
     /// Lookups under way, by key: the requests of one caller that arrive while its tier
     /// is being looked up wait for the same answer.
     in_flight: Mutex<HashMap<Key, Shared<Pending>>>,
+    /// Calls to the lookup under way, and the most there may be.
+    running: Arc<AtomicUsize>,
+    max_running: usize,
+    /// Lookups each source (a caller's address) may start, counted in a store of their
+    /// own.
+    per_source: (MemoryStore<TokioClock>, Policy),
     pub(crate) on_error: OnLookupError,
     pub(crate) failures: Failures,
+}
+
+/// How a layer looks tiers up: its cache, timeout and bounds.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LookupSettings {
+    pub(crate) entries: u64,
+    pub(crate) ttl: Duration,
+    pub(crate) timeout: Duration,
+    pub(crate) concurrency: usize,
+    /// `None`: [`DEFAULT_LOOKUPS_PER_SOURCE`] a minute.
+    pub(crate) per_source: Option<Quota>,
+}
+
+/// How many lookups one address may start a minute, by default.
+pub(crate) const DEFAULT_LOOKUPS_PER_SOURCE: u32 = 60;
+
+impl Default for LookupSettings {
+    fn default() -> Self {
+        LookupSettings {
+            entries: 100_000,
+            ttl: Duration::from_secs(60),
+            timeout: Duration::from_secs(1),
+            concurrency: 64,
+            per_source: None,
+        }
+    }
+}
+
+/// Why a lookup was not started.
+#[derive(Clone, Copy, Debug)]
+enum Refused {
+    /// As many lookups as the layer allows are under way.
+    Concurrency,
+    /// The caller's address has started as many as it may for now.
+    Source,
+}
+
+impl Refused {
+    fn reason(self) -> &'static str {
+        match self {
+            Refused::Concurrency => "concurrency",
+            Refused::Source => "source",
+        }
+    }
+}
+
+/// Counts a call to the lookup as under way until dropped.
+struct Running(Arc<AtomicUsize>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A lookup shared by the requests that wait for it.
@@ -117,51 +182,95 @@ type Pending = Pin<Box<dyn Future<Output = Result<Option<String>, Arc<str>>> + S
 /// The most lookups kept to be joined at once.
 const MAX_IN_FLIGHT: usize = 10_000;
 
-/// The default bound on cached answers.
-pub(crate) const DEFAULT_CACHE_ENTRIES: u64 = 100_000;
-/// How long a cached answer is kept by default.
-pub(crate) const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(60);
-/// How long a lookup may take by default.
-pub(crate) const DEFAULT_LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
 /// The longest time to live the cache takes (moka's bound, less a margin).
 pub(crate) const MAX_CACHE_TTL: Duration = Duration::from_secs(100 * 365 * 86_400);
 
 impl Lookups {
+    /// # Errors
+    ///
+    /// When the settings are out of range: a time to live beyond 100 years, a timeout of
+    /// zero, no lookups at once.
     pub(crate) fn new(
         lookup: Arc<dyn TierLookup>,
-        (entries, ttl, timeout): (u64, Duration, Duration),
+        settings: LookupSettings,
         on_error: OnLookupError,
         failures: Failures,
-    ) -> Self {
-        Lookups {
+    ) -> Result<Self, ConfigError> {
+        if settings.ttl > MAX_CACHE_TTL || settings.timeout.is_zero() || settings.concurrency == 0 {
+            return Err(ConfigError::new(format!(
+                "tier_cache's time to live must be at most {} years (got {:?}), \
+                 tier_lookup_timeout more than zero (got {:?}), and \
+                 tier_lookup_concurrency at least 1 (got {})",
+                MAX_CACHE_TTL.as_secs() / (365 * 86_400),
+                settings.ttl,
+                settings.timeout,
+                settings.concurrency,
+            )));
+        }
+        fn cache<V: Clone + Send + Sync + 'static>(
+            settings: &LookupSettings,
+        ) -> moka::sync::Cache<Key, V> {
+            moka::sync::Cache::builder()
+                .max_capacity(settings.entries)
+                .time_to_live(settings.ttl)
+                .build()
+        }
+        let sources = MemoryStore::builder().clock(TokioClock::new()).build()?;
+        let quota = match settings.per_source {
+            Some(quota) => quota,
+            None => Quota::per_minute(DEFAULT_LOOKUPS_PER_SOURCE)?,
+        };
+        let per_source = Policy::new("tier-lookups", Algorithm::Gcra, quota)?;
+        Ok(Lookups {
             lookup,
-            cache: moka::sync::Cache::builder()
-                .max_capacity(entries)
-                .time_to_live(ttl)
-                .build(),
-            ttl,
-            timeout,
+            known: cache(&settings),
+            unknown: cache(&settings),
+            ttl: settings.ttl,
+            timeout: settings.timeout,
             in_flight: Mutex::default(),
+            running: Arc::new(AtomicUsize::new(0)),
+            max_running: settings.concurrency,
+            per_source: (sources, per_source),
             on_error,
             failures,
-        }
+        })
     }
 
     /// A cached answer for `key`.
     #[inline]
     pub(crate) fn cached(&self, key: &Key) -> Option<Found> {
-        let (found, expires) = self.cache.get(key)?;
-        (Instant::now() < expires).then_some(found)
+        let now = Instant::now();
+        if let Some((tier, expires)) = self.known.get(key) {
+            return (now < expires).then_some(Found::Tier(tier));
+        }
+        let expires = self.unknown.get(key)?;
+        (now < expires).then_some(Found::Unknown)
     }
 
-    /// Starts a lookup of `key`, or joins the one under way, failing it if it takes
-    /// longer than the layer's bound.
-    pub(crate) fn start(&self, key: &Key) -> LookupFuture {
+    /// Starts a lookup of `key` for a caller at `source` (its address key), or joins the
+    /// one under way, failing it if it takes longer than the layer's bound. `None`: not
+    /// started, because as many lookups as the layer allows are under way, or `source`
+    /// has started as many as it may for now; the caller is then unknown, for this
+    /// request only.
+    pub(crate) fn start(&self, key: &Key, source: Option<&Key>) -> Option<LookupFuture> {
         let shared = {
             let mut in_flight = self.in_flight.lock();
             match in_flight.get(key) {
                 Some(shared) => shared.clone(),
                 None => {
+                    if let Err(refused) = self.admit(source) {
+                        tracing::debug!(
+                            reason = refused.reason(),
+                            "tier lookup not started: the caller is unknown for this request"
+                        );
+                        #[cfg(feature = "metrics")]
+                        metrics::counter!(
+                            "tollway_tier_lookups_refused_total",
+                            "reason" => refused.reason()
+                        )
+                        .increment(1);
+                        return None;
+                    }
                     let shared = self.timed(key).shared();
                     // Bounded: past it (requests given up while their lookup ran leave
                     // entries until their key comes again), lookups run alone.
@@ -172,14 +281,35 @@ impl Lookups {
                 }
             }
         };
-        Box::pin(async move { shared.await.map_err(|e| e.to_string().into()) })
+        Some(Box::pin(async move {
+            shared.await.map_err(|e| e.to_string().into())
+        }))
+    }
+
+    /// Whether a new call to the lookup may start for `source`: counted as under way if
+    /// so, and charged to the source.
+    fn admit(&self, source: Option<&Key>) -> Result<(), Refused> {
+        if self.running.load(Ordering::Acquire) >= self.max_running {
+            return Err(Refused::Concurrency);
+        }
+        if let Some(source) = source {
+            let (store, policy) = &self.per_source;
+            if !store.decide(source.as_bytes(), &[policy], 1).is_allowed() {
+                return Err(Refused::Source);
+            }
+        }
+        self.running.fetch_add(1, Ordering::AcqRel);
+        Ok(())
     }
 
     /// One lookup of `key`, bounded by the layer's timeout, its error shareable.
+    /// Counted as under way (see [`admit`](Self::admit)) until it ends or is dropped.
     fn timed(&self, key: &Key) -> Pending {
         let lookup = self.lookup.lookup(key);
         let timeout = self.timeout;
+        let running = Running(Arc::clone(&self.running));
         Box::pin(async move {
+            let _running = running;
             match tokio::time::timeout(timeout, lookup).await {
                 Ok(answer) => answer.map_err(|e| Arc::from(e.to_string())),
                 Err(_) => Err(Arc::from(format!("no answer within {timeout:?}"))),
@@ -196,9 +326,17 @@ impl Lookups {
         limits: &Limits,
     ) -> Option<Found> {
         self.in_flight.lock().remove(key);
+        let expires = Instant::now() + self.ttl;
         let found = match answer {
-            Ok(Some(tier)) => Found::Tier(limits.tier_index(&tier)),
-            Ok(None) => Found::Unknown,
+            Ok(Some(tier)) => {
+                let tier = limits.tier_index(&tier);
+                self.known.insert(key.clone(), (tier, expires));
+                Found::Tier(tier)
+            }
+            Ok(None) => {
+                self.unknown.insert(key.clone(), expires);
+                Found::Unknown
+            }
             Err(error) => {
                 let action = match self.on_error {
                     OnLookupError::Anonymous => "limiting its callers as unknown",
@@ -209,8 +347,6 @@ impl Lookups {
             }
         };
         self.failures.succeeded();
-        self.cache
-            .insert(key.clone(), (found, Instant::now() + self.ttl));
         Some(found)
     }
 }
@@ -218,7 +354,9 @@ impl Lookups {
 impl fmt::Debug for Lookups {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lookups")
-            .field("cached", &self.cache.entry_count())
+            .field("known", &self.known.entry_count())
+            .field("unknown", &self.unknown.entry_count())
+            .field("running", &self.running.load(Ordering::Relaxed))
             .field("on_error", &self.on_error)
             .finish_non_exhaustive()
     }

@@ -22,7 +22,7 @@ use tollway_core::{
 
 use crate::access::{AccessLists, Listed};
 use crate::headers::{HeaderStyle, RateLimitHeaders};
-use crate::key::{Key, KeyExtractor};
+use crate::key::{Key, KeyExtractor, peer_addr};
 use crate::limits::{Limits, Selected, sent_uri};
 use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, unknown_key};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
@@ -272,10 +272,11 @@ impl<St: Store> Limiter<St> {
             None => Found::Tier(self.limits.tier_for(&key)),
             Some(lookups) => match lookups.cached(&key) {
                 Some(found) => found,
-                None => {
-                    let future = lookups.start(&key);
-                    return Start::Lookup(Lookup { key, future });
-                }
+                None => match lookups.start(&key, source(extractor, request).as_ref()) {
+                    Some(future) => return Start::Lookup(Lookup { key, future }),
+                    // Not looked up (a bound): unknown, this time.
+                    None => Found::Unknown,
+                },
             },
         };
         self.evaluate(key, found, request)
@@ -609,4 +610,16 @@ impl Evaluation {
 fn max_delay<'d>(decisions: impl Iterator<Item = &'d Decision>) -> Option<Duration> {
     let delay_us = decisions.map(Decision::delay_micros).max();
     delay_us.filter(|&us| us > 0).map(Duration::from_micros)
+}
+
+/// The address a request comes from, as its key extractor knows the caller (the first
+/// `ip:` key among its identities: the client behind trusted proxies), else the peer's.
+fn source<B, K: KeyExtractor<B>>(extractor: &K, request: &Request<B>) -> Option<Key> {
+    let mut address = None;
+    extractor.identities(request, &mut |key| {
+        if address.is_none() && key.namespace() == "ip" {
+            address = Some(key);
+        }
+    });
+    address.or_else(|| peer_addr(request).map(|peer| Key::ip(peer, 64)))
 }

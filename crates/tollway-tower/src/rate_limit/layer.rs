@@ -8,7 +8,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Extensions, HeaderMap, Method, Response, StatusCode, Uri};
-use tollway_core::{Clock, ConfigError, Policy, Store, SystemClock};
+use tollway_core::{Clock, ConfigError, Policy, Quota, Store, SystemClock};
 use tower_layer::Layer;
 
 use super::RateLimit;
@@ -16,10 +16,7 @@ use crate::access::AccessLists;
 use crate::headers::HeaderStyle;
 use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
-use crate::lookup::{
-    DEFAULT_CACHE_ENTRIES, DEFAULT_CACHE_TTL, DEFAULT_LOOKUP_TIMEOUT, Lookups, MAX_CACHE_TTL,
-    OnLookupError, TierLookup,
-};
+use crate::lookup::{LookupSettings, Lookups, OnLookupError, TierLookup};
 use crate::pipeline::{
     AfterCharge, ChargeFn, CostFn, Current, Limiter, MissingKey, OnStoreError, Protocol, Shadow,
 };
@@ -78,11 +75,7 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
             listener: None,
             charge_after: None,
             lookup: None,
-            lookup_cache: (
-                DEFAULT_CACHE_ENTRIES,
-                DEFAULT_CACHE_TTL,
-                DEFAULT_LOOKUP_TIMEOUT,
-            ),
+            lookup_settings: LookupSettings::default(),
             on_lookup_error: OnLookupError::Anonymous,
             source: None,
         }
@@ -220,7 +213,7 @@ pub struct RateLimitLayerBuilder<St, K> {
     listener: Option<Arc<dyn DecisionListener>>,
     charge_after: Option<(String, ChargeFn)>,
     lookup: Option<Arc<dyn TierLookup>>,
-    lookup_cache: (u64, Duration, Duration),
+    lookup_settings: LookupSettings,
     on_lookup_error: OnLookupError,
     /// The limits file the settings come from, which `build`'s errors name.
     source: Option<String>,
@@ -262,7 +255,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             listener: self.listener,
             charge_after: self.charge_after,
             lookup: self.lookup,
-            lookup_cache: self.lookup_cache,
+            lookup_settings: self.lookup_settings,
             on_lookup_error: self.on_lookup_error,
             source: self.source,
         }
@@ -304,15 +297,36 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// Keeps at most `entries` looked-up tiers, each for `ttl` (default 100,000 for 60 s):
     /// a changed tier takes effect within `ttl`.
     pub fn tier_cache(mut self, entries: u64, ttl: Duration) -> Self {
-        self.lookup_cache.0 = entries;
-        self.lookup_cache.1 = ttl;
+        self.lookup_settings.entries = entries;
+        self.lookup_settings.ttl = ttl;
         self
     }
 
     /// How long a tier lookup may take (default 1 s): one that takes longer fails, per
     /// [`on_tier_lookup_error`](Self::on_tier_lookup_error).
     pub fn tier_lookup_timeout(mut self, timeout: Duration) -> Self {
-        self.lookup_cache.2 = timeout;
+        self.lookup_settings.timeout = timeout;
+        self
+    }
+
+    /// How many tier lookups may be under way at once (default 64). A caller whose key
+    /// is not cached while that many are under way is not looked up: it is limited as
+    /// an unknown caller, for that request only (not cached), so a flood of made-up
+    /// keys costs the lookup's backend at most this many calls at a time. Requests of a
+    /// caller whose lookup is under way wait for it, whatever the bound.
+    pub fn tier_lookup_concurrency(mut self, lookups: usize) -> Self {
+        self.lookup_settings.concurrency = lookups;
+        self
+    }
+
+    /// How many tier lookups one address may start (default 60 a minute, GCRA, in a
+    /// memory store of the layer's own). Past it, its callers whose keys are not cached
+    /// are limited as unknown, for that request only. The address is the one the key
+    /// extractor knows the caller by (`ip:` among its
+    /// [`identities`](crate::KeyExtractor::identities): the client behind trusted
+    /// proxies with `ClientIp`), else the peer's.
+    pub fn tier_lookups_per_source(mut self, quota: Quota) -> Self {
+        self.lookup_settings.per_source = Some(quota);
         self
     }
 
@@ -590,19 +604,19 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         let failures = Failures::new("rate limit store", Arc::clone(&self.wall_clock));
         let charge_failures = Failures::new("post-response charge", Arc::clone(&self.wall_clock));
         let reporter = Reporter::new(self.listener, limits.policies());
-        if self.lookup_cache.1 > MAX_CACHE_TTL || self.lookup_cache.2.is_zero() {
-            return Err(ConfigError::new(format!(
-                "tier_cache's time to live must be at most {} years (got {:?}), and \
-                 tier_lookup_timeout more than zero (got {:?})",
-                MAX_CACHE_TTL.as_secs() / (365 * 86_400),
-                self.lookup_cache.1,
-                self.lookup_cache.2
-            )));
-        }
-        let lookups = self.lookup.map(|lookup| {
-            let failures = Failures::new("tier lookup", Arc::clone(&self.wall_clock));
-            Lookups::new(lookup, self.lookup_cache, self.on_lookup_error, failures)
-        });
+        let lookups = match self.lookup {
+            Some(lookup) => {
+                let failures = Failures::new("tier lookup", Arc::clone(&self.wall_clock));
+                let settings = self.lookup_settings;
+                Some(Lookups::new(
+                    lookup,
+                    settings,
+                    self.on_lookup_error,
+                    failures,
+                )?)
+            }
+            None => None,
+        };
         Ok(RateLimitLayer {
             limiter: Arc::new(ArcSwap::from_pointee(Limiter {
                 store: self.store,
