@@ -30,6 +30,7 @@
 //! [key]                         # optional: the peer address is the default
 //! api_key = { header = "x-api-key", only_known = true }
 //! # client_ip = { header = "x-forwarded-for", trusted_proxies = ["10.0.0.0/8"] }
+//! # behind a CDN, counted: trusted_hops = 2, hops_through = ["<the CDN's ranges>"]
 //!
 //! [policies.anonymous]
 //! algorithm = "token_bucket"    # token_bucket, leaky_bucket, leaky_bucket_shaper,
@@ -185,6 +186,8 @@ struct ClientIpSection {
     header: Spanned<String>,
     trusted_proxies: Vec<Spanned<String>>,
     trusted_hops: Option<Spanned<usize>>,
+    /// Where the counted proxies are (`ClientIp::hops_through`).
+    hops_through: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 #[derive(Debug, Deserialize, PartialEq)]
@@ -471,6 +474,16 @@ impl LimitsFile {
                     client_ip = client_ip
                         .trusted_hops(*hops.get_ref())
                         .map_err(|e| self.err(Some(hops.span()), e))?;
+                }
+                if let Some(through) = &c.hops_through {
+                    for network in through.get_ref() {
+                        parse_network(network.get_ref())
+                            .map_err(|e| self.err(Some(network.span()), e))?;
+                    }
+                    let networks = through.get_ref().iter().map(|n| n.get_ref().as_str());
+                    client_ip = client_ip
+                        .hops_through(networks)
+                        .map_err(|e| self.err(Some(through.span()), e))?;
                 }
                 Address::Client(
                     client_ip
@@ -1480,6 +1493,26 @@ mod tests {
             KeyExtractor::<()>::extract(&limits.key().unwrap(), &unknown),
             None
         );
+    }
+
+    #[test]
+    fn hops_counted_through_a_cdn_are_read_from_the_file() {
+        let text = format!(
+            "[key]\nclient_ip = {{ header = \"x-forwarded-for\", trusted_proxies = \
+             [\"10.0.0.0/8\"], trusted_hops = 2, hops_through = [\"203.0.113.0/24\"] }}\n\n{}",
+            file(API, "")
+        );
+        let limits = LimitsFile::parse("limits.toml", &text).unwrap();
+        let mut direct = Request::get("/")
+            .header("x-forwarded-for", "6.6.6.6, 198.51.100.7")
+            .body(())
+            .unwrap();
+        let balancer: std::net::SocketAddr = "10.0.0.5:40000".parse().unwrap();
+        direct.extensions_mut().insert(balancer);
+        let key = KeyExtractor::<()>::extract(&limits.key().unwrap(), &direct);
+        assert_eq!(key, Some(Key::new("ip", "198.51.100.7")));
+        let bad = text.replace("203.0.113.0/24", "203.0.113.0/33");
+        assert!(LimitsFile::parse("limits.toml", &bad).is_err());
     }
 
     #[test]

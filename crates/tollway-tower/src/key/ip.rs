@@ -156,6 +156,8 @@ pub struct ClientIp {
     trusted: Vec<ipnet::IpNet>,
     /// `Some(n)`: exactly `n` proxies in front, counted rather than recognised.
     hops: Option<usize>,
+    /// Where the counted proxies' own addresses must be (empty: anywhere).
+    hops_through: Vec<ipnet::IpNet>,
     ipv6_prefix: u8,
 }
 
@@ -185,6 +187,7 @@ impl ClientIp {
             header,
             trusted,
             hops: None,
+            hops_through: Vec::new(),
             ipv6_prefix: 64,
         })
     }
@@ -197,6 +200,12 @@ impl ClientIp {
     /// of a load balancer (2). Fewer entries than that means the request did not come
     /// through all of them, and the client is unknown; no header at all, as ever, makes
     /// the peer the client.
+    ///
+    /// Counting is safe only if no request reaches the trusted proxy without passing the
+    /// others: a client that connects to the load balancer directly, past the CDN, stands
+    /// where the CDN's address should be, and the entry counted as the client is one it
+    /// wrote itself. Firewall the balancer to the CDN, or name the CDN's networks with
+    /// [`hops_through`](Self::hops_through).
     ///
     /// # Errors
     ///
@@ -238,6 +247,60 @@ impl ClientIp {
         Ok(self)
     }
 
+    /// Counts a hop only through the proxies in `networks` (a CDN's published ranges),
+    /// after [`trusted_hops`](Self::trusted_hops): where a counted proxy's address should
+    /// be, an entry outside them is the client, which came in past the proxies. So a
+    /// client that reaches the load balancer directly is keyed by its own address, not
+    /// by what it wrote.
+    ///
+    /// # Errors
+    ///
+    /// When `trusted_hops` was not set first, `networks` is empty, or a network does not
+    /// parse.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::net::SocketAddr;
+    /// use http::Request;
+    /// use tollway_tower::{ClientIp, ForwardedHeader, Key, KeyExtractor};
+    ///
+    /// // The CDN at 203.0.113.0/24 in front of the load balancers at 10.0.0.0/8.
+    /// let client_ip = ClientIp::new(ForwardedHeader::XForwardedFor, ["10.0.0.0/8"])?
+    ///     .trusted_hops(2)?
+    ///     .hops_through(["203.0.113.0/24"])?;
+    /// // Past the CDN, straight to the balancer, with a forged entry: its own address.
+    /// let mut direct = Request::get("/")
+    ///     .header("x-forwarded-for", "6.6.6.6, 198.51.100.7")
+    ///     .body(())?;
+    /// direct.extensions_mut().insert("10.0.0.5:40000".parse::<SocketAddr>()?);
+    /// assert_eq!(client_ip.extract(&direct), Some(Key::new("ip", "198.51.100.7")));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn hops_through<I, S>(mut self, networks: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        if self.hops.is_none() {
+            return Err(ConfigError::new(
+                "hops_through names where counted proxies are: set trusted_hops first",
+            ));
+        }
+        let networks: Vec<ipnet::IpNet> = networks
+            .into_iter()
+            .map(|n| parse_network(n.as_ref()))
+            .collect::<Result<_, _>>()?;
+        if networks.is_empty() {
+            return Err(ConfigError::new(
+                "hops_through needs the networks the counted proxies are in, like a CDN's \
+                 published ranges",
+            ));
+        }
+        self.hops_through = networks;
+        Ok(self)
+    }
+
     /// Groups IPv6 addresses by their first `bits` bits (default 64; 128: no grouping).
     ///
     /// # Errors
@@ -266,8 +329,20 @@ impl ClientIp {
             return Some(peer);
         }
         if let Some(proxies) = self.hops {
-            // Counted: the client is the entry the first of the proxies wrote.
-            return entries.nth(proxies - 1).flatten().map(canonical);
+            // Counted: the client is the entry the first of the proxies wrote. Through
+            // named networks only: an entry where a proxy should be that is not one is
+            // the client.
+            let mut entries = entries.map(|entry| entry.map(canonical));
+            if !self.hops_through.is_empty() {
+                for _ in 1..proxies {
+                    let proxy = entries.next()??;
+                    if !self.hops_through.iter().any(|net| net.contains(&proxy)) {
+                        return Some(proxy);
+                    }
+                }
+                return entries.next().flatten();
+            }
+            return entries.nth(proxies - 1).flatten();
         }
         for entry in entries {
             let ip = canonical(entry?);
@@ -538,6 +613,37 @@ mod tests {
         assert_eq!(c.extract(&r), Some(Key::new("ip", "198.51.100.77")));
         let r = req("10.1.1.1:1", &[("x-real-ip", "1.2.3.4, 5.6.7.8")]);
         assert_eq!(c.extract(&r), None);
+    }
+
+    #[test]
+    // Regression: with a CDN counted in front of the balancer, a client that reached the
+    // balancer directly picked its own key (the entry it wrote stood where the client's
+    // should be). Counted through the CDN's networks, it is keyed by its own address.
+    fn counted_hops_through_named_networks_key_a_client_that_skipped_them() {
+        let counted = xff(&["10.0.0.0/8"]).trusted_hops(2).unwrap();
+        let through = counted.clone().hops_through(["203.0.113.0/24"]).unwrap();
+        // Straight to the balancer: the forged entry, then the client as the balancer saw it.
+        let direct = req(
+            "10.0.0.5:1",
+            &[("x-forwarded-for", "6.6.6.6, 198.51.100.7")],
+        );
+        assert_eq!(counted.extract(&direct), Some(Key::new("ip", "6.6.6.6")));
+        assert_eq!(
+            through.extract(&direct),
+            Some(Key::new("ip", "198.51.100.7"))
+        );
+        // Through the CDN: the client, then the CDN's edge.
+        let via = req(
+            "10.0.0.5:1",
+            &[("x-forwarded-for", "6.6.6.6, 198.51.100.7, 203.0.113.80")],
+        );
+        assert_eq!(through.extract(&via), Some(Key::new("ip", "198.51.100.7")));
+        assert!(
+            xff(&["10.0.0.0/8"])
+                .hops_through(["203.0.113.0/24"])
+                .is_err()
+        );
+        assert!(counted.hops_through(Vec::<&str>::new()).is_err());
     }
 
     #[test]
