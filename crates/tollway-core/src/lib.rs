@@ -70,6 +70,8 @@ mod error;
 mod policy;
 mod quota;
 mod store;
+#[cfg(test)]
+mod test_log;
 
 pub use algorithm::Algorithm;
 pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};

@@ -914,45 +914,12 @@ mod tests {
         assert!(!next.is_allowed());
     }
 
-    /// Keeps the breaker's log lines at `info` and above: their level and `store` field.
-    #[derive(Clone, Default)]
-    struct Lines(Arc<Mutex<Vec<(tracing::Level, String)>>>);
-
-    struct StoreField(String);
-
-    impl tracing::field::Visit for StoreField {
-        fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-            if field.name() == "store" {
-                self.0 = value.to_owned();
-            }
-        }
-        fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn fmt::Debug) {}
-    }
-
-    impl tracing::Subscriber for Lines {
-        fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-            *metadata.level() <= tracing::Level::INFO
-        }
-        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-            tracing::span::Id::from_u64(1)
-        }
-        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-        fn event(&self, event: &tracing::Event<'_>) {
-            let mut store = StoreField(String::new());
-            event.record(&mut store);
-            self.0.lock().push((*event.metadata().level(), store.0));
-        }
-        fn enter(&self, _: &tracing::span::Id) {}
-        fn exit(&self, _: &tracing::span::Id) {}
-    }
-
     // Regression: a dead store logged an open/half-open pair every 350 ms for as long as
     // it was down. Now: one warning when it fails, one summary every 10 s while it stays
     // down, one line when it answers again, each naming the store.
     #[test]
     fn an_outage_is_logged_when_it_starts_every_10_s_and_when_it_ends() {
-        let lines = Lines::default();
+        let lines = crate::test_log::Lines::of("store");
         let clock = ManualClock::new();
         let flaky = Flaky::default();
         let store = CircuitBreaker::builder(flaky.clone())
@@ -977,7 +944,7 @@ mod tests {
         });
         let warn = (tracing::Level::WARN, "sessions".to_owned());
         assert_eq!(
-            *lines.0.lock(),
+            *lines.seen.lock(),
             [warn.clone(), warn.clone(), warn.clone(), warn]
         );
     }

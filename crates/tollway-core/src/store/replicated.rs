@@ -48,8 +48,11 @@ use crate::{ConfigError, Decisions, Policy, StoreError};
 /// [`dropped`](Self::dropped)), so a long partition under a flood of new keys cannot
 /// exhaust memory.
 ///
-/// Only admissions are replicated: [`Store::operate`] acts on this region's store alone
-/// (a reset or refund in one region is not repeated in the others).
+/// Only admissions are replicated: a peek, charge or drain through [`Store::operate`]
+/// acts on this region's store alone, and a reset or refund is refused with an error (in
+/// one region it would be undone by the others' state): apply it to each region's own
+/// store. A peer that stops answering is logged at warn once, and once when it answers
+/// again.
 ///
 /// The sync tasks run on the tokio runtime the store is built in, and stop when the last
 /// clone of the store is dropped.
@@ -105,6 +108,41 @@ struct Peer<S> {
     store: S,
     owed: Mutex<HashMap<Owing, Owed>>,
     dropped: std::sync::atomic::AtomicU64,
+    failing: Failing,
+}
+
+/// Whether something remote is failing, so that its failures are logged at warn once
+/// when they start and once when they end, not on every try.
+#[derive(Debug, Default)]
+pub(crate) struct Failing(std::sync::atomic::AtomicBool);
+
+impl Failing {
+    /// Notes a failure: `true` when it starts an outage.
+    pub(crate) fn failed(&self) -> bool {
+        !self.0.swap(true, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Notes a success: `true` when it ends an outage.
+    pub(crate) fn answered(&self) -> bool {
+        self.0.swap(false, std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// The error of an operation a region's store refuses, if `operation` is one: a reset
+/// or a refund would act on one region only.
+pub(crate) fn one_region_only(store: &str, operation: Operation) -> Option<StoreError> {
+    let what = match operation {
+        Operation::Reset => "a reset",
+        Operation::Refund(_) => "a refund",
+        Operation::Peek(_) | Operation::Charge(_) | Operation::Drain(_) => return None,
+    };
+    Some(StoreError::new(
+        crate::StoreErrorKind::Other,
+        format!(
+            "{what} on a {store} would change this region's state only, and the other \
+             regions would undo it: apply it to each region's own store"
+        ),
+    ))
 }
 
 /// A key and its policies (by id), as a request named them.
@@ -246,7 +284,17 @@ impl<S: Store + Clone> Inner<S> {
                 }
             }
         }
-        if failures > 0 {
+        if failures == 0 {
+            if peer.failing.answered() {
+                tracing::warn!(peer = %peer.name, "replicated store: the peer answers again");
+            }
+        } else if peer.failing.failed() {
+            tracing::warn!(
+                peer = %peer.name,
+                failures,
+                "replicated store: charges to a peer failed; they stay owed until it answers"
+            );
+        } else {
             tracing::debug!(
                 peer = %peer.name,
                 failures,
@@ -345,6 +393,7 @@ impl<S: Store + Clone> ReplicatedStoreBuilder<S> {
                         store,
                         owed: Mutex::new(HashMap::new()),
                         dropped: std::sync::atomic::AtomicU64::new(0),
+                        failing: Failing::default(),
                     })
                     .collect(),
                 timeout: self.timeout,
@@ -402,6 +451,9 @@ impl<S: Store + Clone> Store for ReplicatedStore<S> {
         policies: &[&Policy],
         operation: Operation,
     ) -> Checked<Self::Future> {
+        if let Some(refused) = one_region_only("ReplicatedStore", operation) {
+            return Checked::Ready(Err(refused));
+        }
         match self.inner.local.operate(key, policies, operation) {
             Checked::Ready(answer) => Checked::Ready(answer),
             Checked::Pending(future) => Checked::Pending(Recording {

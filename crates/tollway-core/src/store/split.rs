@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 
+use super::replicated::{Failing, one_region_only};
 use super::{Checked, Operation, Store};
 use crate::policy::fnv1a;
 use crate::{
@@ -161,6 +162,10 @@ struct Inner<S> {
     fingerprint: u64,
     local: S,
     peers: Vec<(String, S)>,
+    /// Whether this region's board, and each peer's, is failing (logged at warn when it
+    /// starts and ends).
+    board_failing: Failing,
+    peers_failing: Vec<Arc<Failing>>,
     clock: Arc<dyn Clock>,
     timeout: Duration,
     max_keys: usize,
@@ -515,19 +520,18 @@ impl<S: Store + Board + Clone> Inner<S> {
         let keep = Duration::from_micros(period.saturating_mul(3));
         let own = self.local.post(&topic, notes.clone(), keep);
         if !matches!(tokio::time::timeout(self.timeout, own).await, Ok(Ok(()))) {
-            tracing::debug!(
-                region = %self.region,
-                "split store: the demand post on this region's board failed; not posted to peers"
-            );
+            let region = &self.region;
+            tell(&self.board_failing, false, || {
+                format!("region {region}'s own board")
+            });
             return posts;
         }
-        for (peer, board) in &self.peers {
+        for ((peer, board), failing) in self.peers.iter().zip(&self.peers_failing) {
             let post = board.post(&topic, notes.clone(), keep);
-            let (peer, timeout) = (peer.clone(), self.timeout);
+            let (peer, timeout, failing) = (peer.clone(), self.timeout, Arc::clone(failing));
             posts.spawn(async move {
-                if !matches!(tokio::time::timeout(timeout, post).await, Ok(Ok(()))) {
-                    tracing::debug!(%peer, "split store: a demand post to a peer failed");
-                }
+                let posted = matches!(tokio::time::timeout(timeout, post).await, Ok(Ok(())));
+                tell(&failing, posted, || format!("peer {peer}'s board"));
             });
         }
         posts
@@ -539,9 +543,13 @@ impl<S: Store + Board + Clone> Inner<S> {
     async fn read_board(&self, i: usize, window: u64) -> Result<HashMap<Vec<u8>, Post>, ()> {
         let read = self.local.read(&topic(&self.splits[i].policy, window));
         let Ok(Ok(notes)) = tokio::time::timeout(self.timeout, read).await else {
-            tracing::debug!(region = %self.region, "split store: reading the board failed");
+            let region = &self.region;
+            tell(&self.board_failing, false, || {
+                format!("region {region}'s own board")
+            });
             return Err(());
         };
+        tell(&self.board_failing, true, String::new);
         let mut posted: HashMap<Vec<u8>, Post> = HashMap::new();
         for (name, n) in &notes {
             if !name.contains(&0) {
@@ -728,6 +736,23 @@ impl<S: Store + Board + Clone> Inner<S> {
     }
 }
 
+/// Logs a board's answer: at warn when it starts failing and when it answers again,
+/// at debug for each failure in between. `board` names it.
+fn tell(failing: &Failing, ok: bool, board: impl FnOnce() -> String) {
+    if ok {
+        if failing.answered() {
+            tracing::warn!(board = %board(), "split store: the board answers again");
+        }
+    } else if failing.failed() {
+        tracing::warn!(
+            board = %board(),
+            "split store: the board failed; this region decides on what it knows until it answers"
+        );
+    } else {
+        tracing::debug!(board = %board(), "split store: the board failed again");
+    }
+}
+
 /// Microseconds to the end of each of a request's windows.
 type Ends = SmallVec<[u64; 2]>;
 
@@ -749,6 +774,9 @@ impl<S: Store + Board + Clone> Store for SplitStore<S> {
         policies: &[&Policy],
         operation: Operation,
     ) -> Checked<Self::Future> {
+        if let Some(refused) = one_region_only("SplitStore", operation) {
+            return Checked::Ready(Err(refused));
+        }
         self.decide(key, policies, 0, |local, key, derived| {
             local.operate(key, derived, operation)
         })
@@ -986,6 +1014,8 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
             region: self.region,
             fingerprint,
             local: self.local,
+            peers_failing: self.peers.iter().map(|_| Arc::default()).collect(),
+            board_failing: Failing::default(),
             peers: self.peers,
             clock: self.clock,
             timeout: self.timeout,
@@ -1232,6 +1262,35 @@ mod tests {
             }
             admitted
         }
+    }
+
+    // Issue 34: a board that failed was logged at debug only, on every try, so an
+    // operator never saw it. Now one warning when it starts failing and one when it
+    // answers again, naming it; the tries in between stay at debug.
+    #[tokio::test]
+    async fn a_failing_board_is_logged_when_it_fails_and_when_it_answers_again() {
+        let fleet = Fleet::new().await;
+        let lines = crate::test_log::Lines::of("board");
+        let _logging = tracing::subscriber::set_default(lines.clone());
+        let down = |lost: bool| {
+            fleet.links[0][1]
+                .lost
+                .store(lost, std::sync::atomic::Ordering::Relaxed);
+        };
+        down(true);
+        for _ in 0..5 {
+            fleet.clock.advance(Duration::from_secs(60));
+            let _ = fleet.regions[0].check(b"k", &[&fleet.policy], 1).await;
+            fleet.regions[0].report_now().await;
+        }
+        down(false);
+        for _ in 0..3 {
+            fleet.clock.advance(Duration::from_secs(60));
+            let _ = fleet.regions[0].check(b"k", &[&fleet.policy], 1).await;
+            fleet.regions[0].report_now().await;
+        }
+        let warn = (tracing::Level::WARN, "peer r1's board".to_owned());
+        assert_eq!(*lines.seen.lock(), [warn.clone(), warn]);
     }
 
     /// Every way the nine posts of three regions (each on its own board and the two
