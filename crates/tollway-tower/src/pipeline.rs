@@ -114,21 +114,37 @@ pub(crate) struct AfterCharge {
 }
 
 /// Which limits are in shadow mode: decided and counted, never enforced. Switched at run
-/// time, so each is a flag.
+/// time, so each is a flag; what the builder said is kept beside it, so that a switch
+/// can be told from the built setting (and carried over a swap of limits).
 #[derive(Debug)]
 pub(crate) struct Shadow {
     /// The whole layer.
     layer: AtomicBool,
     /// Each policy, by its index in [`Limits`].
     policies: Box<[AtomicBool]>,
+    /// The whole layer, as built.
+    built_layer: bool,
+    /// Each policy, as built.
+    built: Box<[bool]>,
 }
 
 impl Shadow {
     pub(crate) fn new(layer: bool, policies: impl Iterator<Item = bool>) -> Self {
+        let built: Box<[bool]> = policies.collect();
         Shadow {
             layer: AtomicBool::new(layer),
-            policies: policies.map(AtomicBool::new).collect(),
+            policies: built.iter().copied().map(AtomicBool::new).collect(),
+            built_layer: layer,
+            built,
         }
+    }
+
+    pub(crate) fn built_layer(&self) -> bool {
+        self.built_layer
+    }
+
+    pub(crate) fn built_policy(&self, index: usize) -> bool {
+        self.built[index]
     }
 
     pub(crate) fn set_layer(&self, on: bool) {
