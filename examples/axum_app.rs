@@ -10,8 +10,9 @@
 //! | `GET /metrics` | Prometheus text |
 //! | `GET /admin/limits/{policy}/{key}` | a caller's state under a policy (`all`: each), consuming nothing |
 //! | `DELETE /admin/limits/{policy}/{key}` | the caller back to fresh under that policy (`all`: every one) |
-//! | `PUT /admin/shadow/{policy}` (body `on` / `off`; `all`: the whole layer) | shadow mode |
-//! | `POST /admin/reload` | the limits file read again (it is also watched) |
+//! | `PUT /admin/shadow/{policy}` (body `on` / `off`, or `file` to follow the file again; `all`: the whole layer) | shadow mode, kept over reloads |
+//! | `GET /admin/config` | the live limits file (its SHA-256, when loaded), the reloads that worked and failed, each limit's shadow mode |
+//! | `POST /admin/reload` | the limits file read again (it is also watched): what changed |
 //! | `GET /lab` | the live lab: the seven algorithms, each limiting `/lab/api/{algorithm}` (see `lab.rs`) |
 //!
 //! `{key}` is the caller's key as the store sees it: `ip:203.0.113.9`, `key:demo-free-key`.
@@ -36,7 +37,7 @@ use serde_json::json;
 use tollway_tower::config::{ConfigKey, LimitsFile, Reloader};
 use tollway_tower::{
     Algorithm, BoxStore, ConfigError, MemoryStore, Operation, PeerIp, Policy, Quota,
-    RateLimitLayer, Store, StoreError,
+    RateLimitLayer, ShadowState, Store, StoreError,
 };
 
 /// The example's layer: limits from its file, keys by API key, else the peer address.
@@ -137,6 +138,7 @@ pub fn app(
                 get(peek_limit).delete(reset_limit),
             )
             .route("/admin/shadow/{policy}", put(set_shadow))
+            .route("/admin/config", get(live_config))
             .route("/admin/reload", post(reload))
             .layer(limited);
         router = router.merge(routes);
@@ -157,16 +159,64 @@ struct Admin {
     metrics: PrometheusHandle,
 }
 
-/// Reads the limits file again (what a SIGHUP would do): 204, or 422 with the file's
-/// error, the running limits kept.
+/// Reads the limits file again (what a SIGHUP would do): 200 with what changed (the new
+/// version, the policies whose counts start afresh, the run-time shadow switches kept
+/// over the file), or 422 with the file's error, the running limits kept.
 async fn reload(State(admin): State<Arc<Admin>>, headers: HeaderMap) -> Response {
     if let Some(refusal) = refuse(&admin, &headers) {
         return refusal;
     }
-    match admin.reloader.reload() {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+    match admin.reloader.reload().await {
+        Ok(reloaded) => json_response(
+            StatusCode::OK,
+            &json!({
+                "version": reloaded.version(),
+                "reset_policies": reloaded.reset_policies(),
+                "kept_switches": shadow_json(reloaded.kept_switches()),
+            }),
+        ),
         Err(e) => error(StatusCode::UNPROCESSABLE_ENTITY, &e.to_string()),
     }
+}
+
+/// The live configuration: which file (its SHA-256 and when it was loaded), how its
+/// reloads went, and each limit's shadow mode (`switched`: by `PUT /admin/shadow`, over
+/// what the file says).
+async fn live_config(State(admin): State<Arc<Admin>>, headers: HeaderMap) -> Response {
+    if let Some(refusal) = refuse(&admin, &headers) {
+        return refusal;
+    }
+    let live = admin.reloader.live();
+    let loaded_at = live
+        .loaded_at()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "version": live.version(),
+            "loaded_at_unix": loaded_at.as_secs(),
+            "reloads": live.reloads(),
+            "reload_failures": live.failures(),
+            "last_error": live.last_error(),
+            "pending": live.pending(),
+            "shadow": shadow_json(&admin.limits.shadow_states()),
+        }),
+    )
+}
+
+/// Shadow states as JSON: `policy` (`all` for the whole layer), `on`, `switched`.
+fn shadow_json(states: &[ShadowState]) -> serde_json::Value {
+    states
+        .iter()
+        .map(|state| {
+            json!({
+                "policy": state.policy().unwrap_or("all"),
+                "on": state.is_on(),
+                "switched": state.is_switched(),
+            })
+        })
+        .collect()
 }
 
 async fn hello() -> &'static str {
@@ -292,17 +342,38 @@ async fn set_shadow(
     if let Some(refusal) = refuse(&admin, &headers) {
         return refusal;
     }
+    let limits = &admin.limits;
     let on = match body.trim_ascii() {
-        b"on" => true,
-        b"off" => false,
-        _ => return error(StatusCode::BAD_REQUEST, "send `on` or `off`"),
+        b"on" => Some(true),
+        b"off" => Some(false),
+        b"file" => None,
+        _ => return error(StatusCode::BAD_REQUEST, "send `on`, `off` or `file`"),
     };
-    if policy == "all" {
-        admin.limits.set_shadow(on);
-    } else if let Err(e) = admin.limits.set_policy_shadow(&policy, on) {
-        return error(StatusCode::NOT_FOUND, &e.to_string());
+    let set = match (policy.as_str(), on) {
+        ("all", Some(on)) => {
+            limits.set_shadow(on);
+            Ok(())
+        }
+        // Every switch dropped: each limit as the file says.
+        ("all", None) => {
+            limits.reset_shadow();
+            Ok(())
+        }
+        (name, Some(on)) => limits.set_policy_shadow(name, on),
+        // This policy as the file says: what it would be without its switch.
+        (name, None) => match limits
+            .shadow_states()
+            .iter()
+            .find(|state| state.policy() == Some(name))
+        {
+            Some(state) => limits.set_policy_shadow(name, state.is_on() != state.is_switched()),
+            None => limits.set_policy_shadow(name, false),
+        },
+    };
+    match set {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => error(StatusCode::NOT_FOUND, &e.to_string()),
     }
-    StatusCode::NO_CONTENT.into_response()
 }
 
 /// The refusal of an admin request: 401 without a bearer token, 403 with another than

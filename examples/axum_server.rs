@@ -138,8 +138,8 @@ fn reload_on_hangup(reloader: Reloader<BoxStore>) {
     };
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
-            match reloader.reload() {
-                Ok(()) => println!("SIGHUP: limits reloaded"),
+            match reloader.reload().await {
+                Ok(reloaded) => println!("SIGHUP: limits reloaded ({})", reloaded.version()),
                 Err(e) => eprintln!("SIGHUP: limits not reloaded, the running ones stay: {e}"),
             }
         }

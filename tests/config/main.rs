@@ -124,7 +124,7 @@ async fn an_edit_under_load_takes_effect_within_two_seconds_and_a_broken_one_nev
 
     // A broken edit: refused with its place; the running limits stay.
     dir.write(&limits(0, 5));
-    let err = reloader.reload().unwrap_err().to_string();
+    let err = reloader.reload().await.unwrap_err().to_string();
     let at = format!("{}:7:9: ", dir.file().display());
     assert!(err.starts_with(&at), "{err}");
     let reply = client.get("/").await;
@@ -175,7 +175,7 @@ both_stores! {
         assert_eq!(remaining("/other").await, (429, Some("0".into())));
 
         dir.write(&limits(3, 50));
-        reloader.reload().unwrap();
+        reloader.reload().await.unwrap();
         // `api` kept its state (0 left); `other` starts afresh at 50 (but `api` refuses).
         assert_eq!(remaining("/").await, (429, Some("0".into())));
         assert_eq!(reloader.layer().policy("other").unwrap().quota().limit(), 50);
@@ -216,4 +216,297 @@ fn a_policy_that_lost_its_route_is_refused_at_its_line_before_the_server_starts(
         err.starts_with(&named) && err.contains("\"tokens\""),
         "{err}"
     );
+}
+
+/// Waits until `done` holds, looking again each time what `reloader` says is live
+/// changes (a reload, a change seen pending): at most 10 s, then fails saying `what`.
+async fn until<St: Store + Clone>(
+    reloader: &Reloader<St>,
+    what: &str,
+    mut done: impl FnMut() -> bool,
+) {
+    let mut live = reloader.subscribe();
+    let waited = tokio::time::timeout(Duration::from_secs(10), live.wait_for(|_| done())).await;
+    assert!(matches!(waited, Ok(Ok(_))), "not within 10 s: {what}");
+}
+
+/// How many of `n` requests to `/` came back 200, and how many 429.
+async fn statuses(client: &support::http::Client, n: usize) -> (usize, usize) {
+    let (mut ok, mut limited) = (0, 0);
+    for _ in 0..n {
+        match client.get("/").await.status {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => limited += 1,
+            other => panic!("{other}"),
+        }
+    }
+    (ok, limited)
+}
+
+/// The SHA-256 of the file at `path`, as `sha256sum` prints it.
+fn sha256sum(path: &Path) -> String {
+    let out = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .unwrap();
+    let out = String::from_utf8(out.stdout).unwrap();
+    out.split_whitespace().next().unwrap().to_owned()
+}
+
+/// A file whose `api` policy (20 a minute) is in shadow mode, with `extra` after it.
+fn in_shadow(extra: &str) -> String {
+    format!(
+        "[layer]\ndefault = \"api\"\nheaders = \"legacy\"\n\n\
+         [key]\napi_key = {{ header = \"x-api-key\" }}\n\n\
+         [policies.api]\nalgorithm = \"token_bucket\"\nlimit = 20\nperiod = \"1m\"\nshadow = true\n\n\
+         [policies.pro]\nalgorithm = \"gcra\"\nlimit = 1000\nperiod = \"1m\"\n\n\
+         [tiers]\n\"pro-key-1\" = \"pro\"\n{extra}"
+    )
+}
+
+/// The issue's case: an admin switches `api` to enforcing, someone adds a tier key to the
+/// file and it is reloaded — `api` stays enforcing (20 of 50 through, not 45), the reload
+/// says it kept the switch, and the live state shows it. Resetting the switches hands
+/// `api` back to its file (in shadow: nothing refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_time_shadow_switch_outlives_a_reload_and_shows() {
+    let dir = Dir::new("switch");
+    dir.write(&in_shadow(""));
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let reloader = Reloader::new(dir.file(), memory_store(&clock)).unwrap();
+    let server = serve(&reloader).await;
+    let client = server.client();
+    let layer = reloader.layer();
+    layer.set_policy_shadow("api", false).unwrap();
+
+    dir.write(&in_shadow("\"pro-key-2\" = \"pro\"\n"));
+    let reloaded = reloader.reload().await.unwrap();
+    let kept = reloaded.kept_switches();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(kept[0].policy(), Some("api"));
+    assert!(!kept[0].is_on() && kept[0].is_switched());
+    assert_eq!(statuses(&client, 50).await, (20, 30));
+    let api = layer
+        .shadow_states()
+        .into_iter()
+        .find(|s| s.policy() == Some("api"));
+    assert!(api.is_some_and(|api| !api.is_on() && api.is_switched()));
+    assert!(!reloader.layer().is_shadow(Some("api")));
+
+    // Back to the file: `api` in shadow, the spent callers served (and counted).
+    layer.reset_shadow();
+    assert_eq!(statuses(&client, 5).await, (5, 0));
+    // A file that agrees with a switch ends it: the policy follows its file again.
+    layer.set_policy_shadow("api", false).unwrap();
+    dir.write(&in_shadow("").replace("shadow = true\n", ""));
+    let reloaded = reloader.reload().await.unwrap();
+    assert!(reloaded.kept_switches().is_empty());
+    assert!(layer.shadow_states().iter().all(|s| !s.is_switched()));
+}
+
+/// A link into another directory: the file it points at is edited there (saved
+/// atomically), and the watcher reloads it — it used to watch only the link's directory,
+/// and never fire.
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_behind_a_link_into_another_directory_is_reloaded() {
+    let (links, real) = (Dir::new("link-from"), Dir::new("link-to"));
+    real.write(&limits(10, 5));
+    std::os::unix::fs::symlink(real.file(), links.file()).unwrap();
+    let reloader = Reloader::new(links.file(), tollway_core::MemoryStore::new()).unwrap();
+    let _watcher = reloader.watch().unwrap();
+    let layer = reloader.layer();
+
+    real.write(&limits(1_000, 5));
+    until(&reloader, "the edit behind the link is live", || {
+        layer.policy("api").unwrap().quota().limit() == 1_000
+    })
+    .await;
+    assert_eq!(reloader.live().version(), sha256sum(&real.file()));
+    // And the link itself pointed elsewhere: the new target is read and watched.
+    let other = real.0.join("other.toml");
+    std::fs::write(&other, limits(7, 5)).unwrap();
+    let swap = links.0.join(".limits.toml.link");
+    std::os::unix::fs::symlink(&other, &swap).unwrap();
+    std::fs::rename(&swap, links.file()).unwrap();
+    until(&reloader, "the link's new target is live", || {
+        layer.policy("api").unwrap().quota().limit() == 7
+    })
+    .await;
+    std::fs::write(&other, limits(8, 5)).unwrap();
+    until(
+        &reloader,
+        "an in-place edit of the new target is live",
+        || layer.policy("api").unwrap().quota().limit() == 8,
+    )
+    .await;
+}
+
+/// A Kubernetes ConfigMap: `limits.toml -> ..data/limits.toml`, `..data -> ..<stamp>`, and
+/// an update writes a new `..<stamp>` directory, swaps `..data` to it by a rename, and
+/// removes the old one. The watcher follows the swap.
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_update_by_swapping_its_data_link_is_reloaded() {
+    use std::os::unix::fs::symlink;
+    let dir = Dir::new("configmap");
+    let stamp = |n: u32| dir.0.join(format!("..2026_12_03_{n}"));
+    let publish = |n: u32, limit: u32| {
+        std::fs::create_dir_all(stamp(n)).unwrap();
+        std::fs::write(stamp(n).join("limits.toml"), limits(limit, 5)).unwrap();
+        let tmp = dir.0.join("..data_tmp");
+        symlink(stamp(n).file_name().unwrap(), &tmp).unwrap();
+        std::fs::rename(&tmp, dir.0.join("..data")).unwrap();
+    };
+    publish(1, 10);
+    symlink("..data/limits.toml", dir.file()).unwrap();
+    let reloader = Reloader::new(dir.file(), tollway_core::MemoryStore::new()).unwrap();
+    let _watcher = reloader.watch().unwrap();
+    let layer = reloader.layer();
+
+    for (n, limit) in [(2, 1_000), (3, 30)] {
+        publish(n, limit);
+        std::fs::remove_dir_all(stamp(n - 1)).unwrap();
+        until(&reloader, &format!("update {n} is live"), || {
+            layer.policy("api").unwrap().quota().limit() == u64::from(limit)
+        })
+        .await;
+    }
+    assert_eq!(reloader.live().reloads(), 2);
+    assert_eq!(
+        reloader.live().version(),
+        sha256sum(&stamp(3).join("limits.toml"))
+    );
+}
+
+/// A FIFO in place of the file used to block the reload (and with it an async worker)
+/// until something wrote to it. Now it is refused at once, well within the read timeout,
+/// counted as a failed reload; the running limits stay.
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_in_place_of_the_file_fails_the_reload_without_blocking() {
+    let dir = Dir::new("fifo");
+    dir.write(&limits(10, 5));
+    let reloader = Reloader::new(dir.file(), tollway_core::MemoryStore::new())
+        .unwrap()
+        .read_timeout(Duration::from_secs(2));
+    std::fs::remove_file(dir.file()).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(dir.file())
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let started = Instant::now();
+    let reload = tokio::time::timeout(Duration::from_secs(10), reloader.reload()).await;
+    let err = reload
+        .expect("the reload returned")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(err.contains("not a regular file"), "{err}");
+    assert_eq!(reloader.layer().policy("api").unwrap().quota().limit(), 10);
+    let live = reloader.live();
+    assert_eq!((live.reloads(), live.failures()), (0, 1));
+    assert_eq!(live.last_error(), Some(err.as_str()));
+    // And the server kept serving meanwhile: nothing blocked.
+    let server = serve(&reloader).await;
+    assert_eq!(server.client().get("/").await.status, StatusCode::OK);
+}
+
+/// A file over the bound (64 MiB, sparse) is refused before it is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_over_the_size_bound_is_refused() {
+    let dir = Dir::new("huge");
+    dir.write(&limits(10, 5));
+    let reloader = Reloader::new(dir.file(), tollway_core::MemoryStore::new()).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(dir.file())
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let err = reloader.reload().await.unwrap_err().to_string();
+    assert!(err.contains("67108864 bytes, over the 1048576"), "{err}");
+    assert_eq!(reloader.live().failures(), 1);
+}
+
+/// A file rewritten in place, with a pause after a prefix that is valid on its own but
+/// lacks the deny list: the watcher reads the prefix, and waits for it to settle on a
+/// manual clock that does not move — so however long the writer pauses, the prefix is
+/// never applied (it used to be, after 100 ms). The whole file, once settled, is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_half_written_in_place_is_never_applied() {
+    use std::io::Write as _;
+    let dir = Dir::new("half");
+    let deny = "\n[lists]\ndeny_networks = [\"127.0.0.0/8\"]\n";
+    dir.write(&format!("{}{deny}", limits(10, 5)));
+    let settle = ManualClock::new();
+    let reloader = Reloader::new(dir.file(), tollway_core::MemoryStore::new())
+        .unwrap()
+        .settle(Duration::from_secs(1))
+        .settle_clock(settle.clone());
+    let _watcher = reloader.watch().unwrap();
+    let server = serve(&reloader).await;
+    let client = server.client();
+    assert_eq!(client.get("/").await.status, StatusCode::FORBIDDEN);
+
+    // In place: truncated, the prefix written and flushed, the file left open.
+    let prefix = limits(20, 5);
+    let mut file = std::fs::File::create(dir.file()).unwrap();
+    file.write_all(prefix.as_bytes()).unwrap();
+    file.flush().unwrap();
+    let prefix_version = sha256sum(&dir.file());
+    until(&reloader, "the watcher has read the prefix", || {
+        reloader.live().pending() == Some(prefix_version.as_str())
+    })
+    .await;
+    // Seen, not applied: the deny list holds.
+    assert_eq!(client.get("/").await.status, StatusCode::FORBIDDEN);
+    assert_eq!(reloader.live().reloads(), 0);
+
+    file.write_all(deny.as_bytes()).unwrap();
+    drop(file);
+    let whole = sha256sum(&dir.file());
+    until(&reloader, "the watcher has read the whole file", || {
+        reloader.live().pending() == Some(whole.as_str())
+    })
+    .await;
+    assert_eq!(reloader.live().reloads(), 0);
+    settle.advance(Duration::from_secs(1));
+    until(&reloader, "the whole file is live", || {
+        reloader.live().version() == whole
+    })
+    .await;
+    let live = reloader.live();
+    assert_eq!((live.reloads(), live.failures()), (1, 0));
+    assert_eq!(reloader.layer().policy("api").unwrap().quota().limit(), 20);
+    assert_eq!(client.get("/").await.status, StatusCode::FORBIDDEN);
+}
+
+/// Tightening a limit starts its callers afresh (state keys include the quota): the
+/// reload says which policies, and `live` what is loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_names_the_policies_whose_counts_start_afresh() {
+    let dir = Dir::new("afresh");
+    dir.write(&limits(20, 5));
+    let reloader = Reloader::new(dir.file(), tollway_core::MemoryStore::new()).unwrap();
+    let first = reloader.live();
+    assert_eq!(first.version(), sha256sum(&dir.file()));
+    assert_eq!((first.reloads(), first.failures()), (0, 0));
+
+    dir.write(&limits(10, 5));
+    let reloaded = reloader.reload().await.unwrap();
+    assert_eq!(reloaded.reset_policies(), ["api".to_owned()]);
+    assert_eq!(reloaded.version(), sha256sum(&dir.file()));
+    let live = reloader.live();
+    assert_eq!(live.version(), reloaded.version());
+    assert_eq!(live.reloads(), 1);
+    assert!(live.loaded_at() >= first.loaded_at());
+    // Unchanged policies are not named.
+    let again = reloader.reload().await.unwrap();
+    assert!(again.reset_policies().is_empty());
 }

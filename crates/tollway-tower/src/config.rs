@@ -82,9 +82,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::{self, Write as _};
 use std::ops::Range;
-use std::path::{Path, PathBuf};
-use std::sync::mpsc::RecvTimeoutError;
-use std::sync::{Arc, Mutex};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -102,6 +101,12 @@ use crate::key::{
 use crate::limits::RouteLimit;
 use crate::pipeline::{MissingKey, OnStoreError, Protocol};
 use crate::rate_limit::{RateLimitLayer, RateLimitLayerBuilder};
+
+mod reload;
+mod watch;
+
+pub use reload::{LiveConfig, Reloaded, Reloader};
+pub use watch::Watcher;
 
 /// The whole file, as written.
 #[derive(Debug, Deserialize, PartialEq)]
@@ -229,9 +234,6 @@ enum StoreBuilder<'f> {
     Redis(tollway_core::RedisStoreBuilder, &'f StoreSection),
 }
 
-/// How long a limits file's events must have stopped before it is read.
-const SETTLE: Duration = Duration::from_millis(100);
-
 /// The most parts a key of the file has (`policies.api.limit`, `store.breaker.threshold`).
 const DEPTH: usize = 3;
 
@@ -258,20 +260,17 @@ impl fmt::Debug for LimitsFile {
 }
 
 impl LimitsFile {
-    /// Reads and validates the file at `path`.
+    /// Reads and validates the file at `path`: a regular file of at most 1 MiB (a FIFO
+    /// in its place is refused, not waited on).
     ///
     /// # Errors
     ///
-    /// When it cannot be read, or says something tollway cannot do: the message starts
+    /// When it cannot be read, is not a regular file, is over 1 MiB, or says something
+    /// tollway cannot do: the message starts
     /// with `path:line:column:` and says what to write instead.
     pub fn read(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| {
-            ConfigError::new(format!(
-                "{}: cannot read the limits file: {e}",
-                path.display()
-            ))
-        })?;
+        let bytes = reload::read_bytes(path, reload::MAX_FILE_SIZE)?;
         Self::from_bytes(&path.display().to_string(), &bytes)
     }
 
@@ -1109,221 +1108,6 @@ impl<B> KeyExtractor<B> for ConfigKey {
     fn identities(&self, request: &Request<B>, found: &mut dyn FnMut(Key)) {
         self.api_key(request).into_iter().for_each(&mut *found);
         self.address(request).into_iter().for_each(found);
-    }
-}
-
-/// Reloads a layer's limits from its file: on demand ([`reload`](Self::reload)) or when
-/// the file changes ([`watch`](Self::watch)).
-///
-/// Clones share the layer. A reload reads and validates the whole file first; only a
-/// valid one replaces the running limits, at once for the next request. A file that fails
-/// keeps the running limits: [`reload`](Self::reload) returns the error, and the watcher
-/// logs it at warn and counts it in `tollway_config_reload_errors_total` (feature
-/// `metrics`).
-pub struct Reloader<St> {
-    path: PathBuf,
-    layer: RateLimitLayer<St, ConfigKey>,
-    key: ConfigKey,
-    store: St,
-    current: Arc<Mutex<LimitsFile>>,
-    extend: Extend<St>,
-}
-
-/// What a reloader adds to every builder the file makes (closures a file cannot say).
-type Extend<St> = Arc<
-    dyn Fn(RateLimitLayerBuilder<St, ConfigKey>) -> RateLimitLayerBuilder<St, ConfigKey>
-        + Send
-        + Sync,
->;
-
-impl<St: Clone> Clone for Reloader<St> {
-    fn clone(&self) -> Self {
-        Reloader {
-            path: self.path.clone(),
-            layer: self.layer.clone(),
-            key: self.key.clone(),
-            store: self.store.clone(),
-            current: Arc::clone(&self.current),
-            extend: Arc::clone(&self.extend),
-        }
-    }
-}
-
-impl<St> fmt::Debug for Reloader<St> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Reloader")
-            .field("path", &self.path)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<St: Store + Clone> Reloader<St> {
-    /// Reads the file at `path` and builds its layer over `store` (from
-    /// [`LimitsFile::store`], or one of your own), ready to reload.
-    ///
-    /// # Errors
-    ///
-    /// When the file cannot be read or is not valid.
-    pub fn new(path: impl Into<PathBuf>, store: St) -> Result<Self, ConfigError> {
-        let path = path.into();
-        let file = LimitsFile::read(&path)?;
-        Self::from_file(path, file, store)
-    }
-
-    /// The layer of an already read `file` (at `path`) over `store`, ready to reload.
-    ///
-    /// # Errors
-    ///
-    /// Never for a file that [`LimitsFile::read`] accepted.
-    pub fn from_file(
-        path: impl Into<PathBuf>,
-        file: LimitsFile,
-        store: St,
-    ) -> Result<Self, ConfigError> {
-        Self::extended(path, file, store, Arc::new(|builder| builder))
-    }
-
-    /// The same, with `extend` applied to the builder of every layer the file makes, now
-    /// and on each reload: for what a file cannot say, such as a cost function, a decision
-    /// listener or [`charge_after`](RateLimitLayerBuilder::charge_after).
-    ///
-    /// # Errors
-    ///
-    /// When the extended builder fails to build (a `charge_after` naming a policy the
-    /// file lacks).
-    pub fn from_file_with(
-        path: impl Into<PathBuf>,
-        file: LimitsFile,
-        store: St,
-        extend: impl Fn(RateLimitLayerBuilder<St, ConfigKey>) -> RateLimitLayerBuilder<St, ConfigKey>
-        + Send
-        + Sync
-        + 'static,
-    ) -> Result<Self, ConfigError> {
-        Self::extended(path, file, store, Arc::new(extend))
-    }
-
-    fn extended(
-        path: impl Into<PathBuf>,
-        file: LimitsFile,
-        store: St,
-        extend: Extend<St>,
-    ) -> Result<Self, ConfigError> {
-        let key = file.key()?;
-        let layer = extend(file.builder(store.clone(), key.clone())?).build()?;
-        Ok(Reloader {
-            path: path.into(),
-            layer,
-            key,
-            store,
-            current: Arc::new(Mutex::new(file)),
-            extend,
-        })
-    }
-
-    /// The layer: add it to a router; its limits follow the file.
-    #[must_use]
-    pub fn layer(&self) -> RateLimitLayer<St, ConfigKey> {
-        self.layer.clone()
-    }
-
-    /// Reads the file again and, if it is valid, swaps its limits in.
-    ///
-    /// # Errors
-    ///
-    /// When the file cannot be read, is not valid, or changes `[store]` or `[key]`: the
-    /// running limits stay.
-    pub fn reload(&self) -> Result<(), ConfigError> {
-        let file = LimitsFile::read(&self.path)?;
-        let mut current = self
-            .current
-            .lock()
-            .map_err(|_| ConfigError::new("a reload panicked"))?;
-        current.same_foundations(&file)?;
-        let fresh = (self.extend)(file.builder(self.store.clone(), self.key.clone())?).build()?;
-        self.key.known.store(Arc::new(file.known_keys()));
-        self.layer.swap_limits(fresh);
-        *current = file;
-        Ok(())
-    }
-
-    /// [`reload`](Self::reload), told: at info when it worked, at warn (and in
-    /// `tollway_config_reload_errors_total`) when it did not.
-    fn reload_and_tell(&self) {
-        match self.reload() {
-            Ok(()) => tracing::info!(path = %self.path.display(), "rate limits reloaded"),
-            Err(error) => {
-                #[cfg(feature = "metrics")]
-                metrics::counter!("tollway_config_reload_errors_total").increment(1);
-                tracing::warn!(%error, "rate limits not reloaded; the running limits stay");
-            }
-        }
-    }
-
-    /// Reloads whenever the file changes, until the returned watcher is dropped: once
-    /// the file's events have stopped for 100 ms (a file being written is not read half
-    /// way). It watches the file's directory, so an editor that replaces the file (write
-    /// a copy, rename it over) is seen too.
-    ///
-    /// # Errors
-    ///
-    /// When the operating system's file watcher cannot be set up.
-    pub fn watch(&self) -> Result<Watcher, ConfigError>
-    where
-        St: 'static,
-    {
-        use notify::Watcher as _;
-        let name = self.path.file_name().map(ToOwned::to_owned);
-        // Events come in bursts (an editor's write, truncate, rename): one thread takes
-        // them and reads the file once they have stopped for SETTLE, so that a file half
-        // written is not loaded. It ends when the watcher is dropped (its sender with it).
-        let (events, bursts) = std::sync::mpsc::channel::<()>();
-        let reloader = self.clone();
-        std::thread::Builder::new()
-            .name("tollway-limits-watch".to_owned())
-            .spawn(move || {
-                while bursts.recv().is_ok() {
-                    loop {
-                        match bursts.recv_timeout(SETTLE) {
-                            Ok(()) => {}
-                            Err(RecvTimeoutError::Timeout) => break,
-                            Err(RecvTimeoutError::Disconnected) => return,
-                        }
-                    }
-                    reloader.reload_and_tell();
-                }
-            })
-            .map_err(|e| ConfigError::new(format!("cannot start the file watcher: {e}")))?;
-        let mut watcher =
-            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-                let Ok(event) = event else { return };
-                let ours = event.paths.iter().any(|p| p.file_name() == name.as_deref());
-                // Reading the file (a reload does) is not a change.
-                if ours && !event.kind.is_access() {
-                    let _ = events.send(());
-                }
-            })
-            .map_err(|e| ConfigError::new(format!("cannot watch {}: {e}", self.path.display())))?;
-        let dir = self
-            .path
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        watcher
-            .watch(dir, notify::RecursiveMode::NonRecursive)
-            .map_err(|e| ConfigError::new(format!("cannot watch {}: {e}", dir.display())))?;
-        Ok(Watcher { _inner: watcher })
-    }
-}
-
-/// Watches a limits file for [`Reloader::watch`]; dropping it stops the watching.
-pub struct Watcher {
-    _inner: notify::RecommendedWatcher,
-}
-
-impl fmt::Debug for Watcher {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Watcher").finish_non_exhaustive()
     }
 }
 

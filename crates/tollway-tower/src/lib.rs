@@ -90,7 +90,9 @@ pub use key::{
 pub use limits::Tiers;
 pub use lookup::{LookupFuture, OnLookupError, TierLookup};
 pub use pipeline::{MissingKey, OnStoreError, Protocol};
-pub use rate_limit::{RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture};
+pub use rate_limit::{
+    RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture, ShadowState,
+};
 pub use rejection::{Rejection, default_rejection};
 pub use report::{DecisionEvent, DecisionListener, DecisionOutcome};
 pub use tollway_core;

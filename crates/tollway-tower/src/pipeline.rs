@@ -114,20 +114,41 @@ pub(crate) struct AfterCharge {
 }
 
 /// Which limits are in shadow mode: decided and counted, never enforced. Switched at run
-/// time, so each is a flag.
+/// time, so each is a flag; what the builder said is kept beside it, so that a switch
+/// can be told from the built setting (and carried over a swap of limits).
 #[derive(Debug)]
 pub(crate) struct Shadow {
     /// The whole layer.
     layer: AtomicBool,
     /// Each policy, by its index in [`Limits`].
     policies: Box<[AtomicBool]>,
+    /// The whole layer, as built.
+    built_layer: bool,
+    /// Each policy, as built.
+    built: Box<[bool]>,
 }
 
 impl Shadow {
     pub(crate) fn new(layer: bool, policies: impl Iterator<Item = bool>) -> Self {
+        let built: Box<[bool]> = policies.collect();
         Shadow {
             layer: AtomicBool::new(layer),
-            policies: policies.map(AtomicBool::new).collect(),
+            policies: built.iter().copied().map(AtomicBool::new).collect(),
+            built_layer: layer,
+            built,
+        }
+    }
+
+    /// What the builder said of the whole layer (`None`) or of the policy at `index`.
+    pub(crate) fn built(&self, index: Option<usize>) -> bool {
+        index.map_or(self.built_layer, |i| self.built[i])
+    }
+
+    /// Switches the whole layer (`None`) or the policy at `index`.
+    pub(crate) fn set(&self, index: Option<usize>, on: bool) {
+        match index {
+            None => self.set_layer(on),
+            Some(i) => self.set_policy(i, on),
         }
     }
 

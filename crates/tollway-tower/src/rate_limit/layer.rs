@@ -8,6 +8,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Extensions, HeaderMap, Method, Response, StatusCode, Uri};
+use parking_lot::Mutex;
 use tollway_core::{Clock, ConfigError, Policy, Quota, Store, SystemClock};
 use tower_layer::Layer;
 
@@ -30,6 +31,9 @@ use crate::report::{DecisionListener, Failures, Reporter};
 pub struct RateLimitLayer<St, K = PeerIp> {
     limiter: Current<St>,
     key: Arc<K>,
+    /// Taken by run-time shadow switches and swaps of limits, so that neither loses the
+    /// other.
+    switching: Arc<Mutex<()>>,
 }
 
 impl<St, K> Clone for RateLimitLayer<St, K> {
@@ -37,7 +41,51 @@ impl<St, K> Clone for RateLimitLayer<St, K> {
         RateLimitLayer {
             limiter: Arc::clone(&self.limiter),
             key: Arc::clone(&self.key),
+            switching: Arc::clone(&self.switching),
         }
+    }
+}
+
+/// A limit's shadow mode as it stands: on or off, and whether a run-time switch
+/// ([`RateLimitLayer::set_shadow`], [`RateLimitLayer::set_policy_shadow`]) put it there
+/// against what the layer was built with (its limits file, for a
+/// [`Reloader`](crate::config::Reloader)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShadowState {
+    policy: Option<String>,
+    on: bool,
+    switched: bool,
+}
+
+impl ShadowState {
+    /// The policy, or `None` for the whole layer.
+    #[must_use]
+    pub fn policy(&self) -> Option<&str> {
+        self.policy.as_deref()
+    }
+
+    /// Whether it is in shadow mode (decided and counted, never enforced).
+    #[must_use]
+    pub fn is_on(&self) -> bool {
+        self.on
+    }
+
+    /// Whether a run-time switch says so, against what the layer was built with.
+    #[must_use]
+    pub fn is_switched(&self) -> bool {
+        self.switched
+    }
+
+    /// What the limit is called in messages: `policy "api"`, or `the whole layer`.
+    fn what(&self) -> String {
+        match &self.policy {
+            Some(name) => format!("policy {name:?}"),
+            None => "the whole layer".to_owned(),
+        }
+    }
+
+    fn mode(on: bool) -> &'static str {
+        if on { "in shadow mode" } else { "enforcing" }
     }
 }
 
@@ -130,28 +178,108 @@ impl<St, K> RateLimitLayer<St, K> {
     /// assert_eq!(layer.policy("api").map(|p| p.quota().limit()), Some(1_000));
     /// # Ok::<(), tollway_core::ConfigError>(())
     /// ```
-    pub fn swap_limits<K2>(&self, other: RateLimitLayer<St, K2>) {
-        self.limiter.store(other.limiter.load_full());
+    ///
+    /// Run-time shadow switches ([`set_shadow`](Self::set_shadow),
+    /// [`set_policy_shadow`](Self::set_policy_shadow)) outlive the swap: a switch that
+    /// `other` contradicts is kept, logged at warn and returned; one that `other` agrees
+    /// with is done (the limit follows its builder again); one whose policy `other` lacks
+    /// is dropped, at warn. [`reset_shadow`](Self::reset_shadow) drops them all.
+    pub fn swap_limits<K2>(&self, other: RateLimitLayer<St, K2>) -> Vec<ShadowState> {
+        let _switching = self.switching.lock();
+        let (old, new) = (self.limiter.load(), other.limiter.load_full());
+        let mut kept = Vec::new();
+        for was in shadow_states(&old).into_iter().filter(|s| s.switched) {
+            let (what, now) = (was.what(), ShadowState::mode(was.on));
+            // Where the switch's limit is in the new limits: `None` inside, the layer.
+            let index = match &was.policy {
+                None => Some(None),
+                Some(name) => new.limits.index_of(name).ok().map(Some),
+            };
+            match index {
+                None => tracing::warn!(
+                    "{what} was switched {now} at run time and is not in the new limits: \
+                     the switch is dropped"
+                ),
+                Some(at) if new.shadow.built(at) == was.on => tracing::info!(
+                    "{what}: the new limits say what its run-time switch said ({now}); \
+                     it follows its limits again"
+                ),
+                Some(at) => {
+                    new.shadow.set(at, was.on);
+                    tracing::warn!(
+                        "{what}: the new limits put it {}, but it was switched {now} at run \
+                         time: it stays {now} (set it again, or reset the switches, to \
+                         follow the limits)",
+                        ShadowState::mode(new.shadow.built(at)),
+                    );
+                    kept.push(was);
+                }
+            }
+        }
+        self.limiter.store(new);
+        kept
     }
 
     /// Puts the whole layer in shadow mode, or takes it out: see
     /// [`RateLimitLayerBuilder::shadow`]. Takes effect for the next request, in every
-    /// clone of the layer and every service it built (until limits are swapped in).
+    /// clone of the layer and every service it built, and outlives a
+    /// [`swap_limits`](Self::swap_limits) (a reload) until
+    /// [`reset_shadow`](Self::reset_shadow).
     pub fn set_shadow(&self, on: bool) {
+        let _switching = self.switching.lock();
         self.limiter.load().shadow.set_layer(on);
     }
 
     /// Puts one policy in shadow mode, or takes it out: see
     /// [`RateLimitLayerBuilder::shadow_policy`]. Its callers' state is kept either way.
+    /// Like [`set_shadow`](Self::set_shadow), it outlives a swap of limits.
     ///
     /// # Errors
     ///
     /// When the layer has no policy of that name.
     pub fn set_policy_shadow(&self, policy: &str, on: bool) -> Result<(), ConfigError> {
+        let _switching = self.switching.lock();
         let limiter = self.limiter.load();
         let index = limiter.limits.index_of(policy)?;
         limiter.shadow.set_policy(index, on);
         Ok(())
+    }
+
+    /// Drops every run-time shadow switch: each limit is in shadow mode again exactly
+    /// when its builder (or limits file) says so.
+    pub fn reset_shadow(&self) {
+        let _switching = self.switching.lock();
+        let limiter = self.limiter.load();
+        let shadow = &limiter.shadow;
+        let policies = (0..limiter.limits.policies().len()).map(Some);
+        for at in std::iter::once(None).chain(policies) {
+            shadow.set(at, shadow.built(at));
+        }
+    }
+
+    /// The shadow mode of the whole layer, then of each policy: what is live, and which
+    /// of it a run-time switch says.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+    ///
+    /// let api = Policy::new("api", Algorithm::Gcra, Quota::per_minute(10)?)?;
+    /// let layer = RateLimitLayer::builder(MemoryStore::new(), api)
+    ///     .shadow_policy("api")
+    ///     .build()?;
+    /// layer.set_policy_shadow("api", false)?;
+    /// let api = &layer.shadow_states()[1];
+    /// assert_eq!(api.policy(), Some("api"));
+    /// assert!(!api.is_on() && api.is_switched());
+    /// layer.reset_shadow();
+    /// assert!(layer.shadow_states()[1].is_on());
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    #[must_use]
+    pub fn shadow_states(&self) -> Vec<ShadowState> {
+        shadow_states(&self.limiter.load())
     }
 
     /// Whether the whole layer (`None`) or the named policy is in shadow mode.
@@ -166,6 +294,23 @@ impl<St, K> RateLimitLayer<St, K> {
                 .is_ok_and(|index| limiter.shadow.policy(index)),
         }
     }
+}
+
+/// The shadow mode of a limiter's whole layer, then of each of its policies.
+fn shadow_states<St>(limiter: &Limiter<St>) -> Vec<ShadowState> {
+    let shadow = &limiter.shadow;
+    let state = |policy: Option<&Policy>, at: Option<usize>| {
+        let on = at.map_or_else(|| shadow.layer(), |i| shadow.policy(i));
+        ShadowState {
+            policy: policy.map(|p| p.name().to_owned()),
+            on,
+            switched: on != shadow.built(at),
+        }
+    };
+    let policies = limiter.limits.policies().iter().enumerate();
+    std::iter::once(state(None, None))
+        .chain(policies.map(|(i, policy)| state(Some(policy), Some(i))))
+        .collect()
 }
 
 #[cfg(feature = "tonic")]
@@ -637,6 +782,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 lookups,
             })),
             key: Arc::new(self.key),
+            switching: Arc::new(Mutex::new(())),
         })
     }
 }

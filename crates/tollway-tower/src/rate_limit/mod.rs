@@ -87,5 +87,5 @@ mod layer;
 mod service;
 
 pub use future::ResponseFuture;
-pub use layer::{RateLimitLayer, RateLimitLayerBuilder};
+pub use layer::{RateLimitLayer, RateLimitLayerBuilder, ShadowState};
 pub use service::RateLimit;
