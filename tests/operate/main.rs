@@ -350,3 +350,55 @@ async fn gateways_on_a_file_naming_redis_share_its_limits() {
     assert!(!err.contains(&url), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 34: which configuration is live could not be seen, and a reload silently undid
+/// `PUT /admin/shadow`. `GET /admin/config` shows the file's SHA-256 and each limit's
+/// shadow mode; a reload answers what it kept; `file` hands a limit back to its file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_shows_the_live_config_and_keeps_switches_over_a_reload() {
+    let clock = ManualClock::at_micros(support::stores::EPOCH_US);
+    let (_server, client) = example(support::stores::memory_store(&clock)).await;
+    let out = std::process::Command::new("sha256sum")
+        .arg(demo::axum_app::DEFAULT_CONFIG)
+        .output()
+        .unwrap();
+    let out = String::from_utf8(out.stdout).unwrap();
+    let digest = out.split_whitespace().next().unwrap().to_owned();
+    let live = json(&client.get_with("/admin/config", &[ADMIN]).await.body);
+    assert_eq!(live["version"], digest.as_str());
+    assert_eq!(live["reloads"], 0);
+    let free = |live: &serde_json::Value| {
+        live["shadow"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["policy"] == "free")
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(free(&live)["switched"], false);
+
+    let put = |body: &'static str| {
+        client.send_body(
+            Method::PUT,
+            "/admin/shadow/free",
+            &[ADMIN],
+            bytes::Bytes::from_static(body.as_bytes()),
+        )
+    };
+    assert_eq!(put("on").await.status, StatusCode::NO_CONTENT);
+    let reload = client.send(Method::POST, "/admin/reload", &[ADMIN]).await;
+    assert_eq!(reload.status, StatusCode::OK);
+    let reloaded = json(&reload.body);
+    assert_eq!(reloaded["version"], digest.as_str());
+    assert_eq!(reloaded["kept_switches"][0]["policy"], "free");
+    let live = json(&client.get_with("/admin/config", &[ADMIN]).await.body);
+    assert_eq!(live["reloads"], 1);
+    assert_eq!(free(&live)["on"], true);
+    assert_eq!(free(&live)["switched"], true);
+
+    assert_eq!(put("file").await.status, StatusCode::NO_CONTENT);
+    let live = json(&client.get_with("/admin/config", &[ADMIN]).await.body);
+    assert_eq!(free(&live)["on"], false);
+    assert_eq!(free(&live)["switched"], false);
+}
