@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The axum example on a Redis that stalls: wrk -c32 for 6 s with `CLIENT PAUSE 5000 ALL`
-# sent 0.5 s in, then the same load with no pause. At the defaults (timeout, breaker,
-# fallback). Starts its own redis-server on a free loopback port and stops what it
+# sent 0.5 s in, then the same load with no pause, then 32 connections of
+# stalled_redis_client.py (every request timed) for 8 s with the pause 1 s in. At the
+# defaults (timeout, breaker, fallback). Starts its own redis-server on a free loopback port and stops what it
 # started. Usage: bash crates/tollway-tower/benches/stalled_redis.sh [BINARY]
 # (default: target/release/examples/axum_server, built first).
 set -euo pipefail
@@ -16,12 +17,14 @@ out=$(mktemp -d)
 rp=$(free_port); hp=$(free_port)
 redis-server --port "$rp" --bind 127.0.0.1 --save '' --appendonly no >"$out/redis.log" 2>&1 &
 rpid=$!
+spid=
+trap 'kill $spid $rpid 2>/dev/null || true' EXIT
+# Each start waits for what it needs, at most 10 s.
+ready() { for _ in $(seq 100); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done; return 1; }
+ready redis-cli -p "$rp" ping || { echo "redis-server did not start" >&2; exit 1; }
 REDIS_URL=redis://127.0.0.1:$rp PORT=$hp timeout 40 "$bin" >"$out/server.log" 2>&1 &
 spid=$!
-trap 'kill $spid $rpid 2>/dev/null || true' EXIT
-until redis-cli -p "$rp" ping >/dev/null 2>&1 && curl -s -o /dev/null "http://127.0.0.1:$hp/"; do
-  sleep 0.1
-done
+ready curl -s -o /dev/null "http://127.0.0.1:$hp/" || { cat "$out/server.log" >&2; exit 1; }
 (sleep 0.5; redis-cli -p "$rp" CLIENT PAUSE 5000 ALL >/dev/null) &
 echo "== 5 s pause inside a 6 s run"
 timeout 20 wrk -t2 -c32 -d6s --latency -H 'X-API-Key: demo-pro-key' "http://127.0.0.1:$hp/"
@@ -29,3 +32,8 @@ sleep 1
 echo "== no pause"
 timeout 20 wrk -t2 -c32 -d6s --latency -H 'X-API-Key: demo-pro-key' "http://127.0.0.1:$hp/"
 echo "== breaker log lines: $(grep -c 'breaker\|store failing\|answering again' "$out/server.log" || true)"
+sleep 1
+# The same pause, each request timed by a client of our own (wrk gives percentiles only).
+(sleep 1; redis-cli -p "$rp" CLIENT PAUSE 5000 ALL >/dev/null) &
+echo "== 5 s pause inside an 8 s run, every request timed"
+python3 crates/tollway-tower/benches/stalled_redis_client.py "$hp" 8 32
