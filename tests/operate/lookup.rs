@@ -219,6 +219,21 @@ struct Counted {
 }
 
 impl Counted {
+    /// A layer keyed by API key looking tiers up with this lookup (5 s timeout): unknown
+    /// callers share `anonymous` a minute, `k-pro` gets `pro`.
+    fn layer(
+        &self,
+        anonymous: u32,
+        pro: u32,
+    ) -> tollway_tower::RateLimitLayerBuilder<tollway_core::MemoryStore<ManualClock>, ApiKey> {
+        let clock = ManualClock::at_micros(EPOCH_US);
+        RateLimitLayer::builder(memory_store(&clock), per_minute("anonymous", anonymous))
+            .key(ApiKey::header("x-api-key").unwrap())
+            .tier(per_minute("pro", pro))
+            .tier_lookup(self.lookup())
+            .tier_lookup_timeout(Duration::from_secs(5))
+    }
+
     fn lookup(&self) -> impl tollway_tower::TierLookup {
         let counted = self.clone();
         move |key: Key| {
@@ -244,12 +259,8 @@ impl Counted {
 #[tokio::test(start_paused = true)]
 async fn made_up_keys_from_one_address_cost_the_backend_its_lookups_per_source() {
     let counted = Counted::default();
-    let clock = ManualClock::at_micros(EPOCH_US);
-    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("anonymous", 100))
-        .key(ApiKey::header("x-api-key").unwrap())
-        .tier(per_minute("pro", 1_000))
-        .tier_lookup(counted.lookup())
-        .tier_lookup_timeout(Duration::from_secs(5))
+    let layer = counted
+        .layer(100, 1_000)
         .tier_lookups_per_source(tollway_core::Quota::per_minute(5).unwrap())
         .build()
         .unwrap();
@@ -291,12 +302,8 @@ async fn made_up_keys_from_one_address_cost_the_backend_its_lookups_per_source()
 #[tokio::test(start_paused = true)]
 async fn lookups_under_way_are_bounded() {
     let counted = Counted::default();
-    let clock = ManualClock::at_micros(EPOCH_US);
-    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("anonymous", 1_000))
-        .key(ApiKey::header("x-api-key").unwrap())
-        .tier(per_minute("pro", 10_000))
-        .tier_lookup(counted.lookup())
-        .tier_lookup_timeout(Duration::from_secs(5))
+    let layer = counted
+        .layer(1_000, 10_000)
         .tier_lookup_concurrency(8)
         .tier_lookups_per_source(tollway_core::Quota::per_minute(1_000_000).unwrap())
         .build()
