@@ -1,7 +1,7 @@
 -- The entry of the second script: charges, refunds or resets each limit of KEYS on its
 -- own (corrections after the fact: nothing is refused), then replies what a request of
 -- cost 0 gets from each, four integers a limit as check.lua replies. The twin of the
--- memory store's Table::apply (crates/tollway-core/src/store/memory.rs) and of each
+-- memory store's Table::apply (crates/tollway-core/src/store/memory/mod.rs) and of each
 -- algorithm's `refund` in crates/tollway-core/src/algorithm/.
 -- ARGV as prelude.lua describes, with [2] the units, and one more after the limits:
 -- [4 + 5N] the operation, 'charge', 'refund', 'reset' or 'drain' (take what is left over

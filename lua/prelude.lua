@@ -1,5 +1,5 @@
 -- tollway: ONE script decides all of a request's limits, all or nothing, in one EVALSHA.
--- Composed, joined by "\n", in this order (crates/tollway-core/src/store/redis.rs and
+-- Composed, joined by "\n", in this order (crates/tollway-core/src/store/redis/mod.rs and
 -- crates/tollway-core/benches/redis_scripts.sh must agree):
 --   prelude.lua, token_bucket.lua, gcra.lua, leaky_bucket.lua, fixed_window.lua,
 --   sliding_window_counter.lua, sliding_window_log.lua, check.lua

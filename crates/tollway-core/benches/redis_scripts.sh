@@ -5,7 +5,7 @@
 #   bash crates/tollway-core/benches/redis_scripts.sh     (env: ROUNDS=5 REQUESTS=200000,
 #                                                          ONLY=<regex of row labels>)
 #
-# The script is composed exactly as crates/tollway-core/src/store/redis.rs composes it:
+# The script is composed exactly as crates/tollway-core/src/store/redis/mod.rs composes it:
 # prelude.lua, token_bucket.lua, gcra.lua, leaky_bucket.lua, fixed_window.lua,
 # sliding_window_counter.lua, sliding_window_log.lua, check.lua, joined by "\n"
 # (its SHA-1 is printed; it equals RedisStore::script_sha()).

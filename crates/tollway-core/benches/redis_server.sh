@@ -1,6 +1,6 @@
 # Sourced by the Redis bench scripts beside it: a redis-server of their own on a free
 # loopback port, stopped (and its directory removed) when the script exits, `cli` to talk
-# to it, and `compose` to write tollway's script as src/store/redis.rs composes it.
+# to it, and `compose` to write tollway's script as src/store/redis/mod.rs composes it.
 #
 # Sets TMP (a scratch directory), PORT and SERVER (its pid); needs ROOT (the checkout).
 

@@ -8,15 +8,11 @@
 
 mod boxed;
 mod breaker;
-mod cells;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "regions")]
-mod replicated;
-#[cfg(feature = "regions")]
-mod split;
-mod word;
+mod regions;
 
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
@@ -32,9 +28,9 @@ pub use self::memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 #[cfg(feature = "redis")]
 pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
 #[cfg(feature = "regions")]
-pub use self::replicated::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
+pub use self::regions::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
 #[cfg(feature = "regions")]
-pub use self::split::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreBuilder};
+pub use self::regions::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreBuilder};
 
 use crate::{ConfigError, Decisions, Policy, StoreError};
 

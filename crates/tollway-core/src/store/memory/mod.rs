@@ -10,9 +10,12 @@ use smallvec::SmallVec;
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
-use super::cells::{self, Cells, Levels, Meta, Pinned};
-use super::word::{self, Packs, packs};
+use self::cells::{Cells, Levels, Meta, Pinned};
+use self::word::{Packs, packs};
 use super::{Checked, Operation, Store};
+
+mod cells;
+mod word;
 use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::{
     Algorithm, Slot, SlotState, fixed_window, gcra, leaky_bucket, packed, sliding_counter,
@@ -129,7 +132,7 @@ struct Shared<C> {
     /// Keys held in all shards, for the `tollway_memory_store_keys` gauge.
     #[cfg(feature = "metrics")]
     keys: std::sync::atomic::AtomicUsize,
-    /// The notes posted on this store as a [`Board`](super::Board): by topic, with the
+    /// The notes posted on this store as a [`Board`](crate::Board): by topic, with the
     /// instant they expire.
     #[cfg(feature = "regions")]
     board: parking_lot::Mutex<std::collections::HashMap<String, Notes>>,
@@ -439,16 +442,16 @@ impl<C: Clock> Store for MemoryStore<C> {
     }
 }
 
-/// Notes kept beside the limits, for a [`SplitStore`](super::SplitStore) in this process:
+/// Notes kept beside the limits, for a [`SplitStore`](crate::SplitStore) in this process:
 /// a post adds to its topic's notes, and a topic goes when its last post's `keep` is over.
 #[cfg(feature = "regions")]
-impl<C: Clock> super::Board for MemoryStore<C> {
+impl<C: Clock> crate::Board for MemoryStore<C> {
     fn post(
         &self,
         topic: &str,
         notes: Vec<(Vec<u8>, u64)>,
         keep: std::time::Duration,
-    ) -> super::BoardFuture<()> {
+    ) -> crate::BoardFuture<()> {
         let now = self.shared.clock.now_micros();
         let mut board = self.shared.board.lock();
         board.retain(|_, kept| kept.expires > now);
@@ -462,7 +465,7 @@ impl<C: Clock> super::Board for MemoryStore<C> {
         Box::pin(std::future::ready(Ok(())))
     }
 
-    fn read(&self, topic: &str) -> super::BoardFuture<Vec<(Vec<u8>, u64)>> {
+    fn read(&self, topic: &str) -> crate::BoardFuture<Vec<(Vec<u8>, u64)>> {
         let now = self.shared.clock.now_micros();
         let board = self.shared.board.lock();
         let notes = match board.get(topic) {

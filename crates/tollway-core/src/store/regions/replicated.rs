@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 
-use super::{Checked, Operation, Store};
+use crate::store::{Checked, Operation, Store};
 use crate::{ConfigError, Decisions, Policy, StoreError};
 
 /// A region's store that also tells the other regions what it admitted, so that each

@@ -13,7 +13,7 @@ use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 
 use super::replicated::{Failing, one_region_only};
-use super::{Checked, Operation, Store};
+use crate::store::{Checked, Operation, Store};
 use crate::policy::fnv1a;
 use crate::{
     Algorithm, Clock, ConfigError, Decision, Decisions, Policy, Quota, StoreError, StoreErrorKind,

@@ -30,17 +30,17 @@ pub const MAX_LITERAL_KEY: usize = 96;
 macro_rules! lua_algorithms {
     () => {
         concat!(
-            include_str!("../../../../lua/token_bucket.lua"),
+            include_str!("../../../../../lua/token_bucket.lua"),
             "\n",
-            include_str!("../../../../lua/gcra.lua"),
+            include_str!("../../../../../lua/gcra.lua"),
             "\n",
-            include_str!("../../../../lua/leaky_bucket.lua"),
+            include_str!("../../../../../lua/leaky_bucket.lua"),
             "\n",
-            include_str!("../../../../lua/fixed_window.lua"),
+            include_str!("../../../../../lua/fixed_window.lua"),
             "\n",
-            include_str!("../../../../lua/sliding_window_counter.lua"),
+            include_str!("../../../../../lua/sliding_window_counter.lua"),
             "\n",
-            include_str!("../../../../lua/sliding_window_log.lua"),
+            include_str!("../../../../../lua/sliding_window_log.lua"),
         )
     };
 }
@@ -49,21 +49,21 @@ macro_rules! lua_algorithms {
 /// decides all of a request's limits (see `lua/prelude.lua` for its keys, arguments and
 /// reply).
 const SOURCE: &str = concat!(
-    include_str!("../../../../lua/prelude.lua"),
+    include_str!("../../../../../lua/prelude.lua"),
     "\n",
     lua_algorithms!(),
     "\n",
-    include_str!("../../../../lua/check.lua"),
+    include_str!("../../../../../lua/check.lua"),
 );
 
 /// The script that charges, refunds and resets: the same with `lua/operate.lua` as its
 /// entry.
 const OPERATE_SOURCE: &str = concat!(
-    include_str!("../../../../lua/prelude.lua"),
+    include_str!("../../../../../lua/prelude.lua"),
     "\n",
     lua_algorithms!(),
     "\n",
-    include_str!("../../../../lua/operate.lua"),
+    include_str!("../../../../../lua/operate.lua"),
 );
 
 /// The scripts with their SHA-1s, computed once.
@@ -465,19 +465,19 @@ impl Store for RedisStore {
     }
 }
 
-/// Notes in Redis, for a [`SplitStore`](super::SplitStore): a hash a topic, under
+/// Notes in Redis, for a [`SplitStore`](crate::SplitStore): a hash a topic, under
 /// `{prefix}:board:{topic}`, written with one `HSET` and given the post's expiry in the
 /// same transaction (`MULTI`/`EXEC`: a reader sees a post whole or not at all, and it
 /// expires), read with one `HGETALL`; both through the store's connections and within
 /// its timeout.
 #[cfg(feature = "regions")]
-impl super::Board for RedisStore {
+impl crate::Board for RedisStore {
     fn post(
         &self,
         topic: &str,
         notes: Vec<(Vec<u8>, u64)>,
         keep: Duration,
-    ) -> super::BoardFuture<()> {
+    ) -> crate::BoardFuture<()> {
         let scripts = self.scripts().clone();
         let key = format!("{}:board:{topic}", scripts.inner.prefix);
         let keep = i64::try_from(keep.as_millis()).unwrap_or(i64::MAX).max(1);
@@ -496,7 +496,7 @@ impl super::Board for RedisStore {
         })
     }
 
-    fn read(&self, topic: &str) -> super::BoardFuture<Vec<(Vec<u8>, u64)>> {
+    fn read(&self, topic: &str) -> crate::BoardFuture<Vec<(Vec<u8>, u64)>> {
         let scripts = self.scripts().clone();
         let key = format!("{}:board:{topic}", scripts.inner.prefix);
         Box::pin(async move {

@@ -1,0 +1,8 @@
+//! Regions that each decide against their own store: [`SplitStore`] splits a limit into
+//! shares, [`ReplicatedStore`] tells the other regions what it admitted.
+
+mod replicated;
+mod split;
+
+pub use self::replicated::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
+pub use self::split::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreBuilder};
