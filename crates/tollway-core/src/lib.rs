@@ -1,9 +1,9 @@
 //! The core of tollway: rate-limiting algorithms, quotas, decisions, clocks and stores.
 //!
-//! A [`Policy`] names an [`Algorithm`] at a [`Quota`]; a [`Store`] keeps per-key state
-//! and answers each request with a [`Decision`]. The algorithms are pure integer
-//! functions of `(state, now, quota, cost)` in [`algorithm`], so they are exact, cannot
-//! drift between implementations, and are tested on a manual clock.
+//! A [`Policy`] names an [`Algorithm`] at a [`Quota`]. A [`Store`] keeps each key's
+//! state and answers each request with a [`Decision`]. The algorithms are pure integer
+//! functions of `(state, now, quota, cost)` in [`algorithm`]. So they are exact, they
+//! cannot drift between implementations, and tests run them on a manual clock.
 //!
 //! # Examples
 //!
@@ -39,6 +39,130 @@
 //! assert!(store.check_sync(b"team-7", &export, 1).is_allowed());
 //! # Ok::<(), tollway_core::ConfigError>(())
 //! ```
+//!
+//! # Guides
+//!
+//! ## Algorithms
+//!
+//! Each algorithm has a Lua twin in `lua/` that decides identically. A conformance test
+//! replays 10,000-event traces through both.
+//!
+//! | algorithm | bursts | state a key | boundary | limits it serves |
+//! |---|---|---|---|---|
+//! | token bucket | up to `burst` at once, then the rate | 2 integers | exact refill | any |
+//! | leaky bucket (meter) | as the token bucket: the same bucket, seen from the other side | 2 integers | exact | any |
+//! | leaky bucket (shaper) | none: requests are delayed to a steady rate, bounded queue | 1 integer | smooth output | any |
+//! | fixed window | up to 2× the limit across a window boundary | 2 integers | weak | any |
+//! | sliding window log | never more than the limit in any window | 1 entry a unit | exact | ≤ 10,000 a period (refused when built) |
+//! | sliding window counter | an estimate of the log, up to 1.9× in one period | 2 counters and a time | approximate | any |
+//! | GCRA | as the token bucket | 1 integer | interval rounded up to 1 µs | any |
+//!
+//! How far the sliding counter strays from the log on API-like traffic:
+//! `cargo run --release --example compare`, and `BENCHMARKS.md` ("Sliding window counter
+//! vs the exact log").
+//!
+//! ## Quotas
+//!
+//! A [`Quota`] is validated when made: `Quota::per_minute(100)?.with_burst(20)?`. Zero,
+//! overflow and nonsense fail with a sentence that says what to change. A request may
+//! cost more than 1. A cost that can never fit is refused with its own reason
+//! ([`Denial::CostExceedsCapacity`]), not with a retry time that lies.
+//!
+//! ```
+//! use tollway_core::Quota;
+//!
+//! assert!(Quota::per_minute(100)?.with_burst(20).is_ok());
+//! let zero = Quota::per_minute(0).unwrap_err();
+//! println!("{zero}"); // says what to write instead
+//! # Ok::<(), tollway_core::ConfigError>(())
+//! ```
+//!
+//! ## Stores
+//!
+//! [`Store::check`] decides all of a request's limits at once, **all or nothing**: a
+//! request refused by its route limit costs its tier nothing. It answers at once, or
+//! with a future ([`Checked`]). [`Store::operate`] peeks at, charges, refunds, resets or
+//! drains a caller's state ([`Operation`]).
+//!
+//! - [`MemoryStore`] is sharded by caller and bounded in keys ([`WhenFull`] says what
+//!   happens at the bound). It forgets idle keys and decides synchronously
+//!   ([`MemoryStore::decide`], [`MemoryStore::check_sync`]). A single limit under GCRA,
+//!   the leaky buckets, the token bucket, the fixed window or the sliding counter is
+//!   checked without a lock while its state packs in one word.
+//! - `RedisStore` (feature `redis`) runs one atomic Lua script a request, whatever its
+//!   limits. It calls `EVALSHA` and reloads the script after `NOSCRIPT`. It reads the
+//!   server's `TIME` by default, so gateways' clocks cannot skew a limit.
+//! - [`CircuitBreaker`] puts a breaker and a local fallback around any store.
+//! - [`BoxStore`] holds any store chosen at run time.
+//!
+//! [`StoreError::kind`] tells a timeout from a lost connection from a script error.
+//!
+//! **Redis keys.** A key is `prefix:{caller}:policy:id`. The hash tag is the caller, so
+//! one script's keys never cross Cluster slots. The quota is in the id, so a changed
+//! quota starts afresh. User keys are escaped, or hashed past
+//! `MAX_LITERAL_KEY` bytes.
+//!
+//! **Redis connections.** One multiplexed connection by default. Also a
+//! `deadpool_redis::Pool` (feature `deadpool`) or a Redis Cluster (`connect_cluster`).
+//! `redis://user:password@...` authenticates. `rediss://` needs feature `tls`; it trusts
+//! the system's roots or `tls_root_certificate(pem)`, for one server or every cluster
+//! node.
+//!
+//! **When Redis fails.** Each call has a timeout (100 ms). A local cache of unit-cost
+//! refusals means a one-key flood costs Redis about one call a node per retry period. By
+//! default a breaker stops calling Redis after 5 failures in a row. A local fallback then
+//! decides in memory, with this node's share of each quota: with ten gateways, give
+//! each a tenth.
+//!
+//! ```no_run
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), tollway_core::StoreError> {
+//! use tollway_core::RedisStore;
+//!
+//! // Ten gateways share this Redis: during an outage each decides with a tenth.
+//! let store = RedisStore::builder().local_fallback(0.1).connect("redis://127.0.0.1:6379").await?;
+//! let cluster = RedisStore::builder()
+//!     .connect_cluster(&["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"])
+//!     .await?;
+//! # let _ = (store, cluster);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! ## Regions
+//!
+//! Three ways hold one limit across regions. `BENCHMARKS.md` ("Multi-region") measures
+//! each on simulated regions
+//! (`cargo bench -p tollway-core --features redis,regions --bench regions`).
+//!
+//! | | a decision costs | over the limit | under the limit | a region cut off |
+//! |---|---|---|---|---|
+//! | one global Redis | the round trip to its region | never | never | cannot decide: the breaker's fallback does |
+//! | `ReplicatedStore` | a local round trip | by what others admitted in the last sync plus one way | never | up to a quota on each side, settled on heal |
+//! | `SplitStore` (fixed windows) | a local round trip | never | while demand moves (a window or two), and while regions cannot hear each other | about limit ÷ regions of a key it asked for |
+//!
+//! **`ReplicatedStore`** (feature `regions`). Each region decides against its own
+//! store. Every `sync_every` (50 ms by default) it tells the others what it admitted.
+//! It may admit more than the quota by what the other regions admitted in the last S:
+//! the sync interval plus one way. That is at most `(regions − 1) × (r × S + 1)` in a
+//! period, where r is what one region admits a second, for every algorithm. Traffic
+//! from one region is exact.
+//!
+//! **`SplitStore`** (feature `regions`) gives each region a share of a fixed window's
+//! limit, decided on its own store. Each window, a region posts its demand on its own
+//! board and the others' a *lead* before the end (a quarter window by default). It reads
+//! the others' posts half the lead later and fixes its share of the next window,
+//! max-min fair. A region it has not heard from counts as asking for everything. So the
+//! shares never add up past the limit: lost posts, late posts and partitions only cost
+//! admissions. Shares follow demand a window late. Half the lead must cover a post's way.
+//!
+//! Choose the global Redis where a region's round trip to it is acceptable. Choose
+//! replicated where a few percent over is fine and the latency is not. Choose split where
+//! the limit is a contract (an upstream's quota, a paid tier) and refusing a little while
+//! demand moves is the lesser harm.
+//!
+//! `Reset` and `Refund` on either regional store are refused: the other regions would
+//! undo them. Apply them to each region's store.
 //!
 //! # Feature flags
 //!

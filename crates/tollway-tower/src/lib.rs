@@ -1,35 +1,384 @@
 //! tower middleware for tollway: rate limiting for axum routers, tonic servers and any
 //! tower stack.
 //!
-//! Start at [`RateLimitLayer`] (the [`rate_limit`] module has a tour). The algorithms,
-//! quotas and stores come from [`tollway_core`]; the ones a layer needs are re-exported
-//! here, and the whole crate is too.
+//! Start at [`RateLimitLayer`]; the [`rate_limit`] module has a tour. The algorithms,
+//! quotas and stores come from [`tollway_core`]. The ones a layer needs are re-exported
+//! here, and so is the whole crate.
 //!
-//! A request goes one way through the layer: its [`Key`] (from a [`KeyExtractor`]), its
-//! limits (the caller's tier or the default policy, and the routes it calls), its cost,
-//! the [`Store`]'s decisions, and then the answer: the inner service's response with the
-//! rate-limit headers ([`HeaderStyle`]), or the layer's own — a 429 with `Retry-After`
-//! and a JSON body ([`default_rejection`]), or over gRPC a `RESOURCE_EXHAUSTED` status.
+//! # Quick start
 //!
-//! A Redis store has a circuit breaker and a local fallback limiter by default, so a slow
-//! or gone Redis costs a few timeouts and then decisions in this node's memory. A store
-//! without a fallback that fails is answered per [`OnStoreError`]: the request goes
-//! through (the default) or gets 503 / `UNAVAILABLE`; [`CircuitBreaker`] adds the breaker
-//! and fallback to any store.
+//! An axum server, every peer address at 100 requests a minute (features `axum` here,
+//! and tokio's `macros`, `rt-multi-thread` and `net`):
 //!
-//! Operating it: every decision is a `debug` event and, with feature `metrics`, counted
-//! in `tollway_decisions_total` by policy and outcome (see the README's "Operating
-//! tollway" for every metric); a [`DecisionListener`] hears each one; shadow mode
-//! ([`RateLimitLayerBuilder::shadow`], [`RateLimitLayerBuilder::shadow_policy`]) decides
-//! and counts without refusing, switchable at run time; allow and deny lists
-//! ([`RateLimitLayerBuilder::allow_network`], [`RateLimitLayerBuilder::deny_key`], ...)
-//! exempt or forbid callers; [`RateLimitLayerBuilder::charge_after`] charges a policy what
-//! a response reports it used; and [`Store::operate`] peeks at, charges, refunds or resets
-//! a caller's state (an admin endpoint's work: `examples/axum_app.rs`).
+//! ```no_run
+//! use std::net::SocketAddr;
 //!
-//! Who a caller is, which routes a request is on, and what a client can or cannot
-//! influence: see the README's "Security model", and [`ClientIp`], [`ApiKey::known`],
-//! [`Fallback::or`] and [`MissingKey`].
+//! use axum::{Router, routing::get};
+//! use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let per_ip = Policy::new("per-ip", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
+//!     let limits = RateLimitLayer::builder(MemoryStore::new(), per_ip).build()?; // keyed by peer IP
+//!     let app = Router::new().route("/", get(|| async { "hello" })).layer(limits);
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//!     axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! # Guides
+//!
+//! ## The layer
+//!
+//! A request goes one way through the layer:
+//!
+//! 1. its [`Key`], from a [`KeyExtractor`];
+//! 2. its limits: the caller's tier or the default policy, plus the routes it calls;
+//! 3. its cost (1 unless [`cost`](RateLimitLayerBuilder::cost) says otherwise);
+//! 4. the [`Store`]'s decisions, all of its limits at once, all or nothing;
+//! 5. the answer.
+//!
+//! An allowed request reaches the inner service. Its response gets the rate-limit
+//! headers ([`HeaderStyle`]): `X-RateLimit-Limit`, `X-RateLimit-Remaining` and
+//! `X-RateLimit-Reset` (Unix seconds) by default, the IETF `RateLimit` and
+//! `RateLimit-Policy` fields, both, or none. A refused request gets the layer's own
+//! answer: a 429 with `Retry-After` (whole seconds, rounded up, never 0) and a JSON body
+//! ([`default_rejection`]; your own with
+//! [`on_rejected`](RateLimitLayerBuilder::on_rejected)). A shaping policy delays the
+//! request instead.
+//!
+//! Over gRPC (feature `tonic`) a refusal is a trailers-only `RESOURCE_EXHAUSTED`. It
+//! carries `retry-after`, `grpc-retry-pushback-ms` and `google.rpc.RetryInfo` and
+//! `QuotaFailure` details. It is never a bare 429, which tonic clients read as a
+//! retryable `UNAVAILABLE`. [`RateLimitLayer::interceptor`] gives a synchronous tonic
+//! interceptor over the memory store.
+//!
+//! A Redis store has a circuit breaker and a local fallback by default. A slow or gone
+//! Redis then costs a few timeouts, and decisions move to this node's memory. A store
+//! without a fallback that fails is answered per [`OnStoreError`]: through (the
+//! default), or 503 / `UNAVAILABLE`. [`CircuitBreaker`] adds the breaker and fallback to
+//! any store.
+//!
+//! ## Keys
+//!
+//! [`PeerIp`] is the default: the TCP peer, IPv6 grouped by /64. The others:
+//!
+//! | extractor | the caller is |
+//! |---|---|
+//! | [`ClientIp`] | the client behind trusted proxies, from the one header they write |
+//! | [`ApiKey`] | an API key from a header; with [`known`](ApiKey::known), only one you issued |
+//! | [`UserId`] | a user ID an auth layer put in the request's extensions |
+//! | [`GlobalKey`] | everyone, one key |
+//! | a closure | whatever `Fn(&Request<B>) -> Option<Key>` returns |
+//!
+//! Chain them with [`Fallback::or`]. Behind load balancers at 10.0.0.0/8 that append
+//! `X-Forwarded-For`, callers with an issued key are limited by key, everyone else by
+//! their own address:
+//!
+//! ```
+//! use std::collections::HashSet;
+//! use tollway_tower::{ApiKey, ClientIp, Fallback, ForwardedHeader};
+//!
+//! let issued = HashSet::from(["k-123".to_owned()]);
+//! let key = ApiKey::header("x-api-key")?
+//!     .known(issued)
+//!     .or(ClientIp::new(ForwardedHeader::XForwardedFor, ["10.0.0.0/8"])?);
+//! # let _ = key;
+//! # Ok::<(), tollway_tower::ConfigError>(())
+//! ```
+//!
+//! Which headers to believe, and what a caller cannot forge: the README's "Security
+//! model", [`ClientIp`], [`ApiKey::known`] and [`MissingKey`].
+//!
+//! ## Tiers
+//!
+//! A tier is a policy of its own. Register it with
+//! [`tier`](RateLimitLayerBuilder::tier), then map keys to tiers with
+//! [`tiers`](RateLimitLayerBuilder::tiers): a `HashMap` of key to tier name, or a
+//! closure. A key that maps to no tier gets the default policy.
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use tollway_tower::{Algorithm, ApiKey, Fallback, MemoryStore, PeerIp, Policy, Quota, RateLimitLayer};
+//!
+//! let anonymous = Policy::new("anonymous", Algorithm::TokenBucket, Quota::per_minute(20)?)?;
+//! let free = Policy::new("free", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
+//! let pro = Policy::new("pro", Algorithm::TokenBucket, Quota::per_minute(10_000)?)?;
+//! let keys = HashMap::from([("k-free".to_owned(), "free".to_owned()), ("k-pro".to_owned(), "pro".to_owned())]);
+//!
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), anonymous)
+//!     .key(ApiKey::header("x-api-key")?.known(keys.clone()).or(PeerIp::new()))
+//!     .tier(free)
+//!     .tier(pro)
+//!     .tiers(keys)
+//!     .build()?;
+//! # let _ = layer;
+//! # Ok::<(), tollway_tower::ConfigError>(())
+//! ```
+//!
+//! **Tiers looked up at run time.** [`tier_lookup`](RateLimitLayerBuilder::tier_lookup)
+//! asks a database or an auth service on a caller's first request. Requests that arrive
+//! meanwhile wait for the same lookup. The answer is cached
+//! ([`tier_cache`](RateLimitLayerBuilder::tier_cache): 100,000 entries for 60 s by
+//! default; unknown keys in a cache of their own).
+//!
+//! - A key the lookup does not know gets no budget of its own. Every unknown key shares
+//!   one, the default policy's.
+//! - A lookup that fails limits the caller as unknown, or answers 503
+//!   ([`on_tier_lookup_error`](RateLimitLayerBuilder::on_tier_lookup_error)).
+//! - A lookup may take 1 s ([`tier_lookup_timeout`](RateLimitLayerBuilder::tier_lookup_timeout)).
+//! - At most 64 run at once
+//!   ([`tier_lookup_concurrency`](RateLimitLayerBuilder::tier_lookup_concurrency)).
+//! - An address starts at most 60 a minute
+//!   ([`tier_lookups_per_source`](RateLimitLayerBuilder::tier_lookups_per_source)).
+//!   Past either bound, the caller is unknown for that request.
+//!
+//! ```
+//! use tollway_tower::{Algorithm, ApiKey, Key, MemoryStore, Policy, Quota, RateLimitLayer};
+//!
+//! let anonymous = Policy::new("anonymous", Algorithm::Gcra, Quota::per_minute(20)?)?;
+//! let pro = Policy::new("pro", Algorithm::Gcra, Quota::per_minute(10_000)?)?;
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), anonymous)
+//!     .key(ApiKey::header("x-api-key")?)
+//!     .tier(pro)
+//!     .tier_lookup(|key: Key| async move {
+//!         // Ask your accounts service here.
+//!         let tier = (key.value() == b"k-pro").then(|| "pro".to_owned());
+//!         Ok::<_, std::io::Error>(tier)
+//!     })
+//!     .build()?;
+//! # let _ = layer;
+//! # Ok::<(), tollway_tower::ConfigError>(())
+//! ```
+//!
+//! ## Routes and costs
+//!
+//! A route limit applies to requests to one path, as well as the caller's own limit.
+//! [`route`](RateLimitLayerBuilder::route) takes an exact path, an axum route template
+//! (`/users/{id}`), or either followed by `/*` for everything below. It holds in nested
+//! routers too. [`grpc_method`](RateLimitLayerBuilder::grpc_method) limits one gRPC
+//! method. A request refused by its route limit costs its tier nothing.
+//!
+//! [`cost`](RateLimitLayerBuilder::cost) weighs a request by its method, URI and
+//! headers. [`charge_after`](RateLimitLayerBuilder::charge_after) charges a policy what
+//! the response says it used, such as an LLM API's tokens. The next request is refused
+//! once the budget is spent, with the exact `Retry-After`.
+//!
+//! ```
+//! use http::{Method, StatusCode};
+//! use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+//!
+//! let per_ip = Policy::new("per-ip", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
+//! let checkout = Policy::new("checkout", Algorithm::SlidingWindowLog, Quota::per_minute(5)?)?;
+//! let exports = Policy::new("exports", Algorithm::Gcra, Quota::per_hour(10)?)?;
+//! let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(20_000)?)?;
+//!
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), per_ip)
+//!     .route(Some(Method::POST), "/api/v1/checkout", checkout)
+//!     .route(None, "/exports/*", exports)
+//!     .route(None, "/api/v1/completions", tokens)
+//!     .cost(|method, _, _| if method == Method::DELETE { 5 } else { 1 })
+//!     .charge_after("tokens", |status, headers, _| {
+//!         let used = headers.get("x-tokens-used").and_then(|v| v.to_str().ok()?.parse().ok());
+//!         if status == StatusCode::OK { used.unwrap_or(0) } else { 0 }
+//!     })
+//!     .build()?;
+//! # let _ = layer;
+//! # Ok::<(), tollway_tower::ConfigError>(())
+//! ```
+//!
+//! ## Operating it
+//!
+//! Everything here works for the memory store and Redis alike. `examples/axum_app.rs`
+//! wires all of it.
+//!
+//! **Metrics** (feature `metrics`) go through the `metrics` facade. Install any
+//! exporter, such as `metrics-exporter-prometheus`, before serving.
+//!
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `tollway_decisions_total` | counter | `policy` (absent when no limit decided); `outcome`, one of [`DecisionOutcome`]'s: `allowed`, `limited`, `cost_exceeds_capacity`, `store_full`, `shadow_limited`, `store_error`, `allow_listed`, `deny_listed`, `no_key` |
+//! | `tollway_store_duration_seconds` | histogram | `store`: `redis`, `redis_cluster`, `redis_pool` (a Redis call) |
+//! | `tollway_deny_cache_hits_total` | counter | — |
+//! | `tollway_breaker_state` | gauge | `store`; 0 closed, 1 half-open, 2 open |
+//! | `tollway_memory_store_keys` | gauge | — (keys held, idle ones not yet swept included) |
+//! | `tollway_tier_lookups_refused_total` | counter | `reason`: why a tier lookup was not started |
+//! | `tollway_config_reloads_total` | counter | — (feature `config`) |
+//! | `tollway_config_reload_errors_total` | counter | — (feature `config`) |
+//! | `tollway_config_info` | gauge | `version`: 1 for the live file (feature `config`) |
+//! | `tollway_config_loaded_timestamp_seconds` | gauge | — (feature `config`) |
+//!
+//! No label ever carries a caller's key: keys are unbounded, and private.
+//!
+//! **Tracing.** Each decision is one `debug` event (`policy`, `outcome`, `remaining`,
+//! `retry_after_ms`) in the request's span. A failing store is a `warn` when it starts,
+//! a summary every 10 s while it lasts, and a `warn` when it answers again: never a line
+//! a request. The breaker logs its changes of state at `warn` and `info`.
+//!
+//! **A decision listener.** [`on_decision`](RateLimitLayerBuilder::on_decision) hears
+//! every decision as a [`DecisionEvent`]: the caller's key, the outcome, each policy's
+//! decision.
+//!
+//! **Shadow mode.** [`shadow`](RateLimitLayerBuilder::shadow) for the layer,
+//! [`shadow_policy`](RateLimitLayerBuilder::shadow_policy) for one policy. A policy in
+//! shadow decides and counts as usual (`shadow_limited`) but never refuses. It never
+//! changes what the enforcing policies count, and a 429 never reports it. Switch it at
+//! run time with [`set_shadow`](RateLimitLayer::set_shadow) and
+//! [`set_policy_shadow`](RateLimitLayer::set_policy_shadow); callers keep their state.
+//!
+//! **Allow and deny lists.** [`allow_network`](RateLimitLayerBuilder::allow_network) and
+//! [`allow_key`](RateLimitLayerBuilder::allow_key) skip limiting (`allow_listed`).
+//! [`deny_network`](RateLimitLayerBuilder::deny_network) and
+//! [`deny_key`](RateLimitLayerBuilder::deny_key) answer 403 (gRPC `PERMISSION_DENIED`)
+//! with the usual JSON body. Networks match the peer, or the client behind proxies with
+//! [`list_address`](RateLimitLayerBuilder::list_address).
+//!
+//! ```
+//! use tollway_tower::{Algorithm, DecisionEvent, Key, MemoryStore, Policy, Quota, RateLimitLayer};
+//!
+//! let per_ip = Policy::new("per-ip", Algorithm::Gcra, Quota::per_minute(100)?)?;
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), per_ip)
+//!     .shadow(true) // watch what it would refuse before enforcing
+//!     .allow_network("10.0.0.0/8")
+//!     .deny_key(Key::new("key", "stolen-key"))
+//!     .on_decision(|event: &DecisionEvent<'_>| {
+//!         if let Some(key) = event.key() {
+//!             println!("{key:?}: {:?}", event.outcome());
+//!         }
+//!     })
+//!     .build()?;
+//! layer.set_shadow(false); // now enforce
+//! # Ok::<(), tollway_tower::ConfigError>(())
+//! ```
+//!
+//! **Store operations.** Beyond checks, [`Store::operate`] looks at or corrects a
+//! caller's state under given policies: [`Operation::Peek`] (decide, consume nothing),
+//! `Reset` (fresh: one policy, or [`RateLimitLayer::policies`] for all), `Charge` (taken
+//! after the fact; what a bucket or GCRA cannot take is owed and waited out), `Refund`
+//! (given back, up to full) and `Drain` (leave at most so many). Every store has them,
+//! and each has a Lua twin in `lua/operate.lua`.
+//!
+//! **In the axum example** (`cargo run --example axum_server`):
+//!
+//! - `GET /metrics`.
+//! - `GET` and `DELETE /admin/limits/{policy}/{key}`: peek and reset (`all` for every
+//!   policy).
+//! - `PUT /admin/shadow/{policy|all}` with the body `on` or `off`.
+//! - `POST /admin/reload`: the limits file read again.
+//! - `POST /api/v1/completions?tokens=N`, charged after the response.
+//!
+//! The admin API needs `Authorization: Bearer $ADMIN_TOKEN`. It exists only when you set
+//! `ADMIN_TOKEN` to a secret of your own, and an address gets 30 a minute. No token is a
+//! 401, a wrong one a 403. `demo-partner-key` is allow-listed, `demo-banned-key`
+//! deny-listed.
+//!
+//! ```sh
+//! curl localhost:3000/metrics | grep tollway_
+//! curl -H "Authorization: Bearer $ADMIN_TOKEN" localhost:3000/admin/limits/anonymous/ip:127.0.0.1
+//! curl -X DELETE -H "Authorization: Bearer $ADMIN_TOKEN" localhost:3000/admin/limits/anonymous/ip:127.0.0.1
+//! curl -X PUT -H "Authorization: Bearer $ADMIN_TOKEN" -d on localhost:3000/admin/shadow/all
+//! ```
+//!
+//! **The live lab** is at `http://localhost:3000/lab`. Pick one of the seven
+//! algorithms, send one request or a burst of 15, and watch your state refill. Burst
+//! across a window boundary: a fixed window of 10 per 5 s admits 20 in a quarter of a
+//! second, the sliding log 10. Or race 30 requests through two gateways sharing a limit
+//! of 10: tollway admits 10, a naive read-then-write limiter all 30. With `REDIS_URL`,
+//! both run on Redis. A test drives the page in headless Chromium and checks its numbers
+//! against the server's.
+//!
+//! ## Limits from a file
+//!
+//! With feature `config`, limits live in a TOML file: policies, tiers, routes, keys,
+//! headers, the store, lists and shadow flags. `examples/tollway.toml` holds the axum
+//! example's, and the `config` module shows the format. The whole file is validated
+//! before anything uses it. A bad one is refused at its line and column, with what to
+//! write instead:
+//!
+//! ```text
+//! $ cargo run -p tollway-cli -- check examples/tollway.toml
+//! examples/tollway.toml: valid
+//!   policy anonymous: token_bucket of 20 per 60s, burst 20 (default)
+//!   ...
+//! $ cargo run -p tollway-cli -- check broken.toml
+//! broken.toml:6:9: policy "api": limit = 0 lets nothing through: write a limit of 1 to 4294967295 (units a period)
+//! ```
+//!
+//! `config::Reloader` builds the layer from the file and reloads it. It reloads on demand
+//! (`reloader.reload().await`, for SIGHUP or an admin endpoint) or whenever the file
+//! changes (`reloader.watch()`). The new limits serve the next request:
+//!
+//! - Requests already being decided finish under the old limits.
+//! - A policy left unchanged keeps its callers' state, in memory and in Redis.
+//! - A changed quota starts its callers afresh; the reload warns, naming each policy.
+//! - A file that fails to validate keeps the running limits. It is logged at warn and
+//!   counted in `tollway_config_reload_errors_total`.
+//! - `[store]` and `[key]` are chosen at start. A reload that changes them is refused.
+//! - Run-time shadow switches outlive a reload.
+//!
+//! `reloader.live()` says which file is live: its SHA-256, when it was loaded, its
+//! reloads and failures. Any layer can take another's limits with
+//! [`swap_limits`](RateLimitLayer::swap_limits).
+//!
+//! ```no_run
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), tollway_tower::ConfigError> {
+//! use tollway_tower::MemoryStore;
+//! use tollway_tower::config::Reloader;
+//!
+//! let reloader = Reloader::new("examples/tollway.toml", MemoryStore::new())?;
+//! let layer = reloader.layer(); // put this on the router
+//! let _watcher = reloader.watch()?; // keep it: dropping it stops the watching
+//! reloader.reload().await?; // or reload on demand
+//! # let _ = layer;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Try it. Run `cargo run --example axum_server`. While it runs, change `limit = 20`
+//! under `[policies.anonymous]` in `examples/tollway.toml` to `limit = 1000` and save.
+//! The next `curl -i localhost:3000/` says `x-ratelimit-limit: 1000`. Save `limit = 0`:
+//! the server logs the error with its line and keeps 1000. `TOLLWAY_CONFIG=other.toml`
+//! runs from another file.
+//!
+//! ## Outbound limits
+//!
+//! The same policies and stores work on the client side. A fleet sharing a store stays
+//! under a third-party API's quota together. [`outbound::OutboundLayer`] wraps any tower
+//! HTTP client, such as hyper-util's `Client`, keyed per upstream by default.
+//!
+//! - A request over the limit waits its turn (the retry time plus up to 10% jitter, at
+//!   most `max_wait`, 30 s by default), or fails at once with `fail_fast`.
+//! - A request dropped while it waits costs nothing.
+//! - An upstream 429 (or gRPC `RESOURCE_EXHAUSTED`) pauses every worker sharing the
+//!   store, for its `Retry-After`: seconds or an HTTP date, never more than `max_pause`
+//!   (60 s by default). Garbage or a negative value means 1 s.
+//! - After the pause the refused request is sent once more, if it is idempotent (or
+//!   `replay` allows it) and the pause ends within its `max_wait`.
+//! - With `cost` as an estimate and `settle` reading what the response used, the
+//!   difference is charged or refunded after the call. What an empty token bucket or
+//!   GCRA cannot take is owed and waited out.
+//! - A layer's cost applies to each of its limits. For requests a second and tokens a
+//!   minute, stack two layers.
+//!
+//! Give the clients a capacity a little under the upstream's. The [`outbound`] module
+//! has the details and a reqwest adapter; `BENCHMARKS.md` ("Outbound limits") has the
+//! figures.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use http::{Request, Response};
+//! use tollway_tower::outbound::OutboundLayer;
+//! use tollway_tower::{Algorithm, MemoryStore, Policy, Quota};
+//! use tower_layer::Layer;
+//!
+//! let upstream = Policy::new("upstream", Algorithm::Gcra, Quota::per_second(50)?.with_burst(8)?)?;
+//! let client = tower::service_fn(|_req: Request<()>| async { Ok::<_, Infallible>(Response::new(())) });
+//! let limited = OutboundLayer::builder(MemoryStore::new(), upstream).build()?.layer(client);
+//! # let _ = limited;
+//! # Ok::<(), tollway_tower::ConfigError>(())
+//! ```
 //!
 //! # Feature flags
 //!
