@@ -253,11 +253,16 @@
 //! ```
 //!
 //! **Store operations.** Beyond checks, [`Store::operate`] looks at or corrects a
-//! caller's state under given policies: [`Operation::Peek`] (decide, consume nothing),
-//! `Reset` (fresh: one policy, or [`RateLimitLayer::policies`] for all), `Charge` (taken
-//! after the fact; what a bucket or GCRA cannot take is owed and waited out), `Refund`
-//! (given back, up to full) and `Drain` (leave at most so many). Every store has them,
-//! and each has a Lua twin in `lua/operate.lua`.
+//! caller's state under the policies you give: one, or [`RateLimitLayer::policies`] for
+//! all. Every store has them, and each has a Lua twin in `lua/operate.lua`.
+//!
+//! - [`Operation::Peek`]: the decision, consuming nothing.
+//! - [`Operation::Reset`]: fresh.
+//! - [`Operation::Charge`]: taken after the fact. What a bucket or GCRA cannot take is
+//!   owed, up to a capacity, and waited out.
+//! - [`Operation::Refund`]: given back, up to full.
+//! - [`Operation::Drain`]: at most so many left, in one step (the outbound layer's
+//!   pause).
 //!
 //! **In the axum example** (`cargo run --example axum_server`):
 //!
