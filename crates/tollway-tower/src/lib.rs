@@ -256,12 +256,12 @@
 //! caller's state under the policies you give: one, or [`RateLimitLayer::policies`] for
 //! all. Every store has them, and each has a Lua twin in `lua/operate.lua`.
 //!
-//! - [`Operation::Peek`]: the decision, consuming nothing.
-//! - [`Operation::Reset`]: fresh.
-//! - [`Operation::Charge`]: taken after the fact. What a bucket or GCRA cannot take is
-//!   owed, up to a capacity, and waited out.
-//! - [`Operation::Refund`]: given back, up to full.
-//! - [`Operation::Drain`]: at most so many left, in one step (the outbound layer's
+//! - [`Operation::Peek`] decides, consuming nothing.
+//! - [`Operation::Reset`] makes the state fresh.
+//! - [`Operation::Charge`] takes units after the fact. What a bucket or GCRA cannot
+//!   take is owed, up to a capacity, and waited out.
+//! - [`Operation::Refund`] gives units back, up to full.
+//! - [`Operation::Drain`] leaves at most so many, in one step (the outbound layer's
 //!   pause).
 //!
 //! **In the axum example** (`cargo run --example axum_server`):
