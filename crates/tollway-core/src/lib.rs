@@ -54,12 +54,12 @@
 //! | leaky bucket (shaper) | none: requests are delayed to a steady rate, bounded queue | 1 integer | smooth output | any |
 //! | fixed window | up to 2× the limit across a window boundary | 2 integers | weak | any |
 //! | sliding window log | never more than the limit in any window | 1 entry a unit | exact | ≤ 10,000 a period (refused when built) |
-//! | sliding window counter | an estimate of the log, up to 1.9× in one period | 2 counters and a time | approximate | any |
+//! | sliding window counter | an estimate of the log: a window may pass the limit | 2 counters and a time | approximate | any |
 //! | GCRA | as the token bucket | 1 integer | interval rounded up to 1 µs | any |
 //!
-//! How far the sliding counter strays from the log on API-like traffic:
-//! `cargo run --release --example compare`, and `BENCHMARKS.md` ("Sliding window counter
-//! vs the exact log").
+//! How far the sliding counter strays from the log on API-like traffic: run
+//! `cargo run --release --example compare`, or read `BENCHMARKS.md`, section "Sliding
+//! window counter vs the exact log".
 //!
 //! ## Quotas
 //!

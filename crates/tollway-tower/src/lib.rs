@@ -46,7 +46,8 @@
 //! answer: a 429 with `Retry-After` (whole seconds, rounded up, never 0) and a JSON body
 //! ([`default_rejection`]; your own with
 //! [`on_rejected`](RateLimitLayerBuilder::on_rejected)). A shaping policy delays the
-//! request instead.
+//! request instead. [`Protocol`] says when to answer in gRPC: by default, for an HTTP/2
+//! request with a gRPC content type.
 //!
 //! Over gRPC (feature `tonic`) a refusal is a trailers-only `RESOURCE_EXHAUSTED`. It
 //! carries `retry-after`, `grpc-retry-pushback-ms` and `google.rpc.RetryInfo` and
