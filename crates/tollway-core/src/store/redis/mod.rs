@@ -8,8 +8,6 @@ mod builder;
 mod deny_cache;
 mod scripts;
 
-#[cfg(feature = "regions")]
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -249,48 +247,34 @@ impl Store for RedisStore {
     }
 }
 
-/// Notes in Redis, for a [`SplitStore`](crate::SplitStore): a hash a topic, under
-/// `{prefix}:board:{topic}`, written with one `HSET` and given the post's expiry in the
-/// same transaction (`MULTI`/`EXEC`: a reader sees a post whole or not at all, and it
-/// expires), read with one `HGETALL`; both through the store's connections and within
-/// its timeout.
+/// What a [`Board`](crate::Board) on this store uses: its prefix, and plain commands.
 #[cfg(feature = "regions")]
-impl crate::Board for RedisStore {
-    fn post(
-        &self,
-        topic: &str,
-        notes: Vec<(Vec<u8>, u64)>,
-        keep: Duration,
-    ) -> crate::BoardFuture<()> {
-        let scripts = self.scripts().clone();
-        let key = format!("{}:board:{topic}", scripts.inner.prefix);
-        let keep = i64::try_from(keep.as_millis()).unwrap_or(i64::MAX).max(1);
-        Box::pin(async move {
-            if notes.is_empty() {
-                return Ok(());
-            }
-            let mut post = redis::pipe();
-            post.atomic().cmd("HSET").arg(&key);
-            for (name, n) in &notes {
-                post.arg(&name[..]).arg(*n);
-            }
-            post.ignore().cmd("PEXPIRE").arg(&key).arg(keep).ignore();
-            scripts.run(Request::Pipeline(&post)).await?;
-            Ok(())
-        })
+impl RedisStore {
+    /// The first part of every key this store writes.
+    pub(crate) fn prefix(&self) -> &str {
+        &self.scripts().inner.prefix
     }
 
-    fn read(&self, topic: &str) -> crate::BoardFuture<Vec<(Vec<u8>, u64)>> {
+    /// Redis's reply to `command`, as a `T`: straight to Redis (no breaker, no
+    /// fallback), within the store's timeout.
+    pub(crate) fn command<T: redis::FromRedisValue + 'static>(
+        &self,
+        command: redis::Cmd,
+    ) -> impl Future<Output = Result<T, StoreError>> + Send + 'static {
         let scripts = self.scripts().clone();
-        let key = format!("{}:board:{topic}", scripts.inner.prefix);
-        Box::pin(async move {
-            let mut hgetall = redis::cmd("HGETALL");
-            hgetall.arg(&key);
-            let reply = scripts.run(Request::Command(&hgetall)).await?;
-            let notes: HashMap<Vec<u8>, u64> =
-                redis::from_redis_value(reply).map_err(|e| redis_error(e.into()))?;
-            Ok(notes.into_iter().collect())
-        })
+        async move {
+            let reply = scripts.run(Request::Command(&command)).await?;
+            redis::from_redis_value(reply).map_err(|e| redis_error(e.into()))
+        }
+    }
+
+    /// Redis's reply to `pipeline`, the same way.
+    pub(crate) fn pipeline(
+        &self,
+        pipeline: redis::Pipeline,
+    ) -> impl Future<Output = Result<redis::Value, StoreError>> + Send + 'static {
+        let scripts = self.scripts().clone();
+        async move { scripts.run(Request::Pipeline(&pipeline)).await }
     }
 }
 

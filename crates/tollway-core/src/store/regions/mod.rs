@@ -4,5 +4,8 @@
 mod replicated;
 mod split;
 
+#[cfg(feature = "redis")]
+mod redis;
+
 pub use self::replicated::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
 pub use self::split::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreBuilder};
