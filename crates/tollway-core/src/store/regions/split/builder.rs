@@ -133,7 +133,7 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
         }
         let mut splits = Vec::with_capacity(self.policies.len());
         for policy in &self.policies {
-            if policy.algorithm() != Algorithm::FixedWindow {
+            if !splittable(policy.algorithm()) {
                 return Err(ConfigError::new(format!(
                     "policy {:?} is a {}: a split store splits fixed windows only (a share \
                      changes when a window starts afresh; a bucket or a log would carry a \
@@ -210,5 +210,19 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
             .collect();
         *inner.tasks.lock() = tasks;
         Ok(SplitStore { inner })
+    }
+}
+
+/// Whether a split store can split `algorithm`'s limits: only a fixed window's, whose
+/// count starts afresh everywhere at once.
+fn splittable(algorithm: Algorithm) -> bool {
+    match algorithm {
+        Algorithm::FixedWindow => true,
+        Algorithm::TokenBucket
+        | Algorithm::LeakyBucket
+        | Algorithm::LeakyBucketShaper
+        | Algorithm::SlidingWindowLog
+        | Algorithm::SlidingWindowCounter
+        | Algorithm::Gcra => false,
     }
 }

@@ -166,7 +166,7 @@ impl<S: Store + Board + Clone> Inner<S> {
             match plan.reported.get(window) {
                 Some(Posted::Asks(asks)) => Posted::Asks(asks.clone()),
                 Some(Posted::Unsure) => Posted::Unsure,
-                _ => Posted::Nothing,
+                Some(Posted::Nothing) | None => Posted::Nothing,
             }
         };
         let limit = split.policy.quota().limit();
@@ -184,7 +184,7 @@ impl<S: Store + Board + Clone> Inner<S> {
         let mut keys: HashMap<Box<[u8]>, u64> = HashMap::new();
         let own_keys = match &own {
             Posted::Asks(asks) => Some(asks.keys()),
-            _ => None,
+            Posted::Nothing | Posted::Unsure => None,
         };
         let named = own_keys
             .into_iter()

@@ -151,7 +151,7 @@ impl<S> Inner<S> {
             Some(shares) => shares.of(key),
             // Nothing fixed before the window began: what this region can count on
             // whatever the others ask.
-            _ => {
+            None => {
                 let others: SmallVec<[u64; 4]> = smallvec::smallvec![UNKNOWN; self.peers.len()];
                 let own = plan.asked(window.wrapping_sub(1), key);
                 share(split.policy.quota().limit(), own, &others)
