@@ -11,8 +11,7 @@ use super::shares::Plan;
 use super::{Inner, MAX_SPAN, Split, SplitStore};
 use crate::policy::fnv1a;
 use crate::store::Store;
-use crate::store::regions::board::Board;
-use crate::store::regions::replicated::Failing;
+use crate::store::regions::{Board, Failing};
 use crate::{Algorithm, Clock, ConfigError, Policy, Quota};
 
 /// Builds a [`SplitStore`].

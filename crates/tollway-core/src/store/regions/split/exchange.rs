@@ -10,8 +10,7 @@ use smallvec::SmallVec;
 use super::shares::{Posted, Shares, UNKNOWN, share};
 use super::{Inner, Store};
 use crate::Policy;
-use crate::store::regions::board::Board;
-use crate::store::regions::replicated::Failing;
+use crate::store::regions::{Board, Failing};
 
 /// A region's post, as read from a board.
 struct Post {

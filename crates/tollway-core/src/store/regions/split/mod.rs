@@ -23,7 +23,7 @@ use smallvec::SmallVec;
 pub use self::builder::SplitStoreBuilder;
 use self::shares::Plan;
 use super::board::Board;
-use super::replicated::{Failing, one_region_only};
+use super::{Failing, one_region_only};
 use crate::policy::fnv1a;
 use crate::store::{Checked, Operation, Store};
 use crate::{

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::exchange::topic;
 use super::shares::{TwoWindows, UNKNOWN, share};
 use super::span;
-use crate::store::regions::board::{Board, BoardFuture};
+use crate::store::regions::{Board, BoardFuture};
 use crate::store::{Checked, Operation, Store};
 use crate::{
     Algorithm, ManualClock, MemoryStore, Policy, Quota, SplitStore, SplitStoreBuilder, StoreError,
