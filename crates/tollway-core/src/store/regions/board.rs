@@ -10,7 +10,7 @@ use crate::StoreError;
 pub type BoardFuture<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send>>;
 
 /// A region's notice board: where the regions post what they ask of a limit, for each
-/// region's [`SplitStore`] to read.
+/// region's [`SplitStore`](crate::SplitStore) to read.
 ///
 /// A post adds its notes to a topic (a note of the same name is replaced) all at once: a
 /// reader sees every note of a post or none of them. Implemented by
