@@ -28,9 +28,9 @@ pub use self::memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 #[cfg(feature = "redis")]
 pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
 #[cfg(feature = "regions")]
-pub use self::regions::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
-#[cfg(feature = "regions")]
 pub use self::regions::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreBuilder};
+#[cfg(feature = "regions")]
+pub use self::regions::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
 
 use crate::{ConfigError, Decisions, Policy, StoreError};
 

@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 
+use super::{Failing, one_region_only};
 use crate::store::{Checked, Operation, Store};
 use crate::{ConfigError, Decisions, Policy, StoreError};
 
@@ -109,40 +110,6 @@ struct Peer<S> {
     owed: Mutex<HashMap<Owing, Owed>>,
     dropped: std::sync::atomic::AtomicU64,
     failing: Failing,
-}
-
-/// Whether something remote is failing, so that its failures are logged at warn once
-/// when they start and once when they end, not on every try.
-#[derive(Debug, Default)]
-pub(crate) struct Failing(std::sync::atomic::AtomicBool);
-
-impl Failing {
-    /// Notes a failure: `true` when it starts an outage.
-    pub(crate) fn failed(&self) -> bool {
-        !self.0.swap(true, std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Notes a success: `true` when it ends an outage.
-    pub(crate) fn answered(&self) -> bool {
-        self.0.swap(false, std::sync::atomic::Ordering::Relaxed)
-    }
-}
-
-/// The error of an operation a region's store refuses, if `operation` is one: a reset
-/// or a refund would act on one region only.
-pub(crate) fn one_region_only(store: &str, operation: Operation) -> Option<StoreError> {
-    let what = match operation {
-        Operation::Reset => "a reset",
-        Operation::Refund(_) => "a refund",
-        Operation::Peek(_) | Operation::Charge(_) | Operation::Drain(_) => return None,
-    };
-    Some(StoreError::new(
-        crate::StoreErrorKind::Other,
-        format!(
-            "{what} on a {store} would change this region's state only, and the other \
-             regions would undo it: apply it to each region's own store"
-        ),
-    ))
 }
 
 /// A key and its policies (by id), as a request named them.

@@ -1,0 +1,449 @@
+//! The builder: the store's settings, then a connection (one multiplexed connection, a
+//! Redis Cluster, or one the caller made).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use super::deny_cache::DenyCache;
+use super::{Backend, Front, Inner, RedisStore, Scripts};
+use crate::clock::{Clock, MonotonicClock};
+use crate::error::ConfigError;
+use crate::store::CircuitBreaker;
+use crate::store::breaker::{DEFAULT_COOL_DOWN, DEFAULT_THRESHOLD, check_share, check_threshold};
+use crate::{StoreError, StoreErrorKind};
+
+/// The default per-call timeout.
+const DEFAULT_TIMEOUT: Duration = Duration::from_millis(100);
+/// The default capacity of the local deny cache.
+const DEFAULT_DENY_CACHE: usize = 65_536;
+
+/// Builds a [`RedisStore`].
+#[must_use]
+pub struct RedisStoreBuilder {
+    prefix: String,
+    timeout: Duration,
+    clock: Option<Arc<dyn Clock>>,
+    grace: Duration,
+    deny_cache: usize,
+    /// Failures in a row that open the breaker, and how long it stays open; `None`: no
+    /// breaker.
+    breaker: Option<(u32, Duration)>,
+    /// The share of each quota the local fallback gives this node; `None`: no fallback.
+    fallback_share: Option<f64>,
+    #[cfg(feature = "tls")]
+    tls_root: Option<Vec<u8>>,
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut s = f.debug_struct("RedisStoreBuilder");
+        s.field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("caller_time", &self.clock.is_some())
+            .field("breaker", &self.breaker)
+            .field("local_fallback", &self.fallback_share);
+        #[cfg(feature = "tls")]
+        s.field("tls_root_certificate", &self.tls_root.is_some());
+        s.finish()
+    }
+}
+
+impl RedisStoreBuilder {
+    /// The defaults, as [`RedisStore::builder`] gives them.
+    pub(super) fn new() -> Self {
+        RedisStoreBuilder {
+            prefix: "tollway".to_owned(),
+            timeout: DEFAULT_TIMEOUT,
+            clock: None,
+            grace: Duration::ZERO,
+            deny_cache: DEFAULT_DENY_CACHE,
+            breaker: Some((DEFAULT_THRESHOLD, DEFAULT_COOL_DOWN)),
+            fallback_share: Some(1.0),
+            #[cfg(feature = "tls")]
+            tls_root: None,
+        }
+    }
+
+    /// The first part of every key (default `tollway`): `A-Z a-z 0-9 _ - . :`, at most
+    /// 64 bytes.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The most one decision may take, connection retry included (default 100 ms). A
+    /// call that takes longer fails with a [`StoreError`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Passes `clock`'s time to the scripts instead of reading the server's `TIME`.
+    ///
+    /// Every node must then count from the same origin (use [`crate::SystemClock`], or a
+    /// manual clock in tests), and skew between nodes moves their decisions. Measured
+    /// with two gateways 500 ms apart sending 600 requests over 3 s at 10 per second
+    /// (`tests/redis`, `clock_skew_...`): the buckets, GCRA and the fixed window admitted
+    /// one more than with agreeing clocks (40 for 39; 41 for 40), the sliding log five
+    /// more (35 for 30), the sliding counter five fewer (30 for 35). Keep clocks
+    /// synchronised well within the period, or keep the default (server time). Keys live
+    /// a little longer than their state needs (see
+    /// [`RedisStoreBuilder::grace`], default 1 s in this mode), since Redis expires them
+    /// by its own clock.
+    pub fn caller_time(mut self, clock: impl Clock) -> Self {
+        self.clock = Some(Arc::new(clock));
+        if self.grace.is_zero() {
+            self.grace = Duration::from_secs(1);
+        }
+        self
+    }
+
+    /// Remembers up to `entries` unit-cost denials and answers them locally until they
+    /// expire (default 65,536; 0 turns the cache off). Its answers are the ones Redis
+    /// would give and it never admits anything, so it is on by default; a flood from one
+    /// key then costs Redis about one call per node per retry period instead of one per
+    /// request.
+    pub fn deny_cache(mut self, entries: usize) -> Self {
+        self.deny_cache = entries;
+        self
+    }
+
+    /// Extra time-to-live added to every key beyond the instant its state becomes fresh.
+    pub fn grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    /// The breaker: after `threshold` failed calls in a row (a timeout, a lost
+    /// connection) Redis is not called for `cool_down`, then one call probes it (default:
+    /// 5 failures, 250 ms). While it is open a decision costs microseconds, not a
+    /// timeout, and comes from the local fallback.
+    pub fn breaker(mut self, threshold: u32, cool_down: Duration) -> Self {
+        self.breaker = Some((threshold, cool_down));
+        self
+    }
+
+    /// No breaker: every decision calls Redis, and waits for its timeout when Redis is
+    /// gone.
+    pub fn without_breaker(mut self) -> Self {
+        self.breaker = None;
+        self
+    }
+
+    /// While Redis cannot decide (a failed call, an open breaker), decide locally, in
+    /// this node's memory, giving it `share` of each quota (0 < share <= 1): with ten
+    /// gateways, 0.1, so that the fleet as a whole stays near the limit. The default is
+    /// a local fallback with share 1 (each node alone may admit a whole quota): neither
+    /// wide open nor closed.
+    pub fn local_fallback(mut self, share: f64) -> Self {
+        self.fallback_share = Some(share);
+        self
+    }
+
+    /// No local fallback: a decision Redis cannot make is an error, and the layer
+    /// answers it as its `on_store_error` setting says — lets the request through (fail
+    /// open, its default) or refuses it (fail closed).
+    pub fn without_local_fallback(mut self) -> Self {
+        self.fallback_share = None;
+        self
+    }
+
+    /// Trusts only the CA certificate(s) in `pem` (PEM text) for the `rediss://` URLs
+    /// passed to [`RedisStoreBuilder::connect`] or [`RedisStoreBuilder::connect_cluster`]
+    /// (every node the cluster's slot map names, too), instead of the system's root
+    /// certificates: for servers whose certificates a private CA signed. A server's
+    /// certificate must still be valid for its host; a URL that is not `rediss://` is
+    /// refused.
+    #[cfg(feature = "tls")]
+    pub fn tls_root_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root = Some(pem.into());
+        self
+    }
+
+    /// The client for `url`, with the trusted CA if one was given, sending without delay
+    /// (see [`tcp_settings`]).
+    fn client(&self, url: &str) -> Result<redis::Client, StoreError> {
+        use redis::IntoConnectionInfo;
+        let url = url
+            .into_connection_info()
+            .map_err(|e| {
+                StoreError::with_source(StoreErrorKind::Other, format!("bad Redis URL: {e}"), e)
+            })?
+            .set_tcp_settings(tcp_settings());
+        #[cfg(feature = "tls")]
+        if let Some(root) = &self.tls_root {
+            ensure_crypto_provider();
+            let certificates = redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(root.clone()),
+            };
+            return redis::Client::build_with_tls(url, certificates).map_err(|e| {
+                StoreError::with_source(
+                    StoreErrorKind::Other,
+                    format!("bad Redis URL or TLS root certificate: {e}"),
+                    e,
+                )
+            });
+        }
+        let client = redis::Client::open(url).map_err(|e| {
+            StoreError::with_source(StoreErrorKind::Other, format!("bad Redis URL: {e}"), e)
+        })?;
+        #[cfg(feature = "tls")]
+        if matches!(
+            client.get_connection_info().addr(),
+            redis::ConnectionAddr::TcpTls { .. }
+        ) {
+            ensure_crypto_provider();
+        }
+        Ok(client)
+    }
+
+    /// Checks the settings without connecting: what `connect` and the other builds
+    /// refuse first (a limits file validates its `[store]` with it).
+    ///
+    /// # Errors
+    ///
+    /// When the prefix, timeout, breaker threshold or fallback share is one the store
+    /// cannot use.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
+        if self.prefix.is_empty() || self.prefix.len() > 64 || !self.prefix.chars().all(ok) {
+            return Err(ConfigError::new(format!(
+                "Redis key prefix {:?} must be 1 to 64 characters of A-Z, a-z, 0-9, '_', '-', '.', ':'",
+                self.prefix
+            )));
+        }
+        if self.timeout.is_zero() {
+            return Err(ConfigError::new(
+                "Redis timeout must be more than zero: every call would fail",
+            ));
+        }
+        if let Some((threshold, _)) = self.breaker {
+            check_threshold(threshold)?;
+        }
+        if let Some(share) = self.fallback_share {
+            check_share(share)?;
+        }
+        Ok(())
+    }
+
+    fn build(self, backend: Backend) -> Result<RedisStore, ConfigError> {
+        let (breaker, fallback_share) = (self.breaker, self.fallback_share);
+        let scripts = Scripts {
+            inner: Arc::new(Inner {
+                backend,
+                prefix: self.prefix,
+                timeout: self.timeout,
+                grace_ms: u64::try_from(self.grace.as_millis()).unwrap_or(u64::MAX),
+                deny_cache: (self.deny_cache > 0).then(|| {
+                    let clock = self
+                        .clock
+                        .clone()
+                        .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
+                    DenyCache::new(self.deny_cache, clock)
+                }),
+                clock: self.clock,
+            }),
+        };
+        if breaker.is_none() && fallback_share.is_none() {
+            return Ok(RedisStore {
+                front: Front::Scripts(scripts),
+            });
+        }
+        let name = scripts.kind();
+        let mut guarded = CircuitBreaker::builder(scripts).name(name);
+        guarded = match breaker {
+            Some((threshold, cool_down)) => guarded.threshold(threshold).cool_down(cool_down),
+            None => guarded.without_breaker(),
+        };
+        if let Some(share) = fallback_share {
+            guarded = guarded.local_fallback(share);
+        }
+        Ok(RedisStore {
+            front: Front::Guarded(guarded.build()?),
+        })
+    }
+
+    /// Connects to `url` (`redis://[user:password@]host:port[/db]`) with one multiplexed,
+    /// self-reconnecting connection. A password (with or without an ACL user name) is
+    /// sent with `AUTH` on every connection, reconnections included.
+    ///
+    /// With the `tls` feature, `rediss://[user:password@]host:port[/db]` connects over
+    /// TLS (rustls), verifying the server's certificate against the system's root
+    /// certificates or the one given to [`RedisStoreBuilder::tls_root_certificate`].
+    /// When the process has no default rustls crypto provider yet, `ring`'s is installed.
+    ///
+    /// # Errors
+    ///
+    /// When the prefix or timeout is invalid, the URL cannot be parsed, the server cannot
+    /// be reached within the timeout, refuses the credentials, or (TLS) presents a
+    /// certificate that does not verify.
+    pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
+        self.validate().map_err(config_error)?;
+        let client = self.client(url)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout))
+            .set_number_of_retries(1);
+        let manager = tokio::time::timeout(
+            self.timeout,
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| {
+            StoreError::new(
+                StoreErrorKind::Timeout,
+                format!("could not connect to Redis within {:?}", self.timeout),
+            )
+        })?
+        .map_err(|e| {
+            StoreError::with_source(
+                StoreErrorKind::Connection,
+                format!("could not connect to Redis: {e}"),
+                e,
+            )
+        })?;
+        self.build(Backend::Manager(manager)).map_err(config_error)
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` URLs):
+    /// the client learns the slot map, sends each script to the master that owns its
+    /// keys (one hash tag per key, so never `CROSSSLOT`), and follows `MOVED` and `ASK`
+    /// during resharding and failover.
+    ///
+    /// With the `tls` feature, `rediss://host:port` nodes are reached over TLS (every
+    /// node then, the ones the slot map names too), verified as for
+    /// [`RedisStoreBuilder::connect`].
+    ///
+    /// # Errors
+    ///
+    /// When the prefix or timeout is invalid, the URLs mix `redis://` and `rediss://`,
+    /// or no node can be reached within the timeout.
+    pub async fn connect_cluster(self, nodes: &[&str]) -> Result<RedisStore, StoreError> {
+        self.validate().map_err(config_error)?;
+        #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
+        let mut builder = redis::cluster::ClusterClient::builder(nodes.iter().copied())
+            .tcp_settings(tcp_settings())
+            .connection_timeout(self.timeout)
+            .response_timeout(self.timeout)
+            .retries(2)
+            .min_retry_wait(10)
+            .max_retry_wait(100);
+        #[cfg(feature = "tls")]
+        {
+            let (mut any_tls, mut all_tls) = (false, true);
+            for node in nodes {
+                let tls = matches!(
+                    redis::IntoConnectionInfo::into_connection_info(*node)
+                        .map_err(|e| StoreError::with_source(
+                            StoreErrorKind::Other,
+                            format!("bad Redis URL: {e}"),
+                            e
+                        ))?
+                        .addr(),
+                    redis::ConnectionAddr::TcpTls { .. }
+                );
+                any_tls |= tls;
+                all_tls &= tls;
+            }
+            if any_tls {
+                ensure_crypto_provider();
+            }
+            if let Some(root) = &self.tls_root {
+                if !all_tls {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Other,
+                        "a TLS root certificate was given, but not every Redis Cluster node \
+                         URL is rediss://: use rediss:// for all, or leave out \
+                         tls_root_certificate",
+                    ));
+                }
+                builder = builder.certs(redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(root.clone()),
+                });
+            }
+        }
+        let client = builder.build().map_err(|e| {
+            StoreError::with_source(
+                StoreErrorKind::Other,
+                format!("bad Redis Cluster nodes: {e}"),
+                e,
+            )
+        })?;
+        let connection = tokio::time::timeout(self.timeout, client.get_async_connection())
+            .await
+            .map_err(|_| {
+                StoreError::new(
+                    StoreErrorKind::Timeout,
+                    format!(
+                        "could not connect to the Redis Cluster within {:?}",
+                        self.timeout
+                    ),
+                )
+            })?
+            .map_err(|e| {
+                StoreError::with_source(
+                    StoreErrorKind::Connection,
+                    format!("could not connect to the Redis Cluster: {e}"),
+                    e,
+                )
+            })?;
+        self.build(Backend::Cluster(connection))
+            .map_err(config_error)
+    }
+
+    /// Uses an existing redis-rs `ConnectionManager`.
+    ///
+    /// # Errors
+    ///
+    /// When the prefix or timeout is invalid.
+    pub fn with_connection_manager(
+        self,
+        manager: ConnectionManager,
+    ) -> Result<RedisStore, ConfigError> {
+        self.validate()?;
+        self.build(Backend::Manager(manager))
+    }
+
+    /// Uses an existing deadpool-redis pool: each decision checks out a connection.
+    ///
+    /// # Errors
+    ///
+    /// When the prefix or timeout is invalid.
+    #[cfg(feature = "deadpool")]
+    pub fn with_pool(self, pool: deadpool_redis::Pool) -> Result<RedisStore, ConfigError> {
+        self.validate()?;
+        self.build(Backend::Pool(pool))
+    }
+}
+
+/// Makes sure rustls has a process-wide crypto provider before redis-rs builds its TLS
+/// configuration (which panics without one): `ring`'s, unless the application already
+/// installed its own.
+#[cfg(feature = "tls")]
+fn ensure_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Another thread may install one first: either way there is one, which is all
+        // that matters here.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+/// The store's connections send each call at once (`TCP_NODELAY`): calls are small and
+/// pipelined on one connection, and with Nagle's algorithm (redis-rs's default) a call
+/// made while another's reply is on its way waits for that reply's acknowledgement — on
+/// a network with delayed acknowledgements, tens of milliseconds (measured across a
+/// simulated 20 ms round trip: 34 ms a decision at the median instead of 24; see
+/// BENCHMARKS.md). Connections a user hands over (`with_manager`, a pool) keep theirs.
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default().set_nodelay(true)
+}
+
+/// A setting the builder refused, as the error of a `connect`.
+fn config_error(e: ConfigError) -> StoreError {
+    StoreError::with_source(StoreErrorKind::Other, e.to_string(), e)
+}

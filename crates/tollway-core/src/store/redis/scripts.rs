@@ -1,0 +1,221 @@
+//! The scripts: the Lua in `lua/` composed into one decision script and one operation
+//! script, the arguments of a call, `EVALSHA` with its reload, and the reply.
+
+use std::sync::LazyLock;
+
+use redis::aio::ConnectionLike;
+use redis::{RedisError, Script};
+use smallvec::SmallVec;
+
+use crate::algorithm::Algorithm;
+use crate::{Decision, Decisions, Denial, Policy, StoreError, StoreErrorKind};
+
+/// The algorithms, as every script has them after the prelude.
+macro_rules! lua_algorithms {
+    () => {
+        concat!(
+            include_str!("../../../../../lua/token_bucket.lua"),
+            "\n",
+            include_str!("../../../../../lua/gcra.lua"),
+            "\n",
+            include_str!("../../../../../lua/leaky_bucket.lua"),
+            "\n",
+            include_str!("../../../../../lua/fixed_window.lua"),
+            "\n",
+            include_str!("../../../../../lua/sliding_window_counter.lua"),
+            "\n",
+            include_str!("../../../../../lua/sliding_window_log.lua"),
+        )
+    };
+}
+
+/// The script that decides (and peeks): the prelude, every algorithm, and the entry that
+/// decides all of a request's limits (see `lua/prelude.lua` for its keys, arguments and
+/// reply).
+const SOURCE: &str = concat!(
+    include_str!("../../../../../lua/prelude.lua"),
+    "\n",
+    lua_algorithms!(),
+    "\n",
+    include_str!("../../../../../lua/check.lua"),
+);
+
+/// The script that charges, refunds and resets: the same with `lua/operate.lua` as its
+/// entry.
+const OPERATE_SOURCE: &str = concat!(
+    include_str!("../../../../../lua/prelude.lua"),
+    "\n",
+    lua_algorithms!(),
+    "\n",
+    include_str!("../../../../../lua/operate.lua"),
+);
+
+/// The scripts with their SHA-1s, computed once.
+pub(super) static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SOURCE));
+static OPERATE: LazyLock<Script> = LazyLock::new(|| Script::new(OPERATE_SOURCE));
+
+/// The script's code for an algorithm (`ARGV` of each limit).
+pub(super) fn code(algorithm: Algorithm) -> u64 {
+    match algorithm {
+        Algorithm::TokenBucket => 1,
+        Algorithm::LeakyBucket => 2,
+        Algorithm::LeakyBucketShaper => 3,
+        Algorithm::FixedWindow => 4,
+        Algorithm::SlidingWindowLog => 5,
+        Algorithm::SlidingWindowCounter => 6,
+        Algorithm::Gcra => 7,
+    }
+}
+
+/// One script call: its keys and arguments (see `lua/prelude.lua`).
+pub(super) struct Call {
+    pub(super) keys: SmallVec<[String; 2]>,
+    pub(super) time: Time,
+    pub(super) kind: Kind,
+    /// The request's cost, or the units to charge or refund.
+    pub(super) units: u32,
+    pub(super) grace_ms: u64,
+    /// Per limit: algorithm code, limit, period (µs), burst, emission interval (µs).
+    pub(super) limits: SmallVec<[[u64; 5]; 2]>,
+}
+
+/// Where a call's time comes from.
+pub(super) enum Time {
+    /// The caller's clock read this instant, in µs.
+    Caller(u64),
+    /// The server's `TIME`.
+    Server,
+    /// The server's `TIME`, replied after the decisions.
+    ServerTold,
+}
+
+/// Which script a call runs, and how.
+#[derive(Clone, Copy)]
+pub(super) enum Kind {
+    /// `check.lua`, writing the new states.
+    Check,
+    /// `check.lua`, writing nothing.
+    Peek,
+    /// `operate.lua`, with its operation's name.
+    Operate(&'static str),
+}
+
+impl Call {
+    /// `EVALSHA`, and on `NOSCRIPT` (after `SCRIPT FLUSH`, a restart, a failover, or a
+    /// cluster node that never saw the script) `EVAL` of the source, which also caches
+    /// it on that node: the call goes to the node that owns the keys either way.
+    pub(super) async fn invoke(
+        &self,
+        con: &mut impl ConnectionLike,
+    ) -> Result<redis::Value, RedisError> {
+        let (script, source) = match self.kind {
+            Kind::Check | Kind::Peek => (&*SCRIPT, SOURCE),
+            Kind::Operate(_) => (&*OPERATE, OPERATE_SOURCE),
+        };
+        match self
+            .command("EVALSHA", script.get_hash())
+            .query_async(con)
+            .await
+        {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                self.command("EVAL", source).query_async(con).await
+            }
+            other => other,
+        }
+    }
+
+    fn command(&self, name: &str, script: &str) -> redis::Cmd {
+        let mut cmd = redis::cmd(name);
+        cmd.arg(script).arg(self.keys.len()).arg(&self.keys[..]);
+        match self.time {
+            Time::Caller(now) => cmd.arg(now),
+            Time::Server => cmd.arg(""),
+            Time::ServerTold => cmd.arg("TIME"),
+        };
+        cmd.arg(self.units);
+        match self.kind {
+            Kind::Peek => cmd.arg("peek"),
+            Kind::Check | Kind::Operate(_) => cmd.arg(self.grace_ms),
+        };
+        for limit in &self.limits {
+            cmd.arg(&limit[..]);
+        }
+        if let Kind::Operate(operation) = self.kind {
+            cmd.arg(operation);
+        }
+        cmd
+    }
+}
+
+/// What each limit can hold: the capacity a reply's decisions report.
+pub(super) fn capacities(policies: &[&Policy]) -> SmallVec<[u64; 2]> {
+    policies.iter().map(|p| p.quota().burst()).collect()
+}
+
+/// The decisions in a script's reply: four integers a limit, `{ denial, remaining,
+/// reset_after_us, wait_us }`, for limits of the given capacities.
+pub(super) fn parse(reply: &[i64], capacities: &[u64]) -> Result<Decisions, StoreError> {
+    let bad = || {
+        StoreError::new(
+            StoreErrorKind::Script,
+            format!(
+                "Redis script replied {reply:?}, not {} decisions: is another version of tollway using the same prefix?",
+                capacities.len()
+            ),
+        )
+    };
+    if reply.len() != 4 * capacities.len() {
+        return Err(bad());
+    }
+    reply
+        .chunks_exact(4)
+        .zip(capacities)
+        .map(|(fields, &limit)| {
+            let field = |i: usize| u64::try_from(fields[i]).map_err(|_| bad());
+            let (remaining, reset, wait) = (field(1)?, field(2)?, field(3)?);
+            match fields[0] {
+                0 => Ok(Decision::allow(limit, remaining, reset, wait)),
+                1 if wait > 0 => Ok(Decision::limited(limit, remaining, reset, wait)),
+                2 if wait == 0 => Ok(Decision::refused(
+                    Denial::CostExceedsCapacity,
+                    limit,
+                    remaining,
+                    reset,
+                )),
+                _ => Err(bad()),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_algorithm_has_its_own_code() {
+        let codes: std::collections::HashSet<_> = Algorithm::ALL.iter().map(|a| code(*a)).collect();
+        assert_eq!(codes.len(), Algorithm::ALL.len());
+    }
+
+    #[test]
+    fn replies_parse_into_decisions_or_are_refused() {
+        let d = parse(&[0, 4, 100, 0, 1, 0, 60, 20, 2, 7, 0, 0], &[5, 1, 9]).unwrap();
+        assert!(d[0].is_allowed() && d[0].remaining() == 4 && d[0].limit() == 5);
+        assert_eq!(d[1].denial(), Some(Denial::Limited));
+        assert_eq!(d[1].retry_after_micros(), 20);
+        assert_eq!(d[2].denial(), Some(Denial::CostExceedsCapacity));
+        // Wrong length, a negative field, a limited decision without a wait, a
+        // refusal with one, an unknown code.
+        for (reply, limits) in [
+            (&[0, 1, 2][..], &[1][..]),
+            (&[0, -1, 0, 0], &[1]),
+            (&[1, 0, 5, 0], &[1]),
+            (&[2, 0, 5, 3], &[1]),
+            (&[9, 0, 0, 0], &[1]),
+        ] {
+            let err = parse(reply, limits).unwrap_err();
+            assert_eq!(err.kind(), StoreErrorKind::Script, "{reply:?}");
+        }
+    }
+}
