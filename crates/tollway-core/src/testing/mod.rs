@@ -300,8 +300,8 @@ impl Conformance {
         report
     }
 
-    /// `got` against `expected`, allowing what [`stale_remaining_when_refused`]
-    /// (Self::stale_remaining_when_refused) allows.
+    /// `got` against `expected`, with the allowance of
+    /// [`stale_remaining_when_refused`](Self::stale_remaining_when_refused).
     fn compare(&self, got: &Decisions, expected: &Decisions, context: &impl Fn() -> String) {
         if !self.stale_remaining || expected.is_allowed() {
             assert_eq!(got, expected, "{}", context());

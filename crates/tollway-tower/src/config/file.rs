@@ -21,7 +21,7 @@ use crate::pipeline::{MissingKey, OnStoreError, Protocol};
 use crate::rate_limit::{RateLimitLayer, RateLimitLayerBuilder};
 
 /// A limits file, read and validated: every policy, tier, route, list entry and setting
-/// in it is usable. See the [module docs](self) for what it may say.
+/// in it is usable. See the [module docs](crate::config) for what it may say.
 pub struct LimitsFile {
     name: String,
     pub(super) text: String,
