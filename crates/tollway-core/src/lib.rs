@@ -196,6 +196,9 @@ mod quota;
 mod store;
 #[cfg(test)]
 mod test_log;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
 pub use algorithm::Algorithm;
 pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};

@@ -405,7 +405,7 @@
 //!   the stores' metrics through `tollway-core/metrics`. Optional dependency `metrics`.
 //! - `config`: the `config` module: limits from a TOML file, validated as a whole
 //!   (`LimitsFile`, each error at its line and column), and reloaded on demand or when
-//!   the file changes (`Reloader`). Implies `redis` (a file's `[store]` may name Redis);
+//!   the file changes (`Reloader`). A `[store]` naming Redis needs `redis` too;
 //!   optional dependencies `serde`, `toml`, `notify`.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]

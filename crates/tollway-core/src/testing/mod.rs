@@ -1,0 +1,362 @@
+//! Conformance suites (feature `testing`): prove a store decides like the memory store.
+//!
+//! A [`Store`] of your own passes when it gives the decisions the [`MemoryStore`] gives,
+//! field by field. [`Conformance`] replays a seeded random trace through both, on one
+//! [`ManualClock`] that your store must read:
+//!
+//! - [`one_limit`](Conformance::one_limit): every algorithm, one limit a request, with
+//!   uneven rates, bursts, costs of 0 and over the capacity, and long idle stretches.
+//! - [`all_or_nothing`](Conformance::all_or_nothing): one to four limits of different
+//!   algorithms a request, so a request refused by one limit must charge none of them;
+//!   one event in four is an [`Operation`] (peek, charge, refund, reset, drain).
+//!
+//! Each suite panics at the first decision that differs, naming the event, and checks
+//! that its trace is not vacuous (it admits, limits and refuses). It needs no runtime of
+//! its own: await it on the one your store runs on.
+//!
+//! # Examples
+//!
+//! The memory store proves itself, on a clock it reads:
+//!
+//! ```
+//! use tollway_core::testing::Conformance;
+//! use tollway_core::{ManualClock, MemoryStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), tollway_core::ConfigError> {
+//! let clock = ManualClock::new();
+//! let store = MemoryStore::builder().clock(clock.clone()).build()?;
+//!
+//! let report = Conformance::new(2_000).one_limit(&store, &clock).await;
+//! assert_eq!(report.events(), 2_000 * 7); // every algorithm
+//! Conformance::new(2_000).all_or_nothing(&store, &clock).await;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! A store with a local deny cache may answer a repeated refusal from memory. The limits
+//! that did not refuse may then report fewer units than they have, never more; say so,
+//! and name the run in its messages:
+//!
+//! ```
+//! use tollway_core::testing::Conformance;
+//! use tollway_core::{ManualClock, MemoryStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), tollway_core::ConfigError> {
+//! let clock = ManualClock::new();
+//! let store = MemoryStore::builder().clock(clock.clone()).build()?;
+//!
+//! let suite = Conformance::new(1_000)
+//!     .named("cached")
+//!     .stale_remaining_when_refused();
+//! let report = suite.all_or_nothing(&store, &clock).await;
+//! // The keys and policies it used: a store can check what it kept for them.
+//! assert!(report.used().count() > 0);
+//! # Ok(())
+//! # }
+//! ```
+
+use std::future::IntoFuture;
+use std::time::Duration;
+
+use crate::{Algorithm, Decision, Decisions, Denial, ManualClock, MemoryStore, Operation, Policy};
+use crate::{Clock, Quota, Store};
+
+mod trace;
+
+use trace::{Rng, cost, gap, quotas};
+
+/// A conformance run: how many events, from which seed, what the store may answer
+/// differently. See the [module docs](self).
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct Conformance {
+    events: usize,
+    seed: Option<u64>,
+    name: String,
+    stale_remaining: bool,
+}
+
+/// What a conformance run did: how many events, and which keys under which policies.
+#[derive(Debug)]
+pub struct Report {
+    events: usize,
+    used: Vec<(Vec<u8>, Policy)>,
+}
+
+impl Report {
+    /// The events replayed: requests and operations.
+    #[must_use]
+    pub fn events(&self) -> usize {
+        self.events
+    }
+
+    /// Each key and policy the run used, once.
+    pub fn used(&self) -> impl Iterator<Item = (&[u8], &Policy)> {
+        self.used
+            .iter()
+            .map(|(key, policy)| (key.as_slice(), policy))
+    }
+
+    fn record(&mut self, key: &str, policy: &Policy) {
+        let seen = self
+            .used
+            .iter()
+            .any(|(k, p)| k.as_slice() == key.as_bytes() && p == policy);
+        if !seen {
+            self.used.push((key.as_bytes().to_vec(), policy.clone()));
+        }
+    }
+}
+
+impl Conformance {
+    /// A run of `events` events (in [`one_limit`](Self::one_limit), for each algorithm).
+    pub fn new(events: usize) -> Self {
+        Conformance {
+            events,
+            seed: None,
+            name: "store".to_owned(),
+            stale_remaining: false,
+        }
+    }
+
+    /// The trace's seed: each seed is another trace. Each suite has a default.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// What the messages call the store.
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Accepts a refusal answered from a local deny cache: a limit that did not refuse
+    /// may report fewer remaining units than it has (never more), with the same reset.
+    /// Who is refused, and why, must still be exact.
+    pub fn stale_remaining_when_refused(mut self) -> Self {
+        self.stale_remaining = true;
+        self
+    }
+
+    /// Replays the trace one limit a request, for every [`Algorithm`], through `store`
+    /// and a memory store on `clock`; a new policy (so new keys) every fifth of the
+    /// trace. `store` must read `clock`, which the suite moves forward.
+    ///
+    /// # Panics
+    ///
+    /// At the first decision that differs from the memory store's, or that `store`
+    /// fails; or when the trace admits, limits or refuses under 1% of its events (too
+    /// few events to mean anything).
+    pub async fn one_limit<S: Store>(&self, store: &S, clock: &ManualClock) -> Report {
+        const CALLERS: u64 = 6;
+        let memory = twin(clock);
+        let mut rng = Rng(self.seed.unwrap_or(0x7011_6a7e));
+        let segment = self.events.div_ceil(5);
+        let mut report = Report {
+            events: 0,
+            used: Vec::new(),
+        };
+        for algorithm in Algorithm::ALL {
+            let quotas = quotas(algorithm);
+            let mut counts = [0usize; 3];
+            for i in 0..self.events {
+                let quota = quotas[(i / segment) % quotas.len()];
+                let name = format!("conf{}", i / segment);
+                let policy = Policy::new(name, algorithm, quota).expect("a valid policy");
+                let now = clock.now_micros();
+                clock.set_micros(now + gap(&mut rng, now, &quota));
+                let cost = cost(&mut rng, &quota, algorithm);
+                let caller = format!("caller-{}", rng.below(CALLERS));
+                let expected = memory.check_sync(caller.as_bytes(), &policy, cost);
+                let context = || {
+                    format!(
+                        "{}: {algorithm:?} event {i} {caller} at {} cost {cost} quota {quota:?}",
+                        self.name,
+                        clock.now_micros()
+                    )
+                };
+                let got = answer(store.check(caller.as_bytes(), &[&policy], cost), &context).await;
+                assert_eq!(got.len(), 1, "{}", context());
+                assert_eq!(got[0], expected, "{}", context());
+                counts[outcome(&expected)] += 1;
+                report.events += 1;
+                report.record(&caller, &policy);
+            }
+            // The trace is not vacuous: it admits, limits and refuses (each at least 1%).
+            assert!(
+                counts.iter().all(|&n| n >= self.events / 100),
+                "{}: {algorithm:?} (admitted, limited, refused): {counts:?}",
+                self.name
+            );
+        }
+        report
+    }
+
+    /// Replays the trace of requests against one to four limits of different
+    /// algorithms (chosen afresh each request, so their states interleave) through
+    /// `store` and a memory store on `clock`. Every decision of every limit must match,
+    /// and so must the all-or-nothing rule: a refused request charges no limit. One
+    /// event in four is an [`Operation`] instead, whose answers must match too. `store`
+    /// must read `clock`, which the suite moves forward.
+    ///
+    /// # Panics
+    ///
+    /// At the first answer that differs from the memory store's, or that `store` fails;
+    /// or when the trace is vacuous: under a tenth of its requests admitted, under a
+    /// twentieth refused by one limit while another had room, or an operation under 1%.
+    pub async fn all_or_nothing<S: Store>(&self, store: &S, clock: &ManualClock) -> Report {
+        const CALLERS: u64 = 3;
+        let memory = twin(clock);
+        let mut rng = Rng(self.seed.unwrap_or(0x0a11_0f0e));
+        let pool: Vec<Policy> = Algorithm::ALL
+            .iter()
+            .enumerate()
+            .map(|(i, &algorithm)| {
+                let quota = quotas(algorithm)[i % 3];
+                Policy::new(format!("multi{i}"), algorithm, quota).expect("a valid policy")
+            })
+            .collect();
+        let mut report = Report {
+            events: 0,
+            used: Vec::new(),
+        };
+        let (mut admitted, mut refused_with_room) = (0, 0);
+        let mut operations = [0usize; 5];
+        for i in 0..self.events {
+            let n = 1 + rng.below(4) as usize;
+            let mut chosen: Vec<&Policy> = Vec::new();
+            while chosen.len() < n {
+                let p = &pool[rng.below(pool.len() as u64) as usize];
+                if !chosen.iter().any(|c| c.name() == p.name()) {
+                    chosen.push(p);
+                }
+            }
+            let now = clock.now_micros();
+            clock.set_micros(now + gap(&mut rng, now, chosen[0].quota()));
+            let cost = cost(&mut rng, chosen[0].quota(), chosen[0].algorithm()).min(3);
+            let caller = format!("caller-{}", rng.below(CALLERS));
+            let names: Vec<&str> = chosen.iter().map(|p| p.name()).collect();
+            report.events += 1;
+            for p in &chosen {
+                report.record(&caller, p);
+            }
+            // One event in four looks at or corrects the state instead of checking.
+            let operation = match rng.below(20) {
+                0 => Some((0, Operation::Peek(cost))),
+                1 => Some((1, Operation::Charge(1 + rng.below(12) as u32))),
+                2 => Some((2, Operation::Refund(1 + rng.below(12) as u32))),
+                3 => Some((3, Operation::Reset)),
+                4 => Some((4, Operation::Drain(rng.below(12) as u32))),
+                _ => None,
+            };
+            if let Some((kind, operation)) = operation {
+                let expected = memory.apply(caller.as_bytes(), &chosen, operation);
+                let context = || {
+                    format!(
+                        "{}: event {i} {caller} at {} {operation:?} limits {names:?}",
+                        self.name,
+                        clock.now_micros()
+                    )
+                };
+                let got = answer(
+                    store.operate(caller.as_bytes(), &chosen, operation),
+                    &context,
+                );
+                assert_eq!(got.await, expected, "{}", context());
+                operations[kind] += 1;
+                continue;
+            }
+            let expected = memory.decide(caller.as_bytes(), &chosen, cost);
+            let context = || {
+                format!(
+                    "{}: event {i} {caller} at {} cost {cost} limits {names:?}",
+                    self.name,
+                    clock.now_micros()
+                )
+            };
+            let got = answer(store.check(caller.as_bytes(), &chosen, cost), &context).await;
+            self.compare(&got, &expected, &context);
+            if expected.is_allowed() {
+                admitted += 1;
+            } else if expected.iter().any(Decision::is_allowed) {
+                refused_with_room += 1;
+            }
+        }
+        // The trace is not vacuous: requests pass, and requests are refused by one limit
+        // while another had room (the case all-or-nothing is about).
+        let name = &self.name;
+        assert!(admitted >= self.events / 10, "{name}: {admitted} admitted");
+        assert!(
+            operations.iter().all(|&n| n >= self.events / 100),
+            "{name}: operations (peek, charge, refund, reset, drain): {operations:?}"
+        );
+        assert!(
+            refused_with_room >= self.events / 20,
+            "{name}: {refused_with_room} refused with room"
+        );
+        report
+    }
+
+    /// `got` against `expected`, with the allowance of
+    /// [`stale_remaining_when_refused`](Self::stale_remaining_when_refused).
+    fn compare(&self, got: &Decisions, expected: &Decisions, context: &impl Fn() -> String) {
+        if !self.stale_remaining || expected.is_allowed() {
+            assert_eq!(got, expected, "{}", context());
+            return;
+        }
+        assert_eq!(got.len(), expected.len(), "{}", context());
+        for (g, e) in got.iter().zip(expected.iter()) {
+            if e.is_allowed() {
+                assert!(
+                    g.is_allowed() && g.remaining() <= e.remaining(),
+                    "{}: {g:?} reports more than {e:?}",
+                    context()
+                );
+                assert_eq!(g.reset_after(), e.reset_after(), "{}", context());
+            } else {
+                assert_eq!(g, e, "{}", context());
+            }
+        }
+    }
+}
+
+/// The memory store the suites compare with, on the store's clock.
+fn twin(clock: &ManualClock) -> MemoryStore<ManualClock> {
+    MemoryStore::builder()
+        .clock(clock.clone())
+        .build()
+        .expect("a memory store with no bounds builds")
+}
+
+/// The store's answer, or a panic naming the event it failed.
+async fn answer(
+    checked: impl IntoFuture<Output = Result<Decisions, crate::StoreError>>,
+    context: &impl Fn() -> String,
+) -> Decisions {
+    checked
+        .await
+        .unwrap_or_else(|e| panic!("{}: the store failed: {e}", context()))
+}
+
+/// Which of admitted (0), limited (1) and refused otherwise (2) a decision is, to show
+/// a trace exercises all three.
+fn outcome(decision: &Decision) -> usize {
+    match decision.denial() {
+        None => 0,
+        Some(Denial::Limited) => 1,
+        Some(_) => 2,
+    }
+}
+
+/// A quota of `limit` a `period`, with `burst` where the algorithm has one.
+fn quota(algorithm: Algorithm, limit: u32, period: Duration, burst: u32) -> Quota {
+    let q = Quota::with_period(limit, period).expect("a valid quota");
+    if algorithm.uses_burst() {
+        q.with_burst(burst).expect("a valid burst")
+    } else {
+        q
+    }
+}

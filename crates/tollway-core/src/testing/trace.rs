@@ -1,0 +1,73 @@
+//! The random traces: a seeded generator, the quotas, the gaps and the costs.
+
+use std::time::Duration;
+
+use super::quota;
+use crate::{Algorithm, Quota};
+
+/// splitmix64: a small seeded generator, the same trace on every machine.
+#[derive(Debug)]
+pub(super) struct Rng(pub(super) u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A number below `n`.
+    pub(super) fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// Quotas with uneven rates, short and long periods, bursts above and below the limit.
+pub(super) fn quotas(algorithm: Algorithm) -> Vec<Quota> {
+    let specs: [(u32, u64, u32); 5] = [
+        (7, 3_000_000, 11),
+        (100, 60_000_000, 100),
+        (3, 1_000_000, 2),
+        (50, 1_000, 64),
+        (1, 86_400_000_000, 1),
+    ];
+    specs
+        .iter()
+        .map(|&(limit, period_us, burst)| {
+            quota(algorithm, limit, Duration::from_micros(period_us), burst)
+        })
+        .collect()
+}
+
+/// The next time gap: often none, often tiny, sometimes exactly to a period boundary,
+/// sometimes a long idle stretch.
+pub(super) fn gap(rng: &mut Rng, now: u64, quota: &Quota) -> u64 {
+    let period = quota.period_micros();
+    match rng.below(10) {
+        0..=2 => 0,
+        3..=4 => rng.below(quota.emission_micros() * 2) + 1,
+        5 => period - now % period, // exactly on the next boundary
+        6 => (period - now % period).saturating_sub(1).max(1), // one tick before it
+        7 => quota.emission_micros(),
+        8 => rng.below(period) + 1,
+        _ => period * (1 + rng.below(20)), // long idle
+    }
+}
+
+/// A request's cost: mostly 1, sometimes 0, sometimes over the capacity.
+pub(super) fn cost(rng: &mut Rng, quota: &Quota, algorithm: Algorithm) -> u32 {
+    let cap = if algorithm.uses_burst() {
+        quota.burst()
+    } else {
+        quota.limit()
+    };
+    let c = match rng.below(10) {
+        0..=5 => 1,
+        6 => 0,
+        7 => cap + 1,
+        _ => 1 + rng.below(cap),
+    };
+    u32::try_from(c).unwrap_or(u32::MAX)
+}

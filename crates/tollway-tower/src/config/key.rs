@@ -1,0 +1,156 @@
+//! How a file finds a caller's key: an API key, else the client's address.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use http::Request;
+use tollway_core::ConfigError;
+use toml::Spanned;
+
+use super::LimitsFile;
+use crate::key::{
+    ApiKey, ClientIp, ForwardedHeader, Key, KeyExtractor, KnownKeys, PeerIp, parse_network,
+};
+
+impl LimitsFile {
+    /// How the file says to find a caller's key.
+    ///
+    /// # Errors
+    ///
+    /// Never for a file that [`parse`](Self::parse) accepted.
+    pub fn key(&self) -> Result<ConfigKey, ConfigError> {
+        let section = self.file.key.as_ref().map(Spanned::get_ref);
+        let prefix = section.and_then(|k| k.ipv6_prefix.as_ref());
+        let ipv6 = prefix.map_or(64, |p| *p.get_ref());
+        let prefix_span = prefix.map(Spanned::span);
+        let address = match section.and_then(|k| k.client_ip.as_ref()) {
+            None => Address::Peer(
+                PeerIp::new()
+                    .ipv6_prefix(ipv6)
+                    .map_err(|e| self.err(prefix_span, e))?,
+            ),
+            Some(client) => {
+                let c = client.get_ref();
+                let header = match c.header.get_ref().to_ascii_lowercase().as_str() {
+                    "forwarded" => ForwardedHeader::Forwarded,
+                    "x-forwarded-for" => ForwardedHeader::XForwardedFor,
+                    "x-real-ip" => ForwardedHeader::XRealIp,
+                    other => {
+                        return Err(self.at(
+                            Some(c.header.span()),
+                            &format!(
+                                "client_ip reads {other:?}: write header = \"forwarded\", \
+                                 \"x-forwarded-for\" or \"x-real-ip\" (the one your proxies write)"
+                            ),
+                        ));
+                    }
+                };
+                for network in &c.trusted_proxies {
+                    parse_network(network.get_ref())
+                        .map_err(|e| self.err(Some(network.span()), e))?;
+                }
+                let proxies = c.trusted_proxies.iter().map(|n| n.get_ref().as_str());
+                let mut client_ip =
+                    ClientIp::new(header, proxies).map_err(|e| self.err(Some(client.span()), e))?;
+                if let Some(hops) = &c.trusted_hops {
+                    client_ip = client_ip
+                        .trusted_hops(*hops.get_ref())
+                        .map_err(|e| self.err(Some(hops.span()), e))?;
+                }
+                if let Some(through) = &c.hops_through {
+                    for network in through.get_ref() {
+                        parse_network(network.get_ref())
+                            .map_err(|e| self.err(Some(network.span()), e))?;
+                    }
+                    let networks = through.get_ref().iter().map(|n| n.get_ref().as_str());
+                    client_ip = client_ip
+                        .hops_through(networks)
+                        .map_err(|e| self.err(Some(through.span()), e))?;
+                }
+                Address::Client(
+                    client_ip
+                        .ipv6_prefix(ipv6)
+                        .map_err(|e| self.err(prefix_span, e))?,
+                )
+            }
+        };
+        let api_key = match section.and_then(|k| k.api_key.as_ref()) {
+            None => None,
+            Some(api) => Some(Known {
+                header: ApiKey::header(api.header.get_ref())
+                    .map_err(|e| self.err(Some(api.header.span()), e))?,
+                only_known: api.only_known,
+            }),
+        };
+        Ok(ConfigKey {
+            api_key,
+            address,
+            known: Arc::new(ArcSwap::from_pointee(self.known_keys())),
+        })
+    }
+}
+
+/// How a config file finds a caller's key: an API key (only the keys in `[tiers]`, by
+/// default, read afresh on every reload), else the client's address (the peer's, or
+/// behind trusted proxies).
+#[derive(Clone)]
+pub struct ConfigKey {
+    api_key: Option<Known>,
+    pub(super) address: Address,
+    /// The API keys the file names — in `[tiers]` and on the lists — swapped on reload.
+    pub(super) known: Arc<ArcSwap<HashSet<String>>>,
+}
+
+#[derive(Clone)]
+struct Known {
+    header: ApiKey,
+    only_known: bool,
+}
+
+#[derive(Clone)]
+pub(super) enum Address {
+    Peer(PeerIp),
+    Client(ClientIp),
+}
+
+impl fmt::Debug for ConfigKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConfigKey")
+            .field(
+                "api_key",
+                &self.api_key.as_ref().map(|k| k.header.header_name()),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConfigKey {
+    /// The caller's API key, when the file reads one and the caller sent one it accepts.
+    fn api_key<B>(&self, request: &Request<B>) -> Option<Key> {
+        let api = self.api_key.as_ref()?;
+        let key = api.header.extract(request)?;
+        (!api.only_known || self.known.load().is_known(key.value())).then_some(key)
+    }
+
+    /// The caller's address key.
+    fn address<B>(&self, request: &Request<B>) -> Option<Key> {
+        match &self.address {
+            Address::Peer(peer) => KeyExtractor::<B>::extract(peer, request),
+            Address::Client(client) => KeyExtractor::<B>::extract(client, request),
+        }
+    }
+}
+
+impl<B> KeyExtractor<B> for ConfigKey {
+    fn extract(&self, request: &Request<B>) -> Option<Key> {
+        self.api_key(request).or_else(|| self.address(request))
+    }
+
+    /// The API key and the address, both: the lists match either.
+    fn identities(&self, request: &Request<B>, found: &mut dyn FnMut(Key)) {
+        self.api_key(request).into_iter().for_each(&mut *found);
+        self.address(request).into_iter().for_each(found);
+    }
+}

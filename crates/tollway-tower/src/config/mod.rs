@@ -1,0 +1,100 @@
+//! Limits as configuration (feature `config`): a TOML file, validated as a whole before
+//! anything uses it, and reloaded while the service runs.
+//!
+//! A [`LimitsFile`] is a file read and checked: every policy, tier, route, list entry
+//! and setting, with an error that names the file, the line and the column, what is
+//! wrong and what to write instead. [`LimitsFile::layer`] builds the same layer the
+//! builder does; [`Reloader`] reads the file again on demand ([`Reloader::reload`], for a
+//! SIGHUP or an admin endpoint) or whenever it changes ([`Reloader::watch`]) and swaps the
+//! new limits in: requests already being decided finish under the old ones, a file that
+//! fails to validate leaves the running limits in place and is reported, an unchanged
+//! policy keeps its callers' state and a changed one starts them afresh.
+//!
+//! What a reload can change: policies, tiers, routes, lists, shadow flags, headers, the
+//! protocol and what to do on a store failure or a missing key. The store and how keys
+//! are found (`[store]`, `[key]`) take effect at the next start: a reload that changes
+//! them is refused.
+//!
+//! A `[store]` naming Redis needs the `redis` feature. Without it, the file is refused
+//! at its `kind`, with the feature to enable.
+//!
+//! # The file
+//!
+//! ```toml
+//! [store]                       # optional: memory is the default
+//! kind = "memory"               # or "redis", with url = "redis://..." or nodes = [...]
+//! max_keys = 1_000_000
+//!
+//! [layer]
+//! default = "anonymous"         # the policy of callers without a tier
+//! headers = "both"              # legacy | ietf | both | none
+//! on_store_error = "allow"      # allow | reject
+//!
+//! [key]                         # optional: the peer address is the default
+//! api_key = { header = "x-api-key", only_known = true }
+//! # client_ip = { header = "x-forwarded-for", trusted_proxies = ["10.0.0.0/8"] }
+//! # behind a CDN, counted: trusted_hops = 2, hops_through = ["<the CDN's ranges>"]
+//!
+//! [policies.anonymous]
+//! algorithm = "token_bucket"    # token_bucket, leaky_bucket, leaky_bucket_shaper,
+//! limit = 20                    # fixed_window, sliding_window_log,
+//! period = "1m"                 # sliding_window_counter, gcra
+//!
+//! [policies.pro]
+//! algorithm = "gcra"
+//! limit = 10_000
+//! period = "1m"
+//!
+//! [tiers]                       # API key = its tier's policy
+//! "demo-pro-key" = "pro"
+//!
+//! [policies.checkout]          # a route's policy is its own
+//! algorithm = "sliding_window_log"
+//! limit = 5
+//! period = "1m"
+//!
+//! [[routes]]
+//! path = "/api/v1/checkout"     # or grpc_method = "/package.Service/Method"
+//! method = "POST"               # optional: any method
+//! policy = "checkout"
+//!
+//! [lists]                       # optional
+//! allow_networks = ["10.0.0.0/8"]
+//! deny_keys = ["key:stolen-key"]
+//! ```
+//!
+//! # Examples
+//!
+//! ```
+//! use tollway_tower::config::LimitsFile;
+//!
+//! let file = LimitsFile::parse("limits.toml", r#"
+//! [layer]
+//! default = "api"
+//!
+//! [policies.api]
+//! algorithm = "gcra"
+//! limit = 0
+//! period = "1s"
+//! "#);
+//! let err = file.unwrap_err().to_string();
+//! assert!(err.starts_with("limits.toml:7:9: "), "{err}");
+//! assert!(err.contains("limit"), "{err}");
+//! ```
+
+mod file;
+mod key;
+mod reload;
+mod schema;
+mod store;
+mod watch;
+
+pub use file::LimitsFile;
+pub use key::ConfigKey;
+pub use reload::{LiveConfig, Reloaded, Reloader};
+pub use watch::Watcher;
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod validation_tests;

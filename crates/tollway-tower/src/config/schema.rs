@@ -1,0 +1,130 @@
+//! The file as serde reads it: one type a section, each field spanned where an error
+//! may point at it.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+/// The whole file, as written.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct File {
+    pub(super) store: Option<Spanned<StoreSection>>,
+    pub(super) layer: LayerSection,
+    pub(super) key: Option<Spanned<KeySection>>,
+    pub(super) policies: BTreeMap<String, Spanned<PolicySection>>,
+    #[serde(default)]
+    pub(super) tiers: BTreeMap<Spanned<String>, Spanned<String>>,
+    #[serde(default)]
+    pub(super) routes: Vec<Spanned<RouteSection>>,
+    #[serde(default)]
+    pub(super) lists: ListsSection,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct StoreSection {
+    pub(super) kind: Option<Spanned<String>>,
+    pub(super) max_keys: Option<Spanned<usize>>,
+    pub(super) url: Option<String>,
+    pub(super) nodes: Option<Vec<String>>,
+    pub(super) prefix: Option<String>,
+    pub(super) timeout_ms: Option<u64>,
+    pub(super) breaker: Option<Spanned<Switch<BreakerSection>>>,
+    pub(super) local_fallback: Option<Spanned<Switch<f64>>>,
+}
+
+/// A setting that is `false` (off), `true` (on, the defaults) or its settings.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub(super) enum Switch<T> {
+    Toggle(bool),
+    Set(T),
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BreakerSection {
+    pub(super) threshold: Option<u32>,
+    pub(super) cool_down_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct LayerSection {
+    pub(super) default: Spanned<String>,
+    pub(super) headers: Option<Spanned<String>>,
+    pub(super) protocol: Option<Spanned<String>>,
+    pub(super) on_store_error: Option<Spanned<String>>,
+    pub(super) missing_key: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) shadow: bool,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct KeySection {
+    pub(super) api_key: Option<ApiKeySection>,
+    pub(super) client_ip: Option<Spanned<ClientIpSection>>,
+    pub(super) ipv6_prefix: Option<Spanned<u8>>,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ApiKeySection {
+    pub(super) header: Spanned<String>,
+    /// Only the keys in `[tiers]`: any other value is no key.
+    #[serde(default = "yes")]
+    pub(super) only_known: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ClientIpSection {
+    pub(super) header: Spanned<String>,
+    pub(super) trusted_proxies: Vec<Spanned<String>>,
+    pub(super) trusted_hops: Option<Spanned<usize>>,
+    /// Where the counted proxies are (`ClientIp::hops_through`).
+    pub(super) hops_through: Option<Spanned<Vec<Spanned<String>>>>,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PolicySection {
+    pub(super) algorithm: Spanned<String>,
+    pub(super) limit: Spanned<i64>,
+    pub(super) period: Spanned<String>,
+    pub(super) burst: Option<Spanned<i64>>,
+    #[serde(default)]
+    pub(super) shadow: bool,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RouteSection {
+    pub(super) path: Option<Spanned<String>>,
+    pub(super) grpc_method: Option<Spanned<String>>,
+    pub(super) method: Option<Spanned<String>>,
+    pub(super) policy: Spanned<String>,
+}
+
+#[derive(Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ListsSection {
+    #[serde(default)]
+    pub(super) allow_networks: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) deny_networks: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) allow_keys: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) deny_keys: Vec<Spanned<String>>,
+}
+
+/// The most parts a key of the file has (`policies.api.limit`, `store.breaker.threshold`).
+pub(super) const DEPTH: usize = 3;

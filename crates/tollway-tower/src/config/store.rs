@@ -1,0 +1,164 @@
+//! The `[store]` section: a memory store, or a Redis store with the `redis` feature.
+
+use tollway_core::{BoxStore, ConfigError, MemoryStore};
+use toml::Spanned;
+
+use super::LimitsFile;
+use super::schema::StoreSection;
+
+/// The store a file describes, ready to build.
+enum StoreBuilder {
+    Memory(tollway_core::MemoryStoreBuilder),
+    #[cfg(feature = "redis")]
+    Redis(tollway_core::RedisStoreBuilder),
+}
+
+/// What a file naming Redis gets without the `redis` feature.
+#[cfg(not(feature = "redis"))]
+pub(super) const NEEDS_REDIS: &str = "kind = \"redis\" needs tollway-tower's `redis` feature, \
+     which this build does not have: enable it (features = [\"config\", \"redis\"]), or \
+     write kind = \"memory\"";
+
+const REDIS_WHERE: &str = "a Redis store has url = \"redis://host:6379\" or nodes = [...] for a cluster, not both or neither";
+
+impl LimitsFile {
+    /// Whether the file has a `[store]` section (without one, [`store`](Self::store) is
+    /// a memory store).
+    #[must_use]
+    pub fn has_store(&self) -> bool {
+        self.file.store.is_some()
+    }
+
+    /// The store the file describes, connected: a memory store with its bound, or a
+    /// Redis store (standalone at `url`, or a cluster of `nodes`) with its settings.
+    ///
+    /// # Errors
+    ///
+    /// When Redis cannot be reached or refuses the settings.
+    pub async fn store(&self) -> Result<BoxStore, ConfigError> {
+        let span = self.file.store.as_ref().map(Spanned::span);
+        match self.store_builder()? {
+            StoreBuilder::Memory(memory) => {
+                let store = memory.build().map_err(|e| self.err(span, e))?;
+                Ok(BoxStore::new(store))
+            }
+            #[cfg(feature = "redis")]
+            StoreBuilder::Redis(builder) => {
+                let section = self.file.store.as_ref().map(Spanned::get_ref);
+                let section = section.ok_or_else(|| self.at(span.clone(), REDIS_WHERE))?;
+                let connected = match (&section.url, &section.nodes) {
+                    (Some(url), None) => builder.connect(url).await,
+                    (None, Some(nodes)) => {
+                        let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+                        builder.connect_cluster(&nodes).await
+                    }
+                    _ => return Err(self.at(span.clone(), REDIS_WHERE)),
+                };
+                connected
+                    .map(BoxStore::new)
+                    .map_err(|e| self.at(span, &e.to_string()))
+            }
+        }
+    }
+
+    /// The builder of the store the file describes, its settings checked.
+    fn store_builder(&self) -> Result<StoreBuilder, ConfigError> {
+        let Some(spanned) = &self.file.store else {
+            return Ok(StoreBuilder::Memory(MemoryStore::builder()));
+        };
+        let section = spanned.get_ref();
+        let kind = section
+            .kind
+            .as_ref()
+            .map_or("memory", |k| k.get_ref().as_str());
+        if kind == "memory" {
+            let mut builder = MemoryStore::builder();
+            if let Some(max) = &section.max_keys {
+                builder = builder.max_keys(*max.get_ref());
+                // The bound's own check, now rather than at start.
+                builder
+                    .clone()
+                    .build()
+                    .map_err(|e| self.err(Some(max.span()), e))?;
+            }
+            return Ok(StoreBuilder::Memory(builder));
+        }
+        self.redis_builder(spanned)
+    }
+
+    /// The Redis store's builder, its settings checked.
+    #[cfg(feature = "redis")]
+    fn redis_builder(&self, spanned: &Spanned<StoreSection>) -> Result<StoreBuilder, ConfigError> {
+        use std::time::Duration;
+
+        use super::schema::Switch;
+
+        let section = spanned.get_ref();
+        let mut builder = tollway_core::RedisStore::builder();
+        if let Some(prefix) = &section.prefix {
+            builder = builder.prefix(prefix.clone());
+        }
+        if let Some(ms) = section.timeout_ms {
+            builder = builder.timeout(Duration::from_millis(ms));
+        }
+        match section.breaker.as_ref().map(Spanned::get_ref) {
+            Some(Switch::Toggle(false)) => builder = builder.without_breaker(),
+            Some(Switch::Set(b)) => {
+                builder = builder.breaker(
+                    b.threshold.unwrap_or(5),
+                    Duration::from_millis(b.cool_down_ms.unwrap_or(250)),
+                );
+            }
+            Some(Switch::Toggle(true)) | None => {}
+        }
+        match section.local_fallback.as_ref().map(Spanned::get_ref) {
+            Some(Switch::Toggle(false)) => builder = builder.without_local_fallback(),
+            Some(Switch::Set(share)) => builder = builder.local_fallback(*share),
+            Some(Switch::Toggle(true)) | None => {}
+        }
+        builder
+            .validate()
+            .map_err(|e| self.err(Some(spanned.span()), e))?;
+        Ok(StoreBuilder::Redis(builder))
+    }
+
+    /// Without the `redis` feature, a file naming Redis is refused at its `kind`.
+    #[cfg(not(feature = "redis"))]
+    fn redis_builder(&self, spanned: &Spanned<StoreSection>) -> Result<StoreBuilder, ConfigError> {
+        let kind = spanned.get_ref().kind.as_ref();
+        Err(self.at(
+            Some(kind.map_or_else(|| spanned.span(), Spanned::span)),
+            NEEDS_REDIS,
+        ))
+    }
+
+    pub(super) fn check_store(&self) -> Result<(), ConfigError> {
+        let Some(spanned) = &self.file.store else {
+            return Ok(());
+        };
+        self.check_store_kind(spanned)?;
+        self.store_builder().map(|_| ())
+    }
+
+    fn check_store_kind(&self, spanned: &Spanned<StoreSection>) -> Result<(), ConfigError> {
+        let section = spanned.get_ref();
+        let kind = section.kind.as_ref();
+        match (
+            kind.map(|k| k.get_ref().as_str()),
+            &section.url,
+            &section.nodes,
+        ) {
+            (None | Some("memory"), None, None) => Ok(()),
+            (Some("redis"), Some(_), None) | (Some("redis"), None, Some(_)) => Ok(()),
+            (Some("redis"), _, _) => Err(self.at(Some(spanned.span()), REDIS_WHERE)),
+            (None | Some("memory"), _, _) => Err(self.at(
+                Some(spanned.span()),
+                "a memory store has no url or nodes: write kind = \"redis\" to use Redis",
+            )),
+            (Some(_), _, _) => Err(kind.map_or_else(
+                || ConfigError::new("unreachable"),
+                |k| self.choice(k, "kind", &["memory", "redis"]),
+            )),
+        }
+    }
+}
