@@ -184,6 +184,8 @@
 //! - `metrics`: the stores' metrics through the `metrics` facade (Redis call latency,
 //!   deny-cache hits, breaker state, keys held by the memory store). Optional dependency
 //!   `metrics`.
+//! - `testing`: `testing::Conformance`, the suites that prove a store of your own
+//!   decides like the memory store: every algorithm, all or nothing. No dependencies.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
