@@ -30,8 +30,6 @@ pub mod sliding_counter;
 pub mod sliding_log;
 pub mod token_bucket;
 
-use crate::{Decision, Quota};
-
 /// Which algorithm a policy uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -88,19 +86,6 @@ impl Algorithm {
             Algorithm::FixedWindow | Algorithm::SlidingWindowLog | Algorithm::SlidingWindowCounter
         )
     }
-}
-
-/// Runs a fixed-size-state algorithm on its packed [`Slot`].
-#[inline(always)]
-pub(crate) fn packed<S: SlotState>(
-    f: impl FnOnce(S, u64, &Quota, u32) -> (Decision, S),
-    slot: Slot,
-    now: u64,
-    quota: &Quota,
-    cost: u32,
-) -> (Decision, Slot) {
-    let (d, s) = f(S::from_slot(slot), now, quota, cost);
-    (d, s.to_slot())
 }
 
 /// A fixed-size state packed into two integers. The first is always the instant after

@@ -1,10 +1,12 @@
 //! The in-process store: sharded, bounded, and quick to forget idle keys.
 //!
-//! - this file: [`MemoryStore`], its [`Store`] impl, and its lock-free check;
-//! - [`table`]: a shard's lock and what it guards, where every other request is decided;
-//! - [`cells`]: the lock-free cells that hold states of one word;
-//! - [`word`]: how a state is packed into one word;
-//! - [`builder`]: [`MemoryStoreBuilder`].
+//! Its parts, one a file:
+//! - this file holds [`MemoryStore`], its [`Store`] impl and its lock-free check;
+//! - [`table`] holds a shard's lock and what it guards, where other requests are decided;
+//! - [`cells`] holds the lock-free cells, for states of one word;
+//! - [`word`] packs a state into one word;
+//! - [`dispatch`] is the one place the store tells algorithms apart;
+//! - [`builder`] holds [`MemoryStoreBuilder`].
 
 use std::fmt;
 use std::future::Ready;
@@ -12,19 +14,21 @@ use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use self::cells::{Cells, Levels};
-use self::table::{Bounds, Shard, word_check};
+use self::dispatch::{Instant, Pair, Visit};
+use self::table::{Bounds, Shard};
 use self::word::Packs;
 use super::{Checked, Operation, Store};
 
 mod builder;
 mod cells;
+mod dispatch;
 mod table;
 #[cfg(test)]
 mod tests;
 mod word;
 
 pub use self::builder::MemoryStoreBuilder;
-use crate::algorithm::{Algorithm, fixed_window, leaky_bucket, sliding_counter, token_bucket};
+use crate::algorithm::gcra;
 use crate::clock::{Clock, MonotonicClock};
 use crate::{Decision, Decisions, Policy, Quota, StoreError};
 
@@ -382,7 +386,7 @@ impl<C> Shared<C> {
 }
 
 /// Decides one limit kept in a cell the key already has, without the lock; `None`
-/// for another algorithm, a key with no cell, a packed state that would no longer
+/// for the sliding window log, a key with no cell, a packed state that would no longer
 /// pack, or a check at a time its quota's states cannot pack (see
 /// [`Packs::may_pack`]).
 #[inline(always)]
@@ -394,49 +398,80 @@ fn decide_in_cell(
     policy: &Policy,
     cost: u32,
 ) -> Option<Decision> {
-    let hash = key_hash ^ policy.id();
-    let (q, c, o) = (policy.quota(), cost, origin);
-    match policy.algorithm() {
-        Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
-            cells.update(word::instant_key(hash), |state| {
-                let (decision, next) = word_check(policy, state, now, cost);
-                (decision, decision.is_allowed().then_some(next))
-            })
-        }
-        Algorithm::TokenBucket => decide_packed(cells, hash, now, q, o, |s| {
-            token_bucket::check(s, now, q, c)
-        }),
-        Algorithm::LeakyBucket => decide_packed(cells, hash, now, q, o, |s| {
-            leaky_bucket::meter(s, now, q, c)
-        }),
-        Algorithm::FixedWindow => decide_packed(cells, hash, now, q, o, |s| {
-            fixed_window::check(s, now, q, c)
-        }),
-        Algorithm::SlidingWindowCounter => decide_packed(cells, hash, now, q, o, |s| {
-            sliding_counter::check(s, now, q, c)
-        }),
-        Algorithm::SlidingWindowLog => None,
+    let check = InCell {
+        cells,
+        hash: key_hash ^ policy.id(),
+        now,
+        origin,
+        quota: policy.quota(),
+        cost,
+    };
+    dispatch::visit(policy.algorithm(), check)
+}
+
+/// [`decide_in_cell`] for one algorithm.
+struct InCell<'a, 'q> {
+    cells: Cells<'a>,
+    /// The key's hash moved by the policy's id.
+    hash: u64,
+    now: u64,
+    origin: u64,
+    quota: &'q Quota,
+    cost: u32,
+}
+
+impl Visit for InCell<'_, '_> {
+    type Out = Option<Decision>;
+
+    #[inline(always)]
+    fn instant<A: Instant>(self) -> Option<Decision> {
+        let InCell {
+            now, quota, cost, ..
+        } = self;
+        self.cells.update(word::instant_key(self.hash), |tat| {
+            let (decision, next) = A::check(gcra::State { tat }, now, quota, cost);
+            (decision, decision.is_allowed().then_some(next.tat))
+        })
+    }
+
+    #[inline(always)]
+    fn pair<A: Pair>(self) -> Option<Decision> {
+        let InCell {
+            cells,
+            hash,
+            now,
+            origin,
+            quota,
+            cost,
+        } = self;
+        decide_packed::<A>(cells, hash, now, quota, origin, cost)
+    }
+
+    #[inline(always)]
+    fn log(self) -> Option<Decision> {
+        None
     }
 }
 
-/// [`decide_in_cell`] for a state packed in its cell (see
-/// [`word`]), decided by `check`. Not inlined: GCRA's path stays as small as it was
-/// (inlined, this cost GCRA's check 10% in the `memory_store` bench).
+/// [`decide_in_cell`] for a state packed in its cell (see [`word`]). Not inlined: GCRA's
+/// path stays as small as it was (inlined, this cost GCRA's check 10% in the
+/// `memory_store` bench).
 #[inline(never)]
-fn decide_packed<S: Packs>(
+fn decide_packed<A: Pair>(
     cells: Cells<'_>,
     hash: u64,
     now: u64,
     quota: &Quota,
     origin: u64,
-    check: impl Fn(S) -> (Decision, S),
+    cost: u32,
 ) -> Option<Decision> {
-    if !S::may_pack(now, quota, origin) {
+    if !A::State::may_pack(now, quota, origin) {
         return None;
     }
     cells
         .update(word::packed_key(hash), |state| {
-            let (decision, next) = check(S::unpack(state, quota, origin));
+            let state = A::State::unpack(state, quota, origin);
+            let (decision, next) = A::check(state, now, quota, cost);
             if !decision.is_allowed() {
                 return (Some(decision), None);
             }

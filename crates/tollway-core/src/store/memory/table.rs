@@ -6,16 +6,20 @@ use smallvec::SmallVec;
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
+use self::forms::{Operate, Read, Refund};
 use super::WhenFull;
 use super::cells::{Cells, Meta, Pinned};
-use super::word::{self, packs};
+use super::dispatch::{self, Instant, Pair};
+use super::word::{self, Packs};
 use crate::algorithm::sliding_log::{self, Log};
-use crate::algorithm::{
-    Algorithm, Slot, SlotState, fixed_window, gcra, leaky_bucket, packed, sliding_counter,
-    token_bucket,
-};
+use crate::algorithm::{Slot, SlotState, gcra};
 use crate::store::Operation;
 use crate::{Decision, Decisions, Denial, Policy, Quota};
+
+mod forms;
+
+#[cfg(test)]
+pub(super) use self::forms::operate;
 
 /// Below this many keys a shard never sweeps.
 const MIN_SWEEP: usize = 256;
@@ -90,10 +94,12 @@ pub(super) struct Bounds {
 enum Change<'a> {
     /// Nothing to write: the state is unchanged, or a fresh state that need not be kept.
     None,
-    /// A fixed-size state, kept under `hash`, where `place` says.
+    /// A fixed-size state, kept under `hash`, where `place` says; `word`: the state
+    /// packed, if it packs (see [`Table::put_slot`]).
     Slot {
         hash: u64,
         next: Slot,
+        word: Option<u64>,
         place: Place<'a>,
     },
     /// An admission into the log kept under `hash` (`known`: the log exists).
@@ -134,115 +140,6 @@ impl Change<'_> {
 
 /// The fixed-size state of a key no request has changed.
 const FRESH: Slot = [0, 0];
-
-/// Whether an algorithm's state is one instant, kept in the shard's lock-free cells.
-fn in_cell(algorithm: Algorithm) -> bool {
-    matches!(algorithm, Algorithm::Gcra | Algorithm::LeakyBucketShaper)
-}
-
-/// Decides a request of `cost` under an instant policy (GCRA, the shaper) on the state
-/// `tat`; returns the state admitting it would leave.
-#[inline(always)]
-pub(super) fn word_check(policy: &Policy, tat: u64, now: u64, cost: u32) -> (Decision, u64) {
-    let state = gcra::State { tat };
-    let (decision, next) = match policy.algorithm() {
-        Algorithm::LeakyBucketShaper => leaky_bucket::shape(state, now, policy.quota(), cost),
-        _ => gcra::check(state, now, policy.quota(), cost),
-    };
-    (decision, next.tat)
-}
-
-/// What a charge or drain (see [`Operation`]) takes as a request from a state with
-/// `left` units (`remaining` units always fit), and what it then owes: a charge takes
-/// whatever is left, if less, and owes what did not fit; a drain takes what is left over
-/// its `keep`.
-fn take_and_owe(operation: Operation, left: u64) -> (u32, u32) {
-    match operation {
-        Operation::Charge(units) => {
-            let cost = u32::try_from(left).map_or(units, |left| units.min(left));
-            (cost, units - cost)
-        }
-        Operation::Drain(keep) => {
-            let over = left.saturating_sub(u64::from(keep));
-            (u32::try_from(over).unwrap_or(u32::MAX), 0)
-        }
-        Operation::Peek(_) | Operation::Refund(_) | Operation::Reset => (0, 0),
-    }
-}
-
-/// A charge or drain (see [`Operation`]) on `state`, in one step: `check` decides a
-/// request of a cost, `charge` takes units whether or not they fit.
-pub(super) fn operate<S: Copy>(
-    state: S,
-    operation: Operation,
-    check: impl Fn(S, u32) -> (Decision, S),
-    charge: impl Fn(S, u32) -> S,
-) -> S {
-    let left = check(state, 0).0.remaining();
-    let (cost, owed) = take_and_owe(operation, left);
-    let (decision, next) = check(state, cost);
-    let taken = if decision.is_allowed() { next } else { state };
-    if owed > 0 { charge(taken, owed) } else { taken }
-}
-
-/// A charge or drain on an instant state `tat` (GCRA's, the shaper's).
-fn word_operate(policy: &Policy, tat: u64, now: u64, operation: Operation) -> u64 {
-    operate(
-        tat,
-        operation,
-        |tat, cost| word_check(policy, tat, now, cost),
-        |tat, units| word_correct(policy, tat, now, units, true),
-    )
-}
-
-/// A charge or drain on a state that [packs](word::packs), as a [`Slot`]: the buckets
-/// owe what does not fit (up to a capacity), the windows do not count past their
-/// limit.
-fn slot_operate(policy: &Policy, slot: Slot, now: u64, operation: Operation) -> Slot {
-    let q = policy.quota();
-    match policy.algorithm() {
-        Algorithm::LeakyBucket => operate(
-            token_bucket::State::from_slot(slot),
-            operation,
-            |s, cost| leaky_bucket::meter(s, now, q, cost),
-            |s, units| leaky_bucket::meter_charge(s, now, q, units),
-        )
-        .to_slot(),
-        Algorithm::FixedWindow => operate(
-            fixed_window::State::from_slot(slot),
-            operation,
-            |s, cost| fixed_window::check(s, now, q, cost),
-            |s, _| s,
-        )
-        .to_slot(),
-        Algorithm::SlidingWindowCounter => operate(
-            sliding_counter::State::from_slot(slot),
-            operation,
-            |s, cost| sliding_counter::check(s, now, q, cost),
-            |s, _| s,
-        )
-        .to_slot(),
-        _ => operate(
-            token_bucket::State::from_slot(slot),
-            operation,
-            |s, cost| token_bucket::check(s, now, q, cost),
-            |s, units| token_bucket::charge(s, now, q, units),
-        )
-        .to_slot(),
-    }
-}
-
-/// An instant policy's refund (`charge`: or charge) of `units` on the state `tat`.
-fn word_correct(policy: &Policy, tat: u64, now: u64, units: u32, charge: bool) -> u64 {
-    let (state, q) = (gcra::State { tat }, policy.quota());
-    let next = match (policy.algorithm(), charge) {
-        (Algorithm::LeakyBucketShaper, false) => leaky_bucket::shape_refund(state, now, q, units),
-        (Algorithm::LeakyBucketShaper, true) => leaky_bucket::shape_charge(state, now, q, units),
-        (_, false) => gcra::refund(state, now, q, units),
-        (_, true) => gcra::charge(state, now, q, units),
-    };
-    next.tat
-}
 
 impl Table {
     pub(super) fn len(&self) -> usize {
@@ -327,48 +224,18 @@ impl Table {
             .iter()
             .map(|&policy| {
                 let hash = key_hash ^ policy.id();
-                // A charge or drain on a cell is one step on the pinned state (or, for a
-                // key with no cell, on a fresh one, inserted whole): a check without the
-                // lock cannot come between its parts.
-                let one_step = matches!(operation, Operation::Charge(_) | Operation::Drain(_));
-                if one_step && packs(policy.algorithm()) {
-                    let (place, slot) = self.find_slot(cells, hash, now, policy);
-                    let next = slot_operate(policy, slot, now, operation);
-                    // A new key is kept if the operation leaves it other than fresh.
-                    if !matches!(place, Place::New)
-                        || (next[0] > now && self.has_room(cells, now, bounds.max, 1))
-                    {
-                        self.write_slot(cells, hash, next, place, policy, true);
-                    }
-                    return self.read(cells, hash, now, policy, 0).0;
-                }
-                if one_step && in_cell(policy.algorithm()) {
-                    let key = word::instant_key(hash);
-                    if let Some(mut pinned) = cells.pin(&self.cells, key) {
-                        pinned.set(word_operate(policy, pinned.state(), now, operation));
-                    } else {
-                        let next = word_operate(policy, FRESH[0], now, operation);
-                        if next > now
-                            && self.has_room(cells, now, bounds.max, 1)
-                            && cells.has_vacancy(&mut self.cells, key)
-                            && cells.insert(&mut self.cells, key, next)
-                        {
-                            self.earliest_expiry = self.earliest_expiry.min(next);
-                        }
-                    }
-                    return self.read(cells, hash, now, policy, 0).0;
-                }
                 match operation {
-                    // The sliding window log (and a state of a policy that does not
-                    // pack): what does not fit is not counted (its window is spent
-                    // already).
                     Operation::Charge(_) | Operation::Drain(_) => {
-                        let left = self.read(cells, hash, now, policy, 0).0.remaining();
-                        let (cost, _) = take_and_owe(operation, left);
-                        // A drain with nothing over `keep` takes nothing.
-                        if cost > 0 || matches!(operation, Operation::Charge(_)) {
-                            self.decide(cells, key_hash, now, &[policy], cost, bounds, true);
-                        }
+                        let operate = Operate {
+                            table: &mut *self,
+                            cells,
+                            key_hash,
+                            now,
+                            policy,
+                            operation,
+                            bounds,
+                        };
+                        dispatch::visit(policy.algorithm(), operate);
                     }
                     Operation::Refund(units) => self.refund(cells, hash, now, policy, units),
                     Operation::Reset => self.forget(cells, hash),
@@ -385,43 +252,29 @@ impl Table {
         // The key may be idle sooner than the shard noted, from now on: a sweep at the
         // bound is not put off past that.
         self.earliest_expiry = self.earliest_expiry.min(now);
-        let (q, u) = (policy.quota(), units);
-        match policy.algorithm() {
-            Algorithm::TokenBucket => self.update_slot(cells, hash, now, policy, |s| {
-                repacked(token_bucket::refund, s, now, q, u)
-            }),
-            Algorithm::LeakyBucket => self.update_slot(cells, hash, now, policy, |s| {
-                repacked(leaky_bucket::meter_refund, s, now, q, u)
-            }),
-            Algorithm::FixedWindow => self.update_slot(cells, hash, now, policy, |s| {
-                repacked(fixed_window::refund, s, now, q, u)
-            }),
-            Algorithm::SlidingWindowCounter => self.update_slot(cells, hash, now, policy, |s| {
-                repacked(sliding_counter::refund, s, now, q, u)
-            }),
-            Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
-                update_cell(cells, hash, |s| word_correct(policy, s, now, u, false))
-            }
-            Algorithm::SlidingWindowLog => {
-                if let Some((_, log)) = self.logs.find_mut(hash, |e| e.0 == hash) {
-                    sliding_log::refund(log, now, q, u);
-                }
-            }
-        }
+        let refund = Refund {
+            table: self,
+            cells,
+            hash,
+            now,
+            quota: policy.quota(),
+            units,
+        };
+        dispatch::visit(policy.algorithm(), refund);
     }
 
     /// Replaces the fixed-size state kept under `hash`, if there is one, by `update`'s.
-    fn update_slot(
+    fn update_slot<S: Packs>(
         &mut self,
         cells: Cells<'_>,
         hash: u64,
         now: u64,
-        policy: &Policy,
-        update: impl FnOnce(Slot) -> Slot,
+        quota: &Quota,
+        update: impl FnOnce(S) -> S,
     ) {
-        match self.find_slot(cells, hash, now, policy) {
+        match self.find_slot::<S>(cells, hash, now, quota) {
             (Place::New, _) => {}
-            (place, slot) => self.write_slot(cells, hash, update(slot), place, policy, true),
+            (place, state) => self.write_slot(cells, hash, update(state), place, quota, true),
         }
     }
 
@@ -446,43 +299,44 @@ impl Table {
         policy: &Policy,
         cost: u32,
     ) -> (Decision, Change<'a>) {
-        let (q, c) = (policy.quota(), cost);
-        // A direct call per algorithm (not a function pointer), so each is inlined.
-        match policy.algorithm() {
-            Algorithm::TokenBucket => self.read_slot(cells, hash, now, policy, |s| {
-                packed(token_bucket::check, s, now, q, c)
-            }),
-            Algorithm::LeakyBucket => self.read_slot(cells, hash, now, policy, |s| {
-                packed(leaky_bucket::meter, s, now, q, c)
-            }),
-            Algorithm::FixedWindow => self.read_slot(cells, hash, now, policy, |s| {
-                packed(fixed_window::check, s, now, q, c)
-            }),
-            Algorithm::SlidingWindowCounter => self.read_slot(cells, hash, now, policy, |s| {
-                packed(sliding_counter::check, s, now, q, c)
-            }),
-            Algorithm::Gcra | Algorithm::LeakyBucketShaper => {
-                self.read_cell(cells, hash, now, policy, cost)
-            }
-            Algorithm::SlidingWindowLog => self.read_log(hash, now, policy, cost),
-        }
+        let read = Read {
+            table: self,
+            cells,
+            hash,
+            now,
+            policy,
+            cost,
+        };
+        dispatch::visit(policy.algorithm(), read)
     }
 
+    /// [`read`](Self::read) for a state of two integers.
     #[inline(always)]
-    fn read_slot<'a>(
+    fn read_slot<'a, A: Pair>(
         &mut self,
         cells: Cells<'a>,
         hash: u64,
         now: u64,
-        policy: &Policy,
-        run: impl FnOnce(Slot) -> (Decision, Slot),
+        quota: &Quota,
+        cost: u32,
     ) -> (Decision, Change<'a>) {
-        let (place, state) = self.find_slot(cells, hash, now, policy);
-        let (decision, next) = run(state);
+        let (place, state) = self.find_slot::<A::State>(cells, hash, now, quota);
+        let (decision, next) = A::check(state, now, quota, cost);
         let change = match place {
             // A fresh state that the request leaves fresh is not worth keeping.
-            Place::New if next[0] <= now => Change::None,
-            place => Change::Slot { hash, next, place },
+            Place::New if next.to_slot()[0] <= now => Change::None,
+            Place::Table => Change::Slot {
+                hash,
+                next: next.to_slot(),
+                word: None,
+                place: Place::Table,
+            },
+            place => Change::Slot {
+                hash,
+                next: next.to_slot(),
+                word: next.pack(quota, self.origin),
+                place,
+            },
         };
         (decision, change)
     }
@@ -494,45 +348,56 @@ impl Table {
     /// it) is dropped here and counted as a new key: else a sweep that a later limit of
     /// the request makes room with could drop it between its read and its write, and
     /// with it what the request took.
-    fn find_slot<'a>(
+    fn find_slot<'a, S: Packs>(
         &mut self,
         cells: Cells<'a>,
         hash: u64,
         now: u64,
-        policy: &Policy,
-    ) -> (Place<'a>, Slot) {
+        quota: &Quota,
+    ) -> (Place<'a>, S) {
         if let Ok(entry) = self.slots.find_entry(hash, |e| e.0 == hash) {
             let slot = entry.get().1;
             if slot[0] > now {
-                return (Place::Table, slot);
+                return (Place::Table, S::from_slot(slot));
             }
             entry.remove();
         }
-        if packs(policy.algorithm())
-            && let Some(pinned) = cells.pin(&self.cells, word::packed_key(hash))
-        {
-            let (state, quota) = (pinned.state(), policy.quota());
-            let slot = word::unpack_slot(policy.algorithm(), state, quota, self.origin);
-            return (Place::Cell(pinned), slot);
+        if let Some(pinned) = cells.pin(&self.cells, word::packed_key(hash)) {
+            let state = S::unpack(pinned.state(), quota, self.origin);
+            return (Place::Cell(pinned), state);
         }
-        (Place::New, FRESH)
+        (Place::New, S::from_slot(FRESH))
     }
 
     /// Leaves a fixed-size state `next` where `place` says: in the table if it is
     /// there; in its cell while it packs, moving to the table when it no longer does; a
     /// new key in a cell if it packs and a level has room, else in the table; a new key
     /// only if `room` (else it goes untracked, as [`WhenFull::AllowUntracked`] asks).
-    fn write_slot(
+    fn write_slot<S: Packs>(
+        &mut self,
+        cells: Cells<'_>,
+        hash: u64,
+        next: S,
+        place: Place<'_>,
+        quota: &Quota,
+        room: bool,
+    ) {
+        let word = next.pack(quota, self.origin);
+        self.put_slot(cells, hash, next.to_slot(), word, place, room);
+    }
+
+    /// [`write_slot`](Self::write_slot) for a state `next` whose word (`None`: it does
+    /// not pack) is `word`.
+    fn put_slot(
         &mut self,
         cells: Cells<'_>,
         hash: u64,
         next: Slot,
+        word: Option<u64>,
         place: Place<'_>,
-        policy: &Policy,
         room: bool,
     ) {
-        let packed = word::pack_slot(policy.algorithm(), next, policy.quota(), self.origin);
-        match (place, packed) {
+        match (place, word) {
             (Place::Table, _) => {
                 if let Some(entry) = self.slots.find_mut(hash, |e| e.0 == hash) {
                     entry.1 = next;
@@ -562,18 +427,21 @@ impl Table {
         self.slots.insert_unique(hash, (hash, next), |e| e.0);
     }
 
-    fn read_cell<'a>(
+    /// [`read`](Self::read) for an instant state.
+    #[inline(always)]
+    fn read_cell<'a, A: Instant>(
         &self,
         cells: Cells<'a>,
         hash: u64,
         now: u64,
-        policy: &Policy,
+        quota: &Quota,
         cost: u32,
     ) -> (Decision, Change<'a>) {
         let key = word::instant_key(hash);
         let pinned = cells.pin(&self.cells, key);
-        let state = pinned.as_ref().map_or(FRESH[0], Pinned::state);
-        let (decision, next) = word_check(policy, state, now, cost);
+        let tat = pinned.as_ref().map_or(FRESH[0], Pinned::state);
+        let (decision, next) = A::check(gcra::State { tat }, now, quota, cost);
+        let next = next.tat;
         let change = if pinned.is_some() || next > now {
             Change::Cell { key, pinned, next }
         } else {
@@ -635,9 +503,12 @@ impl Table {
                 next,
                 ..
             } => pinned.set(next),
-            Change::Slot { hash, next, place } => {
-                self.write_slot(cells, hash, next, place, policy, room);
-            }
+            Change::Slot {
+                hash,
+                next,
+                word,
+                place,
+            } => self.put_slot(cells, hash, next, word, place, room),
             Change::Cell {
                 key,
                 pinned: None,
@@ -720,17 +591,6 @@ impl Table {
 /// shard's lock: a check without it may store first, and `update` runs again).
 fn update_cell(cells: Cells<'_>, hash: u64, update: impl Fn(u64) -> u64) {
     cells.update(word::instant_key(hash), |s| ((), Some(update(s))));
-}
-
-/// Runs a fixed-size state's refund or charge on its packed [`Slot`].
-fn repacked<S: SlotState>(
-    refund: fn(S, u64, &Quota, u32) -> S,
-    slot: Slot,
-    now: u64,
-    quota: &Quota,
-    units: u32,
-) -> Slot {
-    refund(S::from_slot(slot), now, quota, units).to_slot()
 }
 
 fn full(decision: Decision, when_full: WhenFull) -> Decision {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use super::table::operate;
 use super::*;
-use crate::algorithm::SlotState;
+use crate::algorithm::{SlotState, fixed_window, leaky_bucket, sliding_counter, token_bucket};
 use crate::{Algorithm, Denial, ManualClock, Quota};
 
 fn store(max_keys: usize, when_full: WhenFull) -> (MemoryStore<ManualClock>, ManualClock) {
