@@ -16,10 +16,10 @@
 //! | [sliding window counter](sliding_counter) | approximates the log | 2 counters + time | estimate | any |
 //! | [GCRA](gcra) | up to `burst` at once | 1 integer | rate rounded up to 1 µs | any |
 //!
-//! "Any" is any quota [`Quota`] accepts: limit × period and burst × period within 2^52
-//! microseconds. A decision costs the same at any limit, in memory and in Redis (the
-//! log's commands are O(log n) in its entries); the log's memory grows with its limit,
-//! which [`Policy`](crate::Policy) caps.
+//! "Any" is any quota [`Quota`](crate::Quota) accepts: limit × period and burst ×
+//! period within 2^52 microseconds. A decision costs the same at any limit, in memory
+//! and in Redis (the log's commands are O(log n) in its entries); the log's memory
+//! grows with its limit, which [`Policy`](crate::Policy) caps.
 //!
 //! `cargo run --example compare` measures these claims on the same traffic.
 

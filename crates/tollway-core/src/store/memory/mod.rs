@@ -36,8 +36,9 @@ use crate::{Decision, Decisions, Policy, Quota, StoreError};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum WhenFull {
-    /// Deny the new key's request with [`Denial::StoreFull`]: callers already tracked
-    /// keep their limits, new callers wait until old ones go idle. The default.
+    /// Deny the new key's request with [`Denial::StoreFull`](crate::Denial::StoreFull):
+    /// callers already tracked keep their limits, new callers wait until old ones go
+    /// idle. The default.
     #[default]
     Deny,
     /// Decide the request as if the key were fresh, without remembering it: nobody is

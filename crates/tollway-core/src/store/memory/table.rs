@@ -24,8 +24,9 @@ pub(super) use self::forms::operate;
 /// Below this many keys a shard never sweeps.
 const MIN_SWEEP: usize = 256;
 
-/// A shard's lock and its tables (its cells are among the store's [`Levels`]), on cache
-/// lines of their own so that two cores working on neighbouring shards do not contend.
+/// A shard's lock and its tables (its cells are among the store's
+/// [`Levels`](super::cells::Levels)), on cache lines of their own so that two cores
+/// working on neighbouring shards do not contend.
 ///
 /// The lock is `spin`'s spin lock, whose release is a plain store, with its `Yield`
 /// strategy: a waiter yields its core until the lock is free, so a holder that was
@@ -57,7 +58,7 @@ pub(super) struct Table {
     earliest_expiry: u64,
     /// When the last sweep ran.
     swept_at: u64,
-    /// The store's [`origin`](Shared::origin).
+    /// The store's [`origin`](super::Shared::origin).
     origin: u64,
 }
 
@@ -146,11 +147,12 @@ impl Table {
         self.slots.len() + self.logs.len() + Cells::len(&self.cells)
     }
 
-    /// Decides a request against every policy (see [`MemoryStore::decide`]): each limit
-    /// is decided first and nothing is written; then, if `commit`, either every limit's
-    /// new state is written, or, when one denied, none is, and the limits that allowed
-    /// report their state unchanged (a request of cost 0). A policy listed twice is
-    /// decided once. Cells read are pinned until the request is done.
+    /// Decides a request against every policy (see
+    /// [`MemoryStore::decide`](super::MemoryStore::decide)): each limit is decided
+    /// first and nothing is written; then, if `commit`, either every limit's new state
+    /// is written, or, when one denied, none is, and the limits that allowed report
+    /// their state unchanged (a request of cost 0). A policy listed twice is decided
+    /// once. Cells read are pinned until the request is done.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn decide(
         &mut self,
