@@ -16,10 +16,10 @@
 //! | [sliding window counter](sliding_counter) | approximates the log | 2 counters + time | estimate | any |
 //! | [GCRA](gcra) | up to `burst` at once | 1 integer | rate rounded up to 1 µs | any |
 //!
-//! "Any" is any quota [`Quota`] accepts: limit × period and burst × period within 2^52
-//! microseconds. A decision costs the same at any limit, in memory and in Redis (the
-//! log's commands are O(log n) in its entries); the log's memory grows with its limit,
-//! which [`Policy`](crate::Policy) caps.
+//! "Any" is any quota [`Quota`](crate::Quota) accepts: limit × period and burst ×
+//! period within 2^52 microseconds. A decision costs the same at any limit, in memory
+//! and in Redis (the log's commands are O(log n) in its entries); the log's memory
+//! grows with its limit, which [`Policy`](crate::Policy) caps.
 //!
 //! `cargo run --example compare` measures these claims on the same traffic.
 
@@ -29,8 +29,6 @@ pub mod leaky_bucket;
 pub mod sliding_counter;
 pub mod sliding_log;
 pub mod token_bucket;
-
-use crate::{Decision, Quota};
 
 /// Which algorithm a policy uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -88,19 +86,6 @@ impl Algorithm {
             Algorithm::FixedWindow | Algorithm::SlidingWindowLog | Algorithm::SlidingWindowCounter
         )
     }
-}
-
-/// Runs a fixed-size-state algorithm on its packed [`Slot`].
-#[inline(always)]
-pub(crate) fn packed<S: SlotState>(
-    f: impl FnOnce(S, u64, &Quota, u32) -> (Decision, S),
-    slot: Slot,
-    now: u64,
-    quota: &Quota,
-    cost: u32,
-) -> (Decision, Slot) {
-    let (d, s) = f(S::from_slot(slot), now, quota, cost);
-    (d, s.to_slot())
 }
 
 /// A fixed-size state packed into two integers. The first is always the instant after

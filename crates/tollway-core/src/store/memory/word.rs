@@ -60,7 +60,7 @@
 //! knowing its policy.
 
 use crate::Quota;
-use crate::algorithm::{Algorithm, Slot, SlotState, fixed_window, sliding_counter, token_bucket};
+use crate::algorithm::{SlotState, fixed_window, sliding_counter, token_bucket};
 
 /// The key bit of a cell holding a packed pair.
 const PACKED: u64 = 1 << 63;
@@ -286,48 +286,6 @@ impl Packs for sliding_counter::State {
             prev: prev as u32,
             curr: curr as u32,
         }
-    }
-}
-
-/// Whether an algorithm's state is one of those [`Packs`] is for.
-pub(crate) fn packs(algorithm: Algorithm) -> bool {
-    matches!(
-        algorithm,
-        Algorithm::TokenBucket
-            | Algorithm::LeakyBucket
-            | Algorithm::FixedWindow
-            | Algorithm::SlidingWindowCounter
-    )
-}
-
-/// [`Packs::pack`] for a state of `algorithm` as a [`Slot`]; `None` for an algorithm
-/// whose state never packs.
-pub(crate) fn pack_slot(
-    algorithm: Algorithm,
-    slot: Slot,
-    quota: &Quota,
-    origin: u64,
-) -> Option<u64> {
-    match algorithm {
-        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
-            token_bucket::State::from_slot(slot).pack(quota, origin)
-        }
-        Algorithm::FixedWindow => fixed_window::State::from_slot(slot).pack(quota, origin),
-        Algorithm::SlidingWindowCounter => {
-            sliding_counter::State::from_slot(slot).pack(quota, origin)
-        }
-        _ => None,
-    }
-}
-
-/// [`Packs::unpack`] for a word of `algorithm`'s, as a [`Slot`].
-pub(crate) fn unpack_slot(algorithm: Algorithm, word: u64, quota: &Quota, origin: u64) -> Slot {
-    match algorithm {
-        Algorithm::FixedWindow => fixed_window::State::unpack(word, quota, origin).to_slot(),
-        Algorithm::SlidingWindowCounter => {
-            sliding_counter::State::unpack(word, quota, origin).to_slot()
-        }
-        _ => token_bucket::State::unpack(word, quota, origin).to_slot(),
     }
 }
 

@@ -2,6 +2,7 @@
 //! shares, [`ReplicatedStore`] tells the other regions what it admitted.
 
 mod board;
+mod memory;
 mod replicated;
 mod split;
 
@@ -9,6 +10,7 @@ mod split;
 mod redis;
 
 pub use self::board::{Board, BoardFuture};
+pub(crate) use self::memory::MemoryBoard;
 pub use self::replicated::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
 pub use self::split::{SplitFuture, SplitStore, SplitStoreBuilder};
 
