@@ -100,13 +100,22 @@ async fn a_slot_migration_under_load_fails_no_request_and_loses_nothing() {
     })
     .await;
 
-    // Half the callers' slots move, each to the next master along.
+    // Half the callers' slots move, each to the next master along. Each slot is handed
+    // over only once its caller has been admitted with its keys moved (through `ASK`),
+    // so the traffic meets the migration however the tasks are scheduled.
     let mut moved_keys = 0;
-    for key in keys.iter().step_by(2) {
+    for (c, key) in keys.iter().enumerate().step_by(2) {
         let from = owners[key];
         let to = masters[(masters.iter().position(|&m| m == from).unwrap() + 1) % masters.len()];
         let slot = cluster.slot_of(key).await;
-        moved_keys += cluster.migrate_slot(slot, to).await;
+        let redirected = async {
+            let before = counts()[c];
+            within("an admission through ASK", 20, async {
+                wait_until(&progress, || counts()[c] > before).await;
+            })
+            .await;
+        };
+        moved_keys += cluster.migrate_slot(slot, to, redirected).await;
     }
     let after = counts();
     within("admissions after the migration", 20, async {

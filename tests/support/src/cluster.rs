@@ -356,10 +356,18 @@ impl RedisCluster {
     /// for a while, as in a batched reshard), then `CLUSTER SETSLOT … NODE` on every
     /// master, and waits until the cluster has settled. Returns how many keys moved.
     ///
+    /// `before_handover` runs when every key has moved and the source still owns the
+    /// slot: a request for those keys meets `ASK` until it ends.
+    ///
     /// # Panics
     ///
     /// When `to` is not a master, already serves `slot`, or a step fails.
-    pub async fn migrate_slot(&self, slot: u32, to: u16) -> usize {
+    pub async fn migrate_slot(
+        &self,
+        slot: u32,
+        to: u16,
+        before_handover: impl Future<Output = ()>,
+    ) -> usize {
         let view = self.view(to).await.unwrap();
         let source = view
             .iter()
@@ -414,6 +422,7 @@ impl RedisCluster {
             );
             moved += 1;
         }
+        before_handover.await;
         // The target first, so that it owns the slot before the source lets go.
         let () = set("NODE", &target.id)
             .query_async(&mut into)

@@ -329,7 +329,7 @@ impl RedisStoreBuilder {
             .tcp_settings(tcp_settings())
             .connection_timeout(self.timeout)
             .response_timeout(self.timeout)
-            .retries(2)
+            .retries(6)
             .min_retry_wait(10)
             .max_retry_wait(100);
         #[cfg(feature = "tls")]
