@@ -193,6 +193,7 @@ pub mod algorithm;
 mod clock;
 mod decision;
 mod error;
+pub mod metric;
 mod policy;
 mod quota;
 mod store;

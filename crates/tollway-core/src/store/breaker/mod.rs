@@ -215,7 +215,7 @@ impl<S, C: Clock> Inner<S, C> {
             ),
         }
         #[cfg(feature = "metrics")]
-        metrics::gauge!("tollway_breaker_state", "store" => store).set(match state {
+        metrics::gauge!(crate::metric::BREAKER_STATE.name, "store" => store).set(match state {
             BreakerState::Closed => 0.0,
             BreakerState::HalfOpen => 1.0,
             BreakerState::Open => 2.0,

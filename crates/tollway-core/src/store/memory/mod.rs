@@ -375,7 +375,7 @@ impl<C> Shared<C> {
         } else {
             self.keys.fetch_sub(before - after, Ordering::Relaxed) - (before - after)
         };
-        metrics::gauge!("tollway_memory_store_keys").set(held as f64);
+        metrics::gauge!(crate::metric::MEMORY_STORE_KEYS.name).set(held as f64);
     }
 
     fn bounds(&self) -> Bounds {

@@ -364,7 +364,7 @@ impl Store for Scripts {
         let entry = cache.and_then(|cache| cache.entry(key, policies, cost));
         if let Some(decisions) = cache.zip(entry).and_then(|(c, e)| c.lookup(e)) {
             #[cfg(feature = "metrics")]
-            metrics::counter!("tollway_deny_cache_hits_total").increment(1);
+            metrics::counter!(crate::metric::DENY_CACHE_HITS.name).increment(1);
             return Checked::Ready(Ok(decisions));
         }
         self.call(key, policies, Kind::Check, cost, entry)
@@ -487,7 +487,7 @@ impl Scripts {
         let started = std::time::Instant::now();
         let reply = tokio::time::timeout(timeout, self.eval(request)).await;
         #[cfg(feature = "metrics")]
-        metrics::histogram!("tollway_store_duration_seconds", "store" => self.kind())
+        metrics::histogram!(crate::metric::STORE_DURATION.name, "store" => self.kind())
             .record(started.elapsed());
         reply.map_err(|_| {
             StoreError::new(

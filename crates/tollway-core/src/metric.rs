@@ -1,0 +1,171 @@
+//! Every metric tollway records: its name, type, labels and meaning, in one place.
+//!
+//! The stores (feature `metrics` here) and the tower layer (feature `metrics` of
+//! `tollway-tower`) record through the [`metrics`](https://docs.rs/metrics) facade, by
+//! these names. [`ALL`] lists them for a dashboard or an alert rule.
+//!
+//! ```
+//! use tollway_core::metric::{self, Kind};
+//!
+//! assert_eq!(metric::DECISIONS.name, "tollway_decisions_total");
+//! assert_eq!(metric::DECISIONS.kind, Kind::Counter);
+//! assert!(metric::ALL.iter().all(|m| m.name.starts_with("tollway_")));
+//! ```
+
+/// What a metric is: its name, its type, its labels and what it counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Metric {
+    /// The name, as Prometheus shows it.
+    pub name: &'static str,
+    /// Counter, gauge or histogram.
+    pub kind: Kind,
+    /// The labels it carries.
+    pub labels: &'static [&'static str],
+    /// What it means (the help text).
+    pub help: &'static str,
+}
+
+/// The type of a [`Metric`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only goes up.
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// A distribution of values, in seconds.
+    Histogram,
+}
+
+/// Requests the layer decided (tower, `metrics`).
+pub const DECISIONS: Metric = Metric {
+    name: "tollway_decisions_total",
+    kind: Kind::Counter,
+    labels: &["policy", "outcome"],
+    help: "Requests the rate limiter decided, by the policy it reported and the outcome",
+};
+
+/// How long a call to a remote store took (core, `metrics` and `redis`).
+pub const STORE_DURATION: Metric = Metric {
+    name: "tollway_store_duration_seconds",
+    kind: Kind::Histogram,
+    labels: &["store"],
+    help: "How long a call to the rate limiter's remote store took",
+};
+
+/// Refusals answered from the Redis store's deny cache (core, `metrics` and `redis`).
+pub const DENY_CACHE_HITS: Metric = Metric {
+    name: "tollway_deny_cache_hits_total",
+    kind: Kind::Counter,
+    labels: &[],
+    help: "Refusals the Redis store answered from its local deny cache",
+};
+
+/// A store's circuit breaker: 0 closed, 1 half-open, 2 open (core, `metrics`).
+pub const BREAKER_STATE: Metric = Metric {
+    name: "tollway_breaker_state",
+    kind: Kind::Gauge,
+    labels: &["store"],
+    help: "The store's circuit breaker: 0 closed, 1 half-open, 2 open",
+};
+
+/// Keys the memory store holds (core, `metrics`).
+pub const MEMORY_STORE_KEYS: Metric = Metric {
+    name: "tollway_memory_store_keys",
+    kind: Kind::Gauge,
+    labels: &[],
+    help: "Keys the memory store holds, idle ones not yet swept included",
+};
+
+/// Tier lookups refused before they reached the backend (tower, `metrics`).
+pub const TIER_LOOKUPS_REFUSED: Metric = Metric {
+    name: "tollway_tier_lookups_refused_total",
+    kind: Kind::Counter,
+    labels: &["reason"],
+    help: "Tier lookups refused before they reached the backend, by reason",
+};
+
+/// Limits files applied (tower, `config` and `metrics`).
+pub const CONFIG_RELOADS: Metric = Metric {
+    name: "tollway_config_reloads_total",
+    kind: Kind::Counter,
+    labels: &[],
+    help: "Limits files applied by a reload",
+};
+
+/// Limits files that failed to load (tower, `config` and `metrics`).
+pub const CONFIG_RELOAD_ERRORS: Metric = Metric {
+    name: "tollway_config_reload_errors_total",
+    kind: Kind::Counter,
+    labels: &[],
+    help: "Limits files that failed to load; the running limits stayed",
+};
+
+/// The live limits file: 1 for its version, 0 for the one it replaced (tower).
+pub const CONFIG_INFO: Metric = Metric {
+    name: "tollway_config_info",
+    kind: Kind::Gauge,
+    labels: &["version"],
+    help: "The live limits file's version (a hash of its bytes): 1 live, 0 replaced",
+};
+
+/// When the live limits file was loaded (tower, `config` and `metrics`).
+pub const CONFIG_LOADED: Metric = Metric {
+    name: "tollway_config_loaded_timestamp_seconds",
+    kind: Kind::Gauge,
+    labels: &[],
+    help: "When the live limits file was loaded, in Unix seconds",
+};
+
+/// Every metric, in the order above.
+pub const ALL: &[Metric] = &[
+    DECISIONS,
+    STORE_DURATION,
+    DENY_CACHE_HITS,
+    BREAKER_STATE,
+    MEMORY_STORE_KEYS,
+    TIER_LOOKUPS_REFUSED,
+    CONFIG_RELOADS,
+    CONFIG_RELOAD_ERRORS,
+    CONFIG_INFO,
+    CONFIG_LOADED,
+];
+
+/// Tells the installed recorder every metric's type and help text.
+///
+/// The tower layer calls it when built; call it yourself when you use a store alone.
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub fn describe() {
+    for m in ALL {
+        match m.kind {
+            Kind::Counter => metrics::describe_counter!(m.name, m.help),
+            Kind::Gauge => metrics::describe_gauge!(m.name, m.help),
+            Kind::Histogram => {
+                metrics::describe_histogram!(m.name, metrics::Unit::Seconds, m.help);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_prometheus_shaped() {
+        let mut names: Vec<&str> = ALL.iter().map(|m| m.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len());
+        for m in ALL {
+            let suffix_ok = match m.kind {
+                Kind::Counter => m.name.ends_with("_total"),
+                Kind::Histogram => m.name.ends_with("_seconds"),
+                Kind::Gauge => !m.name.ends_with("_total"),
+            };
+            assert!(suffix_ok, "{}", m.name);
+            assert!(m.name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'));
+        }
+    }
+}
