@@ -6,9 +6,9 @@
 //! still covers (`prev × (period − elapsed) / period + current`). The estimate assumes
 //! the previous window's traffic was spread evenly, so it can decide differently from
 //! the exact log, and a caller whose traffic bunches at the end of a window can get up
-//! to nearly twice the limit in one period. Measured on API-like traffic (`cargo run
-//! --release --example compare`, in `BENCHMARKS.md`): 1.9–4.5% of its admissions took a
-//! caller over the limit, against 9.6% of the fixed window's.
+//! to nearly twice the limit in one period. How often that happens on API-like traffic,
+//! beside the fixed window and the exact log: `cargo run --release --example compare`
+//! (figures in `BENCHMARKS.md`, "Sliding window counter vs the exact log").
 //!
 //! **Arithmetic.** The admission test `prev × (P − e) / P + cur + cost ≤ limit` is
 //! multiplied through by `P`, so it compares integers and never divides.

@@ -94,11 +94,9 @@ impl<C: Clock> MemoryStoreBuilder<C> {
 
     /// The number of shards, a power of two from 1 to 1024 (default: one per 1,024 keys
     /// of `max_keys`, at most 1,024). A sweep for idle keys holds one shard's lock at a
-    /// time, so fewer keys a shard keep the checks that meet it waiting less (measured:
-    /// p99.9 2.6 µs with 1,024 shards, 84 µs with 64, `benches/scaling.rs`); more shards
-    /// make each shard's share of `max_keys` smaller, so one fills sooner before the
-    /// store as a whole: with a thousand keys a shard, keys spread at random fill the
-    /// first shard at about 90% of `max_keys` (16,384 a shard: about 97%).
+    /// time, so fewer keys a shard keep the checks that meet it waiting less
+    /// (`cargo bench -p tollway-core --bench scaling`). More shards make each shard's
+    /// share of `max_keys` smaller, so one shard fills before the store as a whole does.
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards);
         self

@@ -12,9 +12,8 @@
 //! store), and which levels each shard uses is a byte beside the other shards': a
 //! lookup reads nothing of its shard but its cells and that byte, and the lines it reads
 //! besides its cells (the store's table of levels, the bytes) are shared by many shards,
-//! so they stay in the processor's cache (at 100,000 keys this took a check's misses of
-//! a simulated 512 KiB cache from 2.6 to 1.7, `benches/check_instructions.sh`, and,
-//! with the check's calls inlined, 25% off its time, `benches/key_count.rs`). A level
+//! so they stay in the processor's cache (`benches/check_instructions.sh` counts the
+//! misses, `benches/key_count.rs` the time). A level
 //! keeps eight keys on one cache line and their eight states on the next: looking a key up
 //! reads only key words, which change when a key comes or goes, and a check writes only
 //! its own state word, so checks on different keys write no line but the states' (in a

@@ -455,7 +455,7 @@ impl Visit for InCell<'_, '_> {
 }
 
 /// [`decide_in_cell`] for a state packed in its cell (see [`word`]). Not inlined: GCRA's
-/// path stays as small as it was (inlined, this cost GCRA's check 10% in the
+/// path stays as small as it was (inlining this slowed GCRA's check in the
 /// `memory_store` bench).
 #[inline(never)]
 fn decide_packed<A: Pair>(

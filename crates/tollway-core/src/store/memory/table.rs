@@ -32,7 +32,7 @@ const MIN_SWEEP: usize = 256;
 /// strategy: a waiter yields its core until the lock is free, so a holder that was
 /// preempted gets to run. A decision holds it for a few tens of nanoseconds, and taking
 /// and releasing it costs one atomic operation where a parking mutex (`parking_lot`)
-/// costs two: 4–5 ns of a 22–25 ns decision in the interleaved bench (BENCHMARKS.md). A
+/// costs two (the interleaved `memory_store` bench shows the difference). A
 /// sweep holds it longer, O(keys and cells in the shard): with the default of a shard
 /// per 1,024 keys of the bound, a few microseconds, once per doubling of the shard.
 /// Checks in cells do not wait for it (but for a cell a locked decision has pinned). A
