@@ -14,7 +14,8 @@ use smallvec::SmallVec;
 use tollway_core::{Checked, Decisions, Denial, Operation, Policy, Store, StoreError};
 use tower_service::Service;
 
-use super::layer::{Keys, OutboundError, Shared};
+use super::error::OutboundError;
+use super::shared::Shared;
 use super::{Replay, pause_of};
 
 type BoxError = Box<dyn Error + Send + Sync>;
@@ -66,6 +67,15 @@ pin_project! {
         // Finished: polled again, it answers an error rather than resume what ended.
         Done,
     }
+}
+
+/// A request's keys: whose budget it draws on, and whose pause it waits out and starts.
+#[derive(Debug)]
+pub(super) struct Keys {
+    /// `None`: not limited (nor paused).
+    pub(super) limits: Option<String>,
+    /// `None`: never paused (always so when not limited, or the layer never pauses).
+    pub(super) pause: Option<String>,
 }
 
 impl<S, St, B, R> ResponseFuture<S, St, B, R>

@@ -143,12 +143,17 @@
 //! # }
 //! ```
 
+mod error;
 mod future;
 mod layer;
 mod pause;
 mod replay;
+mod service;
+mod shared;
 
+pub use error::OutboundError;
 pub use future::ResponseFuture;
-pub use layer::{Outbound, OutboundError, OutboundLayer, OutboundLayerBuilder};
+pub use layer::{OutboundLayer, OutboundLayerBuilder};
 pub use pause::{ACCOUNT_HEADERS, DEFAULT_PAUSE, pause_of};
 pub use replay::{Idempotent, NoReplay, Replay};
+pub use service::Outbound;
