@@ -21,7 +21,7 @@ use tollway_core::{
 };
 
 use crate::access::{AccessLists, Listed};
-use crate::headers::{HeaderStyle, RateLimitHeaders};
+use crate::headers::{HeaderStyle, LimitValues, RateLimitHeaders};
 use crate::key::{Key, KeyExtractor, peer_addr};
 use crate::limits::{Limits, Selected, sent_uri};
 use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, unknown_key};
@@ -184,6 +184,8 @@ pub(crate) struct Limiter<St> {
     pub(crate) on_error: OnStoreError,
     pub(crate) protocol: Protocol,
     pub(crate) header_style: HeaderStyle,
+    /// `X-RateLimit-Limit` of each policy of `limits`.
+    pub(crate) limit_values: LimitValues,
     /// Unix time for `X-RateLimit-Reset`.
     pub(crate) wall_clock: Arc<dyn Clock>,
     pub(crate) on_rejected: RejectionHandler,
@@ -390,9 +392,11 @@ impl<St: Store> Limiter<St> {
         let verdict = &verdicts[most];
         // `X-RateLimit-Limit` and the wall time for `X-RateLimit-Reset`, when sent.
         let legacy = self.header_style.legacy().then(|| {
+            let index = selected[most];
+            let policy = self.limits.policy(index);
             let limit = self
-                .limits
-                .limit_value(selected[most], verdict.decision.limit());
+                .limit_values
+                .get(index, policy, verdict.decision.limit());
             (limit, self.wall_clock.now_micros())
         });
         RateLimitHeaders::new(self.header_style, verdicts, verdict, legacy)

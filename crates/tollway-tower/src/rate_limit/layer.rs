@@ -14,7 +14,7 @@ use tower_layer::Layer;
 
 use super::RateLimit;
 use crate::access::AccessLists;
-use crate::headers::HeaderStyle;
+use crate::headers::{HeaderStyle, LimitValues};
 use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
 use crate::lookup::{LookupSettings, Lookups, OnLookupError, TierLookup};
@@ -749,6 +749,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         let charge_failures =
             Failures::new("post-response charge", Arc::clone(&settings.wall_clock));
         let reporter = Reporter::new(settings.listener, limits.policies());
+        let limit_values = LimitValues::new(limits.policies());
         let lookups = match settings.lookup {
             Some(lookup) => {
                 let failures = Failures::new("tier lookup", Arc::clone(&settings.wall_clock));
@@ -770,6 +771,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 on_error: settings.on_error,
                 protocol: settings.protocol,
                 header_style: settings.headers,
+                limit_values,
                 wall_clock: settings.wall_clock,
                 on_rejected: settings.on_rejected,
                 lists: settings.lists,
