@@ -794,3 +794,6 @@ fn source<B, K: KeyExtractor<B>>(extractor: &K, request: &Request<B>) -> Option<
     });
     address.or_else(|| peer_addr(request).map(|peer| Key::ip(peer, 64)))
 }
+
+#[cfg(test)]
+mod tests;

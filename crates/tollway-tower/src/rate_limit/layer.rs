@@ -133,6 +133,12 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
 }
 
 impl<St, K> RateLimitLayer<St, K> {
+    /// The limiter current now, for the pipeline's own tests.
+    #[cfg(test)]
+    pub(crate) fn limiter(&self) -> Arc<Limiter<St>> {
+        self.limiter.load_full()
+    }
+
     /// The store the layer decides with: for looking at or correcting a caller's state
     /// with [`Store::operate`] (an admin endpoint's peek and reset). Stores are handles:
     /// the clone shares the layer's state.
