@@ -150,14 +150,14 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
     }
 
     /// The longest a request waits for the limit in all (default 30 s); one that would
-    /// wait longer fails with [`OutboundError::Limited`] at once.
+    /// wait longer fails with [`OutboundError::Limited`](super::OutboundError::Limited) at once.
     pub fn max_wait(mut self, max_wait: Duration) -> Self {
         self.settings.max_wait = max_wait;
         self
     }
 
     /// Never waits: a request over the limit fails at once with
-    /// [`OutboundError::Limited`] (a `max_wait` of zero).
+    /// [`OutboundError::Limited`](super::OutboundError::Limited) (a `max_wait` of zero).
     pub fn fail_fast(self) -> Self {
         self.max_wait(Duration::ZERO)
     }
