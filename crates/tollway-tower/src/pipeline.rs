@@ -33,7 +33,7 @@ use crate::limits::{Limits, Selected, sent_uri};
 use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, unknown_key};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
 use crate::report::{DecisionEvent, DecisionOutcome, Failures, Reporter};
-use crate::verdict::{Verdict, most_restrictive, restriction};
+use crate::verdict::{Verdict, max_delay, most_restrictive, restriction};
 
 /// What to do with a request for which the key extractor (and every fallback chained to
 /// it with [`or`](crate::Fallback::or)) finds no key.
@@ -107,6 +107,18 @@ fn is_grpc_content_type(value: &[u8]) -> bool {
 
 /// The cost of a request: how many units it takes from each of its limits.
 pub(crate) type CostFn = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync>;
+
+/// What a request of `method` to `uri` with `headers` costs by `cost` (1 without one),
+/// on the server side and the client side alike.
+#[inline]
+pub(crate) fn cost_of(
+    cost: Option<&CostFn>,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+) -> u32 {
+    cost.map_or(1, |cost| cost(method, uri, headers))
+}
 
 /// The units a response reports having used, charged after the fact.
 pub(crate) type ChargeFn =
@@ -425,9 +437,9 @@ impl<St: Store> Limiter<St> {
             Found::Unknown => (unknown_key(), 0),
         };
         let selected = self.limits.select_tier(tier, request);
-        let cost = self.cost.as_ref().map_or(1, |cost| {
-            cost(request.method(), sent_uri(request), request.headers())
-        });
+        // The URI the client sent, as route limits see it.
+        let uri = sent_uri(request);
+        let cost = cost_of(self.cost.as_ref(), request.method(), uri, request.headers());
         let mut evaluation = Evaluation {
             key,
             selected,
@@ -775,12 +787,6 @@ impl Evaluation {
             }
         }
     }
-}
-
-/// The longest shaping delay among `decisions`, if any.
-fn max_delay<'d>(decisions: impl Iterator<Item = &'d Decision>) -> Option<Duration> {
-    let delay_us = decisions.map(Decision::delay_micros).max();
-    delay_us.filter(|&us| us > 0).map(Duration::from_micros)
 }
 
 /// The address a request comes from, as its key extractor knows the caller (the first

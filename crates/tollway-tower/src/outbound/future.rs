@@ -17,6 +17,7 @@ use tower_service::Service;
 use super::error::OutboundError;
 use super::shared::Shared;
 use super::{Replay, pause_of};
+use crate::verdict::max_delay;
 
 type BoxError = Box<dyn Error + Send + Sync>;
 /// The store operations a response calls for, run before the response is handed on.
@@ -360,14 +361,9 @@ fn after<F, C, R, St, P>(
     if decisions.is_allowed() {
         // A shaper's delay: the request is admitted (and charged) already, so it goes
         // after the delay whatever `max_wait` says, and a drop during it keeps the charge.
-        let delay = decisions
-            .iter()
-            .map(|d| d.delay())
-            .max()
-            .unwrap_or_default();
-        if delay.is_zero() {
+        let Some(delay) = max_delay(decisions.iter()) else {
             return Ok(State::Ready);
-        }
+        };
         return Ok(State::Sleeping {
             sleep: tokio::time::sleep(delay),
             then_call: true,

@@ -10,7 +10,8 @@ use tower_layer::Layer;
 
 use super::replay::Idempotent;
 use super::service::Outbound;
-use super::shared::{CostFn, KeyFn, SettleFn, Shared};
+use super::shared::{KeyFn, SettleFn, Shared};
+use crate::pipeline::CostFn;
 
 /// The longest pause an upstream can ask for: an hour.
 const PAUSE_CEILING: Duration = Duration::from_secs(3_600);
@@ -84,7 +85,7 @@ struct Settings<St> {
     policies: Vec<Policy>,
     key: Box<KeyFn>,
     pause_key: Option<Box<KeyFn>>,
-    cost: Option<Box<CostFn>>,
+    cost: Option<CostFn>,
     max_wait: Duration,
     jitter: f64,
     max_pause: Duration,
@@ -145,7 +146,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         mut self,
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
     ) -> Self {
-        self.settings.cost = Some(Box::new(cost));
+        self.settings.cost = Some(Arc::new(cost));
         self
     }
 

@@ -12,6 +12,7 @@ use tower_service::Service;
 use super::future::{Keys, ResponseFuture};
 use super::replay::{Idempotent, Replay};
 use super::shared::Shared;
+use crate::pipeline::cost_of;
 
 /// The service an [`OutboundLayer`](super::OutboundLayer) makes around a client.
 pub struct Outbound<S, St, R = Idempotent> {
@@ -66,10 +67,7 @@ where
             },
             _ => None,
         };
-        let cost = shared
-            .cost
-            .as_ref()
-            .map_or(1, |cost| cost(method, uri, headers));
+        let cost = cost_of(shared.cost.as_ref(), method, uri, headers);
         let keys = Keys { limits: key, pause };
         ResponseFuture::new(self.inner.clone(), Arc::clone(shared), keys, cost, request)
     }

@@ -7,8 +7,9 @@ use std::time::Duration;
 use http::{HeaderMap, Method, StatusCode, Uri};
 use tollway_core::Policy;
 
+use crate::pipeline::CostFn;
+
 pub(super) type KeyFn = dyn Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync;
-pub(super) type CostFn = dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync;
 pub(super) type SettleFn = dyn Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync;
 
 /// What every clone of a layer and its services share.
@@ -18,7 +19,7 @@ pub(super) struct Shared<St, R> {
     pub(super) key: Box<KeyFn>,
     /// Whose pause a 429 starts and a request waits out; `None`: the limits' key.
     pub(super) pause_key: Option<Box<KeyFn>>,
-    pub(super) cost: Option<Box<CostFn>>,
+    pub(super) cost: Option<CostFn>,
     pub(super) max_wait: Duration,
     pub(super) jitter: f64,
     pub(super) seeds: std::hash::RandomState,
