@@ -12,6 +12,7 @@ use super::replay::Idempotent;
 use super::service::Outbound;
 use super::shared::{KeyFn, SettleFn, Shared};
 use crate::pipeline::CostFn;
+use crate::report::{DecisionListener, Reporter};
 
 /// The longest pause an upstream can ask for: an hour.
 const PAUSE_CEILING: Duration = Duration::from_secs(3_600);
@@ -58,6 +59,7 @@ impl<St: Store> OutboundLayer<St> {
                 jitter: 0.1,
                 max_pause: Duration::from_secs(60),
                 settle: None,
+                listener: None,
             },
             replay: Idempotent,
         }
@@ -90,6 +92,7 @@ struct Settings<St> {
     jitter: f64,
     max_pause: Duration,
     settle: Option<Box<SettleFn>>,
+    listener: Option<Arc<dyn DecisionListener>>,
 }
 
 impl<St, R> fmt::Debug for OutboundLayerBuilder<St, R> {
@@ -192,6 +195,15 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         self
     }
 
+    /// Hears every decision of the limits, as on the server side (see
+    /// [`DecisionListener`]): a request that waits is told at each check, `limited`
+    /// until one lets it through. The caller's key is `outbound:` and the request's key.
+    /// The debug event and the metrics (feature `metrics`) tell the same decisions.
+    pub fn on_decision(mut self, listener: impl DecisionListener) -> Self {
+        self.settings.listener = Some(Arc::new(listener));
+        self
+    }
+
     /// Which requests the upstream refused are sent once more, after the pause its 429
     /// asks for, if that pause ends within what is left of
     /// [`max_wait`](Self::max_wait): [`Idempotent`] by default (copies of `GET`, `PUT`,
@@ -238,8 +250,10 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
             max_wait,
             jitter,
             settle,
+            listener,
             ..
         } = self.settings;
+        let reporter = Reporter::new(listener, &policies);
         Ok(OutboundLayer {
             shared: Arc::new(Shared {
                 store,
@@ -253,6 +267,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
                 pause,
                 settle,
                 replay: self.replay,
+                reporter,
             }),
         })
     }

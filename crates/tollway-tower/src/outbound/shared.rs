@@ -8,6 +8,7 @@ use http::{HeaderMap, Method, StatusCode, Uri};
 use tollway_core::Policy;
 
 use crate::pipeline::CostFn;
+use crate::report::Reporter;
 
 pub(super) type KeyFn = dyn Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync;
 pub(super) type SettleFn = dyn Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync;
@@ -29,6 +30,8 @@ pub(super) struct Shared<St, R> {
     pub(super) settle: Option<Box<SettleFn>>,
     /// Which refused requests go once more.
     pub(super) replay: R,
+    /// Tells each decision of the limits, as the server side does.
+    pub(super) reporter: Reporter,
 }
 
 impl<St, R> Shared<St, R> {
