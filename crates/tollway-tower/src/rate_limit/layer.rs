@@ -19,10 +19,11 @@ use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
 use crate::lookup::{LookupSettings, Lookups, OnLookupError, TierLookup};
 use crate::pipeline::{
-    AfterCharge, ChargeFn, CostFn, Current, Limiter, MissingKey, OnStoreError, Protocol, Shadow,
+    AfterCharge, ChargeFn, CostFn, Current, Limiter, MissingKey, OnStoreError, Protocol,
 };
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 use crate::report::{DecisionListener, Failures, Reporter};
+use crate::shadow::Shadow;
 
 /// Applies rate limits to a service: see the [module docs](super) for a tour.
 ///
