@@ -109,15 +109,15 @@ fn is_grpc_content_type(value: &[u8]) -> bool {
 pub(crate) type CostFn = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync>;
 
 /// What a request of `method` to `uri` with `headers` costs by `cost` (1 without one),
-/// on the server side and the client side alike.
+/// on the server side and the client side alike. `uri` is read only for a cost.
 #[inline]
-pub(crate) fn cost_of(
+pub(crate) fn cost_of<'r>(
     cost: Option<&CostFn>,
     method: &Method,
-    uri: &Uri,
+    uri: impl FnOnce() -> &'r Uri,
     headers: &HeaderMap,
 ) -> u32 {
-    cost.map_or(1, |cost| cost(method, uri, headers))
+    cost.map_or(1, |cost| cost(method, uri(), headers))
 }
 
 /// The units a response reports having used, charged after the fact.
@@ -382,7 +382,7 @@ impl<St: Store> Limiter<St> {
         };
         let selected = self.limits.select_tier(tier, request);
         // The URI the client sent, as route limits see it.
-        let uri = sent_uri(request);
+        let uri = || sent_uri(request);
         let cost = cost_of(self.cost.as_ref(), request.method(), uri, request.headers());
         let mut evaluation = Evaluation {
             key,

@@ -67,7 +67,7 @@ where
             },
             _ => None,
         };
-        let cost = cost_of(shared.cost.as_ref(), method, uri, headers);
+        let cost = cost_of(shared.cost.as_ref(), method, || uri, headers);
         let keys = Keys { limits: key, pause };
         ResponseFuture::new(self.inner.clone(), Arc::clone(shared), keys, cost, request)
     }

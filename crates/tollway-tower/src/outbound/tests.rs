@@ -50,7 +50,7 @@ async fn outbound_decisions_reach_the_listener_at_each_check() {
         .on_decision(listener(&heard))
         .build()
         .unwrap()
-        .layer(client.clone());
+        .layer(client);
     let waiting = OutboundLayer::builder(store, policy)
         .jitter(0.0)
         .on_decision(listener(&heard))
