@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 
 use http::header::RETRY_AFTER;
 use http::{HeaderMap, HeaderName, HeaderValue};
+use tollway_core::Policy;
 
 use crate::verdict::Verdict;
 
@@ -108,6 +109,29 @@ impl RateLimitHeaders {
             let (policy, current) = *ietf;
             map.insert(RATELIMIT_POLICY.clone(), policy);
             map.insert(RATELIMIT.clone(), current);
+        }
+    }
+}
+
+/// `X-RateLimit-Limit` of each of a layer's policies (its burst), made when the layer is
+/// built, by the policy's index among the layer's.
+#[derive(Debug)]
+pub(crate) struct LimitValues(Box<[HeaderValue]>);
+
+impl LimitValues {
+    /// The values of `policies`, in their order.
+    pub(crate) fn new(policies: &[Policy]) -> Self {
+        LimitValues(policies.iter().map(|p| number(p.quota().burst())).collect())
+    }
+
+    /// `X-RateLimit-Limit` for a decision of `policy`, at `index`, whose limit is
+    /// `limit`: the value made with the layer, unless the store decided with another
+    /// capacity (a fallback limiter's share of the quota).
+    pub(crate) fn get(&self, index: usize, policy: &Policy, limit: u64) -> HeaderValue {
+        if policy.quota().burst() == limit {
+            self.0[index].clone()
+        } else {
+            number(limit)
         }
     }
 }

@@ -9,7 +9,7 @@ use tonic::metadata::MetadataMap;
 
 use crate::grpc::{denial_status, refusal_status};
 use crate::key::KeyExtractor;
-use crate::pipeline::{Current, Limiter, Outcome, Start, Step};
+use crate::pipeline::{Answer, Current, Decided, Limiter, Outcome, Progress, Wait};
 use crate::rejection::Refusal;
 
 /// A synchronous tonic `Interceptor` that applies a layer's limits, for users who wrap
@@ -101,20 +101,19 @@ where
         *http.headers_mut() = metadata.into_headers();
         *http.extensions_mut() = extensions;
 
-        let outcome = match limiter.start(&*self.key, &http) {
-            Start::Decided(outcome) => outcome,
-            // Refused when the interceptor is made: it cannot wait for a lookup.
-            Start::Lookup(_) => return Err(refusal_status(Refusal::LookupFailed)),
-            // The memory store answers at once: its future is a ready value.
-            Start::Evaluate(mut evaluation) => {
-                let mut step = evaluation.check(limiter);
-                loop {
-                    match step {
-                        Step::Done(outcome) => break outcome,
-                        Step::Wait(ready) => step = evaluation.decided(limiter, ready.into_inner()),
-                    }
+        let mut progress = limiter.decide(&*self.key, &http);
+        let Decided { outcome, .. } = loop {
+            progress = match progress {
+                Progress::Decided(decided) => break decided,
+                // The memory store answers at once: its future is a ready value.
+                Progress::Waiting(Wait::Check { future }, at) => {
+                    limiter.resume(at, Answer::Checked(future.into_inner()), &http)
                 }
-            }
+                // Refused when the interceptor is made: it cannot wait for a lookup.
+                Progress::Waiting(Wait::Lookup { .. }, _) => {
+                    return Err(refusal_status(Refusal::LookupFailed));
+                }
+            };
         };
         match outcome {
             Outcome::Allow { .. } => {

@@ -428,6 +428,7 @@ mod pipeline;
 pub mod rate_limit;
 mod rejection;
 mod report;
+mod shadow;
 mod verdict;
 
 pub use body::ResponseBody;

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use http::{HeaderValue, Method};
+use http::Method;
 use smallvec::SmallVec;
 use tollway_core::{ConfigError, Policy};
 
@@ -239,8 +239,6 @@ pub(crate) type Selected = SmallVec<[usize; 4]>;
 pub(crate) struct Limits {
     /// Index 0 is the default policy; tiers and routes follow.
     policies: Vec<Policy>,
-    /// `X-RateLimit-Limit` of each policy (its burst), made when the layer is built.
-    limit_values: Vec<HeaderValue>,
     tier_names: Vec<(String, usize)>,
     tiers: Option<Box<dyn Tiers>>,
     routes: Vec<RouteLimit>,
@@ -254,13 +252,8 @@ impl Limits {
         tiers: Option<Box<dyn Tiers>>,
         routes: Vec<RouteLimit>,
     ) -> Self {
-        let limit_values = policies
-            .iter()
-            .map(|p| crate::headers::number(p.quota().burst()))
-            .collect();
         Limits {
             policies,
-            limit_values,
             tier_names,
             tiers,
             routes,
@@ -288,17 +281,6 @@ impl Limits {
                     "the layer has no policy named {name:?}; its policies are {known:?}"
                 ))
             })
-    }
-
-    /// `X-RateLimit-Limit` for a decision of policy `index` whose limit is `limit`: the
-    /// value made with the layer, unless the store decided with another capacity (a
-    /// fallback limiter's share of the quota).
-    pub(crate) fn limit_value(&self, index: usize, limit: u64) -> HeaderValue {
-        if self.policies[index].quota().burst() == limit {
-            self.limit_values[index].clone()
-        } else {
-            crate::headers::number(limit)
-        }
     }
 
     /// The index of the policy of `key`'s tier, by the layer's [`Tiers`] (the default's,

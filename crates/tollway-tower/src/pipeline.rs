@@ -1,33 +1,39 @@
 //! The one decision path: request → key → limits → cost → store → decision → answer.
 //!
 //! The tower service, its response future and the gRPC interceptor all drive this
-//! module and nothing else decides: [`Limiter::start`] reads a request and either decides
-//! it at once (no key) or starts an [`Evaluation`]; the evaluation asks the store about
-//! all of the request's limits in one call ([`Evaluation::check`]; the store answers at
-//! once, or with a future whose answer goes to [`Evaluation::decided`]) and ends in an
-//! [`Outcome`]; [`Limiter::next`] turns an outcome into what the service does next: call
-//! the inner service with headers to add (perhaps after a shaping delay), or answer in
-//! its place.
+//! module and nothing else decides. There is one entry and one way back in:
+//! [`Limiter::decide`] reads a request and comes to a [`Progress`]: [`Decided`] at once,
+//! or [`Waiting`](Progress::Waiting) for the store or a tier lookup. The caller polls
+//! the [`Wait`] and hands its [`Answer`] to [`Limiter::resume`], which comes to the
+//! next `Progress`. A decided request's [`Outcome`] becomes what the service does next
+//! through [`Limiter::next`]: call the inner service with headers to add (perhaps after
+//! a shaping delay), or answer in its place. The charge after the response
+//! (`charge_after`) is decided here too: a [`Decided`] request carries its [`Charge`],
+//! which [`Limiter::charge`] settles once the response is known.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
+use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 use tollway_core::{
-    Checked, Clock, Decision, Decisions, Policy, Store, StoreError, StoreErrorKind,
+    Checked, Clock, Decision, Decisions, Operation, Policy, Store, StoreError, StoreErrorKind,
 };
 
 use crate::access::{AccessLists, Listed};
-use crate::headers::{HeaderStyle, RateLimitHeaders};
+use crate::headers::{HeaderStyle, LimitValues, RateLimitHeaders};
 use crate::key::{Key, KeyExtractor, peer_addr};
 use crate::limits::{Limits, Selected, sent_uri};
 use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, unknown_key};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
 use crate::report::{DecisionEvent, DecisionOutcome, Failures, Reporter};
-use crate::verdict::{Verdict, most_restrictive, restriction};
+use crate::shadow::Shadow;
+use crate::verdict::{Verdict, max_delay, most_restrictive, restriction};
 
 /// What to do with a request for which the key extractor (and every fallback chained to
 /// it with [`or`](crate::Fallback::or)) finds no key.
@@ -102,6 +108,18 @@ fn is_grpc_content_type(value: &[u8]) -> bool {
 /// The cost of a request: how many units it takes from each of its limits.
 pub(crate) type CostFn = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync>;
 
+/// What a request of `method` to `uri` with `headers` costs by `cost` (1 without one),
+/// on the server side and the client side alike. `uri` is read only for a cost.
+#[inline]
+pub(crate) fn cost_of<'r>(
+    cost: Option<&CostFn>,
+    method: &Method,
+    uri: impl FnOnce() -> &'r Uri,
+    headers: &HeaderMap,
+) -> u32 {
+    cost.map_or(1, |cost| cost(method, uri(), headers))
+}
+
 /// The units a response reports having used, charged after the fact.
 pub(crate) type ChargeFn =
     Arc<dyn Fn(StatusCode, &HeaderMap, &http::Extensions) -> u32 + Send + Sync>;
@@ -111,62 +129,6 @@ pub(crate) struct AfterCharge {
     /// The policy's index in [`Limits`].
     pub(crate) policy: usize,
     pub(crate) units: ChargeFn,
-}
-
-/// Which limits are in shadow mode: decided and counted, never enforced. Switched at run
-/// time, so each is a flag; what the builder said is kept beside it, so that a switch
-/// can be told from the built setting (and carried over a swap of limits).
-#[derive(Debug)]
-pub(crate) struct Shadow {
-    /// The whole layer.
-    layer: AtomicBool,
-    /// Each policy, by its index in [`Limits`].
-    policies: Box<[AtomicBool]>,
-    /// The whole layer, as built.
-    built_layer: bool,
-    /// Each policy, as built.
-    built: Box<[bool]>,
-}
-
-impl Shadow {
-    pub(crate) fn new(layer: bool, policies: impl Iterator<Item = bool>) -> Self {
-        let built: Box<[bool]> = policies.collect();
-        Shadow {
-            layer: AtomicBool::new(layer),
-            policies: built.iter().copied().map(AtomicBool::new).collect(),
-            built_layer: layer,
-            built,
-        }
-    }
-
-    /// What the builder said of the whole layer (`None`) or of the policy at `index`.
-    pub(crate) fn built(&self, index: Option<usize>) -> bool {
-        index.map_or(self.built_layer, |i| self.built[i])
-    }
-
-    /// Switches the whole layer (`None`) or the policy at `index`.
-    pub(crate) fn set(&self, index: Option<usize>, on: bool) {
-        match index {
-            None => self.set_layer(on),
-            Some(i) => self.set_policy(i, on),
-        }
-    }
-
-    pub(crate) fn set_layer(&self, on: bool) {
-        self.layer.store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn set_policy(&self, index: usize, on: bool) {
-        self.policies[index].store(on, Ordering::Relaxed);
-    }
-
-    pub(crate) fn layer(&self) -> bool {
-        self.layer.load(Ordering::Relaxed)
-    }
-
-    pub(crate) fn policy(&self, index: usize) -> bool {
-        self.policies[index].load(Ordering::Relaxed)
-    }
 }
 
 /// A layer's current limiter, swapped whole when its limits are replaced
@@ -184,6 +146,8 @@ pub(crate) struct Limiter<St> {
     pub(crate) on_error: OnStoreError,
     pub(crate) protocol: Protocol,
     pub(crate) header_style: HeaderStyle,
+    /// `X-RateLimit-Limit` of each policy of `limits`.
+    pub(crate) limit_values: LimitValues,
     /// Unix time for `X-RateLimit-Reset`.
     pub(crate) wall_clock: Arc<dyn Clock>,
     pub(crate) on_rejected: RejectionHandler,
@@ -197,18 +161,67 @@ pub(crate) struct Limiter<St> {
     pub(crate) lookups: Option<Lookups>,
 }
 
-/// How a request starts: decided before any limit is asked, or to be evaluated.
-pub(crate) enum Start<'l> {
-    Decided(Outcome<'l>),
-    Evaluate(Evaluation),
-    /// The caller's tier is being looked up: [`Limiter::looked_up`] goes on.
-    Lookup(Lookup),
+/// Where a request stands: decided, or waiting for the store or its caller's tier.
+// Matched as soon as it is returned: boxing the outcome would cost an allocation a request.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Progress<'l, F> {
+    Decided(Decided<'l>),
+    /// Poll the [`Wait`], then hand its answer and the [`Resume`] to [`Limiter::resume`].
+    Waiting(Wait<F>, Resume),
 }
 
-/// A tier lookup under way for a request's caller.
-pub(crate) struct Lookup {
-    pub(crate) key: Key,
-    pub(crate) future: LookupFuture,
+/// A decided request: its outcome, and what to charge after its response.
+#[derive(Debug)]
+pub(crate) struct Decided<'l> {
+    pub(crate) outcome: Outcome<'l>,
+    /// Only for a request let through, when the layer charges after responses, the
+    /// charged policy is one of the request's, and the store decided it.
+    pub(crate) charge: Option<Charge>,
+}
+
+pin_project! {
+    /// What a request waits for: the store's decision, or its caller's tier.
+    #[project = WaitProj]
+    pub(crate) enum Wait<F> {
+        Check { #[pin] future: F },
+        Lookup { future: LookupFuture },
+    }
+}
+
+/// What a [`Wait`] came to, for [`Limiter::resume`].
+pub(crate) enum Answer {
+    Checked(Result<Decisions, StoreError>),
+    LookedUp(Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>),
+}
+
+impl<F> Future for Wait<F>
+where
+    F: Future<Output = Result<Decisions, StoreError>>,
+{
+    type Output = Answer;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Answer> {
+        match self.project() {
+            WaitProj::Check { future } => future.poll(cx).map(Answer::Checked),
+            WaitProj::Lookup { future } => future.as_mut().poll(cx).map(Answer::LookedUp),
+        }
+    }
+}
+
+/// Where a waiting request goes on: what it had come to before it waited.
+#[derive(Debug)]
+pub(crate) enum Resume {
+    /// Its limits are being decided.
+    Check(Evaluation),
+    /// Its caller's tier is being looked up.
+    Lookup(Key),
+}
+
+/// What to charge after the response to a request: its caller's key, under the policy
+/// the layer charges after responses.
+#[derive(Debug)]
+pub(crate) struct Charge {
+    key: Key,
 }
 
 /// A request to check against its limits: who, which limits, how many units.
@@ -224,7 +237,7 @@ pub(crate) struct Evaluation {
 /// Where an evaluation got to: decided, or waiting for the store's future.
 // Matched as soon as it is returned: boxing the outcome would cost an allocation a request.
 #[allow(clippy::large_enum_variant)]
-pub(crate) enum Step<'l, F> {
+enum Step<'l, F> {
     Done(Outcome<'l>),
     Wait(F),
 }
@@ -258,16 +271,20 @@ pub(crate) enum Next {
 }
 
 impl<St: Store> Limiter<St> {
-    /// Reads `request`: its key found by `key` (or what to do without one), its limits
-    /// and its cost.
+    /// Decides `request`, whose key `extractor` finds: at once, or after a wait for the
+    /// store or a tier lookup (see [`resume`](Self::resume)).
     #[inline]
-    pub(crate) fn start<B, K>(&self, extractor: &K, request: &Request<B>) -> Start<'_>
+    pub(crate) fn decide<B, K>(
+        &self,
+        extractor: &K,
+        request: &Request<B>,
+    ) -> Progress<'_, St::Future>
     where
         K: KeyExtractor<B>,
     {
         let key = extractor.extract(request);
         if let Some(listed) = self.lists.find(extractor, key.as_ref(), request) {
-            return Start::Decided(match listed {
+            return decided(match listed {
                 Listed::Allowed => {
                     self.report(key.as_ref(), DecisionOutcome::AllowListed);
                     Outcome::pass()
@@ -282,10 +299,10 @@ impl<St: Store> Limiter<St> {
             Some(key) => key,
             None => match self.missing {
                 MissingKey::Shared => Key::new("missing", ""),
-                MissingKey::Allow => return Start::Decided(Outcome::pass()),
+                MissingKey::Allow => return decided(Outcome::pass()),
                 MissingKey::Reject(status) => {
                     self.report(None, DecisionOutcome::NoKey);
-                    return Start::Decided(Outcome::Refuse(Refusal::NoKey(status)));
+                    return decided(Outcome::Refuse(Refusal::NoKey(status)));
                 }
             },
         };
@@ -294,7 +311,9 @@ impl<St: Store> Limiter<St> {
             Some(lookups) => match lookups.cached(&key) {
                 Some(found) => found,
                 None => match lookups.start(&key, source(extractor, request).as_ref()) {
-                    Some(future) => return Start::Lookup(Lookup { key, future }),
+                    Some(future) => {
+                        return Progress::Waiting(Wait::Lookup { future }, Resume::Lookup(key));
+                    }
                     // Not looked up (a bound): unknown, this time.
                     None => Found::Unknown,
                 },
@@ -303,13 +322,33 @@ impl<St: Store> Limiter<St> {
         self.evaluate(key, found, request)
     }
 
+    /// Goes on with `request`, which waited at `at`, now that its wait came to `answer`.
+    pub(crate) fn resume<B>(
+        &self,
+        at: Resume,
+        answer: Answer,
+        request: &Request<B>,
+    ) -> Progress<'_, St::Future> {
+        match (at, answer) {
+            (Resume::Check(mut evaluation), Answer::Checked(answer)) => {
+                let step = evaluation.decided(self, answer);
+                self.progress(evaluation, step)
+            }
+            (Resume::Lookup(key), Answer::LookedUp(answer)) => self.looked_up(key, answer, request),
+            // A wait's answer comes back with what it was waiting for.
+            (Resume::Check(_), Answer::LookedUp(_)) | (Resume::Lookup(_), Answer::Checked(_)) => {
+                unreachable!("a wait answered for another")
+            }
+        }
+    }
+
     /// Goes on with `request` once its caller's tier lookup answered.
-    pub(crate) fn looked_up<B>(
+    fn looked_up<B>(
         &self,
         key: Key,
         answer: Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>,
         request: &Request<B>,
-    ) -> Start<'_> {
+    ) -> Progress<'_, St::Future> {
         // Only a lookup this limiter started comes back here.
         let Some(lookups) = &self.lookups else {
             unreachable!("a lookup answered for a limiter that looks nothing up")
@@ -319,7 +358,7 @@ impl<St: Store> Limiter<St> {
             None => match lookups.on_error {
                 OnLookupError::Reject => {
                     self.report(Some(&key), DecisionOutcome::StoreError);
-                    Start::Decided(Outcome::Refuse(Refusal::LookupFailed))
+                    decided(Outcome::Refuse(Refusal::LookupFailed))
                 }
                 // `Anonymous`, and any rule added later: the caller is not known.
                 _ => self.evaluate(key, Found::Unknown, request),
@@ -327,24 +366,99 @@ impl<St: Store> Limiter<St> {
         }
     }
 
-    /// The evaluation of `request` from the caller of `key`, whose tier is `found`: an
-    /// unknown caller is limited by the default policy, in the budget every unknown caller
+    /// Checks `request` from the caller of `key`, whose tier is `found`: an unknown
+    /// caller is limited by the default policy, in the budget every unknown caller
     /// shares.
-    fn evaluate<B>(&self, key: Key, found: Found, request: &Request<B>) -> Start<'_> {
+    #[inline]
+    fn evaluate<B>(
+        &self,
+        key: Key,
+        found: Found,
+        request: &Request<B>,
+    ) -> Progress<'_, St::Future> {
         let (key, tier) = match found {
             Found::Tier(tier) => (key, tier),
             Found::Unknown => (unknown_key(), 0),
         };
         let selected = self.limits.select_tier(tier, request);
-        let cost = self.cost.as_ref().map_or(1, |cost| {
-            cost(request.method(), sent_uri(request), request.headers())
-        });
-        Start::Evaluate(Evaluation {
+        // The URI the client sent, as route limits see it.
+        let uri = || sent_uri(request);
+        let cost = cost_of(self.cost.as_ref(), request.method(), uri, request.headers());
+        let mut evaluation = Evaluation {
             key,
             selected,
             cost,
             failed: false,
+        };
+        let step = evaluation.check(self);
+        self.progress(evaluation, step)
+    }
+
+    /// Where `evaluation` stands after `step`: decided (with its charge after the
+    /// response), or waiting for the store.
+    #[inline]
+    fn progress<'l>(
+        &'l self,
+        evaluation: Evaluation,
+        step: Step<'l, St::Future>,
+    ) -> Progress<'l, St::Future> {
+        match step {
+            Step::Done(outcome) => {
+                let charge = match outcome {
+                    Outcome::Allow { .. } => self.charge_for(evaluation),
+                    Outcome::Deny { .. } | Outcome::Refuse(_) => None,
+                };
+                Progress::Decided(Decided { outcome, charge })
+            }
+            Step::Wait(future) => {
+                Progress::Waiting(Wait::Check { future }, Resume::Check(evaluation))
+            }
+        }
+    }
+
+    /// The charge after the response to the request of `evaluation`, let through: when
+    /// the layer charges after responses and the charged policy is one of the request's.
+    /// A request the store failed to decide is not charged either: the store is down.
+    #[inline]
+    fn charge_for(&self, evaluation: Evaluation) -> Option<Charge> {
+        let after = self.charge_after.as_ref()?;
+        if evaluation.failed || !evaluation.selected.contains(&after.policy) {
+            return None;
+        }
+        Some(Charge {
+            key: evaluation.key,
         })
+    }
+
+    /// Charges the units `response` reports having used, for the request of `charge`:
+    /// done at once (and told), or the store's future, whose answer goes to
+    /// [`charged`](Self::charged).
+    pub(crate) fn charge<R>(&self, charge: &Charge, response: &Response<R>) -> Option<St::Future> {
+        let after = self.charge_after.as_ref()?;
+        let units = (after.units)(response.status(), response.headers(), response.extensions());
+        if units == 0 {
+            return None;
+        }
+        let policy = self.limits.policy(after.policy);
+        let key = charge.key.as_bytes();
+        match self.store.operate(key, &[policy], Operation::Charge(units)) {
+            Checked::Ready(answer) => {
+                self.charged(answer);
+                None
+            }
+            Checked::Pending(future) => Some(future),
+        }
+    }
+
+    /// Tells a failed charge the way a failed decision is told (apart: the decisions may
+    /// go on from a fallback while charges fail).
+    pub(crate) fn charged(&self, answer: Result<Decisions, StoreError>) {
+        match answer {
+            Ok(_) => self.charge_failures.succeeded(),
+            Err(error) => self
+                .charge_failures
+                .failed(&error, "responses go uncharged for what they used"),
+        }
     }
 
     /// Tells a decision no limit made (a list, a store failure, no key).
@@ -390,13 +504,23 @@ impl<St: Store> Limiter<St> {
         let verdict = &verdicts[most];
         // `X-RateLimit-Limit` and the wall time for `X-RateLimit-Reset`, when sent.
         let legacy = self.header_style.legacy().then(|| {
+            let index = selected[most];
+            let policy = self.limits.policy(index);
             let limit = self
-                .limits
-                .limit_value(selected[most], verdict.decision.limit());
+                .limit_values
+                .get(index, policy, verdict.decision.limit());
             (limit, self.wall_clock.now_micros())
         });
         RateLimitHeaders::new(self.header_style, verdicts, verdict, legacy)
     }
+}
+
+/// A request decided before any limit was asked: nothing to charge after it.
+fn decided<F>(outcome: Outcome<'_>) -> Progress<'_, F> {
+    Progress::Decided(Decided {
+        outcome,
+        charge: None,
+    })
 }
 
 /// The answer to a refusal: JSON over HTTP, the matching status over gRPC.
@@ -421,12 +545,9 @@ impl Outcome<'_> {
 
 impl Evaluation {
     /// Asks the store about every limit of the request at once: decided now, or the
-    /// store's future, whose answer goes to [`Evaluation::decided`].
+    /// store's future, whose answer goes to `Evaluation::decided`.
     #[inline]
-    pub(crate) fn check<'l, St: Store>(
-        &mut self,
-        limiter: &'l Limiter<St>,
-    ) -> Step<'l, St::Future> {
+    fn check<'l, St: Store>(&mut self, limiter: &'l Limiter<St>) -> Step<'l, St::Future> {
         let policies = self.policies(limiter);
         match limiter
             .store
@@ -444,23 +565,13 @@ impl Evaluation {
             .collect()
     }
 
-    /// The caller's key.
-    pub(crate) fn key(&self) -> &Key {
-        &self.key
-    }
-
-    /// Whether the policy at `index` is one of the request's limits.
-    pub(crate) fn applies(&self, index: usize) -> bool {
-        self.selected.contains(&index)
-    }
-
     /// The outcome of the store's `answer`: let through with the headers when every
     /// limit allowed, denied with the most restrictive denial when one did not. When a
     /// limit in shadow mode denied it, that is told as `shadow_limited`, and the limits
     /// that enforce, if any, are asked again on their own (all or nothing, the store
     /// charged none of them): a limit in shadow never refuses a request, never changes
     /// what the others count, and is never the one a 429 reports.
-    pub(crate) fn decided<'l, St: Store>(
+    fn decided<'l, St: Store>(
         &mut self,
         limiter: &'l Limiter<St>,
         answer: Result<Decisions, StoreError>,
@@ -589,11 +700,6 @@ impl Evaluation {
         }
     }
 
-    /// Whether the store failed to decide the request.
-    pub(crate) fn failed(&self) -> bool {
-        self.failed
-    }
-
     /// The most restrictive denial by a limit in shadow mode (any limit, when the whole
     /// layer is), if there is one.
     fn shadow_denial<St>(&self, limiter: &Limiter<St>, verdicts: &[Verdict<'_>]) -> Option<usize> {
@@ -627,12 +733,6 @@ impl Evaluation {
     }
 }
 
-/// The longest shaping delay among `decisions`, if any.
-fn max_delay<'d>(decisions: impl Iterator<Item = &'d Decision>) -> Option<Duration> {
-    let delay_us = decisions.map(Decision::delay_micros).max();
-    delay_us.filter(|&us| us > 0).map(Duration::from_micros)
-}
-
 /// The address a request comes from, as its key extractor knows the caller (the first
 /// `ip:` key among its identities: the client behind trusted proxies), else the peer's.
 fn source<B, K: KeyExtractor<B>>(extractor: &K, request: &Request<B>) -> Option<Key> {
@@ -644,3 +744,6 @@ fn source<B, K: KeyExtractor<B>>(extractor: &K, request: &Request<B>) -> Option<
     });
     address.or_else(|| peer_addr(request).map(|peer| Key::ip(peer, 64)))
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,5 +1,7 @@
 //! A decision with the policy that made it, and which of a request's decisions to report.
 
+use std::time::Duration;
+
 use tollway_core::{Decision, Denial, Policy};
 
 /// A decision, and the policy that made it.
@@ -62,4 +64,11 @@ pub(crate) fn restriction(verdict: &Verdict<'_>) -> (bool, u64, u64, u64) {
         d.remaining(),
         u64::MAX - d.reset_after_micros(),
     )
+}
+
+/// The longest shaping delay among `decisions`, if any: a request admitted by several
+/// limits waits for the slowest.
+pub(crate) fn max_delay<'d>(decisions: impl Iterator<Item = &'d Decision>) -> Option<Duration> {
+    let delay_us = decisions.map(Decision::delay_micros).max();
+    delay_us.filter(|&us| us > 0).map(Duration::from_micros)
 }

@@ -14,8 +14,12 @@ use smallvec::SmallVec;
 use tollway_core::{Checked, Decisions, Denial, Operation, Policy, Store, StoreError};
 use tower_service::Service;
 
-use super::layer::{Keys, OutboundError, Shared};
+use super::error::OutboundError;
+use super::shared::Shared;
 use super::{Replay, pause_of};
+use crate::key::Key;
+use crate::report::{DecisionEvent, DecisionOutcome};
+use crate::verdict::{Verdict, max_delay, most_restrictive};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 /// The store operations a response calls for, run before the response is handed on.
@@ -66,6 +70,15 @@ pin_project! {
         // Finished: polled again, it answers an error rather than resume what ended.
         Done,
     }
+}
+
+/// A request's keys: whose budget it draws on, and whose pause it waits out and starts.
+#[derive(Debug)]
+pub(super) struct Keys {
+    /// `None`: not limited (nor paused).
+    pub(super) limits: Option<String>,
+    /// `None`: never paused (always so when not limited, or the layer never pauses).
+    pub(super) pause: Option<String>,
 }
 
 impl<S, St, B, R> ResponseFuture<S, St, B, R>
@@ -205,7 +218,8 @@ where
             }
             StateProj::Checking { check } => {
                 let answer = ready!(check.poll(cx));
-                after(answer, this.shared, this.waited)?
+                let key = this.keys.limits.as_deref().unwrap_or_default();
+                decided(answer, this.shared, key, this.waited)?
             }
             StateProj::Sleeping { sleep, then_call } => {
                 ready!(sleep.poll(cx));
@@ -314,9 +328,45 @@ where
 {
     let policies: SmallVec<[&Policy; 4]> = shared.policies.iter().collect();
     match shared.store.check(key.as_bytes(), &policies, cost) {
-        Checked::Ready(answer) => after(answer, shared, waited),
+        Checked::Ready(answer) => decided(answer, shared, key, waited),
         Checked::Pending(check) => Ok(State::Checking { check }),
     }
+}
+
+/// What follows the limits' `answer` for the request of `key`, told first as the server
+/// side tells its decisions: the debug event, the metrics, the listener.
+fn decided<F, C, R, St, P>(
+    answer: Result<Decisions, StoreError>,
+    shared: &Shared<St, P>,
+    key: &str,
+    waited: &mut Duration,
+) -> Result<State<F, C, R>, BoxError> {
+    if shared.reporter.active() {
+        report(&answer, shared, key);
+    }
+    after(answer, shared, waited)
+}
+
+/// Tells the limits' `answer` for the request of `key` (`outbound:` and the key).
+fn report<St, P>(answer: &Result<Decisions, StoreError>, shared: &Shared<St, P>, key: &str) {
+    let key = Key::new("outbound", key);
+    let Ok(decisions) = answer else {
+        let event = DecisionEvent::new(Some(&key), DecisionOutcome::StoreError, &[], None);
+        shared.reporter.report(&event, None);
+        return;
+    };
+    let verdicts: SmallVec<[Verdict<'_>; 2]> = shared
+        .policies
+        .iter()
+        .zip(decisions.iter())
+        .map(|(policy, &decision)| Verdict { policy, decision })
+        .collect();
+    let Some(most) = most_restrictive(&verdicts) else {
+        return;
+    };
+    let outcome = DecisionOutcome::of(&verdicts[most], decisions.is_allowed());
+    let event = DecisionEvent::new(Some(&key), outcome, &verdicts, Some(most));
+    shared.reporter.report(&event, Some(most));
 }
 
 /// What follows the pause store's answer: the limits when no pause runs, else a sleep
@@ -350,14 +400,9 @@ fn after<F, C, R, St, P>(
     if decisions.is_allowed() {
         // A shaper's delay: the request is admitted (and charged) already, so it goes
         // after the delay whatever `max_wait` says, and a drop during it keeps the charge.
-        let delay = decisions
-            .iter()
-            .map(|d| d.delay())
-            .max()
-            .unwrap_or_default();
-        if delay.is_zero() {
+        let Some(delay) = max_delay(decisions.iter()) else {
             return Ok(State::Ready);
-        }
+        };
         return Ok(State::Sleeping {
             sleep: tokio::time::sleep(delay),
             then_call: true,

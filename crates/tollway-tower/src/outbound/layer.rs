@@ -1,56 +1,21 @@
-//! The layer, its builder, the service and its error.
+//! The layer and its builder.
 
-use std::error::Error;
 use std::fmt;
-use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::{HeaderMap, Method, Request, StatusCode, Uri};
-use tollway_core::{ConfigError, Policy, Store, StoreError};
+use http::{HeaderMap, Method, StatusCode, Uri};
+use tollway_core::{ConfigError, Policy, Store};
 use tower_layer::Layer;
-use tower_service::Service;
 
-use super::future::ResponseFuture;
-use super::replay::{Idempotent, Replay};
-
-type KeyFn = dyn Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync;
-type CostFn = dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync;
-pub(super) type SettleFn = dyn Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync;
+use super::replay::Idempotent;
+use super::service::Outbound;
+use super::shared::{KeyFn, SettleFn, Shared};
+use crate::pipeline::CostFn;
+use crate::report::{DecisionListener, Reporter};
 
 /// The longest pause an upstream can ask for: an hour.
 const PAUSE_CEILING: Duration = Duration::from_secs(3_600);
-
-/// What every clone of a layer and its services share.
-pub(super) struct Shared<St, R> {
-    pub(super) store: St,
-    pub(super) policies: Vec<Policy>,
-    key: Box<KeyFn>,
-    /// Whose pause a 429 starts and a request waits out; `None`: the limits' key.
-    pause_key: Option<Box<KeyFn>>,
-    cost: Option<Box<CostFn>>,
-    pub(super) max_wait: Duration,
-    jitter: f64,
-    seeds: std::hash::RandomState,
-    /// The pause an upstream's 429 asks of every worker sharing the key: a GCRA of one
-    /// unit a millisecond whose capacity is the longest pause (see [`super::pause`]).
-    pub(super) pause: Option<Policy>,
-    pub(super) settle: Option<Box<SettleFn>>,
-    /// Which refused requests go once more.
-    pub(super) replay: R,
-}
-
-impl<St, R> Shared<St, R> {
-    /// `wait`, stretched by a random share of up to the jitter: the share is a hash of
-    /// the wall-clock instant under this layer's random seed, so it differs from request
-    /// to request and from process to process.
-    pub(super) fn jittered(&self, wait: Duration) -> Duration {
-        let salt = self.seeds.hash_one(std::time::SystemTime::now());
-        let unit = (salt >> 11) as f64 / (1u64 << 53) as f64;
-        wait.mul_f64(1.0 + self.jitter * unit)
-    }
-}
 
 /// Limits outbound requests: see the [module docs](super).
 pub struct OutboundLayer<St, R = Idempotent> {
@@ -94,6 +59,7 @@ impl<St: Store> OutboundLayer<St> {
                 jitter: 0.1,
                 max_pause: Duration::from_secs(60),
                 settle: None,
+                listener: None,
             },
             replay: Idempotent,
         }
@@ -104,10 +70,7 @@ impl<S, St, R> Layer<S> for OutboundLayer<St, R> {
     type Service = Outbound<S, St, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Outbound {
-            inner,
-            shared: Arc::clone(&self.shared),
-        }
+        Outbound::new(inner, Arc::clone(&self.shared))
     }
 }
 
@@ -124,11 +87,12 @@ struct Settings<St> {
     policies: Vec<Policy>,
     key: Box<KeyFn>,
     pause_key: Option<Box<KeyFn>>,
-    cost: Option<Box<CostFn>>,
+    cost: Option<CostFn>,
     max_wait: Duration,
     jitter: f64,
     max_pause: Duration,
     settle: Option<Box<SettleFn>>,
+    listener: Option<Arc<dyn DecisionListener>>,
 }
 
 impl<St, R> fmt::Debug for OutboundLayerBuilder<St, R> {
@@ -185,19 +149,19 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         mut self,
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
     ) -> Self {
-        self.settings.cost = Some(Box::new(cost));
+        self.settings.cost = Some(Arc::new(cost));
         self
     }
 
     /// The longest a request waits for the limit in all (default 30 s); one that would
-    /// wait longer fails with [`OutboundError::Limited`] at once.
+    /// wait longer fails with [`OutboundError::Limited`](super::OutboundError::Limited) at once.
     pub fn max_wait(mut self, max_wait: Duration) -> Self {
         self.settings.max_wait = max_wait;
         self
     }
 
     /// Never waits: a request over the limit fails at once with
-    /// [`OutboundError::Limited`] (a `max_wait` of zero).
+    /// [`OutboundError::Limited`](super::OutboundError::Limited) (a `max_wait` of zero).
     pub fn fail_fast(self) -> Self {
         self.max_wait(Duration::ZERO)
     }
@@ -231,11 +195,20 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         self
     }
 
+    /// Hears every decision of the limits, as on the server side (see
+    /// [`DecisionListener`]): a request that waits is told at each check, `limited`
+    /// until one lets it through. The caller's key is `outbound:` and the request's key.
+    /// The debug event and the metrics (feature `metrics`) tell the same decisions.
+    pub fn on_decision(mut self, listener: impl DecisionListener) -> Self {
+        self.settings.listener = Some(Arc::new(listener));
+        self
+    }
+
     /// Which requests the upstream refused are sent once more, after the pause its 429
     /// asks for, if that pause ends within what is left of
     /// [`max_wait`](Self::max_wait): [`Idempotent`] by default (copies of `GET`, `PUT`,
     /// `DELETE`… whose body is `Clone`), [`NoReplay`](super::NoReplay), or a closure
-    /// (see [`Replay`]). The copy is checked against the limits and charged like any
+    /// (see [`Replay`](super::Replay)). The copy is checked against the limits and charged like any
     /// request; the refused one keeps its charge. A request goes at most twice; when the
     /// second cannot go within `max_wait` (or the store fails meanwhile), the caller gets
     /// the upstream's 429. With no pausing (`max_pause` zero) nothing is sent again.
@@ -277,8 +250,10 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
             max_wait,
             jitter,
             settle,
+            listener,
             ..
         } = self.settings;
+        let reporter = Reporter::new(listener, &policies);
         Ok(OutboundLayer {
             shared: Arc::new(Shared {
                 store,
@@ -292,124 +267,8 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
                 pause,
                 settle,
                 replay: self.replay,
+                reporter,
             }),
         })
-    }
-}
-
-/// The service an [`OutboundLayer`] makes around a client.
-pub struct Outbound<S, St, R = Idempotent> {
-    inner: S,
-    shared: Arc<Shared<St, R>>,
-}
-
-impl<S: Clone, St, R> Clone for Outbound<S, St, R> {
-    fn clone(&self) -> Self {
-        Outbound {
-            inner: self.inner.clone(),
-            shared: Arc::clone(&self.shared),
-        }
-    }
-}
-
-impl<S: fmt::Debug, St, R> fmt::Debug for Outbound<S, St, R> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Outbound")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<S, St, R, B, RB> Service<Request<B>> for Outbound<S, St, R>
-where
-    S: Service<Request<B>, Response = http::Response<RB>> + Clone,
-    S::Error: Into<Box<dyn Error + Send + Sync>>,
-    St: Store,
-    R: Replay<B> + Send + Sync + 'static,
-{
-    type Response = S::Response;
-    type Error = Box<dyn Error + Send + Sync>;
-    type Future = ResponseFuture<S, St, B, R>;
-
-    /// Always ready: a request may wait for the limit first, and holding the inner
-    /// service's readiness meanwhile would starve it. The future makes its own clone of
-    /// the inner service ready once the request is admitted.
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: Request<B>) -> Self::Future {
-        let shared = &self.shared;
-        let (method, uri, headers) = (request.method(), request.uri(), request.headers());
-        let key = (shared.key)(method, uri, headers);
-        // Only a layer that pauses needs it, and only for a request it limits.
-        let pause = match (&shared.pause, &key) {
-            (Some(_), Some(key)) => match &shared.pause_key {
-                Some(pause_key) => pause_key(method, uri, headers),
-                None => Some(key.clone()),
-            },
-            _ => None,
-        };
-        let cost = shared
-            .cost
-            .as_ref()
-            .map_or(1, |cost| cost(method, uri, headers));
-        let keys = Keys { limits: key, pause };
-        ResponseFuture::new(self.inner.clone(), Arc::clone(shared), keys, cost, request)
-    }
-}
-
-/// A request's keys: whose budget it draws on, and whose pause it waits out and starts.
-#[derive(Debug)]
-pub(super) struct Keys {
-    /// `None`: not limited (nor paused).
-    pub(super) limits: Option<String>,
-    /// `None`: never paused (always so when not limited, or the layer never pauses).
-    pub(super) pause: Option<String>,
-}
-
-/// Why the limiter itself failed an outbound request (the inner service's own errors
-/// pass through as they are). Downcast the service's boxed error to tell.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum OutboundError {
-    /// Over the limit for longer than the request may wait: the same request fits in
-    /// `retry_after`.
-    Limited {
-        /// When the limit would admit the request.
-        retry_after: Duration,
-    },
-    /// The request costs more than a limit holds at once: it never fits.
-    CostExceedsCapacity,
-    /// A memory store holding its bound of keys refused a new one.
-    StoreFull,
-    /// The store failed (Redis down, a timeout): nothing was sent.
-    Store(StoreError),
-}
-
-impl fmt::Display for OutboundError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            OutboundError::Limited { retry_after } => write!(
-                f,
-                "outbound rate limit reached: the request fits in {retry_after:?}, longer than it may wait"
-            ),
-            OutboundError::CostExceedsCapacity => {
-                f.write_str("the request costs more than the outbound limit holds at once")
-            }
-            OutboundError::StoreFull => {
-                f.write_str("the limiter's store is full and refused a new key")
-            }
-            OutboundError::Store(e) => write!(f, "the outbound limiter's store failed: {e}"),
-        }
-    }
-}
-
-impl Error for OutboundError {
-    fn source(&self) -> Option<&(dyn Error + 'static)> {
-        match self {
-            OutboundError::Store(e) => Some(e),
-            _ => None,
-        }
     }
 }

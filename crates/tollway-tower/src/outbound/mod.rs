@@ -43,6 +43,11 @@
 //! second and tokens a minute, stack two layers; a request admitted by the outer one
 //! keeps that charge if the inner one then refuses it.
 //!
+//! **Told like the server side.** Each decision of the limits goes to the same debug
+//! event, metrics (feature `metrics`) and [`DecisionListener`](crate::DecisionListener)
+//! ([`on_decision`](OutboundLayerBuilder::on_decision)) as the server side's, keyed
+//! `outbound:` and the request's key.
+//!
 //! Give the clients a burst a little under the upstream's: requests reach it a little
 //! later and less evenly than they were admitted, and the difference absorbs that
 //! (measured through Redis, 4 clients × 64 tasks against 50 a second: the same burst drew
@@ -143,12 +148,20 @@
 //! # }
 //! ```
 
+mod error;
 mod future;
 mod layer;
 mod pause;
 mod replay;
+mod service;
+mod shared;
 
+pub use error::OutboundError;
 pub use future::ResponseFuture;
-pub use layer::{Outbound, OutboundError, OutboundLayer, OutboundLayerBuilder};
+pub use layer::{OutboundLayer, OutboundLayerBuilder};
 pub use pause::{ACCOUNT_HEADERS, DEFAULT_PAUSE, pause_of};
 pub use replay::{Idempotent, NoReplay, Replay};
+pub use service::Outbound;
+
+#[cfg(test)]
+mod tests;

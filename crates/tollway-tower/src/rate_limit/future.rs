@@ -11,20 +11,18 @@ use bytes::Bytes;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
-use tollway_core::{Checked, Decisions, Operation, Store, StoreError};
+use tollway_core::Store;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::headers::RateLimitHeaders;
-use crate::key::Key;
-use crate::lookup::LookupFuture;
-use crate::pipeline::{Evaluation, Limiter, Lookup, Next, Start, Step};
+use crate::pipeline::{Answer, Charge, Decided, Limiter, Next, Progress, Resume, Wait};
 
 pin_project! {
     /// The future of a [`RateLimit`](super::RateLimit) service's response.
     ///
-    /// A state machine: `LookingUp` (the caller's tier, when the layer looks tiers up and
-    /// has not cached it) → `Checking` (the store's future) → `Delaying` (a shaping delay)
+    /// A state machine: `Waiting` (for the caller's tier, when the layer looks tiers up and
+    /// has not cached it, then for the store's decision) → `Delaying` (a shaping delay)
     /// → `Calling` (the inner service's future) → `Charging` (the store charging what
     /// the response reports it used, when the layer charges after responses), or
     /// `Answered` in the service's place. A request the store decides at once starts in
@@ -48,11 +46,10 @@ pin_project! {
     #[project = StateProj]
     #[project_replace = StateOwned]
     enum State<C, F, S, B, St, R> {
-        // The caller's tier is being looked up; the request waits in a box, as below.
-        LookingUp { lookup: LookupFuture, waiting: Box<Waiting<S, B, St>> },
-        // The store is deciding the request's limits. The request waits in a box:
-        // it waits for I/O anyway, and the future of a request decided at once stays small.
-        Checking { #[pin] check: C, pending: Box<Pending<S, B, St>> },
+        // The store is deciding the request's limits, or its caller's tier is being looked
+        // up. The request waits in a box: it waits for I/O anyway, and the future of a
+        // request decided at once stays small.
+        Waiting { #[pin] wait: Wait<C>, pending: Box<Pending<S, B, St>> },
         // The request is admitted and held for its shaping delay, boxed likewise.
         Delaying { sleep: Pin<Box<Sleep>>, held: Box<Held<S, B, St>> },
         // The inner service is answering; its response gets `headers`, and is charged
@@ -71,20 +68,11 @@ pin_project! {
     }
 }
 
-/// A request waiting for the store: what its evaluation needs, and the ready service to
-/// call if the limits let it through.
+/// A request waiting for the store or its caller's tier: where the pipeline resumes it,
+/// and the ready service to call if its limits let it through.
 pub(super) struct Pending<S, B, St> {
     limiter: Arc<Limiter<St>>,
-    evaluation: Evaluation,
-    service: S,
-    request: Request<B>,
-}
-
-/// A request waiting for its caller's tier, and the ready service to call if its limits
-/// let it through.
-pub(super) struct Waiting<S, B, St> {
-    limiter: Arc<Limiter<St>>,
-    key: Key,
+    at: Resume,
     service: S,
     request: Request<B>,
 }
@@ -97,59 +85,19 @@ pub(super) struct Held<S, B, St> {
     after: Option<Box<AfterResponse<St>>>,
 }
 
-/// What charging a response for the units it used needs: the layer, and the request's
-/// caller and limits. Made only when the layer charges after responses.
+/// What charging a response for the units it used needs: the layer, and what the
+/// pipeline said to charge. Made only for the requests the pipeline charges.
 pub(super) struct AfterResponse<St> {
     limiter: Arc<Limiter<St>>,
-    evaluation: Evaluation,
+    charge: Charge,
 }
 
-impl<St: Store> AfterResponse<St> {
-    /// The charge after the response to the request of `evaluation`, if the layer
-    /// charges after responses.
-    pub(super) fn new(limiter: &Arc<Limiter<St>>, evaluation: Evaluation) -> Option<Box<Self>> {
-        let after = limiter.charge_after.as_ref()?;
-        // A request the store failed to decide is not charged either: the store is down.
-        if evaluation.failed() || !evaluation.applies(after.policy) {
-            return None;
-        }
-        Some(Box::new(AfterResponse {
+impl<St> AfterResponse<St> {
+    pub(super) fn new(limiter: &Arc<Limiter<St>>, charge: Charge) -> Box<Self> {
+        Box::new(AfterResponse {
             limiter: Arc::clone(limiter),
-            evaluation,
-        }))
-    }
-
-    /// Charges the units `response` reports: done at once, or the store's future.
-    fn charge<R>(&self, response: &Response<R>) -> Option<St::Future> {
-        let after = self.limiter.charge_after.as_ref()?;
-        let units = (after.units)(response.status(), response.headers(), response.extensions());
-        if units == 0 {
-            return None;
-        }
-        let policy = self.limiter.limits.policy(after.policy);
-        let key = self.evaluation.key().as_bytes();
-        match self
-            .limiter
-            .store
-            .operate(key, &[policy], Operation::Charge(units))
-        {
-            Checked::Ready(answer) => {
-                charged(&self.limiter, answer);
-                None
-            }
-            Checked::Pending(future) => Some(future),
-        }
-    }
-}
-
-/// Tells a failed charge the way a failed decision is told (apart: the decisions may go
-/// on from a fallback while charges fail).
-fn charged<St>(limiter: &Limiter<St>, answer: Result<Decisions, StoreError>) {
-    match answer {
-        Ok(_) => limiter.charge_failures.succeeded(),
-        Err(error) => limiter
-            .charge_failures
-            .failed(&error, "responses go uncharged for what they used"),
+            charge,
+        })
     }
 }
 
@@ -158,28 +106,10 @@ where
     S: Service<Request<B>>,
     St: Store,
 {
-    /// Waits for the tier `lookup` of `request`'s caller, then decides it.
-    pub(super) fn looking_up(
-        lookup: Lookup,
-        limiter: Arc<Limiter<St>>,
-        service: S,
-        request: Request<B>,
-    ) -> Self {
-        Self::from(State::LookingUp {
-            lookup: lookup.future,
-            waiting: Box::new(Waiting {
-                limiter,
-                key: lookup.key,
-                service,
-                request,
-            }),
-        })
-    }
-
-    /// Waits for the store's `check`, then goes on with `pending`.
-    pub(super) fn checking(check: St::Future, pending: Pending<S, B, St>) -> Self {
-        Self::from(State::Checking {
-            check,
+    /// Waits for `wait`, then goes on with `pending`.
+    pub(super) fn waiting(wait: Wait<St::Future>, pending: Pending<S, B, St>) -> Self {
+        Self::from(State::Waiting {
+            wait,
             pending: Box::new(pending),
         })
     }
@@ -240,16 +170,16 @@ impl<C, F, S, B, St, R> State<C, F, S, B, St, R> {
 }
 
 impl<S, B, St> Pending<S, B, St> {
-    /// `request`, being checked by `evaluation`, to be handed to the ready `service`.
+    /// `request`, waiting at `at`, to be handed to the ready `service`.
     pub(super) fn new(
         limiter: Arc<Limiter<St>>,
-        evaluation: Evaluation,
+        at: Resume,
         service: S,
         request: Request<B>,
     ) -> Self {
         Pending {
             limiter,
-            evaluation,
+            at,
             service,
             request,
         }
@@ -261,66 +191,26 @@ where
     S: Service<Request<B>>,
     St: Store,
 {
-    /// The next state once the store answered: perhaps another check (the limits that
-    /// enforce, after one in shadow mode denied).
+    /// The next state once the wait came to `answer`: perhaps another wait (the store,
+    /// after a tier lookup; the limits that enforce, after one in shadow mode denied).
     fn resume(
         mut self: Box<Self>,
-        answer: Result<Decisions, StoreError>,
+        answer: Answer,
     ) -> State<St::Future, S::Future, S, B, St, S::Response> {
-        let outcome = match self.evaluation.decided(&self.limiter, answer) {
-            Step::Done(outcome) => outcome,
-            Step::Wait(check) => {
-                return State::Checking {
-                    check,
+        let at = self.at;
+        let Decided { outcome, charge } = match self.limiter.resume(at, answer, &self.request) {
+            Progress::Decided(decided) => decided,
+            Progress::Waiting(wait, at) => {
+                self.at = at;
+                return State::Waiting {
+                    wait,
                     pending: self,
                 };
             }
         };
         let next = self.limiter.next(outcome, &self.request);
-        let Pending {
-            limiter,
-            evaluation,
-            service,
-            request,
-        } = *self;
-        State::next(next, &limiter, Some(evaluation), service, request)
-    }
-}
-
-impl<S, B, St> Waiting<S, B, St>
-where
-    S: Service<Request<B>>,
-    St: Store,
-{
-    /// The next state once the caller's tier is known: decided now, or the store's check.
-    fn resume(
-        self,
-        answer: Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>,
-    ) -> State<St::Future, S::Future, S, B, St, S::Response> {
-        let Waiting {
-            limiter,
-            key,
-            service,
-            request,
-        } = self;
-        let (outcome, evaluation) = match limiter.looked_up(key, answer, &request) {
-            Start::Decided(outcome) => (outcome, None),
-            Start::Evaluate(mut evaluation) => match evaluation.check(&limiter) {
-                Step::Done(outcome) => (outcome, Some(evaluation)),
-                Step::Wait(check) => {
-                    let limiter = Arc::clone(&limiter);
-                    let pending = Pending::new(limiter, evaluation, service, request);
-                    return State::Checking {
-                        check,
-                        pending: Box::new(pending),
-                    };
-                }
-            },
-            // A lookup's answer decides the tier: nothing is looked up twice.
-            Start::Lookup(_) => unreachable!("looked_up never starts another lookup"),
-        };
-        let next = limiter.next(outcome, &request);
-        State::next(next, &limiter, evaluation, service, request)
+        let after = charge.map(|charge| AfterResponse::new(&self.limiter, charge));
+        State::next(next, after, self.service, self.request)
     }
 }
 
@@ -333,23 +223,19 @@ where
     /// answer in its place.
     fn next(
         next: Next,
-        limiter: &Arc<Limiter<St>>,
-        evaluation: Option<Evaluation>,
+        after: Option<Box<AfterResponse<St>>>,
         mut service: S,
         request: Request<B>,
     ) -> Self {
         match next {
-            Next::Call { headers, delay } => {
-                let after = evaluation.and_then(|e| AfterResponse::new(limiter, e));
-                match delay {
-                    None => State::Calling {
-                        future: service.call(request),
-                        headers,
-                        after,
-                    },
-                    Some(delay) => State::delaying(delay, service, request, headers, after),
-                }
-            }
+            Next::Call { headers, delay } => match delay {
+                None => State::Calling {
+                    future: service.call(request),
+                    headers,
+                    after,
+                },
+                Some(delay) => State::delaying(delay, service, request, headers, after),
+            },
             Next::Answer(response) => State::Answered { response },
         }
     }
@@ -388,23 +274,14 @@ where
             // Each state's pinned future is polled in place; once it is ready, the state's
             // other fields are moved out (leaving `Done`) into the next state.
             match state.as_mut().project() {
-                StateProj::LookingUp { lookup, .. } => {
-                    let answer = ready!(lookup.as_mut().poll(cx));
-                    let StateOwned::LookingUp { waiting, .. } =
+                StateProj::Waiting { wait, .. } => {
+                    let answer = ready!(wait.poll(cx));
+                    let StateOwned::Waiting { pending, .. } =
                         state.as_mut().project_replace(State::Done)
                     else {
-                        unreachable!("the state was LookingUp")
+                        unreachable!("the state was Waiting")
                     };
-                    state.set((*waiting).resume(answer));
-                }
-                StateProj::Checking { check, .. } => {
-                    let result = ready!(check.poll(cx));
-                    let StateOwned::Checking { pending, .. } =
-                        state.as_mut().project_replace(State::Done)
-                    else {
-                        unreachable!("the state was Checking")
-                    };
-                    state.set(pending.resume(result));
+                    state.set(pending.resume(answer));
                 }
                 StateProj::Delaying { sleep, .. } => {
                     ready!(sleep.as_mut().poll(cx));
@@ -423,7 +300,7 @@ where
                     let mut response = ready!(future.poll(cx))?;
                     std::mem::take(headers).insert_into(response.headers_mut());
                     if let Some(after) = after.take()
-                        && let Some(charge) = after.charge(&response)
+                        && let Some(charge) = after.limiter.charge(&after.charge, &response)
                     {
                         state.set(State::Charging {
                             charge,
@@ -443,7 +320,7 @@ where
                     else {
                         unreachable!("the state was Charging")
                     };
-                    charged(&after.limiter, answer);
+                    after.limiter.charged(answer);
                     return Poll::Ready(Ok(response.map(ResponseBody::service)));
                 }
                 StateProj::Answered { .. } => {

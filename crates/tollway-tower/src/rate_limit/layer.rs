@@ -14,15 +14,16 @@ use tower_layer::Layer;
 
 use super::RateLimit;
 use crate::access::AccessLists;
-use crate::headers::HeaderStyle;
+use crate::headers::{HeaderStyle, LimitValues};
 use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
 use crate::lookup::{LookupSettings, Lookups, OnLookupError, TierLookup};
 use crate::pipeline::{
-    AfterCharge, ChargeFn, CostFn, Current, Limiter, MissingKey, OnStoreError, Protocol, Shadow,
+    AfterCharge, ChargeFn, CostFn, Current, Limiter, MissingKey, OnStoreError, Protocol,
 };
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 use crate::report::{DecisionListener, Failures, Reporter};
+use crate::shadow::Shadow;
 
 /// Applies rate limits to a service: see the [module docs](super) for a tour.
 ///
@@ -103,34 +104,42 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
     /// otherwise.
     pub fn builder(store: St, default_policy: Policy) -> RateLimitLayerBuilder<St, PeerIp> {
         RateLimitLayerBuilder {
-            store,
             key: PeerIp::new(),
-            policies: vec![default_policy],
-            tier_names: Vec::new(),
-            tiers: None,
-            routes: Vec::new(),
-            errors: Vec::new(),
-            cost: None,
-            missing: MissingKey::Shared,
-            on_error: OnStoreError::Allow,
-            protocol: Protocol::Detect,
-            headers: HeaderStyle::Legacy,
-            wall_clock: Arc::new(SystemClock),
-            on_rejected: Arc::new(default_rejection),
-            lists: AccessLists::default(),
-            shadow: false,
-            shadow_policies: Vec::new(),
-            listener: None,
-            charge_after: None,
-            lookup: None,
-            lookup_settings: LookupSettings::default(),
-            on_lookup_error: OnLookupError::Anonymous,
-            source: None,
+            settings: Settings {
+                store,
+                policies: vec![default_policy],
+                tier_names: Vec::new(),
+                tiers: None,
+                routes: Vec::new(),
+                errors: Vec::new(),
+                cost: None,
+                missing: MissingKey::Shared,
+                on_error: OnStoreError::Allow,
+                protocol: Protocol::Detect,
+                headers: HeaderStyle::Legacy,
+                wall_clock: Arc::new(SystemClock),
+                on_rejected: Arc::new(default_rejection),
+                lists: AccessLists::default(),
+                shadow: false,
+                shadow_policies: Vec::new(),
+                listener: None,
+                charge_after: None,
+                lookup: None,
+                lookup_settings: LookupSettings::default(),
+                on_lookup_error: OnLookupError::Anonymous,
+                source: None,
+            },
         }
     }
 }
 
 impl<St, K> RateLimitLayer<St, K> {
+    /// The limiter current now, for the pipeline's own tests.
+    #[cfg(test)]
+    pub(crate) fn limiter(&self) -> Arc<Limiter<St>> {
+        self.limiter.load_full()
+    }
+
     /// The store the layer decides with: for looking at or correcting a caller's state
     /// with [`Store::operate`] (an admin endpoint's peek and reset). Stores are handles:
     /// the clone shares the layer's state.
@@ -338,8 +347,14 @@ impl<S, St, K> Layer<S> for RateLimitLayer<St, K> {
 /// Builds a [`RateLimitLayer`]; every setting is checked by [`build`](Self::build).
 #[must_use]
 pub struct RateLimitLayerBuilder<St, K> {
-    store: St,
     key: K,
+    settings: Settings<St>,
+}
+
+/// Everything a builder sets but the key extractor, which `key` replaces with another
+/// type.
+struct Settings<St> {
+    store: St,
     policies: Vec<Policy>,
     tier_names: Vec<(String, usize)>,
     tiers: Option<Box<dyn Tiers>>,
@@ -369,9 +384,14 @@ impl<St, K> fmt::Debug for RateLimitLayerBuilder<St, K> {
         f.debug_struct("RateLimitLayerBuilder")
             .field(
                 "policies",
-                &self.policies.iter().map(Policy::name).collect::<Vec<_>>(),
+                &self
+                    .settings
+                    .policies
+                    .iter()
+                    .map(Policy::name)
+                    .collect::<Vec<_>>(),
             )
-            .field("routes", &self.routes)
+            .field("routes", &self.settings.routes)
             .finish_non_exhaustive()
     }
 }
@@ -380,50 +400,30 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// Keys callers with `key` (default: [`PeerIp`]).
     pub fn key<K2>(self, key: K2) -> RateLimitLayerBuilder<St, K2> {
         RateLimitLayerBuilder {
-            store: self.store,
             key,
-            policies: self.policies,
-            tier_names: self.tier_names,
-            tiers: self.tiers,
-            routes: self.routes,
-            errors: self.errors,
-            cost: self.cost,
-            missing: self.missing,
-            on_error: self.on_error,
-            protocol: self.protocol,
-            headers: self.headers,
-            wall_clock: self.wall_clock,
-            on_rejected: self.on_rejected,
-            lists: self.lists,
-            shadow: self.shadow,
-            shadow_policies: self.shadow_policies,
-            listener: self.listener,
-            charge_after: self.charge_after,
-            lookup: self.lookup,
-            lookup_settings: self.lookup_settings,
-            on_lookup_error: self.on_lookup_error,
-            source: self.source,
+            settings: self.settings,
         }
     }
 
     /// Names the limits file the settings come from in `build`'s errors.
     pub(crate) fn named_by_file(mut self, name: &str) -> Self {
-        self.source = Some(name.to_owned());
+        self.settings.source = Some(name.to_owned());
         self
     }
 
     /// Adds a tier: callers whose [`Tiers`] resolver names `policy.name()` are limited by
     /// `policy` instead of the default.
     pub fn tier(mut self, policy: Policy) -> Self {
-        self.tier_names
-            .push((policy.name().to_owned(), self.policies.len()));
-        self.policies.push(policy);
+        self.settings
+            .tier_names
+            .push((policy.name().to_owned(), self.settings.policies.len()));
+        self.settings.policies.push(policy);
         self
     }
 
     /// Resolves each caller's tier (by name) from its key.
     pub fn tiers(mut self, tiers: impl Tiers) -> Self {
-        self.tiers = Some(Box::new(tiers));
+        self.settings.tiers = Some(Box::new(tiers));
         self
     }
 
@@ -435,22 +435,22 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// limits. A lookup that fails is handled per
     /// [`on_tier_lookup_error`](Self::on_tier_lookup_error).
     pub fn tier_lookup(mut self, lookup: impl TierLookup) -> Self {
-        self.lookup = Some(Arc::new(lookup));
+        self.settings.lookup = Some(Arc::new(lookup));
         self
     }
 
     /// Keeps at most `entries` looked-up tiers, each for `ttl` (default 100,000 for 60 s):
     /// a changed tier takes effect within `ttl`.
     pub fn tier_cache(mut self, entries: u64, ttl: Duration) -> Self {
-        self.lookup_settings.entries = entries;
-        self.lookup_settings.ttl = ttl;
+        self.settings.lookup_settings.entries = entries;
+        self.settings.lookup_settings.ttl = ttl;
         self
     }
 
     /// How long a tier lookup may take (default 1 s): one that takes longer fails, per
     /// [`on_tier_lookup_error`](Self::on_tier_lookup_error).
     pub fn tier_lookup_timeout(mut self, timeout: Duration) -> Self {
-        self.lookup_settings.timeout = timeout;
+        self.settings.lookup_settings.timeout = timeout;
         self
     }
 
@@ -460,7 +460,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// keys costs the lookup's backend at most this many calls at a time. Requests of a
     /// caller whose lookup is under way wait for it, whatever the bound.
     pub fn tier_lookup_concurrency(mut self, lookups: usize) -> Self {
-        self.lookup_settings.concurrency = lookups;
+        self.settings.lookup_settings.concurrency = lookups;
         self
     }
 
@@ -471,7 +471,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// [`identities`](crate::KeyExtractor::identities): the client behind trusted
     /// proxies with `ClientIp`), else the peer's.
     pub fn tier_lookups_per_source(mut self, quota: Quota) -> Self {
-        self.lookup_settings.per_source = Some(quota);
+        self.settings.lookup_settings.per_source = Some(quota);
         self
     }
 
@@ -479,7 +479,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// [`OnLookupError::Anonymous`]). Failures are logged at warn when they start and end,
     /// and summarised in between.
     pub fn on_tier_lookup_error(mut self, rule: OnLookupError) -> Self {
-        self.on_lookup_error = rule;
+        self.settings.on_lookup_error = rule;
         self
     }
 
@@ -501,7 +501,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// method is only itself. For a gRPC method use
     /// [`grpc_method`](Self::grpc_method): tonic serves a method whatever the HTTP method.
     pub fn route(self, method: Option<Method>, pattern: &str, policy: Policy) -> Self {
-        let route = RouteLimit::new(method, pattern, self.policies.len());
+        let route = RouteLimit::new(method, pattern, self.settings.policies.len());
         self.with_route(route, policy)
     }
 
@@ -509,17 +509,17 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// well as the caller's own limit: see [`route`](Self::route). It applies whatever the
     /// request's HTTP method, since tonic does not check it.
     pub fn grpc_method(self, path: &str, policy: Policy) -> Self {
-        let route = RouteLimit::grpc(path, self.policies.len());
+        let route = RouteLimit::grpc(path, self.settings.policies.len());
         self.with_route(route, policy)
     }
 
     fn with_route(mut self, route: Result<RouteLimit, ConfigError>, policy: Policy) -> Self {
         match route {
             Ok(route) => {
-                self.routes.push(route);
-                self.policies.push(policy);
+                self.settings.routes.push(route);
+                self.settings.policies.push(policy);
             }
-            Err(e) => self.errors.push(e),
+            Err(e) => self.settings.errors.push(e),
         }
         self
     }
@@ -535,19 +535,19 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         mut self,
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
     ) -> Self {
-        self.cost = Some(Arc::new(cost));
+        self.settings.cost = Some(Arc::new(cost));
         self
     }
 
     /// What to do when the key extractor finds no key (default [`MissingKey::Shared`]).
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
-        self.missing = missing;
+        self.settings.missing = missing;
         self
     }
 
     /// What to do when the store fails (default [`OnStoreError::Allow`]).
     pub fn on_store_error(mut self, on_error: OnStoreError) -> Self {
-        self.on_error = on_error;
+        self.settings.on_error = on_error;
         self
     }
 
@@ -555,13 +555,13 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// [`Protocol::Http`] for a service that serves no gRPC, [`Protocol::Grpc`] for one
     /// that serves only gRPC.
     pub fn protocol(mut self, protocol: Protocol) -> Self {
-        self.protocol = protocol;
+        self.settings.protocol = protocol;
         self
     }
 
     /// Which headers to send (default [`HeaderStyle::Legacy`]).
     pub fn headers(mut self, headers: HeaderStyle) -> Self {
-        self.headers = headers;
+        self.settings.headers = headers;
         self
     }
 
@@ -569,7 +569,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// time; tests pass a manual clock set to a Unix time). The stores keep their own
     /// clocks for the limits themselves.
     pub fn wall_clock(mut self, clock: impl Clock) -> Self {
-        self.wall_clock = Arc::new(clock);
+        self.settings.wall_clock = Arc::new(clock);
         self
     }
 
@@ -578,7 +578,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         mut self,
         handler: impl Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,
     ) -> Self {
-        self.on_rejected = Arc::new(handler);
+        self.settings.on_rejected = Arc::new(handler);
         self
     }
 
@@ -588,8 +588,8 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// [`list_address`](Self::list_address) says how to find it. A network that does not
     /// parse fails [`build`](Self::build).
     pub fn allow_network(mut self, network: &str) -> Self {
-        if let Err(e) = self.lists.allow_network(network) {
-            self.errors.push(e);
+        if let Err(e) = self.settings.lists.allow_network(network) {
+            self.settings.errors.push(e);
         }
         self
     }
@@ -597,8 +597,8 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// Refuses callers from `network` with 403 Forbidden (gRPC `PERMISSION_DENIED`) and
     /// a JSON body like the 429's. The deny list wins over the allow list.
     pub fn deny_network(mut self, network: &str) -> Self {
-        if let Err(e) = self.lists.deny_network(network) {
-            self.errors.push(e);
+        if let Err(e) = self.settings.lists.deny_network(network) {
+            self.settings.errors.push(e);
         }
         self
     }
@@ -606,7 +606,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// Lets the caller known by `key` through without limiting it (a partner's API
     /// key: `Key::new("key", "partner-key")`). Matched like [`deny_key`](Self::deny_key).
     pub fn allow_key(mut self, key: Key) -> Self {
-        self.lists.allow_key(key);
+        self.settings.lists.allow_key(key);
         self
     }
 
@@ -620,14 +620,14 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// it: IPv6 grouped by its prefix (`ip:2001:db8:1:2::/64`). To refuse a network,
     /// use [`deny_network`](Self::deny_network).
     pub fn deny_key(mut self, key: Key) -> Self {
-        self.lists.deny_key(key);
+        self.settings.lists.deny_key(key);
         self
     }
 
     /// Matches the allow and deny networks against the client's address behind trusted
     /// proxies, found as `client_ip` finds it, instead of the peer's.
     pub fn list_address(mut self, client_ip: ClientIp) -> Self {
-        self.lists.address_from(client_ip);
+        self.settings.lists.address_from(client_ip);
         self
     }
 
@@ -637,7 +637,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// not enforced), and is told as `shadow_limited` to metrics, the debug event and the
     /// listener. Switch it at run time with [`RateLimitLayer::set_shadow`].
     pub fn shadow(mut self, on: bool) -> Self {
-        self.shadow = on;
+        self.settings.shadow = on;
         self
     }
 
@@ -648,13 +648,13 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// [`RateLimitLayer::set_policy_shadow`]. A name the layer does not know fails
     /// [`build`](Self::build).
     pub fn shadow_policy(mut self, policy: impl Into<String>) -> Self {
-        self.shadow_policies.push(policy.into());
+        self.settings.shadow_policies.push(policy.into());
         self
     }
 
     /// Hears every decision: see [`DecisionListener`].
     pub fn on_decision(mut self, listener: impl DecisionListener) -> Self {
-        self.listener = Some(Arc::new(listener));
+        self.settings.listener = Some(Arc::new(listener));
         self
     }
 
@@ -694,7 +694,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         policy: impl Into<String>,
         units: impl Fn(StatusCode, &HeaderMap, &Extensions) -> u32 + Send + Sync + 'static,
     ) -> Self {
-        self.charge_after = Some((policy.into(), Arc::new(units)));
+        self.settings.charge_after = Some((policy.into(), Arc::new(units)));
         self
     }
 
@@ -708,7 +708,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// or the store cannot decide one of the policies ([`Store::supports`]: a
     /// `SplitStore` decides only the policies declared to it).
     pub fn build(self) -> Result<RateLimitLayer<St, K>, ConfigError> {
-        let source = self.source.clone();
+        let source = self.settings.source.clone();
         self.build_here().map_err(|e| match source {
             Some(name) if !e.to_string().starts_with(&format!("{name}:")) => {
                 ConfigError::new(format!("{name}: {e}"))
@@ -717,12 +717,13 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         })
     }
 
-    fn build_here(mut self) -> Result<RateLimitLayer<St, K>, ConfigError> {
-        if !self.errors.is_empty() {
-            return Err(self.errors.swap_remove(0));
+    fn build_here(self) -> Result<RateLimitLayer<St, K>, ConfigError> {
+        let RateLimitLayerBuilder { key, mut settings } = self;
+        if !settings.errors.is_empty() {
+            return Err(settings.errors.swap_remove(0));
         }
         let mut seen = HashSet::new();
-        for policy in &self.policies {
+        for policy in &settings.policies {
             if !seen.insert(policy.name()) {
                 return Err(ConfigError::new(format!(
                     "two policies are named {:?}: give every tier and route policy its own name, \
@@ -731,32 +732,38 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 )));
             }
         }
-        for policy in &self.policies {
-            self.store.supports(policy)?;
+        for policy in &settings.policies {
+            settings.store.supports(policy)?;
         }
-        let limits = Limits::new(self.policies, self.tier_names, self.tiers, self.routes);
+        let limits = Limits::new(
+            settings.policies,
+            settings.tier_names,
+            settings.tiers,
+            settings.routes,
+        );
         let mut in_shadow = vec![false; limits.policies().len()];
-        for name in &self.shadow_policies {
+        for name in &settings.shadow_policies {
             in_shadow[limits.index_of(name)?] = true;
         }
-        let charge_after = match self.charge_after {
+        let charge_after = match settings.charge_after {
             Some((name, units)) => Some(AfterCharge {
                 policy: limits.index_of(&name)?,
                 units,
             }),
             None => None,
         };
-        let failures = Failures::new("rate limit store", Arc::clone(&self.wall_clock));
-        let charge_failures = Failures::new("post-response charge", Arc::clone(&self.wall_clock));
-        let reporter = Reporter::new(self.listener, limits.policies());
-        let lookups = match self.lookup {
+        let failures = Failures::new("rate limit store", Arc::clone(&settings.wall_clock));
+        let charge_failures =
+            Failures::new("post-response charge", Arc::clone(&settings.wall_clock));
+        let reporter = Reporter::new(settings.listener, limits.policies());
+        let limit_values = LimitValues::new(limits.policies());
+        let lookups = match settings.lookup {
             Some(lookup) => {
-                let failures = Failures::new("tier lookup", Arc::clone(&self.wall_clock));
-                let settings = self.lookup_settings;
+                let failures = Failures::new("tier lookup", Arc::clone(&settings.wall_clock));
                 Some(Lookups::new(
                     lookup,
-                    settings,
-                    self.on_lookup_error,
+                    settings.lookup_settings,
+                    settings.on_lookup_error,
                     failures,
                 )?)
             }
@@ -764,24 +771,25 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         };
         Ok(RateLimitLayer {
             limiter: Arc::new(ArcSwap::from_pointee(Limiter {
-                store: self.store,
+                store: settings.store,
                 limits,
-                cost: self.cost,
-                missing: self.missing,
-                on_error: self.on_error,
-                protocol: self.protocol,
-                header_style: self.headers,
-                wall_clock: self.wall_clock,
-                on_rejected: self.on_rejected,
-                lists: self.lists,
-                shadow: Shadow::new(self.shadow, in_shadow.into_iter()),
+                cost: settings.cost,
+                missing: settings.missing,
+                on_error: settings.on_error,
+                protocol: settings.protocol,
+                header_style: settings.headers,
+                limit_values,
+                wall_clock: settings.wall_clock,
+                on_rejected: settings.on_rejected,
+                lists: settings.lists,
+                shadow: Shadow::new(settings.shadow, in_shadow.into_iter()),
                 reporter,
                 failures,
                 charge_failures,
                 charge_after,
                 lookups,
             })),
-            key: Arc::new(self.key),
+            key: Arc::new(key),
             switching: Arc::new(Mutex::new(())),
         })
     }

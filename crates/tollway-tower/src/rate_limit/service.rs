@@ -12,7 +12,7 @@ use super::ResponseFuture;
 use super::future::{AfterResponse, Pending};
 use crate::body::ResponseBody;
 use crate::key::{KeyExtractor, PeerIp};
-use crate::pipeline::{Current, Limiter, Next, Start, Step};
+use crate::pipeline::{Current, Decided, Limiter, Next, Progress};
 
 /// Rate limits the requests to `S`. Built by [`RateLimitLayer`](super::RateLimitLayer);
 /// clones share their limits.
@@ -84,27 +84,19 @@ where
         // The limits current now decide this request, to its end.
         let current = self.limiter.load();
         let limiter: &Limiter<St> = &current;
-        let (outcome, evaluation) = match limiter.start(&*self.key, &request) {
-            Start::Decided(outcome) => (outcome, None),
-            Start::Lookup(lookup) => {
+        let Decided { outcome, charge } = match limiter.decide(&*self.key, &request) {
+            Progress::Decided(decided) => decided,
+            Progress::Waiting(wait, at) => {
                 let limiter = Arc::clone(&current);
                 let service = take_ready(&mut self.inner);
-                return ResponseFuture::looking_up(lookup, limiter, service, request);
+                let pending = Pending::new(limiter, at, service, request);
+                return ResponseFuture::waiting(wait, pending);
             }
-            Start::Evaluate(mut evaluation) => match evaluation.check(limiter) {
-                Step::Done(outcome) => (outcome, Some(evaluation)),
-                Step::Wait(check) => {
-                    let limiter = Arc::clone(&current);
-                    let service = take_ready(&mut self.inner);
-                    let pending = Pending::new(limiter, evaluation, service, request);
-                    return ResponseFuture::checking(check, pending);
-                }
-            },
         };
         // Decided without waiting: the ready service is called now, or not at all.
         match limiter.next(outcome, &request) {
             Next::Call { headers, delay } => {
-                let after = evaluation.and_then(|e| AfterResponse::new(&current, e));
+                let after = charge.map(|charge| AfterResponse::new(&current, charge));
                 match delay {
                     None => ResponseFuture::calling(self.inner.call(request), headers, after),
                     Some(delay) => {
