@@ -210,7 +210,8 @@
 //! | `tollway_config_info` | gauge | `version`: 1 for the live file (feature `config`) |
 //! | `tollway_config_loaded_timestamp_seconds` | gauge | — (feature `config`) |
 //!
-//! No label ever carries a caller's key: keys are unbounded, and private.
+//! No label ever carries a caller's key: keys are unbounded, and private. The same list,
+//! with each help text, is `tollway_core::metric::ALL`.
 //!
 //! **Tracing.** Each decision is one `debug` event (`policy`, `outcome`, `remaining`,
 //! `retry_after_ms`) in the request's span. A failing store is a `warn` when it starts,

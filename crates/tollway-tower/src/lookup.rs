@@ -265,7 +265,7 @@ impl Lookups {
                         );
                         #[cfg(feature = "metrics")]
                         metrics::counter!(
-                            "tollway_tier_lookups_refused_total",
+                            tollway_core::metric::TIER_LOOKUPS_REFUSED.name,
                             "reason" => refused.reason()
                         )
                         .increment(1);

@@ -184,7 +184,7 @@ impl Reporter {
         policies: &[tollway_core::Policy],
     ) -> Self {
         #[cfg(feature = "metrics")]
-        describe_metrics();
+        tollway_core::metric::describe();
         #[cfg(not(feature = "metrics"))]
         let _ = policies;
         Reporter {
@@ -266,42 +266,16 @@ impl Counters {
         match policy {
             Some(p) => self.by_policy[p][at].get_or_init(|| {
                 metrics::counter!(
-                    "tollway_decisions_total",
+                    tollway_core::metric::DECISIONS.name,
                     "policy" => self.names[p].clone(),
                     "outcome" => outcome.as_str(),
                 )
             }),
             None => self.unlabelled[at].get_or_init(
-                || metrics::counter!("tollway_decisions_total", "outcome" => outcome.as_str()),
+                || metrics::counter!(tollway_core::metric::DECISIONS.name, "outcome" => outcome.as_str()),
             ),
         }
     }
-}
-
-/// Describes the metrics to the installed recorder (their help text in Prometheus).
-#[cfg(feature = "metrics")]
-fn describe_metrics() {
-    metrics::describe_counter!(
-        "tollway_decisions_total",
-        "Requests the rate limiter decided, by the policy it reported and the outcome"
-    );
-    metrics::describe_histogram!(
-        "tollway_store_duration_seconds",
-        metrics::Unit::Seconds,
-        "How long a call to the rate limiter's remote store took"
-    );
-    metrics::describe_counter!(
-        "tollway_deny_cache_hits_total",
-        "Refusals the Redis store answered from its local deny cache"
-    );
-    metrics::describe_gauge!(
-        "tollway_breaker_state",
-        "The store's circuit breaker: 0 closed, 1 half-open, 2 open"
-    );
-    metrics::describe_gauge!(
-        "tollway_memory_store_keys",
-        "Keys the memory store holds, idle ones not yet swept included"
-    );
 }
 
 /// Failures of something the layer asks (its store, a tier lookup), told at `warn` when

@@ -437,7 +437,7 @@ impl<St: Store + Clone> Reloader<St> {
                     live.reloads += 1;
                     live.last_error = None;
                     #[cfg(feature = "metrics")]
-                    metrics::counter!("tollway_config_reloads_total").increment(1);
+                    metrics::counter!(tollway_core::metric::CONFIG_RELOADS.name).increment(1);
                     tracing::info!(
                         path = %self.path.display(),
                         version = short(&reloaded.version),
@@ -448,7 +448,7 @@ impl<St: Store + Clone> Reloader<St> {
                     live.failures += 1;
                     live.last_error = Some(error.to_string());
                     #[cfg(feature = "metrics")]
-                    metrics::counter!("tollway_config_reload_errors_total").increment(1);
+                    metrics::counter!(tollway_core::metric::CONFIG_RELOAD_ERRORS.name).increment(1);
                     tracing::warn!(%error, "rate limits not reloaded; the running limits stay");
                 }
             }
@@ -499,13 +499,15 @@ fn tell_live(was: Option<&str>, version: &str, loaded_at: SystemTime) {
     #[cfg(feature = "metrics")]
     {
         if let Some(was) = was.filter(|was| *was != version) {
-            metrics::gauge!("tollway_config_info", "version" => was.to_owned()).set(0.0);
+            metrics::gauge!(tollway_core::metric::CONFIG_INFO.name, "version" => was.to_owned())
+                .set(0.0);
         }
-        metrics::gauge!("tollway_config_info", "version" => version.to_owned()).set(1.0);
+        metrics::gauge!(tollway_core::metric::CONFIG_INFO.name, "version" => version.to_owned())
+            .set(1.0);
         let unix = loaded_at
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default();
-        metrics::gauge!("tollway_config_loaded_timestamp_seconds").set(unix.as_secs_f64());
+        metrics::gauge!(tollway_core::metric::CONFIG_LOADED.name).set(unix.as_secs_f64());
     }
 }
 
