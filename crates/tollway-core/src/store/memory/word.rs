@@ -166,9 +166,9 @@ fn unpack_pair(word: u64, origin: u64) -> (u64, u64) {
 pub(crate) trait Packs: SlotState {
     /// Whether a check at `now` under `quota` looks for its state in the cells.
     ///
-    /// Not once `now` is past the quota's edge after the origin. Then no state packs
-    /// unless it is a fresh key's, whose instant is later than `now`. Nor before the
-    /// origin (a clock set back). Then the lock finds any state that packs.
+    /// Not once `now` is past the quota's edge after the origin. A state that is not a
+    /// fresh key's has its instant later than `now`, so then no such state packs. Nor
+    /// before the origin (a clock set back). Then the lock finds any state that packs.
     fn may_pack(now: u64, quota: &Quota, origin: u64) -> bool;
     /// The state as one word under `quota`, if it fits.
     fn pack(self, quota: &Quota, origin: u64) -> Option<u64>;
