@@ -5,7 +5,7 @@
 //! Each suite is a function of a [`Target`] (one server or a cluster) that keeps to key
 //! prefixes of its own, so that suites can share a server or a cluster, and returns the
 //! Redis keys it used. The store-agnostic traces are `tollway_core::testing`'s; these
-//! run them against Redis ([`conformance`]) and add what only Redis has ([`script`]).
+//! run them against Redis ([`conformance`]) and add what only Redis has (`script.rs`).
 
 use std::time::Duration;
 
