@@ -1,8 +1,8 @@
 //! The one place the memory store tells algorithms apart.
 //!
 //! [`visit`] says how the store keeps each [`Algorithm`]'s state, in one `match` with no
-//! wildcard arm. A new algorithm stops the build there until it picks one of three forms;
-//! the trait of the form it picks then lists the functions it must give:
+//! wildcard arm. A new algorithm stops the build there. It must pick one of three forms.
+//! The trait of the form it picks then lists the functions it must give:
 //!
 //! - [`Instant`]: one instant (GCRA, the leaky bucket shaper), kept in a cell.
 //! - [`Pair`]: two integers (the buckets, the windows), packed in a cell while they fit
