@@ -565,12 +565,14 @@ impl Evaluation {
             .collect()
     }
 
-    /// The outcome of the store's `answer`: let through with the headers when every
-    /// limit allowed, denied with the most restrictive denial when one did not. When a
-    /// limit in shadow mode denied it, that is told as `shadow_limited`, and the limits
-    /// that enforce, if any, are asked again on their own (all or nothing, the store
-    /// charged none of them): a limit in shadow never refuses a request, never changes
-    /// what the others count, and is never the one a 429 reports.
+    /// The outcome of the store's `answer`.
+    ///
+    /// When every limit allowed, the request is let through with the headers. When one
+    /// did not, it is denied with the most restrictive denial. When a limit in shadow
+    /// mode denied it, that is told as `shadow_limited`. The limits that enforce, if
+    /// any, are then asked again on their own: all or nothing, the store charged none of
+    /// them. So a limit in shadow never refuses a request. It never changes what the
+    /// others count, and is never the one a 429 reports.
     fn decided<'l, St: Store>(
         &mut self,
         limiter: &'l Limiter<St>,

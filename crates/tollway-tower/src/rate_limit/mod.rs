@@ -1,11 +1,15 @@
 //! Rate limiting for tower services.
 //!
-//! [`RateLimitLayer`] decides, per caller, whether a request may reach the service. It
-//! finds the caller's [`Key`](crate::Key) with a [`KeyExtractor`](crate::KeyExtractor),
-//! picks the caller's policies (a tier, or the default, plus any route limits), asks the
-//! [`Store`](tollway_core::Store) about all of them at once, and then either calls the service — adding
-//! `X-RateLimit-*` headers to its response — or answers `429 Too Many Requests` with
-//! `Retry-After` and a JSON body. A shaping policy holds the request for its delay first.
+//! [`RateLimitLayer`] decides, per caller, whether a request may reach the service:
+//!
+//! 1. It finds the caller's [`Key`](crate::Key) with a
+//!    [`KeyExtractor`](crate::KeyExtractor).
+//! 2. It picks the caller's policies: a tier, or the default, plus any route limits.
+//! 3. It asks the [`Store`](tollway_core::Store) about all of them at once.
+//! 4. It calls the service, and adds `X-RateLimit-*` headers to its response. Or it
+//!    answers `429 Too Many Requests`, with `Retry-After` and a JSON body.
+//!
+//! A shaping policy holds the request for its delay first.
 //!
 //! A denial is a response, not an error, so the layer fits axum (which wants
 //! `Infallible`) and keeps connections open; the response body is a
