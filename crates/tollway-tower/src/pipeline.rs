@@ -62,8 +62,10 @@ pub enum OnStoreError {
     Reject,
 }
 
-/// In whose terms the layer answers the requests it refuses: an HTTP status and a JSON
-/// body, or (feature `tonic`) a gRPC status in a trailers-only response.
+/// In whose terms the layer answers the requests it refuses.
+///
+/// That is an HTTP status and a JSON body. Or, with feature `tonic`, it is a gRPC status
+/// in a trailers-only response.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Protocol {
