@@ -317,9 +317,10 @@ async fn a_replaced_process_keeps_to_what_its_predecessor_posted() {
     assert_eq!(fleet.admit(b"asked").await, 10);
 }
 
-/// Region 0 asked alone in window 0, so it has the whole limit of window 1 and
-/// spends it; replaced mid-window, the new process (its share now what it can count on
-/// whatever the others ask) counts on from its predecessor's count: nothing more.
+/// Region 0 asked alone in window 0, so it has the whole limit of window 1, and spends
+/// it. Then it is replaced mid-window. The new process's share is now what it can count
+/// on, whatever the others ask. It counts on from its predecessor's count, so it admits
+/// nothing more.
 #[tokio::test]
 async fn a_process_replaced_mid_window_counts_on_from_its_predecessor() {
     let mut fleet = Fleet::new().await;
@@ -354,8 +355,8 @@ async fn a_process_replaced_mid_window_counts_on_from_its_predecessor() {
 }
 
 /// A process whose board cannot be read when it starts does not know what its
-/// predecessor posted: it counts itself as asking nothing (so takes nothing, the
-/// others counting it as asking everything) and posts nothing for that window.
+/// predecessor posted. It counts itself as asking nothing, so it takes nothing. The
+/// others count it as asking everything. It posts nothing for that window.
 #[tokio::test]
 async fn a_process_that_cannot_read_its_board_at_start_takes_nothing() {
     let mut fleet = Fleet::new().await;
