@@ -57,9 +57,9 @@ impl<St: Store + Clone> Reloader<St> {
     ///
     /// A file renamed into place (an atomic save, a ConfigMap update) is whole: it is
     /// applied once the burst of events has stopped. A file written in place is applied
-    /// only once its bytes have stayed the same for [`settle`](Self::settle), read again
-    /// until they do: a file half written is never loaded, whatever the writer's pauses
-    /// under that time. A change back to the live file is no reload.
+    /// only once its bytes have stayed the same for [`settle`](Self::settle). It is read
+    /// again until they do. So a file half written is never loaded, whatever the writer's
+    /// pauses under that time. A change back to the live file is no reload.
     ///
     /// # Errors
     ///

@@ -1,10 +1,10 @@
 //! Who is calling: keys and the extractors that find them.
 //!
-//! A [`Key`] names the caller a limit applies to. It is built by a [`KeyExtractor`]: one of
-//! the built-ins ([`PeerIp`], [`ClientIp`], [`ApiKey`], [`UserId`], [`GlobalKey`]) or any
-//! closure `Fn(&Request<B>) -> Option<Key>`; built-ins chain with [`Fallback::or`]
-//! (`api_key.or(client_ip)`: the API key when there is a known one, else the client's
-//! address).
+//! A [`Key`] names the caller a limit applies to. It is built by a [`KeyExtractor`]. That
+//! is one of the built-ins ([`PeerIp`], [`ClientIp`], [`ApiKey`], [`UserId`],
+//! [`GlobalKey`]), or any closure `Fn(&Request<B>) -> Option<Key>`. Built-ins chain with
+//! [`Fallback::or`]. So `api_key.or(client_ip)` is the API key when there is a known one,
+//! else the client's address.
 
 mod ip;
 

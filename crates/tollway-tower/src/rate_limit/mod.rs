@@ -11,14 +11,14 @@
 //!
 //! A shaping policy holds the request for its delay first.
 //!
-//! A denial is a response, not an error, so the layer fits axum (which wants
-//! `Infallible`) and keeps connections open; the response body is a
+//! A denial is a response, not an error. So the layer fits axum, which wants
+//! `Infallible`, and keeps connections open. The response body is a
 //! [`ResponseBody`](crate::ResponseBody): the service's own, or the layer's answer. Clones
-//! share their limits: the state lives in the store, never in a service instance.
+//! share their limits. The state lives in the store, never in a service instance.
 //!
-//! The service calls the ready inner service at once when the store answers without
-//! waiting (the memory store always does); otherwise the request and the ready service
-//! travel in the [`ResponseFuture`] until the store has answered.
+//! The store may answer without waiting, as the memory store always does. Then the
+//! service calls the ready inner service at once. Otherwise the request and the ready
+//! service travel in the [`ResponseFuture`] until the store has answered.
 //!
 //! # Examples
 //!
