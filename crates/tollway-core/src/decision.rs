@@ -121,9 +121,9 @@ impl Decision {
         }
     }
 
-    /// An admitted request: `limit` is the policy's capacity, `remaining` how many more
-    /// unit-cost requests would pass now, `reset_after` how long until the caller is
-    /// back to full capacity (whole microseconds; the rest is dropped).
+    /// An admitted request. `limit` is the policy's capacity. `remaining` is how many
+    /// more unit-cost requests would pass now. `reset_after` is how long until the
+    /// caller is back to full capacity, in whole microseconds (the rest is dropped).
     ///
     /// # Examples
     ///

@@ -8,9 +8,9 @@ use crate::quota::Quota;
 
 /// A named rate-limiting rule: an [`Algorithm`] applied at a [`Quota`].
 ///
-/// The name namespaces the keys a store keeps for the policy, so two policies never share
-/// state even for the same caller (a per-user limit and a per-route limit, the Free and
-/// the Pro tier). Cloning is cheap.
+/// The name namespaces the keys a store keeps for the policy. So two policies never share
+/// state, even for the same caller: a per-user limit and a per-route limit, say, or the
+/// Free and the Pro tier. Cloning is cheap.
 ///
 /// # Examples
 ///

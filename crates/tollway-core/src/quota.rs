@@ -23,9 +23,10 @@ pub(crate) const fn with_debt(full: u64) -> u64 {
     if most < MAX_EXACT { most } else { MAX_EXACT }
 }
 
-/// The longest period, in microseconds (about 35.7 years): a window algorithm reaches two
-/// periods past now, and today's Unix time plus that stays below 2^53 (exact in Lua's
-/// doubles) until about 2170.
+/// The longest period, in microseconds (about 35.7 years).
+///
+/// A window algorithm reaches two periods past now. Today's Unix time plus that stays
+/// below 2^53, exact in Lua's doubles, until about 2170.
 const MAX_PERIOD_US: u64 = 1 << 50;
 
 /// A rate: `limit` units per `period`, with up to `burst` units at once.
