@@ -121,8 +121,8 @@ enum Change<'a> {
 }
 
 /// Where a fixed-size state is kept under the lock: in the shard's table, or packed in a
-/// cell (a bucket's, a fixed window's or a sliding window counter's, while it fits one
-/// word: see [`word`]).
+/// cell. A bucket's, a fixed window's or a sliding window counter's state is packed while
+/// it fits one word (see [`word`]).
 enum Place<'a> {
     /// A key with no state yet.
     New,

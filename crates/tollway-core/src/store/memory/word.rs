@@ -146,8 +146,8 @@ fn pack_pair(instant: u64, small: u64, bits: u32, origin: u64) -> Option<u64> {
 }
 
 /// The instant and small number of a word from [`pack_pair`] with the same `origin`, as
-/// many bits as the word says. (The word's own `b`, not its quota's: a split store's
-/// count keeps one key while its limit changes.)
+/// many bits as the word says. That is the word's own `b`, not its quota's. A split
+/// store's count keeps one key while its limit changes.
 #[inline]
 fn unpack_pair(word: u64, origin: u64) -> (u64, u64) {
     if word == FRESH {
@@ -347,7 +347,7 @@ mod tests {
     }
 
     /// Every state a run of checks, refunds and charges makes packs and unpacks to
-    /// itself, and says when it is full again; a state before the origin, or past the
+    /// itself, and says when it is full again. A state before the origin, or past the
     /// range after it, does not pack.
     #[test]
     fn token_bucket_states_pack_exactly() {

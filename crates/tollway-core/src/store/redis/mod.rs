@@ -383,10 +383,10 @@ impl Store for Scripts {
         self.call(key, policies, Kind::Check, cost, entry)
     }
 
-    /// A peek asks Redis (the deny cache answers only requests); a charge, refund or
-    /// reset also makes this node forget the refusals it remembers for the key, whose
-    /// times it changed. (Other nodes answer theirs until they run out: at most the
-    /// retry time they gave.)
+    /// A peek asks Redis: the deny cache answers only requests. A charge, refund or reset
+    /// also makes this node forget the refusals it remembers for the key, whose times it
+    /// changed. Other nodes answer theirs until they run out: at most the retry time they
+    /// gave.
     fn operate(
         &self,
         key: &[u8],

@@ -134,10 +134,10 @@ impl<S: Store + Board + Clone> Inner<S> {
         Ok(posted)
     }
 
-    /// Reads this region's board for `window` under split `i` and fixes this region's
-    /// shares of the next window — only while `window` lasts, so that a window's shares
-    /// never change once it has begun. A window this region has not posted for by then
-    /// is closed: it will post nothing for it.
+    /// Reads this region's board for `window` under split `i`, and fixes this region's
+    /// shares of the next window. It does so only while `window` lasts. So a window's
+    /// shares never change once it has begun. A window this region has not posted for by
+    /// then is closed: it will post nothing for it.
     pub(super) async fn collect(&self, i: usize, window: u64) {
         let split = &self.splits[i];
         let period = split.policy.quota().period_micros();
