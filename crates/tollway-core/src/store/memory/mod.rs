@@ -77,9 +77,9 @@ pub enum WhenFull {
 /// state's own. So threads deciding for different keys do not queue behind one another,
 /// nor behind a sweep.
 ///
-/// Everything else is decided under the shard's lock. That is the sliding window log, a
-/// state past its packing's range and a counter of a larger limit. It is also a request
-/// under several limits, and a key's arrival and removal. A state past its range, or a
+/// Everything else is decided under the shard's lock. This covers the sliding window
+/// log, a state past its packing's range and a counter of a larger limit. It also covers
+/// a request under several limits, and a key's arrival and removal. A state past its range, or a
 /// counter of a larger limit, moves to the shard's table exactly as it was. The lock path
 /// still reads and swaps the cells' states. So both paths decide one key's requests as
 /// if one at a time. The lock-free transitions are model-checked with `loom`.
@@ -238,9 +238,9 @@ impl<C: Clock> MemoryStore<C> {
         (shard, key_hash, now)
     }
 
-    /// Decides under the shard's lock: several limits, a sliding window log, a state
-    /// in the table, a packed state that would no longer pack or a quota past its
-    /// packing's range, or a key that has no cell yet.
+    /// Decides under the shard's lock. This is for several limits, a sliding window log,
+    /// or a state in the table. It is also for a packed state that would no longer pack,
+    /// a quota past its packing's range, or a key that has no cell yet.
     fn decide_locked(
         &self,
         shard: usize,
