@@ -24,8 +24,8 @@ use crate::{ConfigError, Decisions, Policy, StoreError};
 ///
 /// Every request this region admits is charged to each other region's store, in the
 /// background. The charge is an [`Operation::Charge`] of its cost, under the same key
-/// and policies. It arrives at most `sync_every` later (default 50 ms). A task a peer
-/// sends it.
+/// and policies. It arrives at most `sync_every` later (default 50 ms). Each peer has a
+/// task of its own that sends its charges.
 ///
 /// So a decision counts this region's own consumption, and every other region's as of
 /// its last sync. The state in each region's store is the whole fleet's, late by the
