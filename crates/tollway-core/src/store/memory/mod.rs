@@ -1,12 +1,15 @@
 //! The in-process store: sharded, bounded, and quick to forget idle keys.
 //!
 //! Its parts, one a file:
-//! - this file holds [`MemoryStore`], its [`Store`] impl and its lock-free check;
-//! - [`table`] holds a shard's lock and what it guards, where other requests are decided;
-//! - [`cells`] holds the lock-free cells, for states of one word;
-//! - [`word`] packs a state into one word;
-//! - [`dispatch`] is the one place the store tells algorithms apart;
-//! - [`builder`] holds [`MemoryStoreBuilder`].
+//!
+//! | part | holds |
+//! |---|---|
+//! | this file | [`MemoryStore`], its [`Store`] impl and its lock-free check |
+//! | [`table`] | a shard's lock and what it guards, where other requests are decided |
+//! | [`cells`] | the lock-free cells, for states of one word |
+//! | [`word`] | how a state packs into one word |
+//! | [`dispatch`] | the one place the store tells algorithms apart |
+//! | [`builder`] | [`MemoryStoreBuilder`] |
 
 use std::fmt;
 use std::future::Ready;
