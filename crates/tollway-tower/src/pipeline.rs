@@ -73,9 +73,9 @@ pub enum Protocol {
     /// or a subtype — and HTTP for the rest. The default.
     #[default]
     Detect,
-    /// Always HTTP: for a service that serves no gRPC, where a request dressed as gRPC
-    /// must still get its 429 (not a 200 with `grpc-status` that status monitoring
-    /// would count as a success).
+    /// Always HTTP: for a service that serves no gRPC. There a request dressed as gRPC
+    /// must still get its 429. A 200 with `grpc-status` would count as a success in
+    /// status monitoring.
     Http,
     /// Always gRPC: for a gRPC service.
     Grpc,

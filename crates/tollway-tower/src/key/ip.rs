@@ -253,11 +253,12 @@ impl ClientIp {
         Ok(self)
     }
 
-    /// Counts a hop only through the proxies in `networks` (a CDN's published ranges),
-    /// after [`trusted_hops`](Self::trusted_hops): where a counted proxy's address should
-    /// be, an entry outside them is the client, which came in past the proxies. So a
-    /// client that reaches the load balancer directly is keyed by its own address, not
-    /// by what it wrote.
+    /// Counts a hop only through the proxies in `networks`, such as a CDN's published
+    /// ranges. It applies after [`trusted_hops`](Self::trusted_hops).
+    ///
+    /// Where a counted proxy's address should be, an entry outside `networks` is the
+    /// client. It came in past the proxies. So a client that reaches the load balancer
+    /// directly is keyed by its own address, not by what it wrote.
     ///
     /// # Errors
     ///

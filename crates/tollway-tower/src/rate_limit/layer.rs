@@ -47,10 +47,12 @@ impl<St, K> Clone for RateLimitLayer<St, K> {
     }
 }
 
-/// A limit's shadow mode as it stands: on or off, and whether a run-time switch
-/// ([`RateLimitLayer::set_shadow`], [`RateLimitLayer::set_policy_shadow`]) put it there
-/// against what the layer was built with (its limits file, for a
-/// [`Reloader`](crate::config::Reloader)).
+/// A limit's shadow mode as it stands: on or off.
+///
+/// It also says whether a run-time switch put it there, against what the layer was built
+/// with. The switches are [`RateLimitLayer::set_shadow`] and
+/// [`RateLimitLayer::set_policy_shadow`]. For a [`Reloader`](crate::config::Reloader),
+/// what the layer was built with is its limits file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShadowState {
     policy: Option<String>,
@@ -646,9 +648,9 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
 
     /// Shadow mode for the whole layer (default off): every request is decided and
     /// counted as usual, and none is refused. A request a limit would have refused goes
-    /// to the service, without rate-limit headers (they would announce a limit that is
-    /// not enforced), and is told as `shadow_limited` to metrics, the debug event and the
-    /// listener. Switch it at run time with [`RateLimitLayer::set_shadow`].
+    /// to the service. It goes without rate-limit headers: they would announce a limit
+    /// that is not enforced. It is told as `shadow_limited` to metrics, the debug event
+    /// and the listener. Switch it at run time with [`RateLimitLayer::set_shadow`].
     pub fn shadow(mut self, on: bool) -> Self {
         self.settings.shadow = on;
         self
