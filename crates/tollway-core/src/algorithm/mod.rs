@@ -3,7 +3,7 @@
 //! Each algorithm is plain integer arithmetic with the shape
 //! `(state, now, quota, cost) -> (decision, new state)`: no I/O, no clock, no floats.
 //! `now` is whole microseconds, supplied by the caller. The memory store runs these
-//! functions; the Redis store runs their Lua twins in `lua/`, which must decide
+//! functions. The Redis store runs their Lua twins in `lua/`, which must decide
 //! identically.
 //!
 //! | algorithm | burst | state per key | boundary accuracy | limits it serves |
