@@ -16,10 +16,10 @@ pub trait Clock: Send + Sync + 'static {
 
 /// The process's monotonic clock, counted from when it was made.
 ///
-/// It reads the CPU's time-stamp counter where that is reliable (through the `quanta`
-/// crate, calibrated once per process against the OS clock) and the OS monotonic clock
-/// otherwise: a read costs a few nanoseconds rather than a system call's worth, which
-/// matters on a path taken for every request.
+/// It reads the CPU's time-stamp counter where that is reliable, and the OS monotonic
+/// clock otherwise. The counter is read through the `quanta` crate, calibrated once per
+/// process against the OS clock. A read then costs a few nanoseconds rather than a
+/// system call's worth. That matters on a path taken for every request.
 #[derive(Clone, Debug)]
 pub struct MonotonicClock {
     clock: quanta::Clock,

@@ -121,9 +121,9 @@ impl Decision {
         }
     }
 
-    /// An admitted request: `limit` is the policy's capacity, `remaining` how many more
-    /// unit-cost requests would pass now, `reset_after` how long until the caller is
-    /// back to full capacity (whole microseconds; the rest is dropped).
+    /// An admitted request. `limit` is the policy's capacity. `remaining` is how many
+    /// more unit-cost requests would pass now. `reset_after` is how long until the
+    /// caller is back to full capacity, in whole microseconds (the rest is dropped).
     ///
     /// # Examples
     ///
@@ -260,8 +260,10 @@ const fn micros(d: Duration) -> u64 {
 }
 
 /// The decisions of one request's limits, in the order the limits were given to the
-/// store: all allowed (the request passes, every limit charged), or at least one denied
-/// (the request is refused and no limit charged).
+/// store.
+///
+/// Either all allowed: the request passes, and every limit is charged. Or at least one
+/// denied: the request is refused, and no limit is charged.
 ///
 /// Derefs to `[Decision]`; build one with `collect()` or `From<Decision>`.
 ///

@@ -8,9 +8,9 @@ use crate::quota::Quota;
 
 /// A named rate-limiting rule: an [`Algorithm`] applied at a [`Quota`].
 ///
-/// The name namespaces the keys a store keeps for the policy, so two policies never share
-/// state even for the same caller (a per-user limit and a per-route limit, the Free and
-/// the Pro tier). Cloning is cheap.
+/// The name namespaces the keys a store keeps for the policy. So two policies never share
+/// state, even for the same caller: a per-user limit and a per-route limit, say, or the
+/// Free and the Pro tier. Cloning is cheap.
 ///
 /// # Examples
 ///
@@ -39,10 +39,12 @@ pub struct Policy {
 /// The longest policy name accepted, in bytes.
 pub const MAX_POLICY_NAME: usize = 64;
 
-/// The highest limit a sliding window log serves, in units a period: it keeps one entry a
-/// unit (in Redis, a sorted-set member of about 120 bytes: 1.2 MB for a caller at this
-/// limit), and admits a request of cost `n` with `n` of them. For higher limits the
-/// sliding window counter estimates it in two counters.
+/// The highest limit a sliding window log serves, in units a period.
+///
+/// The log keeps one entry a unit, and admits a request of cost `n` with `n` of them. In
+/// Redis an entry is a sorted-set member of about 120 bytes. That is 1.2 MB for a caller
+/// at this limit. For higher limits, the sliding window counter estimates the log in two
+/// counters.
 pub const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
 
 impl Policy {
@@ -50,9 +52,9 @@ impl Policy {
     ///
     /// # Errors
     ///
-    /// When the name is empty, too long or has other characters (it becomes part of
-    /// store keys), when the quota sets a burst for a window algorithm, which counts
-    /// `limit` per window and has no use for one, or when a sliding window log's limit
+    /// When the name is empty, too long or has other characters: it becomes part of
+    /// store keys. When the quota sets a burst for a window algorithm. A window counts
+    /// `limit` per window and has no use for one. When a sliding window log's limit
     /// passes [`MAX_SLIDING_LOG_LIMIT`].
     pub fn new(
         name: impl Into<String>,

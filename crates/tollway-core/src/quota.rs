@@ -9,9 +9,9 @@ use crate::error::ConfigError;
 /// The largest product of two quota numbers that every algorithm keeps exact.
 ///
 /// Redis runs our Lua twins with doubles, which hold integers exactly only below 2^53.
-/// The bucket algorithms multiply `burst × period` (in microseconds) and the sliding
-/// window counter multiplies `limit × period`; keeping both at or below 2^52 leaves one
-/// bit of headroom for the sums they form, so Rust and Lua never round differently.
+/// The bucket algorithms multiply `burst × period` (in microseconds). The sliding window
+/// counter multiplies `limit × period`. Keeping both at or below 2^52 leaves one bit of
+/// headroom for the sums they form. So Rust and Lua never round differently.
 pub(crate) const MAX_EXACT: u64 = 1 << 52;
 
 /// How far a bucket's state may run past empty after charges that did not fit
@@ -23,20 +23,22 @@ pub(crate) const fn with_debt(full: u64) -> u64 {
     if most < MAX_EXACT { most } else { MAX_EXACT }
 }
 
-/// The longest period, in microseconds (about 35.7 years): a window algorithm reaches two
-/// periods past now, and today's Unix time plus that stays below 2^53 (exact in Lua's
-/// doubles) until about 2170.
+/// The longest period, in microseconds (about 35.7 years).
+///
+/// A window algorithm reaches two periods past now. Today's Unix time plus that stays
+/// below 2^53, exact in Lua's doubles, until about 2170.
 const MAX_PERIOD_US: u64 = 1 << 50;
 
 /// A rate: `limit` units per `period`, with up to `burst` units at once.
 ///
 /// The burst defaults to the limit. The bucket algorithms (token bucket, leaky bucket and
-/// GCRA) use it as their capacity; the window algorithms count at most `limit` per window
-/// and reject a quota whose burst differs from its limit when the policy is built.
+/// GCRA) use it as their capacity. The window algorithms count at most `limit` per
+/// window. They reject a quota whose burst differs from its limit when the policy is
+/// built.
 ///
-/// Quotas are validated when they are made, so a zero limit, a zero period or numbers
-/// whose products would overflow exact arithmetic fail here, with a message that says
-/// what to change, rather than on a request later.
+/// Quotas are validated when they are made. A zero limit, a zero period, or numbers
+/// whose products would overflow exact arithmetic fail here, not on a request later. The
+/// message says what to change.
 ///
 /// # Examples
 ///
@@ -129,10 +131,10 @@ impl Quota {
     ///
     /// # Errors
     ///
-    /// When `limit` is zero, `period` is shorter than one microsecond or not a whole
-    /// number of microseconds, longer than 2^50 µs (about 35 years), the period is
-    /// shorter than `limit` microseconds (a rate finer than one unit per microsecond), or
-    /// `limit × period` passes 2^52 µs.
+    /// When `limit` is zero. When `period` is shorter than one microsecond, not a whole
+    /// number of microseconds, or longer than 2^50 µs (about 35 years). When the period
+    /// is shorter than `limit` microseconds: a rate finer than one unit per microsecond.
+    /// When `limit × period` passes 2^52 µs.
     pub fn with_period(limit: u32, period: Duration) -> Result<Self, ConfigError> {
         if limit == 0 {
             return Err(ConfigError::new(

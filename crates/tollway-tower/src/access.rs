@@ -18,10 +18,12 @@ pub(crate) enum Listed {
     Denied,
 }
 
-/// A layer's allow and deny lists: networks, matched against the client's address, and
-/// keys, matched against every key the caller is known by (its
-/// [`identities`](KeyExtractor::identities): with `api_key.or(client_ip)`, its API key
-/// and its address). A caller on both lists, under any of its keys, is denied.
+/// A layer's allow and deny lists.
+///
+/// Networks are matched against the client's address. Keys are matched against every
+/// key the caller is known by: its [`identities`](KeyExtractor::identities). With
+/// `api_key.or(client_ip)`, those are its API key and its address. A caller on both
+/// lists, under any of its keys, is denied.
 #[derive(Debug, Default)]
 pub(crate) struct AccessLists {
     allow: List,

@@ -9,9 +9,10 @@ use http_body_util::Full;
 use pin_project_lite::pin_project;
 
 pin_project! {
-    /// The body of a [`RateLimit`](crate::RateLimit) service's response: the inner
-    /// service's body when the request was let through, or the layer's own bytes (a 429's
-    /// JSON, a gRPC status's empty body) when it was answered by the layer.
+    /// The body of a [`RateLimit`](crate::RateLimit) service's response.
+    ///
+    /// It is the inner service's body when the request was let through. It is the layer's
+    /// own bytes when the layer answered: a 429's JSON, or a gRPC status's empty body.
     ///
     /// It is a [`Body`] whenever the inner service's is, with the same error type, so it
     /// fits any framework's body bound: axum's `IntoResponse`, tonic's server, hyper.

@@ -2,11 +2,12 @@
 
 use tollway_core::Clock;
 
-/// A [`Clock`] reading tokio's clock, counted from when it was made: the monotonic
-/// clock in a running program, and in a test under `tokio::time::pause` (or
-/// `#[tokio::test(start_paused = true)]`) the paused clock that the test moves. A store
-/// on it and the sleeps of a waiting request (see [`outbound`](crate::outbound)) then
-/// agree about time, whether it is real or paused.
+/// A [`Clock`] reading tokio's clock, counted from when it was made.
+///
+/// In a running program, that is the monotonic clock. In a test under
+/// `tokio::time::pause` (or `#[tokio::test(start_paused = true)]`), it is the paused clock
+/// that the test moves. A store on it and the sleeps of a waiting request (see
+/// [`outbound`](crate::outbound)) then agree about time, whether it is real or paused.
 ///
 /// # Panics
 ///

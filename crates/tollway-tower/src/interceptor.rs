@@ -12,18 +12,22 @@ use crate::key::KeyExtractor;
 use crate::pipeline::{Answer, Current, Decided, Limiter, Outcome, Progress, Wait};
 use crate::rejection::Refusal;
 
-/// A synchronous tonic `Interceptor` that applies a layer's limits, for users who wrap
-/// services with `InterceptedService` (or `Server::add_service(Svc::with_interceptor(..))`)
-/// rather than a layer. Made by [`RateLimitLayer::interceptor`](crate::RateLimitLayer::interceptor)
-/// from a layer over a [`MemoryStore`], whose decisions need no I/O; it shares that
-/// layer's state and decides exactly as the layer does.
+/// A synchronous tonic `Interceptor` that applies a layer's limits.
 ///
-/// An interceptor sees the request's metadata and extensions but not its path, so route
-/// (per-method) limits apply only where a `tonic::GrpcMethod` extension names the method;
-/// it cannot add headers to responses or hold a request, so shaping policies and tier
-/// lookups are refused when it is made (limits swapped in later are applied, and a
-/// shaping policy among them admits without its delay), and it charges nothing after
-/// responses. Denials are [`rejection_status`](crate::grpc::rejection_status):
+/// It is for users who wrap services with `InterceptedService`, or
+/// `Server::add_service(Svc::with_interceptor(..))`, rather than a layer.
+/// [`RateLimitLayer::interceptor`](crate::RateLimitLayer::interceptor) makes it from a
+/// layer over a [`MemoryStore`], whose decisions need no I/O. It shares that layer's
+/// state and decides exactly as the layer does.
+///
+/// An interceptor sees the request's metadata and extensions, but not its path. So route
+/// (per-method) limits apply only where a `tonic::GrpcMethod` extension names the method.
+/// It cannot add headers to responses, or hold a request. So shaping policies and tier
+/// lookups are refused when it is made. Limits swapped in later are applied, and a
+/// shaping policy among them admits without its delay. It charges nothing after
+/// responses.
+///
+/// Denials are [`rejection_status`](crate::grpc::rejection_status):
 /// `RESOURCE_EXHAUSTED` with `RetryInfo`, `QuotaFailure`, `retry-after` and
 /// `grpc-retry-pushback-ms`, and the rate-limit headers as metadata.
 pub struct RateLimitInterceptor<C, K> {

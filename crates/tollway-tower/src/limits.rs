@@ -185,9 +185,11 @@ fn parameter(segment: &str) -> Option<Parameter> {
     })
 }
 
-/// The paths a request is known by: the whole path it was sent to (axum's
-/// `OriginalUri`, which a nested router leaves whole, else the URI's) and, inside an axum
-/// router, the template of the route that matched (`MatchedPath`, prefixes included).
+/// The paths a request is known by.
+///
+/// One is the whole path it was sent to: axum's `OriginalUri`, which a nested router
+/// leaves whole, else the URI's. Inside an axum router, the other is the template of the
+/// route that matched: `MatchedPath`, prefixes included.
 pub(crate) struct RequestPaths<'r> {
     whole: &'r str,
     matched: Option<&'r str>,

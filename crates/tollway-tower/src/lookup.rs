@@ -248,10 +248,11 @@ impl Lookups {
     }
 
     /// Starts a lookup of `key` for a caller at `source` (its address key), or joins the
-    /// one under way, failing it if it takes longer than the layer's bound. `None`: not
-    /// started, because as many lookups as the layer allows are under way, or `source`
-    /// has started as many as it may for now; the caller is then unknown, for this
-    /// request only.
+    /// one under way. It fails the lookup if it takes longer than the layer's bound.
+    ///
+    /// `None`: not started. Either as many lookups as the layer allows are under way, or
+    /// `source` has started as many as it may for now. The caller is then unknown, for
+    /// this request only.
     pub(crate) fn start(&self, key: &Key, source: Option<&Key>) -> Option<LookupFuture> {
         let shared = {
             let mut in_flight = self.in_flight.lock();

@@ -62,8 +62,10 @@ pub enum OnStoreError {
     Reject,
 }
 
-/// In whose terms the layer answers the requests it refuses: an HTTP status and a JSON
-/// body, or (feature `tonic`) a gRPC status in a trailers-only response.
+/// In whose terms the layer answers the requests it refuses.
+///
+/// That is an HTTP status and a JSON body. Or, with feature `tonic`, it is a gRPC status
+/// in a trailers-only response.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Protocol {
@@ -71,9 +73,9 @@ pub enum Protocol {
     /// or a subtype — and HTTP for the rest. The default.
     #[default]
     Detect,
-    /// Always HTTP: for a service that serves no gRPC, where a request dressed as gRPC
-    /// must still get its 429 (not a 200 with `grpc-status` that status monitoring
-    /// would count as a success).
+    /// Always HTTP: for a service that serves no gRPC. There a request dressed as gRPC
+    /// must still get its 429. A 200 with `grpc-status` would count as a success in
+    /// status monitoring.
     Http,
     /// Always gRPC: for a gRPC service.
     Grpc,
@@ -565,12 +567,14 @@ impl Evaluation {
             .collect()
     }
 
-    /// The outcome of the store's `answer`: let through with the headers when every
-    /// limit allowed, denied with the most restrictive denial when one did not. When a
-    /// limit in shadow mode denied it, that is told as `shadow_limited`, and the limits
-    /// that enforce, if any, are asked again on their own (all or nothing, the store
-    /// charged none of them): a limit in shadow never refuses a request, never changes
-    /// what the others count, and is never the one a 429 reports.
+    /// The outcome of the store's `answer`.
+    ///
+    /// When every limit allowed, the request is let through with the headers. When one
+    /// did not, it is denied with the most restrictive denial. When a limit in shadow
+    /// mode denied it, that is told as `shadow_limited`. The limits that enforce, if
+    /// any, are then asked again on their own: all or nothing, the store charged none of
+    /// them. So a limit in shadow never refuses a request. It never changes what the
+    /// others count, and is never the one a 429 reports.
     fn decided<'l, St: Store>(
         &mut self,
         limiter: &'l Limiter<St>,

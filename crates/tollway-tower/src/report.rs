@@ -278,10 +278,11 @@ impl Counters {
     }
 }
 
-/// Failures of something the layer asks (its store, a tier lookup), told at `warn` when
-/// they start and stop, and in between as a summary every [`SUMMARY_EVERY_US`] rather than
-/// a line a request: a 5 s Redis stall under load is thousands of failed requests, and
-/// one of them says as much as all.
+/// Failures of something the layer asks: its store, or a tier lookup.
+///
+/// They are told at `warn` when they start and stop. In between they are told as a
+/// summary every [`SUMMARY_EVERY_US`], rather than a line a request. A 5 s Redis stall
+/// under load is thousands of failed requests, and one of them says as much as all.
 pub(crate) struct Failures {
     /// What fails: "rate limit store", "tier lookup".
     subject: &'static str,

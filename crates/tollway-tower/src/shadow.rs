@@ -2,9 +2,11 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// Which limits are in shadow mode: decided and counted, never enforced. Switched at run
-/// time, so each is a flag; what the builder said is kept beside it, so that a switch
-/// can be told from the built setting (and carried over a swap of limits).
+/// Which limits are in shadow mode: decided and counted, never enforced.
+///
+/// They are switched at run time, so each is a flag. What the builder said is kept
+/// beside it. So a switch can be told from the built setting, and carried over a swap
+/// of limits.
 #[derive(Debug)]
 pub(crate) struct Shadow {
     /// The whole layer.

@@ -48,9 +48,10 @@ impl Verdict<'_> {
     }
 }
 
-/// Of a request's verdicts, the position of the one its headers and its denial report: a
-/// denial (the longest wait first), else the fewest remaining (the soonest to deny), else
-/// the latest reset.
+/// Of a request's verdicts, the position of the one its headers and its denial report.
+///
+/// That is a denial, the longest wait first. Else it is the fewest remaining: the soonest
+/// to deny. Else it is the latest reset.
 pub(crate) fn most_restrictive(verdicts: &[Verdict<'_>]) -> Option<usize> {
     (0..verdicts.len()).min_by_key(|&i| restriction(&verdicts[i]))
 }

@@ -1,15 +1,18 @@
 //! Fixed window: a counter per key that resets at every multiple of the period.
 //!
-//! **Trade-off.** The cheapest to understand and to store (one counter and the window's
-//! end), and the `X-RateLimit-Reset` time is the same for everyone. Its weakness is the
-//! boundary: a caller can spend the whole limit at the end of one window and again at
-//! the start of the next, so up to **twice the limit** passes within one period. The
-//! sliding window algorithms exist to close that gap.
+//! # Trade-off
 //!
-//! Windows are aligned to multiples of the period on the clock that supplies `now`
-//! (the Unix epoch in Redis). A state from a later window than `now`'s — written by a
-//! node whose clock runs ahead — is taken as the current window, so clock skew between
-//! nodes shifts a window's end but never starts a window afresh.
+//! The cheapest to understand and to store: one counter and the window's end. The
+//! `X-RateLimit-Reset` time is the same for everyone.
+//!
+//! Its weakness is the boundary. A caller can spend the whole limit at the end of one
+//! window, and again at the start of the next. So up to **twice the limit** passes
+//! within one period. The sliding window algorithms exist to close that gap.
+//!
+//! Windows are aligned to multiples of the period on the clock that supplies `now`. In
+//! Redis, that is the Unix epoch. A node whose clock runs ahead may write a state from a
+//! later window than `now`'s. That state is taken as the current window. So clock skew
+//! between nodes shifts a window's end, but never starts a window afresh.
 
 use super::{Slot, SlotState};
 use crate::{Decision, Denial, Quota};
@@ -86,9 +89,9 @@ mod tests {
     use super::*;
     use crate::algorithm::testing::run;
 
-    /// Two nodes whose clocks are 0.5 s apart share a key: the one behind sees the
-    /// window the one ahead wrote as the current one, and does not start a new count
-    /// (it once did, and together they admitted eight times the limit).
+    /// Two nodes whose clocks are 0.5 s apart share a key. The one behind sees the
+    /// window the one ahead wrote as the current one. It does not start a new count.
+    /// (It once did, and together they admitted eight times the limit.)
     #[test]
     fn a_later_window_written_by_a_clock_ahead_is_the_current_one() {
         let q = Quota::per_second(10).unwrap();

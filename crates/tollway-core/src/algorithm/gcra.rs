@@ -1,13 +1,18 @@
 //! GCRA, the generic cell rate algorithm: one timestamp per key.
 //!
-//! **Trade-off.** Decides like a token bucket of capacity `burst` (a burst, then a
-//! steady rate) but stores a single integer per key, the *theoretical arrival time*
-//! (TAT): when the bucket would be full again. The spacing between units is
-//! `period / limit` rounded **up** to a whole microsecond, so when the limit does not
-//! divide the period evenly GCRA admits very slightly less than the quota (never more);
-//! the token bucket is the exact choice then.
+//! # Trade-off
 //!
-//! **Arithmetic.** With emission interval `T` and capacity `B`, a request of cost `c`
+//! GCRA decides like a token bucket of capacity `burst`: a burst, then a
+//! steady rate. But it stores a single integer per key, the *theoretical arrival time*
+//! (TAT). That is when the bucket would be full again.
+//!
+//! The spacing between units is `period / limit` rounded **up** to a whole microsecond.
+//! So when the limit does not divide the period evenly, GCRA admits very slightly less
+//! than the quota, never more. The token bucket is the exact choice then.
+//!
+//! # Arithmetic
+//!
+//! With emission interval `T` and capacity `B`, a request of cost `c`
 //! at `now` moves the TAT to `max(tat, now) + c·T` and passes when that is no more than
 //! `B·T` ahead of `now`.
 
@@ -76,9 +81,10 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
     }
 }
 
-/// Takes `units` at `now` whether or not they fit (a cost learnt after the fact): the
-/// arrival time moves on by their emission intervals, up to one capacity past empty —
-/// a debt the caller then waits out before anything fits again.
+/// Takes `units` at `now` whether or not they fit: a cost learnt after the fact.
+///
+/// The arrival time moves on by their emission intervals, up to one capacity past
+/// empty. That is a debt the caller then waits out before anything fits again.
 #[must_use]
 pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
     let t = quota.emission_micros();

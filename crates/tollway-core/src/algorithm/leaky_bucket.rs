@@ -4,19 +4,21 @@
 //! cost in.
 //!
 //! - **Meter** ([`meter`]): a request that would overflow the bucket is rejected. This is
-//!   the token bucket seen from the other side (water poured in instead of tokens taken
-//!   out) and decides identically, so it shares the token bucket's exact arithmetic and
-//!   state: [`token_bucket::State`]'s `full_at` is the instant this bucket is empty.
-//! - **Shaper** ([`shape`]): requests are not rejected but queued, and leave the queue
-//!   at a steady `limit` per `period`; the decision carries the delay to hold the request
-//!   for. At most `burst` units may be waiting (the bound on the queue), and beyond it a
-//!   request is rejected with the time at which it would fit. Output is perfectly smooth
-//!   (no bursts downstream) at the price of latency; the state is one timestamp, the
-//!   time the queue drains, spaced like [GCRA](super::gcra).
+//!   the token bucket seen from the other side: water poured in instead of tokens taken
+//!   out. It decides identically. So it shares the token bucket's exact arithmetic and
+//!   state. [`token_bucket::State`]'s `full_at` is the instant this bucket is empty.
+//! - **Shaper** ([`shape`]): requests are not rejected but queued. They leave the queue
+//!   at a steady `limit` per `period`. The decision carries the delay to hold the
+//!   request for. At most `burst` units may be waiting: that bounds the queue. Beyond
+//!   it, a request is rejected with the time at which it would fit. Output is perfectly
+//!   smooth, with no bursts downstream, at the price of latency. The state is one
+//!   timestamp, the time the queue drains, spaced like [GCRA](super::gcra).
 //!
-//! **Trade-off.** The meter protects like a token bucket. The shaper turns a burst into
-//! a steady stream, which suits a fragile backend or an outbound API with a strict rate,
-//! and costs each queued request its wait (and a held connection).
+//! # Trade-off
+//!
+//! The meter protects like a token bucket. The shaper turns a burst into a steady
+//! stream. That suits a fragile backend, or an outbound API with a strict rate. It costs
+//! each queued request its wait, and a held connection.
 
 use super::{gcra, token_bucket};
 use crate::{Decision, Quota};

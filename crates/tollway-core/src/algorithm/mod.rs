@@ -3,7 +3,7 @@
 //! Each algorithm is plain integer arithmetic with the shape
 //! `(state, now, quota, cost) -> (decision, new state)`: no I/O, no clock, no floats.
 //! `now` is whole microseconds, supplied by the caller. The memory store runs these
-//! functions; the Redis store runs their Lua twins in `lua/`, which must decide
+//! functions. The Redis store runs their Lua twins in `lua/`, which must decide
 //! identically.
 //!
 //! | algorithm | burst | state per key | boundary accuracy | limits it serves |
@@ -18,7 +18,7 @@
 //!
 //! "Any" is any quota [`Quota`](crate::Quota) accepts: limit × period and burst ×
 //! period within 2^52 microseconds. A decision costs the same at any limit, in memory
-//! and in Redis (the log's commands are O(log n) in its entries); the log's memory
+//! and in Redis. (The log's commands are O(log n) in its entries.) The log's memory
 //! grows with its limit, which [`Policy`](crate::Policy) caps.
 //!
 //! `cargo run --example compare` measures these claims on the same traffic.

@@ -1,16 +1,22 @@
 //! Sliding window counter: the current window's count plus a weighted share of the
 //! previous window's.
 //!
-//! **Trade-off.** Two counters per key, like a fixed window, but without its boundary
-//! burst: the previous window's count is weighted by how much of it the sliding period
-//! still covers (`prev × (period − elapsed) / period + current`). The estimate assumes
-//! the previous window's traffic was spread evenly, so it can decide differently from
-//! the exact log, and a caller whose traffic bunches at the end of a window can get up
-//! to nearly twice the limit in one period. How often that happens on API-like traffic,
-//! beside the fixed window and the exact log: `cargo run --release --example compare`
-//! (figures in `BENCHMARKS.md`, "Sliding window counter vs the exact log").
+//! # Trade-off
 //!
-//! **Arithmetic.** The admission test `prev × (P − e) / P + cur + cost ≤ limit` is
+//! Two counters per key, like a fixed window, but without its boundary burst. The
+//! previous window's count is weighted by how much of it the sliding period still
+//! covers: `prev × (period − elapsed) / period + current`.
+//!
+//! The estimate assumes the previous window's traffic was spread evenly. So it can
+//! decide differently from the exact log. A caller whose traffic bunches at the end of a
+//! window can get up to nearly twice the limit in one period. To see how often that
+//! happens on API-like traffic, beside the fixed window and the exact log, run
+//! `cargo run --release --example compare`. `BENCHMARKS.md` has the figures ("Sliding
+//! window counter vs the exact log").
+//!
+//! # Arithmetic
+//!
+//! The admission test `prev × (P − e) / P + cur + cost ≤ limit` is
 //! multiplied through by `P`, so it compares integers and never divides.
 
 use super::{Slot, SlotState};
@@ -18,9 +24,9 @@ use crate::{Decision, Denial, Quota};
 
 /// Sliding window counter state for one key. `Default` is a fresh key.
 ///
-/// The state stores when it stops mattering (`expires_at`) rather than the window's
-/// start; the start follows from it and the period: `expires_at − 2P` while `curr` is
-/// non-zero, `expires_at − P` when only `prev` is.
+/// The state stores when it stops mattering (`expires_at`), rather than the window's
+/// start. The start follows from it and the period. It is `expires_at − 2P` while `curr`
+/// is non-zero, and `expires_at − P` when only `prev` is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct State {
     /// When both counts have slid out of the period, in microseconds.
@@ -174,9 +180,10 @@ mod tests {
     use super::*;
     use crate::algorithm::testing::run;
 
-    /// Two nodes whose clocks are 0.5 s apart share a key: the one behind sees the
-    /// window the one ahead wrote as the current one, at its very start, and does not
-    /// start a new count (it once did, and together they admitted nine times the limit).
+    /// Two nodes whose clocks are 0.5 s apart share a key. The one behind sees the
+    /// window the one ahead wrote as the current one, at its very start. It does not
+    /// start a new count. (It once did, and together they admitted nine times the
+    /// limit.)
     #[test]
     fn a_later_window_written_by_a_clock_ahead_is_the_current_one() {
         let q = Quota::per_second(10).unwrap();

@@ -1,11 +1,14 @@
 //! Sliding window log: the time of every admitted unit in the last period.
 //!
-//! **Trade-off.** Exact: in *any* window of one period at most `limit` units pass,
-//! whatever the alignment, and the retry time is the moment the oldest blocking entry
-//! slides out. The price is memory that grows with the limit: one entry per admitted
-//! request still inside the period (requests at the same microsecond share an entry).
-//! Suits low limits on expensive operations; for high limits prefer the sliding window
-//! counter or a bucket.
+//! # Trade-off
+//!
+//! Exact: in *any* window of one period, at most `limit` units pass, whatever the
+//! alignment. The retry time is the moment the oldest blocking entry slides out.
+//!
+//! The price is memory that grows with the limit. There is one entry per admitted
+//! request still inside the period. Requests at the same microsecond share an entry.
+//! The log suits low limits on expensive operations. For high limits, prefer the
+//! sliding window counter or a bucket.
 
 use std::collections::VecDeque;
 
@@ -54,10 +57,12 @@ pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
     decision
 }
 
-/// Decides one request of `cost` units at `now` without admitting it: the decision an
-/// admission would give (so an allowed one counts the request as admitted), while `log`
-/// only loses the entries that have slid out. [`admit`] then records it; a store that
-/// decides several limits at once admits into each log only when all of them allow.
+/// Decides one request of `cost` units at `now` without admitting it.
+///
+/// The decision is the one an admission would give, so an allowed one counts the
+/// request as admitted. Meanwhile `log` only loses the entries that have slid out.
+/// [`admit`] then records the request. A store that decides several limits at once
+/// admits into each log only when all of them allow.
 pub fn decide(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
     let (limit, period) = (quota.limit(), quota.period_micros());
     log.trim(now, period);

@@ -1,16 +1,21 @@
 //! Token bucket: a bucket of `burst` tokens, refilled at `limit` per `period`.
 //!
-//! **Trade-off.** Allows a burst of up to the full capacity at once, then a steady
-//! `limit` per `period`; in any window of one period at most `burst + limit` units pass.
-//! Two integers of state per key. The refill is exact: there is no rounding of the rate,
+//! # Trade-off
+//!
+//! Allows a burst of up to the full capacity at once, then a steady `limit` per
+//! `period`. In any window of one period, at most `burst + limit` units pass. The state
+//! is two integers per key. The refill is exact. There is no rounding of the rate,
 //! however unevenly the limit divides the period.
 //!
-//! **Arithmetic.** Tokens are counted in *ticks*: one token is `period` ticks and one
-//! microsecond refills `limit` ticks, so refilling `limit` tokens per `period`
-//! microseconds needs no division. The state is the instant the bucket will be full
-//! again (`full_at`, microseconds) and `frac`, the part of a microsecond's refill
-//! (`0 <= frac < limit` ticks) already counted in it; the deficit at `now` is
-//! `(full_at - now) × limit - frac`.
+//! # Arithmetic
+//!
+//! Tokens are counted in *ticks*. One token is `period` ticks, and one microsecond
+//! refills `limit` ticks. So refilling `limit` tokens per `period` microseconds needs no
+//! division.
+//!
+//! The state is the instant the bucket will be full again (`full_at`, microseconds),
+//! and `frac`. `frac` is the part of a microsecond's refill already counted in it
+//! (`0 <= frac < limit` ticks). The deficit at `now` is `(full_at - now) × limit - frac`.
 
 use super::{Slot, SlotState};
 use crate::quota::with_debt;
@@ -116,9 +121,10 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
     State::with_deficit(now, deficit.saturating_sub(back), quota).0
 }
 
-/// Takes `units` at `now` whether or not they fit (a cost learnt after the fact): the
-/// bucket runs past empty by up to its capacity — a debt the caller then waits out,
-/// refilled at the usual rate, before anything fits again.
+/// Takes `units` at `now` whether or not they fit: a cost learnt after the fact.
+///
+/// The bucket runs past empty by up to its capacity. That is a debt the caller then
+/// waits out before anything fits again. It refills at the usual rate.
 #[must_use]
 pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
     let (deficit, _) = state.deficit(now, quota);

@@ -36,22 +36,22 @@ use crate::{ConfigError, Decisions, Policy, StoreError};
 
 /// Decides requests against limiter state kept somewhere.
 ///
-/// One method, [`Store::check`], decides a request of `cost` units for a caller's `key`
-/// against every one of the request's policies (a tier and a route, a per-second and a
-/// per-hour band), **all or nothing**: when every policy allows it, each is charged;
-/// when any denies it, none is, and the policies that did not deny report their state
-/// unchanged (what a request of cost 0 would get). A refused request costs the caller
-/// nothing.
+/// One method, [`Store::check`], decides a request of `cost` units for a caller's `key`.
+/// It decides against every one of the request's policies: a tier and a route, say, or
+/// a per-second and a per-hour band. The decision is **all or nothing**. When every
+/// policy allows the request, each is charged. When any denies it, none is. The
+/// policies that did not deny then report their state unchanged, as a request of cost 0
+/// would get it. A refused request costs the caller nothing.
 ///
-/// The answer is [`Checked::Ready`] when the store decided without waiting (the memory
-/// store always; the Redis store when its local deny cache knows), else
-/// [`Checked::Pending`] with a future that owns everything it needs. Either way it can be
-/// awaited.
+/// The answer is [`Checked::Ready`] when the store decided without waiting. The memory
+/// store always does. The Redis store does when its local deny cache knows. Else the
+/// answer is [`Checked::Pending`], with a future that owns everything it needs. Either
+/// way it can be awaited.
 ///
-/// **State** is kept per caller key and per policy, and the policy part includes the
-/// policy's quota and algorithm ([`Policy::id`]): when a policy's quota changes (10/min
-/// to 1,000/min, or another algorithm), its callers start afresh under the new rules,
-/// in every store, rather than inherit counts made under the old ones.
+/// State is kept per caller key and per policy. The policy part includes the policy's
+/// quota and algorithm ([`Policy::id`]). Say a policy's quota changes, from 10/min to
+/// 1,000/min, or to another algorithm. Then its callers start afresh under the new
+/// rules, in every store. They do not inherit counts made under the old ones.
 ///
 /// # Examples
 ///
@@ -121,11 +121,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Whether this store can decide `policy`: `Err` says why not, and what to change.
     ///
-    /// A rate-limit layer asks it about each of its policies when it is built, and
-    /// refuses to build over a store that would fail their requests (a failure the
-    /// default `OnStoreError::Allow` would turn into no limit at all). The default
-    /// accepts every policy; a store that decides only some — a [`SplitStore`] (feature
-    /// `regions`) only those declared to it — says which. A store that wraps another
+    /// A rate-limit layer asks it about each of its policies when it is built. It
+    /// refuses to build over a store that would fail their requests. The default
+    /// `OnStoreError::Allow` would turn such a failure into no limit at all. The default
+    /// accepts every policy. A store that decides only some says which. A [`SplitStore`]
+    /// (feature `regions`) decides only those declared to it. A store that wraps another
     /// asks the one it wraps.
     ///
     /// # Errors
@@ -150,30 +150,32 @@ pub trait Store: Send + Sync + 'static {
 /// What [`Store::operate`] does to a caller's state, besides deciding a request.
 ///
 /// Each answers one [`Decision`](crate::Decision) a policy. `Peek` answers what
-/// [`Store::check`] would, all or nothing; the others act on each policy on its own
-/// (they correct what happened, so nothing is refused) and answer what a request of cost
-/// 0 then gets: how much remains, when the caller is back to full.
+/// [`Store::check`] would, all or nothing. The others act on each policy on its own.
+/// They correct what happened, so nothing is refused. They answer what a request of cost
+/// 0 then gets: how much remains, and when the caller is back to full.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Operation {
     /// The decisions a request of this cost would get, consuming nothing.
     Peek(u32),
-    /// Takes this many units from every policy after the fact, whether or not they fit
-    /// (a cost the response reported). What does not fit is owed by the buckets and
-    /// GCRA — token bucket, leaky bucket (both forms), GCRA — up to one capacity past
-    /// empty: the caller waits it out before anything fits again, at most two full
-    /// refills, so usage beyond the budget is paid back rather than lost. The window
-    /// algorithms count at most their limit: their window is spent either way.
+    /// Takes this many units from every policy after the fact, whether or not they fit:
+    /// a cost the response reported.
+    ///
+    /// Under the token bucket, both leaky buckets and GCRA, what does not fit is owed, up
+    /// to one capacity past empty. The caller waits it out before anything fits again:
+    /// at most two full refills. So usage beyond the budget is paid back rather than
+    /// lost. The window algorithms count at most their limit. Their window is spent
+    /// either way.
     Charge(u32),
     /// Gives this many units back to every policy, up to full (paying back what is owed
     /// first): a request that failed, or cost less than it was charged.
     Refund(u32),
     /// Forgets the caller's state: every policy as for a new caller.
     Reset,
-    /// Takes units from every policy until at most this many remain (none from a policy
-    /// with no more than that left), in one atomic step: "at least this empty", which
-    /// callers racing with different amounts can ask without adding up. The outbound
-    /// layer's pause is one.
+    /// Takes units from every policy until at most this many remain, in one atomic
+    /// step. A policy with no more than that left loses none. It means "at least this
+    /// empty". Callers racing with different amounts can ask it without adding up. The
+    /// outbound layer's pause is one.
     Drain(u32),
 }
 

@@ -1,18 +1,18 @@
 //! Conformance suites (feature `testing`): prove a store decides like the memory store.
 //!
 //! A [`Store`] of your own passes when it gives the decisions the [`MemoryStore`] gives,
-//! field by field. [`Conformance`] replays a seeded random trace through both, on one
-//! [`ManualClock`] that your store must read:
+//! field by field. [`Conformance`] replays a seeded random trace through both. Both run
+//! on one [`ManualClock`], which your store must read. There are two suites:
 //!
 //! - [`one_limit`](Conformance::one_limit): every algorithm, one limit a request, with
 //!   uneven rates, bursts, costs of 0 and over the capacity, and long idle stretches.
 //! - [`all_or_nothing`](Conformance::all_or_nothing): one to four limits of different
-//!   algorithms a request, so a request refused by one limit must charge none of them;
-//!   one event in four is an [`Operation`] (peek, charge, refund, reset, drain).
+//!   algorithms a request. So a request refused by one limit must charge none of them.
+//!   One event in four is an [`Operation`]: a peek, charge, refund, reset or drain.
 //!
-//! Each suite panics at the first decision that differs, naming the event, and checks
-//! that its trace is not vacuous (it admits, limits and refuses). It needs no runtime of
-//! its own: await it on the one your store runs on.
+//! Each suite panics at the first decision that differs, naming the event. It checks
+//! that its trace is not vacuous: the trace admits, limits and refuses. A suite needs no
+//! runtime of its own. Await it on the one your store runs on.
 //!
 //! # Examples
 //!
@@ -35,7 +35,7 @@
 //! ```
 //!
 //! A store with a local deny cache may answer a repeated refusal from memory. The limits
-//! that did not refuse may then report fewer units than they have, never more; say so,
+//! that did not refuse may then report fewer units than they have, never more. Say so,
 //! and name the run in its messages:
 //!
 //! ```
@@ -204,9 +204,10 @@ impl Conformance {
     ///
     /// # Panics
     ///
-    /// At the first answer that differs from the memory store's, or that `store` fails;
-    /// or when the trace is vacuous: under a tenth of its requests admitted, under a
-    /// twentieth refused by one limit while another had room, or an operation under 1%.
+    /// At the first answer that differs from the memory store's, or that `store` fails.
+    /// Also when the trace is vacuous. It is vacuous when under a tenth of its requests
+    /// are admitted, or under a twentieth are refused by one limit while another had
+    /// room. It is also vacuous when operations are under 1% of it.
     pub async fn all_or_nothing<S: Store>(&self, store: &S, clock: &ManualClock) -> Report {
         const CALLERS: u64 = 3;
         let memory = twin(clock);

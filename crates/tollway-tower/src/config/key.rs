@@ -92,9 +92,10 @@ impl LimitsFile {
     }
 }
 
-/// How a config file finds a caller's key: an API key (only the keys in `[tiers]`, by
-/// default, read afresh on every reload), else the client's address (the peer's, or
-/// behind trusted proxies).
+/// How a config file finds a caller's key.
+///
+/// It is an API key: by default only the keys in `[tiers]`, read afresh on every reload.
+/// Else it is the client's address: the peer's, or the one behind trusted proxies.
 #[derive(Clone)]
 pub struct ConfigKey {
     api_key: Option<Known>,

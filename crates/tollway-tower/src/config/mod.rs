@@ -2,13 +2,16 @@
 //! anything uses it, and reloaded while the service runs.
 //!
 //! A [`LimitsFile`] is a file read and checked: every policy, tier, route, list entry
-//! and setting, with an error that names the file, the line and the column, what is
-//! wrong and what to write instead. [`LimitsFile::layer`] builds the same layer the
-//! builder does; [`Reloader`] reads the file again on demand ([`Reloader::reload`], for a
-//! SIGHUP or an admin endpoint) or whenever it changes ([`Reloader::watch`]) and swaps the
-//! new limits in: requests already being decided finish under the old ones, a file that
-//! fails to validate leaves the running limits in place and is reported, an unchanged
-//! policy keeps its callers' state and a changed one starts them afresh.
+//! and setting. Its error names the file, the line and the column. It says what is wrong
+//! and what to write instead. [`LimitsFile::layer`] builds the same layer the builder
+//! does.
+//!
+//! [`Reloader`] reads the file again and swaps the new limits in. It reads on demand
+//! with [`Reloader::reload`], for a SIGHUP or an admin endpoint. Or it reads whenever
+//! the file changes, with [`Reloader::watch`]. Requests already being decided finish
+//! under the old limits. A file that fails to validate leaves the running limits in
+//! place, and is reported. An unchanged policy keeps its callers' state. A changed one
+//! starts them afresh.
 //!
 //! What a reload can change: policies, tiers, routes, lists, shadow flags, headers, the
 //! protocol and what to do on a store failure or a missing key. The store and how keys

@@ -249,8 +249,10 @@ impl<St: Store + Clone> Reloader<St> {
     }
 
     /// The same, with `extend` applied to the builder of every layer the file makes, now
-    /// and on each reload: for what a file cannot say, such as a cost function, a decision
-    /// listener or [`charge_after`](RateLimitLayerBuilder::charge_after).
+    /// and on each reload.
+    ///
+    /// This is for what a file cannot say, such as a cost function, a decision listener
+    /// or [`charge_after`](RateLimitLayerBuilder::charge_after).
     ///
     /// # Errors
     ///
@@ -406,9 +408,10 @@ impl<St: Store + Clone> Reloader<St> {
         read_blocking(&self.live.reading, &self.path, &self.bounds)
     }
 
-    /// Swaps `read`'s limits in if it is a valid file, and tells either way: at info, or
-    /// at warn when a policy's counts start afresh or a run-time switch overrides the
-    /// file; at warn when it fails.
+    /// Swaps `read`'s limits in if it is a valid file, and tells either way.
+    ///
+    /// A swap is told at info. It is told at warn when a policy's counts start afresh, or
+    /// a run-time switch overrides the file. A failure is told at warn.
     pub(super) fn apply(&self, read: Result<Read, ConfigError>) -> Result<Reloaded, ConfigError> {
         let mut current = self.current.lock();
         let reloaded = read.and_then(|read| {

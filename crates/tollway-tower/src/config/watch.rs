@@ -49,16 +49,17 @@ enum Message {
 impl<St: Store + Clone> Reloader<St> {
     /// Reloads whenever the file changes, until the returned watcher is dropped.
     ///
-    /// It watches the path's directory (an editor that replaces the file is seen), and
-    /// every symbolic link on the way to the file with the directory the file is in: a
-    /// link into another directory, or a Kubernetes ConfigMap (whose `..data` link is
-    /// swapped by a rename), is followed, and followed again when it changes.
+    /// It watches the path's directory, so an editor that replaces the file is seen. It
+    /// also watches every symbolic link on the way to the file, with the directory the
+    /// file is in. So a link into another directory is followed, and followed again when
+    /// it changes. So is a Kubernetes ConfigMap, whose `..data` link is swapped by a
+    /// rename.
     ///
     /// A file renamed into place (an atomic save, a ConfigMap update) is whole: it is
     /// applied once the burst of events has stopped. A file written in place is applied
-    /// only once its bytes have stayed the same for [`settle`](Self::settle), read again
-    /// until they do: a file half written is never loaded, whatever the writer's pauses
-    /// under that time. A change back to the live file is no reload.
+    /// only once its bytes have stayed the same for [`settle`](Self::settle). It is read
+    /// again until they do. So a file half written is never loaded, whatever the writer's
+    /// pauses under that time. A change back to the live file is no reload.
     ///
     /// # Errors
     ///

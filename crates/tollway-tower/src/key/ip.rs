@@ -8,9 +8,11 @@ use tollway_core::ConfigError;
 use super::{Key, KeyExtractor, canonical};
 
 /// The address of the connection's peer, as the server recorded it in the request's
-/// extensions: axum's `ConnectInfo<SocketAddr>` (feature `axum`; serve with
-/// `into_make_service_with_connect_info::<SocketAddr>()`), tonic's `TcpConnectInfo`
-/// (feature `tonic`), or a plain `SocketAddr`.
+/// extensions.
+///
+/// That is axum's `ConnectInfo<SocketAddr>` (feature `axum`). Serve with
+/// `into_make_service_with_connect_info::<SocketAddr>()`. Or it is tonic's
+/// `TcpConnectInfo` (feature `tonic`), or a plain `SocketAddr`.
 #[must_use]
 pub fn peer_addr<B>(request: &Request<B>) -> Option<IpAddr> {
     let ext = request.extensions();
@@ -27,9 +29,10 @@ pub fn peer_addr<B>(request: &Request<B>) -> Option<IpAddr> {
     ext.get::<SocketAddr>().map(SocketAddr::ip)
 }
 
-/// The connection's peer address, IPv6 grouped by prefix (default /64): right when
-/// clients connect directly, wrong behind a proxy (every caller would be the proxy) — use
-/// [`ClientIp`] there.
+/// The connection's peer address, IPv6 grouped by prefix (default /64).
+///
+/// It is right when clients connect directly. It is wrong behind a proxy, where every
+/// caller would be the proxy. Use [`ClientIp`] there.
 #[derive(Clone, Copy, Debug)]
 pub struct PeerIp {
     ipv6_prefix: u8,
@@ -76,8 +79,8 @@ fn check_prefix(bits: u8) -> Result<(), ConfigError> {
 
 /// The header a trusted proxy writes with the address of the client it serves.
 ///
-/// Proxies write one of these and pass the others through as the client sent them, so
-/// [`ClientIp`] reads exactly the one named: a client can put any of the others in its
+/// Proxies write one of these, and pass the others through as the client sent them. So
+/// [`ClientIp`] reads exactly the one named. A client can put any of the others in its
 /// request, and none of them is believed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -100,28 +103,29 @@ impl ForwardedHeader {
     }
 }
 
-/// The client's address behind reverse proxies: read from the one header the proxies
-/// write, and only when the connection comes from a trusted proxy.
+/// The client's address behind reverse proxies.
 ///
-/// The rules, all of them:
+/// It is read from the one header the proxies write. It is read only when the
+/// connection comes from a trusted proxy. The rules, all of them:
 ///
-/// - The connection's peer is not a trusted proxy: the peer is the client, and no header
-///   is read (a client cannot pick its own key by sending one).
-/// - The peer is trusted: the configured header is read from its last entry backwards —
-///   each proxy appends the address it saw, so only the entries the trusted proxies added
-///   are true, and the first one that is not itself a trusted proxy is the client (or,
-///   with [`trusted_hops`](ClientIp::trusted_hops), the entry as many places from the
-///   right as there are proxies). No other header is read, whatever it says.
-/// - At most 32 entries are read, from the right, and an entry longer than 64 bytes is
-///   not an address: a huge or long header costs no more than a short one.
-/// - The header is missing: the peer itself is the client (a proxy's own health check,
-///   say; a proxy that writes the header writes it on every request it forwards).
-/// - The entry where the client should be is not an address — `for=unknown`, an
-///   obfuscated identifier, an empty value, garbage, bytes that are not ASCII — or every
-///   entry read is a trusted proxy (or, counting hops, there are fewer entries than
-///   proxies): the client is unknown, and `ClientIp` finds no key; the layer then
-///   does what its fallback says (a chain with [`or`](crate::Fallback::or), or
-///   [`MissingKey`](crate::MissingKey)). What a client wrote further left is never
+/// - The connection's peer is not a trusted proxy. Then the peer is the client, and no
+///   header is read. A client cannot pick its own key by sending one.
+/// - The peer is trusted. Then the configured header is read from its last entry
+///   backwards. Each proxy appends the address it saw. So only the entries the trusted
+///   proxies added are true. The first one that is not itself a trusted proxy is the
+///   client. With [`trusted_hops`](ClientIp::trusted_hops), the client is instead the
+///   entry as many places from the right as there are proxies. No other header is read,
+///   whatever it says.
+/// - At most 32 entries are read, from the right. An entry longer than 64 bytes is not an
+///   address. So a huge or long header costs no more than a short one.
+/// - The header is missing. Then the peer itself is the client: a proxy's own health
+///   check, say. A proxy that writes the header writes it on every request it forwards.
+/// - The entry where the client should be is not an address. It may be `for=unknown`, an
+///   obfuscated identifier, an empty value, garbage, or bytes that are not ASCII. Or
+///   every entry read is a trusted proxy. Or, counting hops, there are fewer entries than
+///   proxies. Then the client is unknown, and `ClientIp` finds no key. The layer does
+///   what its fallback says: a chain with [`or`](crate::Fallback::or), or
+///   [`MissingKey`](crate::MissingKey). What a client wrote further left is never
 ///   reached.
 /// - IPv4-mapped IPv6 addresses count as IPv4, in entries and in trusted networks.
 ///
@@ -192,25 +196,27 @@ impl ClientIp {
         })
     }
 
-    /// Counts the proxies instead of recognising each by its address: every request
-    /// passes through exactly `proxies` of them (1 to 32), the last being the peer, which
-    /// must still be in the trusted networks. Each proxy appends what it saw, so the
-    /// client is the `proxies`-th entry from the right, whatever the entries to its right
-    /// are: for proxies whose addresses are not known in advance, such as a CDN in front
-    /// of a load balancer (2). Fewer entries than that means the request did not come
-    /// through all of them, and the client is unknown; no header at all, as ever, makes
-    /// the peer the client.
+    /// Counts the proxies instead of recognising each by its address.
+    ///
+    /// Every request passes through exactly `proxies` of them (1 to 32). The last is the
+    /// peer, which must still be in the trusted networks. Each proxy appends what it saw.
+    /// So the client is the `proxies`-th entry from the right, whatever the entries to its
+    /// right are. This is for proxies whose addresses are not known in advance, such as a
+    /// CDN in front of a load balancer (2).
+    ///
+    /// Fewer entries than that means the request did not come through all of them. Then
+    /// the client is unknown. No header at all, as ever, makes the peer the client.
     ///
     /// Counting is safe only if no request reaches the trusted proxy without passing the
-    /// others: a client that connects to the load balancer directly, past the CDN, stands
-    /// where the CDN's address should be, and the entry counted as the client is one it
+    /// others. Say a client connects to the load balancer directly, past the CDN. It then
+    /// stands where the CDN's address should be. The entry counted as the client is one it
     /// wrote itself. Firewall the balancer to the CDN, or name the CDN's networks with
     /// [`hops_through`](Self::hops_through).
     ///
     /// # Errors
     ///
-    /// When `proxies` is 0 or more than 32, or the header is `X-Real-IP` (one entry: only
-    /// 1 proxy can write it, the default).
+    /// When `proxies` is 0 or more than 32. When the header is `X-Real-IP`: it has one
+    /// entry, so only 1 proxy can write it, the default.
     ///
     /// # Examples
     ///
@@ -247,11 +253,12 @@ impl ClientIp {
         Ok(self)
     }
 
-    /// Counts a hop only through the proxies in `networks` (a CDN's published ranges),
-    /// after [`trusted_hops`](Self::trusted_hops): where a counted proxy's address should
-    /// be, an entry outside them is the client, which came in past the proxies. So a
-    /// client that reaches the load balancer directly is keyed by its own address, not
-    /// by what it wrote.
+    /// Counts a hop only through the proxies in `networks`, such as a CDN's published
+    /// ranges. It applies after [`trusted_hops`](Self::trusted_hops).
+    ///
+    /// Where a counted proxy's address should be, an entry outside `networks` is the
+    /// client. It came in past the proxies. So a client that reaches the load balancer
+    /// directly is keyed by its own address, not by what it wrote.
     ///
     /// # Errors
     ///

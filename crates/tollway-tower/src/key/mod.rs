@@ -1,10 +1,10 @@
 //! Who is calling: keys and the extractors that find them.
 //!
-//! A [`Key`] names the caller a limit applies to. It is built by a [`KeyExtractor`]: one of
-//! the built-ins ([`PeerIp`], [`ClientIp`], [`ApiKey`], [`UserId`], [`GlobalKey`]) or any
-//! closure `Fn(&Request<B>) -> Option<Key>`; built-ins chain with [`Fallback::or`]
-//! (`api_key.or(client_ip)`: the API key when there is a known one, else the client's
-//! address).
+//! A [`Key`] names the caller a limit applies to. It is built by a [`KeyExtractor`]. That
+//! is one of the built-ins ([`PeerIp`], [`ClientIp`], [`ApiKey`], [`UserId`],
+//! [`GlobalKey`]), or any closure `Fn(&Request<B>) -> Option<Key>`. Built-ins chain with
+//! [`Fallback::or`]. So `api_key.or(client_ip)` is the API key when there is a known one,
+//! else the client's address.
 
 mod ip;
 
@@ -22,8 +22,10 @@ pub(crate) use ip::parse_network;
 pub use ip::{ClientIp, ForwardedHeader, PeerIp, peer_addr};
 
 /// A caller's identity for rate limiting: a namespace (`ip`, `key`, `user`, ...) and a
-/// value, kept as `namespace:value` bytes so that an API key can never share a limit with
-/// an IP address that happens to spell the same.
+/// value.
+///
+/// It is kept as `namespace:value` bytes. So an API key can never share a limit with an
+/// IP address that happens to spell the same.
 ///
 /// # Examples
 ///
@@ -193,10 +195,10 @@ pub trait KeyExtractor<B>: Send + Sync + 'static {
     /// [`deny_key`](crate::RateLimitLayerBuilder::deny_key)).
     ///
     /// The default hands over the key [`extract`](Self::extract) finds. A chain
-    /// ([`Or`]) hands over every link's keys, not only the one that limits the caller:
-    /// with `api_key.or(client_ip)`, a caller that sends a known API key is known by that
-    /// key and by its address, and `ip:<address>` on the deny list refuses it. A closure
-    /// has one key, its own; to list more, implement this trait on a type of your own.
+    /// ([`Or`]) hands over every link's keys, not only the one that limits the caller.
+    /// Take `api_key.or(client_ip)`. A caller that sends a known API key is known by that
+    /// key and by its address. So `ip:<address>` on the deny list refuses it. A closure
+    /// has one key, its own. To list more, implement this trait on a type of your own.
     ///
     /// # Examples
     ///
@@ -235,12 +237,12 @@ where
 /// The value of a request header, such as an API key: `key:<value>`. A request without
 /// the header (or with an empty one) has no key.
 ///
-/// A raw header value is whatever the caller sends: keyed by it alone, a caller that
+/// A raw header value is whatever the caller sends. Keyed by it alone, a caller that
 /// sends a new value with every request gets a fresh limit every time. So accept only the
-/// keys you issued, with [`ApiKey::known`] (a set, your tier map, or a lookup of your
-/// own): any other value is no key, and the chain goes on to its fallback — usually the
-/// caller's address, with [`Fallback::or`]. (Or key by the [`UserId`] an authentication
-/// layer has checked.)
+/// keys you issued, with [`ApiKey::known`]: a set, your tier map, or a lookup of your
+/// own. Any other value is no key, and the chain goes on to its fallback. That is usually
+/// the caller's address, with [`Fallback::or`]. Or key by the [`UserId`] an
+/// authentication layer has checked.
 ///
 /// # Examples
 ///

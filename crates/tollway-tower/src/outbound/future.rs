@@ -28,11 +28,17 @@ type Work = Pin<Box<dyn Future<Output = ()> + Send>>;
 pin_project! {
     #[project = ResponseFutureProj]
     /// The future of an [`Outbound`](super::Outbound) request, a state machine:
-    /// `Start` → `Pausing` (is a pause running for the key?) → `Checking` (the limits) →
-    /// `Sleeping` while over them (then `Start` again) → `Ready` (the inner service made
-    /// ready) → `Calling` → `After` (the store told of a 429's pause or the real cost)
-    /// → the response, or `Start` again with a copy of a refused request; or an
-    /// [`OutboundError`].
+    ///
+    /// 1. `Start`.
+    /// 2. `Pausing`: is a pause running for the key?
+    /// 3. `Checking`: the limits.
+    /// 4. `Sleeping` while over them, then `Start` again.
+    /// 5. `Ready`: the inner service made ready.
+    /// 6. `Calling`.
+    /// 7. `After`: the store told of a 429's pause, or of the real cost.
+    /// 8. The response, or `Start` again with a copy of a refused request.
+    ///
+    /// Or it ends in an [`OutboundError`].
     pub struct ResponseFuture<S, St, B, R>
     where
         S: Service<Request<B>>,
@@ -432,11 +438,12 @@ fn after<F, C, R, St, P>(
     })
 }
 
-/// What the response tells the store, if anything: a pause for every worker sharing
-/// `pause_key` (none without one), when it is a refusal (see [`pause_of`]); the
-/// difference between the real cost and the estimate charged to `key`, when the layer
-/// settles costs. With the pause the refusal asks for, if the layer pauses, recorded or
-/// not.
+/// What the response tells the store, if anything.
+///
+/// When it is a refusal (see [`pause_of`]), it tells a pause for every worker sharing
+/// `pause_key`. There is none without a pause key. When the layer settles costs, it tells
+/// the difference between the real cost and the estimate charged to `key`. It comes with
+/// the pause the refusal asks for, if the layer pauses, recorded or not.
 fn told<St: Store, R: Send + Sync + 'static, RB>(
     shared: &Arc<Shared<St, R>>,
     key: &str,

@@ -166,9 +166,10 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         self.max_wait(Duration::ZERO)
     }
 
-    /// How much longer than the retry time a waiting request may sleep, as a share of
-    /// it, chosen at random per request (default 0.1: up to 10% more), so that the
-    /// workers refused together do not all come back at the same instant.
+    /// How much longer than the retry time a waiting request may sleep, as a share of it.
+    ///
+    /// The share is chosen at random per request. The default is 0.1: up to 10% more. So
+    /// the workers refused together do not all come back at the same instant.
     pub fn jitter(mut self, share: f64) -> Self {
         self.settings.jitter = share;
         self

@@ -1,58 +1,79 @@
-//! Outbound limits: the same policies and stores on the client side, so that a fleet of
-//! workers calling a third-party API stays under *its* quota together.
+//! Outbound limits: the same policies and stores on the client side.
 //!
-//! Ten workers each limiting themselves to 100 a second send 1,000 a second; workers that
-//! share a [`RedisStore`](tollway_core::RedisStore) (or, in one process, a
-//! [`MemoryStore`](tollway_core::MemoryStore)) share one budget. [`OutboundLayer`] wraps
-//! any tower HTTP client service (hyper-util's `Client`, or anything that is a
-//! `Service<http::Request<B>>`), keyed by default per upstream (the URI's authority).
+//! A fleet of workers calling a third-party API then stays under *its* quota together.
+//! Ten workers each limiting themselves to 100 a second send 1,000 a second. Workers that
+//! share a [`RedisStore`](tollway_core::RedisStore) share one budget. So do workers in one
+//! process that share a [`MemoryStore`](tollway_core::MemoryStore).
 //!
-//! **Wait, don't fail.** A request over the limit waits until the store would admit it —
-//! the decision's retry time, stretched by a random share (default up to 10%) so that a
-//! fleet does not wake in lockstep — and is then checked again, for at most
-//! [`max_wait`](OutboundLayerBuilder::max_wait) in all (default 30 s); past that, or at
-//! once with [`fail_fast`](OutboundLayerBuilder::fail_fast), it fails with
-//! [`OutboundError::Limited`] and its retry time. A waiting request holds nothing: it is
-//! charged only when admitted, so a request dropped while it waits (a timeout around it,
-//! a caller gone) costs the budget nothing — except during a shaper's delay (a leaky
-//! bucket that shapes), which comes after admission. The inner service is made ready after
-//! admission, so a waiting request holds none of its capacity either.
+//! [`OutboundLayer`] wraps any tower HTTP client service: hyper-util's `Client`, or
+//! anything that is a `Service<http::Request<B>>`. It is keyed per upstream by default,
+//! by the URI's authority.
 //!
-//! **Listen to the upstream.** A response that is a 429 (or a gRPC `RESOURCE_EXHAUSTED`)
-//! pauses every worker sharing its pause key, through the store, for what its
-//! `Retry-After` says, by the rule of [`pause_of`], and never longer than
-//! [`max_pause`](OutboundLayerBuilder::max_pause) (default 60 s). The pause key is the
-//! upstream and the account the request names (a digest of its `Authorization`,
-//! `X-API-Key` or `Api-Key`), so one account's 429 pauses that account only; see
-//! [`pause_key`](OutboundLayerBuilder::pause_key). The refused request is then sent once
-//! more, after the pause, if it is idempotent (`GET`, `PUT`, `DELETE`…; or whatever
-//! [`replay`](OutboundLayerBuilder::replay) allows) and the pause ends within what is
-//! left of its `max_wait`; otherwise, or if it cannot go in time, the caller gets the
-//! upstream's 429 as it came. One 429 is one pause: a copy the upstream refuses again
-//! is answered as it came and pauses nobody a second time.
+//! # Wait, don't fail
 //!
-//! **Costs the response decides.** With [`settle`](OutboundLayerBuilder::settle), a
-//! request is charged its estimated [`cost`](OutboundLayerBuilder::cost) up front, and
-//! the difference from what its response reports it used is charged or refunded after,
-//! so a tokens-per-minute budget counts what the fleet used. When responses use more
-//! than their estimates and the budget runs dry, a token bucket or GCRA owes the rest
-//! (up to its capacity; see [`Operation::Charge`](tollway_core::Operation::Charge)) and
-//! admits nothing until it is paid back, so over a run the fleet uses at most the budget
-//! and one capacity; a window algorithm forgets what its window could not hold — take
-//! a bucket for tokens. A layer's cost applies to each of its limits: for requests a
-//! second and tokens a minute, stack two layers; a request admitted by the outer one
-//! keeps that charge if the inner one then refuses it.
+//! A request over the limit waits until the store would admit it. It waits the
+//! decision's retry time, stretched by a random share (default up to 10%). So a fleet
+//! does not wake in lockstep. Then the request is checked again. It waits for at most
+//! [`max_wait`](OutboundLayerBuilder::max_wait) in all (default 30 s). Past that, it
+//! fails with [`OutboundError::Limited`] and its retry time. With
+//! [`fail_fast`](OutboundLayerBuilder::fail_fast), it fails so at once.
 //!
-//! **Told like the server side.** Each decision of the limits goes to the same debug
-//! event, metrics (feature `metrics`) and [`DecisionListener`](crate::DecisionListener)
-//! ([`on_decision`](OutboundLayerBuilder::on_decision)) as the server side's, keyed
-//! `outbound:` and the request's key.
+//! A waiting request holds nothing. It is charged only when admitted. So a request
+//! dropped while it waits costs the budget nothing: a timeout around it, say, or a
+//! caller gone. The exception is a shaper's delay (a leaky bucket that shapes), which
+//! comes after admission. The inner service is made ready after admission. So a waiting
+//! request holds none of its capacity either.
 //!
-//! Give the clients a burst a little under the upstream's: requests reach it a little
-//! later and less evenly than they were admitted, and the difference absorbs that
-//! (measured through Redis, 4 clients × 64 tasks against 50 a second: the same burst drew
-//! 0.2–1.1% 429s, a burst of 40 for the upstream's 50 none). Likewise a token capacity:
-//! the upstream counts a call's tokens a moment before its settlement reaches the store.
+//! # Listen to the upstream
+//!
+//! A response may be a 429, or a gRPC `RESOURCE_EXHAUSTED`. It then pauses every worker
+//! sharing its pause key, through the store. The pause lasts what its `Retry-After` says,
+//! by the rule of [`pause_of`]. It is never longer than
+//! [`max_pause`](OutboundLayerBuilder::max_pause) (default 60 s).
+//!
+//! The pause key is the upstream and the account the request names. The account is a
+//! digest of its `Authorization`, `X-API-Key` or `Api-Key`. So one account's 429 pauses
+//! that account only. See [`pause_key`](OutboundLayerBuilder::pause_key).
+//!
+//! After the pause, the refused request is sent once more if two things hold. It must be
+//! idempotent (`GET`, `PUT`, `DELETE`…), or be whatever
+//! [`replay`](OutboundLayerBuilder::replay) allows. And the pause must end within what is
+//! left of its `max_wait`. Otherwise, or if it cannot go in time, the caller gets the
+//! upstream's 429 as it came. One 429 is one pause. A copy the upstream refuses again is
+//! answered as it came, and pauses nobody a second time.
+//!
+//! # Costs the response decides
+//!
+//! With [`settle`](OutboundLayerBuilder::settle), a request is charged its estimated
+//! [`cost`](OutboundLayerBuilder::cost) up front. After, the difference from what its
+//! response reports it used is charged or refunded. So a tokens-per-minute budget counts
+//! what the fleet used.
+//!
+//! Responses may use more than their estimates, and the budget may run dry. Then a token
+//! bucket or GCRA owes the rest, up to its capacity (see
+//! [`Operation::Charge`](tollway_core::Operation::Charge)). It admits nothing until it is
+//! paid back. So over a run, the fleet uses at most the budget and one capacity. A window
+//! algorithm forgets what its window could not hold. Take a bucket for tokens.
+//!
+//! A layer's cost applies to each of its limits. For requests a second and tokens a
+//! minute, stack two layers. A request admitted by the outer one keeps that charge if the
+//! inner one then refuses it.
+//!
+//! # Told like the server side
+//!
+//! Each decision of the limits goes where the server side's go. That is the same debug
+//! event, metrics (feature `metrics`), and
+//! [`DecisionListener`](crate::DecisionListener)
+//! ([`on_decision`](OutboundLayerBuilder::on_decision)). It is keyed `outbound:` and the
+//! request's key.
+//!
+//! # Capacities
+//!
+//! Give the clients a burst a little under the upstream's. Requests reach it a little
+//! later and less evenly than they were admitted, and the difference absorbs that.
+//! `BENCHMARKS.md` ("Outbound limits") has the measured 429s. Likewise give a token
+//! capacity a little under the upstream's. The upstream counts a call's tokens a moment
+//! before its settlement reaches the store.
 //!
 //! # Examples
 //!

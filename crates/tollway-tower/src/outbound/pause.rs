@@ -11,13 +11,14 @@ use tollway_core::{Algorithm, ConfigError, Policy, Quota};
 /// number of seconds or an HTTP date.
 pub const DEFAULT_PAUSE: Duration = Duration::from_secs(1);
 
-/// The pause store's policy for pauses up to `max_pause`: a GCRA of one unit a
-/// millisecond whose capacity is the longest pause in milliseconds. A request peeks at
-/// the whole capacity (it fits only while no pause runs, and peeking charges nothing); a
-/// pause of `d` drains it to at most `capacity − d` units (`Operation::Drain`, one atomic
-/// step, so racing pauses do not add up and a longer one running stands), so the
-/// capacity is whole again — the pause over — `d` later, for every worker that shares
-/// the store. `None` for no pausing.
+/// The pause store's policy for pauses up to `max_pause`. `None` for no pausing.
+///
+/// It is a GCRA of one unit a millisecond, whose capacity is the longest pause in
+/// milliseconds. A request peeks at the whole capacity. It fits only while no pause runs,
+/// and peeking charges nothing. A pause of `d` drains it to at most `capacity − d` units
+/// (`Operation::Drain`). That is one atomic step. So racing pauses do not add up, and a
+/// longer one running stands. The capacity is whole again `d` later, and the pause is
+/// over, for every worker that shares the store.
 pub(super) fn policy(max_pause: Duration) -> Result<Option<Policy>, ConfigError> {
     let ms = u32::try_from(max_pause.as_millis()).unwrap_or(u32::MAX);
     if ms == 0 {
@@ -30,13 +31,16 @@ pub(super) fn policy(max_pause: Duration) -> Result<Option<Policy>, ConfigError>
 /// The pause a response asks for, if it is a refusal: a 429, or a gRPC
 /// `RESOURCE_EXHAUSTED` (`grpc-status: 8`).
 ///
-/// The rule for its `Retry-After`: a whole number of seconds (digits only) is that long,
-/// however many digits; an HTTP date is the time from now until then (nothing, if it has
-/// passed: the upstream says to retry now); anything else — missing, negative, signed,
-/// fractional, garbage — is [`DEFAULT_PAUSE`]. Whatever it says, the pause is at most
-/// `max_pause`, so one bad answer cannot stall the fleet for a day. A gRPC status is read
-/// from the response's headers: a trailers-only refusal, not one sent in trailers after
-/// a stream began.
+/// The rule for its `Retry-After`:
+///
+/// - A whole number of seconds (digits only) is that long, however many digits.
+/// - An HTTP date is the time from now until then. It is nothing if the date has passed:
+///   the upstream says to retry now.
+/// - Anything else is [`DEFAULT_PAUSE`]: missing, negative, signed, fractional, garbage.
+///
+/// Whatever it says, the pause is at most `max_pause`. So one bad answer cannot stall the
+/// fleet for a day. A gRPC status is read from the response's headers. So it is a
+/// trailers-only refusal, not one sent in trailers after a stream began.
 ///
 /// # Examples
 ///

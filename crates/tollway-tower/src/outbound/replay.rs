@@ -2,10 +2,11 @@
 
 use http::{Method, Request};
 
-/// Chooses the requests an [`Outbound`](super::Outbound) service sends once more after
-/// the upstream refused them with a 429 (or `RESOURCE_EXHAUSTED`): it makes the copy to
-/// send, before the first is sent, or answers `None` for a request that must not go
-/// twice.
+/// Chooses the requests an [`Outbound`](super::Outbound) service sends once more.
+///
+/// It applies after the upstream refused them with a 429 (or `RESOURCE_EXHAUSTED`). It
+/// makes the copy to send, before the first is sent. Or it answers `None` for a request
+/// that must not go twice.
 ///
 /// The built-in choices are [`Idempotent`] (the default) and [`NoReplay`]; any
 /// `Fn(&Request<B>) -> Option<Request<B>>` is one too, say to send a `POST` again that

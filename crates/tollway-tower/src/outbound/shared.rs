@@ -35,9 +35,10 @@ pub(super) struct Shared<St, R> {
 }
 
 impl<St, R> Shared<St, R> {
-    /// `wait`, stretched by a random share of up to the jitter: the share is a hash of
-    /// the wall-clock instant under this layer's random seed, so it differs from request
-    /// to request and from process to process.
+    /// `wait`, stretched by a random share of up to the jitter.
+    ///
+    /// The share is a hash of the wall-clock instant under this layer's random seed. So
+    /// it differs from request to request, and from process to process.
     pub(super) fn jittered(&self, wait: Duration) -> Duration {
         let salt = self.seeds.hash_one(std::time::SystemTime::now());
         let unit = (salt >> 11) as f64 / (1u64 << 53) as f64;

@@ -21,12 +21,17 @@ use crate::pipeline::{Answer, Charge, Decided, Limiter, Next, Progress, Resume, 
 pin_project! {
     /// The future of a [`RateLimit`](super::RateLimit) service's response.
     ///
-    /// A state machine: `Waiting` (for the caller's tier, when the layer looks tiers up and
-    /// has not cached it, then for the store's decision) → `Delaying` (a shaping delay)
-    /// → `Calling` (the inner service's future) → `Charging` (the store charging what
-    /// the response reports it used, when the layer charges after responses), or
-    /// `Answered` in the service's place. A request the store decides at once starts in
-    /// `Calling` or `Answered`.
+    /// A state machine:
+    ///
+    /// 1. `Waiting`: for the caller's tier, when the layer looks tiers up and has not
+    ///    cached it. Then for the store's decision.
+    /// 2. `Delaying`: a shaping delay.
+    /// 3. `Calling`: the inner service's future.
+    /// 4. `Charging`: the store charging what the response reports it used, when the
+    ///    layer charges after responses.
+    ///
+    /// Or `Answered`, in the service's place. A request the store decides at once starts
+    /// in `Calling` or `Answered`.
     ///
     /// # Panics
     ///

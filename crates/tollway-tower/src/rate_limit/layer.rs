@@ -47,10 +47,12 @@ impl<St, K> Clone for RateLimitLayer<St, K> {
     }
 }
 
-/// A limit's shadow mode as it stands: on or off, and whether a run-time switch
-/// ([`RateLimitLayer::set_shadow`], [`RateLimitLayer::set_policy_shadow`]) put it there
-/// against what the layer was built with (its limits file, for a
-/// [`Reloader`](crate::config::Reloader)).
+/// A limit's shadow mode as it stands: on or off.
+///
+/// It also says whether a run-time switch put it there, against what the layer was built
+/// with. The switches are [`RateLimitLayer::set_shadow`] and
+/// [`RateLimitLayer::set_policy_shadow`]. For a [`Reloader`](crate::config::Reloader),
+/// what the layer was built with is its limits file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShadowState {
     policy: Option<String>,
@@ -164,13 +166,15 @@ impl<St, K> RateLimitLayer<St, K> {
         self.limiter.load().limits.policies().to_vec()
     }
 
-    /// Replaces this layer's limits — policies, tiers, routes, lists, shadow flags,
-    /// headers, what to do on a store failure — with `other`'s, in this layer, its clones
-    /// and every service they built, for the next request: a request already being
-    /// decided finishes under the limits it started with. The key extractor stays this
-    /// layer's. Build `other` over a clone of this layer's store: a policy unchanged
-    /// (name, algorithm, quota) then keeps its callers' state, and a changed one starts
-    /// them afresh.
+    /// Replaces this layer's limits with `other`'s, for the next request.
+    ///
+    /// The limits are the policies, tiers, routes, lists, shadow flags, headers, and what
+    /// to do on a store failure. They change in this layer, its clones and every service
+    /// they built. A request already being decided finishes under the limits it started
+    /// with. The key extractor stays this layer's.
+    ///
+    /// Build `other` over a clone of this layer's store. Then a policy unchanged (name,
+    /// algorithm, quota) keeps its callers' state. A changed one starts them afresh.
     ///
     /// # Examples
     ///
@@ -189,10 +193,11 @@ impl<St, K> RateLimitLayer<St, K> {
     /// ```
     ///
     /// Run-time shadow switches ([`set_shadow`](Self::set_shadow),
-    /// [`set_policy_shadow`](Self::set_policy_shadow)) outlive the swap: a switch that
-    /// `other` contradicts is kept, logged at warn and returned; one that `other` agrees
-    /// with is done (the limit follows its builder again); one whose policy `other` lacks
-    /// is dropped, at warn. [`reset_shadow`](Self::reset_shadow) drops them all.
+    /// [`set_policy_shadow`](Self::set_policy_shadow)) outlive the swap. A switch that
+    /// `other` contradicts is kept, logged at warn and returned. A switch that `other`
+    /// agrees with is done: the limit follows its builder again. A switch whose policy
+    /// `other` lacks is dropped, at warn. [`reset_shadow`](Self::reset_shadow) drops them
+    /// all.
     pub fn swap_limits<K2>(&self, other: RateLimitLayer<St, K2>) -> Vec<ShadowState> {
         let _switching = self.switching.lock();
         let (old, new) = (self.limiter.load(), other.limiter.load_full());
@@ -427,12 +432,13 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
-    /// Looks each caller's tier up with `lookup` (a database, an auth service) instead
-    /// of [`tiers`](Self::tiers): a caller's first request waits for the answer, which is
-    /// then cached (see [`tier_cache`](Self::tier_cache)). A caller the lookup does not
-    /// know (`None`) gets no budget of its own: every such caller shares one, the
-    /// default policy's under the key `unknown:` — so made-up keys cannot mint fresh
-    /// limits. A lookup that fails is handled per
+    /// Looks each caller's tier up with `lookup` instead of [`tiers`](Self::tiers).
+    ///
+    /// The lookup may be a database or an auth service. A caller's first request waits
+    /// for the answer, which is then cached (see [`tier_cache`](Self::tier_cache)). A
+    /// caller the lookup does not know (`None`) gets no budget of its own. Every such
+    /// caller shares one: the default policy's, under the key `unknown:`. So made-up keys
+    /// cannot mint fresh limits. A lookup that fails is handled per
     /// [`on_tier_lookup_error`](Self::on_tier_lookup_error).
     pub fn tier_lookup(mut self, lookup: impl TierLookup) -> Self {
         self.settings.lookup = Some(Arc::new(lookup));
@@ -454,11 +460,12 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
-    /// How many tier lookups may be under way at once (default 64). A caller whose key
-    /// is not cached while that many are under way is not looked up: it is limited as
-    /// an unknown caller, for that request only (not cached), so a flood of made-up
-    /// keys costs the lookup's backend at most this many calls at a time. Requests of a
-    /// caller whose lookup is under way wait for it, whatever the bound.
+    /// How many tier lookups may be under way at once (default 64).
+    ///
+    /// While that many are under way, a caller whose key is not cached is not looked up.
+    /// It is limited as an unknown caller, for that request only (not cached). So a flood
+    /// of made-up keys costs the lookup's backend at most this many calls at a time.
+    /// Requests of a caller whose lookup is under way wait for it, whatever the bound.
     pub fn tier_lookup_concurrency(mut self, lookups: usize) -> Self {
         self.settings.lookup_settings.concurrency = lookups;
         self
@@ -483,19 +490,26 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
-    /// Adds a limit for requests to `pattern` with `method` (`None`: any method), checked
-    /// as well as the caller's own limit, per caller. All of a request's limits are
-    /// decided at once by the store, all or nothing: the request passes when every one
-    /// allows it, and a request one of them refuses is charged by none. The headers
-    /// report the most restrictive.
+    /// Adds a limit for requests to `pattern` with `method` (`None`: any method).
     ///
-    /// `pattern` is an exact path (`/api/v1/checkout`), an axum-style route template
-    /// (`/users/{id}` for any one segment, `/files/{*path}` for the rest of the path), or
-    /// either followed by `/*` for everything below (`/api/*`: `/api` and every path
-    /// under it). It is compared with the whole path the request was sent to — inside a
-    /// nested axum router too, where the router strips its prefix from the URI — and
-    /// with the template of the route axum matched, so a layer in a nested router, a
-    /// `route_layer` and a layer around the whole router all see the same routes.
+    /// It is checked as well as the caller's own limit, per caller. The store decides all
+    /// of a request's limits at once, all or nothing. The request passes when every one
+    /// allows it. A request one of them refuses is charged by none. The headers report
+    /// the most restrictive.
+    ///
+    /// `pattern` is one of:
+    ///
+    /// - an exact path: `/api/v1/checkout`;
+    /// - an axum-style route template: `/users/{id}` for any one segment, `/files/{*path}`
+    ///   for the rest of the path;
+    /// - either followed by `/*` for everything below: `/api/*` is `/api` and every path
+    ///   under it.
+    ///
+    /// It is compared with the whole path the request was sent to. That holds inside a
+    /// nested axum router too, where the router strips its prefix from the URI. It is
+    /// also compared with the template of the route axum matched. So a layer in a nested
+    /// router, a `route_layer` and a layer around the whole router all see the same
+    /// routes.
     ///
     /// A `GET` limit covers `HEAD`, which servers answer with the GET handler; any other
     /// method is only itself. For a gRPC method use
@@ -612,13 +626,14 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
 
     /// Refuses the caller known by `key` with 403 Forbidden.
     ///
-    /// A caller is known by every key its key extractor's chain could name it by (see
-    /// [`KeyExtractor::identities`](crate::KeyExtractor::identities)), not only the one
-    /// that limits it: with `api_key.or(client_ip)`, `Key::new("ip", "203.0.113.9")`
-    /// refuses that address whatever API key it sends, and `Key::new("key", "k-stolen")`
-    /// refuses that key from any address. An address key is written as the chain writes
-    /// it: IPv6 grouped by its prefix (`ip:2001:db8:1:2::/64`). To refuse a network,
-    /// use [`deny_network`](Self::deny_network).
+    /// A caller is known by every key its key extractor's chain could name it by, not
+    /// only the one that limits it (see
+    /// [`KeyExtractor::identities`](crate::KeyExtractor::identities)). Take
+    /// `api_key.or(client_ip)`. Then `Key::new("ip", "203.0.113.9")` refuses that address,
+    /// whatever API key it sends. And `Key::new("key", "k-stolen")` refuses that key from
+    /// any address. An address key is written as the chain writes it: IPv6 grouped by its
+    /// prefix (`ip:2001:db8:1:2::/64`). To refuse a network, use
+    /// [`deny_network`](Self::deny_network).
     pub fn deny_key(mut self, key: Key) -> Self {
         self.settings.lists.deny_key(key);
         self
@@ -633,20 +648,21 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
 
     /// Shadow mode for the whole layer (default off): every request is decided and
     /// counted as usual, and none is refused. A request a limit would have refused goes
-    /// to the service, without rate-limit headers (they would announce a limit that is
-    /// not enforced), and is told as `shadow_limited` to metrics, the debug event and the
-    /// listener. Switch it at run time with [`RateLimitLayer::set_shadow`].
+    /// to the service. It goes without rate-limit headers: they would announce a limit
+    /// that is not enforced. It is told as `shadow_limited` to metrics, the debug event
+    /// and the listener. Switch it at run time with [`RateLimitLayer::set_shadow`].
     pub fn shadow(mut self, on: bool) -> Self {
         self.settings.shadow = on;
         self
     }
 
-    /// Shadow mode for the policy named `policy` alone: when only policies in shadow
-    /// refuse a request, it goes through, and the policies that enforce are asked again
-    /// on their own (all or nothing charged none of them), so a policy in shadow never
-    /// changes what the others count. Switch it at run time with
-    /// [`RateLimitLayer::set_policy_shadow`]. A name the layer does not know fails
-    /// [`build`](Self::build).
+    /// Shadow mode for the policy named `policy` alone.
+    ///
+    /// When only policies in shadow refuse a request, it goes through. The policies that
+    /// enforce are then asked again on their own, since all or nothing charged none of
+    /// them. So a policy in shadow never changes what the others count. Switch it at run
+    /// time with [`RateLimitLayer::set_policy_shadow`]. A name the layer does not know
+    /// fails [`build`](Self::build).
     pub fn shadow_policy(mut self, policy: impl Into<String>) -> Self {
         self.settings.shadow_policies.push(policy.into());
         self
@@ -658,17 +674,20 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
-    /// Charges the policy named `policy`, once an admitted request's response is ready,
-    /// the `units` the response reports it used — an LLM API's tokens, read from a header
-    /// or an extension the handler sets — besides the request's cost, taken when it was
-    /// admitted. Only requests that `policy` applies to are charged (it is usually a
-    /// route's: a token budget beside the caller's request rate). What the budget cannot
-    /// take is owed by a bucket or GCRA and waited out (see `Operation::Charge`; a window
-    /// algorithm counts up to its limit), so the next request is refused once the
-    /// caller has used the budget up, and for as long as it owes. The response
-    /// waits for the charge (at once in memory, a round trip in Redis); a charge the
-    /// store fails is dropped and told like a store failure. A name the layer does not
-    /// know fails [`build`](Self::build).
+    /// Charges the policy named `policy` the `units` a response reports it used.
+    ///
+    /// The charge is made once an admitted request's response is ready. The units may be
+    /// an LLM API's tokens, read from a header or an extension the handler sets. They
+    /// come besides the request's cost, taken when it was admitted. Only requests that
+    /// `policy` applies to are charged. It is usually a route's policy: a token budget
+    /// beside the caller's request rate.
+    ///
+    /// What the budget cannot take is owed by a bucket or GCRA, and waited out (see
+    /// `Operation::Charge`). A window algorithm counts up to its limit. So the next
+    /// request is refused once the caller has used the budget up, and for as long as it
+    /// owes. The response waits for the charge: at once in memory, a round trip in Redis.
+    /// A charge the store fails is dropped, and told like a store failure. A name the
+    /// layer does not know fails [`build`](Self::build).
     ///
     /// # Examples
     ///
@@ -702,11 +721,11 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     ///
     /// # Errors
     ///
-    /// When a route pattern or a listed network is malformed, two of the layer's
-    /// policies share a name (the name keeps their state apart in the store), a
-    /// policy put in shadow mode or charged after responses is not one of the layer's,
-    /// or the store cannot decide one of the policies ([`Store::supports`]: a
-    /// `SplitStore` decides only the policies declared to it).
+    /// When a route pattern or a listed network is malformed. When two of the layer's
+    /// policies share a name: the name keeps their state apart in the store. When a
+    /// policy put in shadow mode, or charged after responses, is not one of the layer's.
+    /// When the store cannot decide one of the policies ([`Store::supports`]). A
+    /// `SplitStore`, say, decides only the policies declared to it.
     pub fn build(self) -> Result<RateLimitLayer<St, K>, ConfigError> {
         let source = self.settings.source.clone();
         self.build_here().map_err(|e| match source {

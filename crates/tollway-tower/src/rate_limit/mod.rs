@@ -1,20 +1,24 @@
 //! Rate limiting for tower services.
 //!
-//! [`RateLimitLayer`] decides, per caller, whether a request may reach the service. It
-//! finds the caller's [`Key`](crate::Key) with a [`KeyExtractor`](crate::KeyExtractor),
-//! picks the caller's policies (a tier, or the default, plus any route limits), asks the
-//! [`Store`](tollway_core::Store) about all of them at once, and then either calls the service — adding
-//! `X-RateLimit-*` headers to its response — or answers `429 Too Many Requests` with
-//! `Retry-After` and a JSON body. A shaping policy holds the request for its delay first.
+//! [`RateLimitLayer`] decides, per caller, whether a request may reach the service:
 //!
-//! A denial is a response, not an error, so the layer fits axum (which wants
-//! `Infallible`) and keeps connections open; the response body is a
+//! 1. It finds the caller's [`Key`](crate::Key) with a
+//!    [`KeyExtractor`](crate::KeyExtractor).
+//! 2. It picks the caller's policies: a tier, or the default, plus any route limits.
+//! 3. It asks the [`Store`](tollway_core::Store) about all of them at once.
+//! 4. It calls the service, and adds `X-RateLimit-*` headers to its response. Or it
+//!    answers `429 Too Many Requests`, with `Retry-After` and a JSON body.
+//!
+//! A shaping policy holds the request for its delay first.
+//!
+//! A denial is a response, not an error. So the layer fits axum, which wants
+//! `Infallible`, and keeps connections open. The response body is a
 //! [`ResponseBody`](crate::ResponseBody): the service's own, or the layer's answer. Clones
-//! share their limits: the state lives in the store, never in a service instance.
+//! share their limits. The state lives in the store, never in a service instance.
 //!
-//! The service calls the ready inner service at once when the store answers without
-//! waiting (the memory store always does); otherwise the request and the ready service
-//! travel in the [`ResponseFuture`] until the store has answered.
+//! The store may answer without waiting, as the memory store always does. Then the
+//! service calls the ready inner service at once. Otherwise the request and the ready
+//! service travel in the [`ResponseFuture`] until the store has answered.
 //!
 //! # Examples
 //!

@@ -31,14 +31,18 @@ type Listener = Arc<dyn Fn(BreakerState) + Send + Sync>;
 /// Wraps a remote store (Redis) so that its failure costs microseconds, not timeouts.
 ///
 /// Each call goes to the primary store, whose own timeout bounds it. After `threshold`
-/// consecutive failures the breaker **opens**: for the cool-down the primary is not
-/// called at all, then one probe decision is sent (**half-open**); its success closes the
-/// breaker, its failure opens it again. While the primary cannot answer, a decision comes
-/// from the local fallback if one is configured — a memory store that gives this node
-/// `share` of each quota (with ten gateways, 0.1) — or else is the primary's error, which
-/// the caller turns into "let through" (fail open) or "reject" (fail closed). Every state
-/// change is logged with `tracing` and reported to [`CircuitBreakerBuilder::on_state_change`];
-/// [`CircuitBreaker::state`] reads it at any time.
+/// consecutive failures, the breaker **opens**. For the cool-down, the primary is not
+/// called at all. Then one probe decision is sent (**half-open**). Its success closes the
+/// breaker. Its failure opens it again.
+///
+/// While the primary cannot answer, a decision comes from the local fallback, if one is
+/// configured. The fallback is a memory store that gives this node `share` of each
+/// quota: with ten gateways, 0.1. Without a fallback, the decision is the primary's
+/// error. The caller turns it into "let through" (fail open) or "reject" (fail closed).
+///
+/// Every state change is logged with `tracing`, and reported to
+/// [`CircuitBreakerBuilder::on_state_change`]. [`CircuitBreaker::state`] reads it at any
+/// time.
 ///
 /// # Examples
 ///
@@ -417,15 +421,17 @@ where
         }
     }
 
-    /// A peek, refund or reset goes straight to the primary store whatever the breaker
-    /// says (an administrator's request): looking at or correcting a caller's shared
-    /// state is something only the primary can do, and asking it of a dead primary gets
-    /// its error. A charge or drain — part of serving a request, after its response —
-    /// goes to the primary while the breaker is closed, and to the local fallback (if
-    /// any) while it is not, so an outage does not lift a `charge_after` budget; without
-    /// a fallback it fails at once. What the fallback charged stays local: it is not
-    /// replayed to the primary when it answers again. The outcome does not move the
-    /// breaker.
+    /// A peek, refund or reset is an administrator's request. It goes straight to the
+    /// primary store, whatever the breaker says. Only the primary can look at or correct
+    /// a caller's shared state. Asking it of a dead primary gets its error.
+    ///
+    /// A charge or drain is part of serving a request, after its response. It goes to the
+    /// primary while the breaker is closed. While it is not, it goes to the local
+    /// fallback, if any. So an outage does not lift a `charge_after` budget. Without a
+    /// fallback, it fails at once. What the fallback charged stays local. It is not
+    /// replayed to the primary when it answers again.
+    ///
+    /// The outcome does not move the breaker.
     fn operate(
         &self,
         key: &[u8],
@@ -451,9 +457,11 @@ where
     }
 }
 
-/// Ends a probe whose future is dropped before it answers (its caller gave up: a client
-/// disconnected, an outer timeout fired), so that the next call probes instead; without
-/// it the breaker would stay half-open, skipping the primary, for good.
+/// Ends a probe whose future is dropped before it answers.
+///
+/// Its caller gave up: a client disconnected, or an outer timeout fired. The next call
+/// then probes instead. Without this, the breaker would stay half-open, skipping the
+/// primary, for good.
 struct AbandonedProbe<S, C>(Option<Arc<Inner<S, C>>>);
 
 impl<S, C> AbandonedProbe<S, C> {

@@ -1,57 +1,77 @@
-//! Cells that threads read and update without a lock: the memory store's home for the
-//! states that fit in one 64-bit word (GCRA's and the leaky bucket shaper's instant;
-//! the buckets', the fixed window's and the sliding window counter's states packed: see
-//! [`word`](super::word)).
+//! Cells that threads read and update without a lock.
 //!
-//! A shard's cells are a few open-addressing tables, *levels*, each half as large again
-//! as the one before, each allocated once and kept until the store is dropped, so a
-//! thread can hold a reference into one without a lock or a reclamation scheme. A key
-//! has one cell at most; a lookup reads its home cell in every level first (these reads
-//! do not wait for one another), then probes the levels newest first. A level is one
-//! allocation for up to 64 shards at a time (the first, for all of them, made with the
-//! store), and which levels each shard uses is a byte beside the other shards': a
-//! lookup reads nothing of its shard but its cells and that byte, and the lines it reads
-//! besides its cells (the store's table of levels, the bytes) are shared by many shards,
-//! so they stay in the processor's cache (`benches/check_instructions.sh` counts the
-//! misses, `benches/key_count.rs` the time). A level
-//! keeps eight keys on one cache line and their eight states on the next: looking a key up
-//! reads only key words, which change when a key comes or goes, and a check writes only
-//! its own state word, so checks on different keys write no line but the states' (in a
-//! bare table on this project's Intel machine, keys beside their states scaled two
-//! threads on their own keys 1.15×, keys on lines of their own 1.5×), and the processor
-//! fetches a key's line and its state's together (a 128-byte pair).
+//! The cells are the memory store's home for the states that fit in one 64-bit word.
+//! GCRA's and the leaky bucket shaper's state is an instant. The buckets', the fixed
+//! window's and the sliding window counter's states are packed: see
+//! [`word`](super::word).
 //!
-//! **Who writes what.** Without the lock, a state word changes only by compare-and-swap.
-//! Everything else — a key word, and a state's plain stores and swaps — happens under
-//! the shard's lock, which every caller of [`Cells::insert`], [`Cells::remove`],
-//! [`Cells::sweep`], [`Cells::pin`] and [`Cells::has_vacancy`] holds (the `Meta` they
-//! take is kept behind that lock). Insertion writes the state, then the key (release);
-//! removal swaps the state for [`REMOVED`], then marks the key a tombstone; a tombstone
-//! is reused by a later insertion, or emptied once no probe passes through it.
+//! # Levels
 //!
-//! **Decisions under the lock.** A request the lock decides (several limits, or an
-//! operation such as a charge) *pins* each cell it reads: it swaps the state for
-//! `REMOVED`, so every check without the lock that meets the cell meanwhile fails and
-//! waits for the lock, and it stores the state to keep when it is done (the one it
-//! pinned, if it changed nothing) — or, for a state moved out of the cells (one that no
-//! longer packs in a word), takes the cell away ([`Pinned::remove`]: the state stays
-//! `REMOVED`, the key becomes a tombstone). Between the pin and that store nothing else
-//! writes the cell, so the locked decision is made on the state as it is, never
-//! undone.
+//! A shard's cells are a few open-addressing tables, called *levels*. Each level is half
+//! as large again as the one before. Each is allocated once and kept until the store is
+//! dropped. So a thread can hold a reference into one without a lock or a reclamation
+//! scheme.
 //!
-//! **Why a stale reader cannot write a wrong cell.** A reader finds the key, reads the
-//! state (acquire), then reads the key again: a cell that was removed, or emptied and
-//! given to another key, fails that check or holds `REMOVED`, and the reader gives up
-//! (the store then takes its shard's lock). What remains is a reader that read a state
-//! of another key's tenure and then saw its own key back (removed, reinserted) before
-//! its compare-and-swap: that succeeds only if the cell's word is the one it read.
-//! Every state is stored XORed with its key (63 random bits of a hash, the store's
-//! hasher seeded per store, and a bit that says how the state is written), so two
-//! keys' words agree by chance only, with probability 2⁻⁶³ per such race; a chance as
-//! small, for a state that happens to equal `REMOVED`'s pattern, sends checks of that
-//! key through the lock.
+//! A key has one cell at most. A lookup first reads its home cell in every level. These
+//! reads do not wait for one another. Then it probes the levels, newest first.
 //!
-//! The transitions are checked by `loom` for two and three threads: run
+//! A level is one allocation for up to 64 shards at a time. The first level, for all of
+//! them, is made with the store. Which levels each shard uses is a byte beside the other
+//! shards' bytes. A lookup reads nothing of its shard but its cells and that byte. The
+//! other lines it reads are the store's table of levels and the bytes. Many shards share
+//! those lines, so they stay in the processor's cache. `benches/check_instructions.sh`
+//! counts the misses, and `benches/key_count.rs` the time.
+//!
+//! A level keeps eight keys on one cache line and their eight states on the next. Looking
+//! a key up reads only key words, which change when a key comes or goes. A check writes
+//! only its own state word. So checks on different keys write no line but the states'.
+//! The processor fetches a key's line and its state's line together, as a 128-byte pair.
+//! `BENCHMARKS.md` ("Tried and dropped") measures keys beside their states.
+//!
+//! # Who writes what
+//!
+//! Without the lock, a state word changes only by compare-and-swap. Everything else
+//! happens under the shard's lock: a key word, and a state's plain stores and swaps.
+//! Every caller of [`Cells::insert`], [`Cells::remove`], [`Cells::sweep`],
+//! [`Cells::pin`] and [`Cells::has_vacancy`] holds that lock. The `Meta` they take is kept
+//! behind it.
+//!
+//! Insertion writes the state, then the key (release). Removal swaps the state for
+//! [`REMOVED`], then marks the key a tombstone. A later insertion reuses a tombstone. Or
+//! the tombstone is emptied once no probe passes through it.
+//!
+//! # Decisions under the lock
+//!
+//! Some requests are decided under the lock: several limits, or an operation such as a
+//! charge. Such a request *pins* each cell it reads. It swaps the state for `REMOVED`.
+//! So every check without the lock that meets the cell meanwhile fails, and waits for the
+//! lock. When done, the request stores the state to keep. If it changed nothing, that is
+//! the state it pinned.
+//!
+//! A state may instead move out of the cells, because it no longer packs in a word. Then
+//! the request takes the cell away with [`Pinned::remove`]. The state stays `REMOVED`, and
+//! the key becomes a tombstone.
+//!
+//! Between the pin and that store, nothing else writes the cell. So the locked decision
+//! is made on the state as it is, and is never undone.
+//!
+//! # Why a stale reader cannot write a wrong cell
+//!
+//! A reader finds the key, reads the state (acquire), then reads the key again. Say the
+//! cell was removed, or emptied and given to another key. Then the cell fails that check
+//! or holds `REMOVED`. The reader gives up, and the store takes its shard's lock.
+//!
+//! One case remains. A reader read a state of another key's tenure. Then it saw its own
+//! key back (removed, reinserted) before its compare-and-swap. That compare-and-swap
+//! succeeds only if the cell's word is the one it read.
+//!
+//! Every state is stored XORed with its key. The key here is 63 random bits of a hash,
+//! from the store's hasher seeded per store, and a bit that says how the state is
+//! written. So two keys' words agree by chance only, with probability 2⁻⁶³ per such race.
+//! A state may happen to equal `REMOVED`'s pattern, by a chance as small. Checks of that
+//! key then go through the lock.
+//!
+//! The transitions are checked by `loom` for two and three threads. Run
 //! `RUSTFLAGS="--cfg tollway_loom" cargo test -p tollway-core --release --lib loom`.
 
 use std::sync::OnceLock;
@@ -75,7 +95,8 @@ const FIRST: usize = if cfg!(tollway_loom) { 4 } else { 16 };
 
 /// Cells in each level: [`FIRST`], then half as many again each time, in whole blocks.
 /// Levels growing by half keep a key in 21 to 33 bytes of cells once a shard holds a
-/// few hundred keys (doubling: 21 to 43), for a level more to look in.
+/// few hundred keys. Doubling would take 21 to 43. The cost is one level more to look
+/// in.
 const CAPS: [usize; LEVELS] = {
     let mut caps = [FIRST; LEVELS];
     let mut n = 1;
@@ -86,11 +107,12 @@ const CAPS: [usize; LEVELS] = {
     caps
 };
 
-/// Keys a level of `cap` cells takes before the next one is made: three quarters, so
-/// every probe meets an empty cell, and soon. A lookup that misses a level (a key that
-/// lives in an older one, or a new key) probes it to an empty cell: about 8 cells on
-/// average in a level three quarters full, 32 in one seven eighths full (`BENCHMARKS.md`
-/// has what each costs a check and a key).
+/// Keys a level of `cap` cells takes before the next one is made: three quarters.
+///
+/// So every probe meets an empty cell, and soon. A lookup may miss a level: its key
+/// lives in an older one, or is new. It then probes the level to an empty cell. That is
+/// about 8 cells on average in a level three quarters full, and 32 in one seven eighths
+/// full. `BENCHMARKS.md` has what each costs a check and a key.
 const fn room(cap: usize) -> usize {
     cap * 3 / 4
 }
@@ -126,10 +148,12 @@ pub(crate) struct Levels {
     shift: u32,
 }
 
-/// The most shards whose cells of a level are made together, in one allocation of at
-/// most [`SEGMENT_BYTES`] for the largest level a shard may have: the thread that needs
-/// a segment first makes it, holding its shard's lock (a level's cells for all 1,024
-/// shards at once, 8–12 MB, took one check 3 ms at a million keys).
+/// The most shards whose cells of a level are made together, in one allocation.
+///
+/// For the largest level a shard may have, that allocation is at most
+/// [`SEGMENT_BYTES`]. The thread that needs a segment first makes it, holding its
+/// shard's lock. So a segment bounds how long that one check takes. A level's cells for
+/// all 1,024 shards at once would be 8–12 MB.
 const SEGMENT: usize = 64;
 const SEGMENT_BYTES: usize = 4 << 20;
 
@@ -479,9 +503,11 @@ impl<'a> Cells<'a> {
         })
     }
 
-    /// Whether `key`, which has no cell, would get one; if not at first, once every
-    /// tombstone that can be emptied is, and then once keys are moved back onto the
-    /// tombstones on their probes (see [`compact`](Self::compact)).
+    /// Whether `key`, which has no cell, would get one.
+    ///
+    /// If not at first, it empties every tombstone it can, and asks again. If still not,
+    /// it moves keys back onto the tombstones on their probes, and asks once more (see
+    /// [`compact`](Self::compact)).
     pub(crate) fn has_vacancy(self, meta: &mut Meta, key: u64) -> bool {
         self.spot(meta, key).is_some()
             || {
@@ -494,13 +520,14 @@ impl<'a> Cells<'a> {
             }
     }
 
-    /// Moves each key onto the first tombstone on its probe, if any, and empties the
-    /// tombstones that leaves at the ends of runs: tombstones before a key that stays
-    /// (its cell busy) fill a level otherwise. A key's move is the state's word written
-    /// to its new cell, then its key, then the old cell marked a tombstone, with the old
-    /// cell's state swapped for `REMOVED` first: a check that found the old cell fails
-    /// and comes to the lock; one that probes meanwhile meets the new cell first. Pinned
-    /// cells stay.
+    /// Moves each key onto the first tombstone on its probe, if any. Then empties the
+    /// tombstones that leaves at the ends of runs.
+    ///
+    /// Tombstones before a key that stays (its cell busy) fill a level otherwise. A key
+    /// moves in four steps. First the old cell's state is swapped for `REMOVED`. Then
+    /// the state's word is written to the new cell, then the key. Last, the old cell is
+    /// marked a tombstone. A check that found the old cell fails, and comes to the lock.
+    /// A check that probes meanwhile meets the new cell first. Pinned cells stay.
     fn compact(self, meta: &mut Meta) {
         for (n, level) in self.levels() {
             meta.used[n] -= compact(level);
@@ -713,10 +740,10 @@ fn compact(level: Level<'_>) -> usize {
 /// Empties the tombstones no key's probe, from its home to its cell, passes through.
 /// Returns how many.
 ///
-/// Walks each run of used cells backwards from the empty cell that ends it, keeping how
-/// far back from that end the probes of the keys seen so far reach: a tombstone further
-/// back than any of them is crossed by no probe (a key before it stops before it) and
-/// becomes an empty cell, which ends the run before it.
+/// Walks each run of used cells backwards from the empty cell that ends it. It keeps how
+/// far back from that end the probes of the keys seen so far reach. A tombstone further
+/// back than any of them is crossed by no probe: a key before it stops before it. So the
+/// tombstone becomes an empty cell, which ends the run before it.
 fn clear_tombstones(level: Level<'_>) -> usize {
     let cap = level.cap();
     let Some(start) = (0..cap).find(|&i| level.key(i).load(Ordering::Relaxed) == EMPTY) else {

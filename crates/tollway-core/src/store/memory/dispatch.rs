@@ -1,13 +1,14 @@
 //! The one place the memory store tells algorithms apart.
 //!
 //! [`visit`] says how the store keeps each [`Algorithm`]'s state, in one `match` with no
-//! wildcard arm. A new algorithm stops the build there until it picks one of three forms;
-//! the trait of the form it picks then lists the functions it must give:
+//! wildcard arm. A new algorithm stops the build there. It must pick one of three forms.
+//! The trait of the form it picks then lists the functions it must give.
 //!
-//! - [`Instant`]: one instant (GCRA, the leaky bucket shaper), kept in a cell.
-//! - [`Pair`]: two integers (the buckets, the windows), packed in a cell while they fit
-//!   one word (see [`word`](super::word)), else in the shard's table.
-//! - the sliding window log, kept in the shard's table.
+//! | form | state | algorithms | kept |
+//! |---|---|---|---|
+//! | [`Instant`] | one instant | GCRA, the leaky bucket shaper | in a cell |
+//! | [`Pair`] | two integers | the buckets, the windows | packed in a cell while they fit one word (see [`word`](super::word)), else in the shard's table |
+//! | the log | entries | the sliding window log | in the shard's table |
 //!
 //! Every decision, refund, charge and packing the store makes goes through a [`Visit`].
 //! A visit is generic over the algorithm, so each algorithm's path is compiled on its own

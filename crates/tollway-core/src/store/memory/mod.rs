@@ -1,12 +1,15 @@
 //! The in-process store: sharded, bounded, and quick to forget idle keys.
 //!
 //! Its parts, one a file:
-//! - this file holds [`MemoryStore`], its [`Store`] impl and its lock-free check;
-//! - [`table`] holds a shard's lock and what it guards, where other requests are decided;
-//! - [`cells`] holds the lock-free cells, for states of one word;
-//! - [`word`] packs a state into one word;
-//! - [`dispatch`] is the one place the store tells algorithms apart;
-//! - [`builder`] holds [`MemoryStoreBuilder`].
+//!
+//! | part | holds |
+//! |---|---|
+//! | this file | [`MemoryStore`], its [`Store`] impl and its lock-free check |
+//! | [`table`] | a shard's lock and what it guards, where other requests are decided |
+//! | [`cells`] | the lock-free cells, for states of one word |
+//! | [`word`] | how a state packs into one word |
+//! | [`dispatch`] | the one place the store tells algorithms apart |
+//! | [`builder`] | [`MemoryStoreBuilder`] |
 
 use std::fmt;
 use std::future::Ready;
@@ -48,52 +51,77 @@ pub enum WhenFull {
 
 /// Limiter state in this process's memory.
 ///
-/// Keys are arbitrary bytes. The store is split into shards. A state that fits one
-/// 64-bit word lives in its shard's *cells*: GCRA's and the leaky bucket shaper's always
-/// (one instant), the token bucket's, the leaky bucket meter's and the fixed window's
-/// packed exactly while their instant is less than 2^(59 − b) µs after the store was made,
-/// where `b` is the bits of the window's limit, or those a bucket's partial microsecond
-/// needs (none for a limit that divides its period, as 100 a minute does): thousands of
-/// years for such a bucket, 143 for a window of 100 a period, 51 days for a window of
-/// 100,000 and 1.2 hours at worst (a window of 2^26); and the sliding window counter's,
-/// for a limit up to 32,767, while its window ends less than 2^(49 − 2l) units of the
-/// largest power of two of microseconds up to the period (and up to 2^24, 16.8 s: a
-/// sweep takes such a key for fresh up to a unit late) after the store was made (`l`
-/// the bits of the limit): 18,000 years for 100 a minute, 8.9 years for 1,000 a second,
-/// 407 days for 10,000 a minute, 12.7 days for 10,000 a second, 2.4 hours at worst. A
-/// check under one such limit, for
-/// a key the store already holds, reads the key's cell and updates it by
-/// compare-and-swap without taking a lock, and writes no memory but the state's own, so
-/// threads deciding for different keys do not queue behind one another, nor behind a
-/// sweep. Everything else — the sliding window log, a state past its packing's range
-/// or a counter of a larger limit (moved to the shard's table,
-/// exactly as it was), a request under several limits, a key's arrival and removal — is
-/// decided under the shard's lock, which still reads and swaps the cells' states, so
-/// both paths decide one key's requests as if one at a time (the lock-free transitions
-/// are model-checked with `loom`). It is bounded: at most `max_keys` keys are tracked,
-/// and a key whose state has become equivalent to a fresh one (its bucket refilled, its
-/// windows passed) is dropped when its shard next sweeps, so a flood of unique keys — a
-/// botnet rotating addresses — cannot grow memory without bound.
+/// Keys are arbitrary bytes. The store is split into shards. Clones share the same
+/// state.
 ///
-/// Keys are stored as a 64-bit hash (foldhash's quality hasher, seeded at random per
-/// store, so which keys collide cannot be known without the seed, which no answer
-/// reveals; it is a fast hash, not a cryptographic one); two distinct keys share state
-/// only if their hashes collide, which for a million live keys happens with probability
-/// about 5 × 10⁻⁸ (a cell keeps 63 of the 64 bits: the last says how its state is
-/// written). A state in a cell costs 16 bytes (its key's hash and its state; each
-/// level of a shard's cells half as large again as the one before, filled to three
-/// quarters, so 21 to 33 bytes a key in the levels a shard uses once it holds a few
-/// hundred, more while its neighbours have made a level it does not use), a two-word state
-/// in its table 24 bytes, a sliding window log about 200 bytes with one entry and 16 to
-/// 32 more an entry; `BENCHMARKS.md` has the measured bytes per key. A shard takes about
-/// 400 bytes before any key (its lock and tables, 128 bytes; its first sixteen cells,
-/// 256, made with the store for every shard), so the default store about 0.4 MB; its
-/// later levels are made for up to 64 shards at a time (at most 4 MB), when the first of
-/// them needs one. The
-/// cells the shards grow are kept until the store is dropped: after a flood, a shard's
-/// idle keys are swept and their cells reused, but its cell memory is not returned.
+/// # Cells and the lock
 ///
-/// Clones share the same state.
+/// A state that fits one 64-bit word lives in its shard's *cells*. GCRA's and the leaky
+/// bucket shaper's state always fits: it is one instant.
+///
+/// The token bucket's, the leaky bucket meter's and the fixed window's states pack
+/// exactly while their instant is less than 2^(59 − b) µs after the store was made. Here
+/// `b` is the bits of the window's limit, or the bits a bucket's partial microsecond
+/// needs. A limit that divides its period, as 100 a minute does, needs none. Such a
+/// bucket packs for thousands of years. A window of 100 a period packs for 143 years. A
+/// window of 100,000 packs for 51 days. The worst case, a window of 2^26, packs for 1.2
+/// hours.
+///
+/// The sliding window counter's state packs for a limit up to 32,767. It packs while its
+/// window ends less than 2^(49 − 2l) units after the store was made, `l` being the bits
+/// of the limit. A unit is the largest power of two of microseconds up to the period,
+/// and at most 2^24 µs (16.8 s). A sweep may take such a key for fresh up to a unit
+/// late. This gives 18,000 years for 100 a minute and 8.9 years for 1,000 a second. It
+/// gives 407 days for 10,000 a minute and 12.7 days for 10,000 a second. The worst case
+/// is 2.4 hours.
+///
+/// A check under one such limit, for a key the store already holds, takes no lock. It
+/// reads the key's cell and updates it by compare-and-swap. It writes no memory but the
+/// state's own. So threads deciding for different keys do not queue behind one another,
+/// nor behind a sweep.
+///
+/// Everything else is decided under the shard's lock. This covers the sliding window
+/// log, a state past its packing's range and a counter of a larger limit. It also covers
+/// a request under several limits, and a key's arrival and removal. A state past its range, or a
+/// counter of a larger limit, moves to the shard's table exactly as it was. The lock path
+/// still reads and swaps the cells' states. So both paths decide one key's requests as
+/// if one at a time. The lock-free transitions are model-checked with `loom`.
+///
+/// # Bounds
+///
+/// The store tracks at most `max_keys` keys. A key whose state has become equivalent to
+/// a fresh one is dropped when its shard next sweeps: its bucket has refilled, or its
+/// windows have passed. So a flood of unique keys, such as a botnet rotating addresses,
+/// cannot grow memory without bound.
+///
+/// # Keys
+///
+/// Keys are stored as a 64-bit hash. The hasher is foldhash's quality hasher, seeded at
+/// random per store. Which keys collide cannot be known without the seed, and no answer
+/// reveals the seed. It is a fast hash, not a cryptographic one.
+///
+/// Two distinct keys share state only if their hashes collide. For a million live keys
+/// that happens with probability about 5 × 10⁻⁸. (A cell keeps 63 of the 64 bits. The
+/// last bit says how its state is written.)
+///
+/// # Memory
+///
+/// A state in a cell costs 16 bytes: its key's hash and its state. Each level of a
+/// shard's cells is half as large again as the one before, and is filled to three
+/// quarters. So once a shard holds a few hundred keys, a key costs 21 to 33 bytes in the
+/// levels it uses. It costs more while the shard's neighbours have made a level it does
+/// not use. A two-word state in its table costs 24 bytes. A sliding window log costs
+/// about 200 bytes with one entry, and 16 to 32 more for each further entry.
+/// `BENCHMARKS.md` has the measured bytes per key.
+///
+/// A shard takes about 400 bytes before any key. Its lock and tables take 128 bytes. Its
+/// first sixteen cells take 256, and are made with the store for every shard. So the
+/// default store takes about 0.4 MB. Later levels are made for up to 64 shards at a time
+/// (at most 4 MB), when the first of them needs one.
+///
+/// The cells the shards grow are kept until the store is dropped. After a flood, a
+/// shard's idle keys are swept and their cells reused. But its cell memory is not
+/// returned.
 ///
 /// # Examples
 ///
@@ -213,9 +241,9 @@ impl<C: Clock> MemoryStore<C> {
         (shard, key_hash, now)
     }
 
-    /// Decides under the shard's lock: several limits, a sliding window log, a state
-    /// in the table, a packed state that would no longer pack or a quota past its
-    /// packing's range, or a key that has no cell yet.
+    /// Decides under the shard's lock. This is for several limits, a sliding window log,
+    /// or a state in the table. It is also for a packed state that would no longer pack,
+    /// a quota past its packing's range, or a key that has no cell yet.
     fn decide_locked(
         &self,
         shard: usize,
@@ -306,12 +334,13 @@ impl<C: Clock> MemoryStore<C> {
         self.len() == 0
     }
 
-    /// Drops every key whose state is now equivalent to a fresh one (a sliding window
-    /// counter's in a cell: from the end of the unit its instant falls in, up to 16.8 s
-    /// later), and returns how many keys remain. The store also does this by itself as
-    /// it fills; call it to
-    /// release memory after a flood without waiting for new keys (the two-word states'
-    /// tables and the logs; cells are kept for new keys).
+    /// Drops every key whose state is now equivalent to a fresh one, and returns how
+    /// many keys remain.
+    ///
+    /// A sliding window counter's state in a cell counts as fresh from the end of the
+    /// unit its instant falls in, up to 16.8 s later. The store also sweeps by itself as
+    /// it fills. Call this to release memory after a flood without waiting for new keys.
+    /// It releases the two-word states' tables and the logs. Cells are kept for new keys.
     pub fn sweep(&self) -> usize {
         let now = self.shared.clock.now_micros();
         self.shared

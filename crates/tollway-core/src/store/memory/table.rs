@@ -28,16 +28,19 @@ const MIN_SWEEP: usize = 256;
 /// [`Levels`](super::cells::Levels)), on cache lines of their own so that two cores
 /// working on neighbouring shards do not contend.
 ///
-/// The lock is `spin`'s spin lock, whose release is a plain store, with its `Yield`
-/// strategy: a waiter yields its core until the lock is free, so a holder that was
-/// preempted gets to run. A decision holds it for a few tens of nanoseconds, and taking
-/// and releasing it costs one atomic operation where a parking mutex (`parking_lot`)
-/// costs two (the interleaved `memory_store` bench shows the difference). A
-/// sweep holds it longer, O(keys and cells in the shard): with the default of a shard
-/// per 1,024 keys of the bound, a few microseconds, once per doubling of the shard.
-/// Checks in cells do not wait for it (but for a cell a locked decision has pinned). A
-/// shard's cells keep the size its busiest moment gave them, so after a flood a sweep
-/// walks cells the keys have left.
+/// The lock is `spin`'s spin lock, whose release is a plain store. It uses the `Yield`
+/// strategy: a waiter yields its core until the lock is free. So a holder that was
+/// preempted gets to run.
+///
+/// A decision holds the lock for a few tens of nanoseconds. Taking and releasing it
+/// costs one atomic operation, where a parking mutex (`parking_lot`) costs two. The
+/// interleaved `memory_store` bench shows the difference.
+///
+/// A sweep holds the lock longer: O(keys and cells in the shard). With the default of a
+/// shard per 1,024 keys of the bound, that is a few microseconds, once per doubling of
+/// the shard. Checks in cells do not wait for it, except for a cell a locked decision
+/// has pinned. A shard's cells keep the size its busiest moment gave them. So after a
+/// flood, a sweep walks cells the keys have left.
 #[repr(align(128))]
 pub(super) struct Shard {
     pub(super) table: SpinMutex<Table, Yield>,
@@ -62,10 +65,12 @@ pub(super) struct Table {
     origin: u64,
 }
 
-/// At the bound, a full shard sweeps at most once per this many nanoseconds an entry or
-/// cell a sweep walks (about 20 µs for 1,024 keys in tables, 1.4 to 3.2 times that in
-/// cells): a flood of new keys at the bound then spends a bounded share of a core on
-/// sweeping, and a key that expired makes room for a new one within that time.
+/// At the bound, a full shard sweeps at most once per this many nanoseconds for each
+/// entry or cell a sweep walks.
+///
+/// That is about 20 µs for 1,024 keys in tables, and 1.4 to 3.2 times that in cells. A
+/// flood of new keys at the bound then spends a bounded share of a core on sweeping.
+/// And a key that expired makes room for a new one within that time.
 const SWEEP_GAP_NS_PER_KEY: u64 = 20;
 
 impl Shard {
@@ -116,8 +121,8 @@ enum Change<'a> {
 }
 
 /// Where a fixed-size state is kept under the lock: in the shard's table, or packed in a
-/// cell (a bucket's, a fixed window's or a sliding window counter's, while it fits one
-/// word: see [`word`]).
+/// cell. A bucket's, a fixed window's or a sliding window counter's state is packed while
+/// it fits one word (see [`word`]).
 enum Place<'a> {
     /// A key with no state yet.
     New,
@@ -148,11 +153,12 @@ impl Table {
     }
 
     /// Decides a request against every policy (see
-    /// [`MemoryStore::decide`](super::MemoryStore::decide)): each limit is decided
-    /// first and nothing is written; then, if `commit`, either every limit's new state
-    /// is written, or, when one denied, none is, and the limits that allowed report
-    /// their state unchanged (a request of cost 0). A policy listed twice is decided
-    /// once. Cells read are pinned until the request is done.
+    /// [`MemoryStore::decide`](super::MemoryStore::decide)).
+    ///
+    /// Each limit is decided first, and nothing is written. Then, if `commit`, every
+    /// limit's new state is written. But when one limit denied, none is. The limits that
+    /// allowed then report their state unchanged, as a request of cost 0. A policy
+    /// listed twice is decided once. Cells read are pinned until the request is done.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn decide(
         &mut self,
@@ -346,10 +352,10 @@ impl Table {
     /// Where the fixed-size state kept under `hash` is, and what it is (a fresh key's,
     /// if new). A cell it is packed in is pinned (see [`Cells::pin`]).
     ///
-    /// A state in the table that is idle at `now` (a fresh key's, as a sweep would find
-    /// it) is dropped here and counted as a new key: else a sweep that a later limit of
-    /// the request makes room with could drop it between its read and its write, and
-    /// with it what the request took.
+    /// A state in the table may be idle at `now`: a fresh key's, as a sweep would find
+    /// it. It is dropped here and counted as a new key. Else a later limit of the
+    /// request could make room with a sweep. That sweep could drop the state between its
+    /// read and its write, and with it what the request took.
     fn find_slot<'a, S: Packs>(
         &mut self,
         cells: Cells<'a>,
@@ -371,10 +377,12 @@ impl Table {
         (Place::New, S::from_slot(FRESH))
     }
 
-    /// Leaves a fixed-size state `next` where `place` says: in the table if it is
-    /// there; in its cell while it packs, moving to the table when it no longer does; a
-    /// new key in a cell if it packs and a level has room, else in the table; a new key
-    /// only if `room` (else it goes untracked, as [`WhenFull::AllowUntracked`] asks).
+    /// Leaves a fixed-size state `next` where `place` says.
+    ///
+    /// A state in the table stays there. A state in its cell stays while it packs, and
+    /// moves to the table when it no longer does. A new key goes in a cell if it packs
+    /// and a level has room, else in the table. A new key is kept only if `room`. Else
+    /// it goes untracked, as [`WhenFull::AllowUntracked`] asks.
     fn write_slot<S: Packs>(
         &mut self,
         cells: Cells<'_>,
@@ -542,10 +550,11 @@ impl Table {
         }
     }
 
-    /// Whether `needed` more keys fit, sweeping idle keys first when that could help:
-    /// below the bound at every doubling of the shard (O(1) a key inserted, cells left by
-    /// a flood aside); at the bound whenever a held key has expired, at most once per the
-    /// shard's sweep gap.
+    /// Whether `needed` more keys fit, sweeping idle keys first when that could help.
+    ///
+    /// Below the bound, it sweeps at every doubling of the shard. That is O(1) a key
+    /// inserted, cells left by a flood aside. At the bound, it sweeps whenever a held
+    /// key has expired, at most once per the shard's sweep gap.
     fn has_room(&mut self, cells: Cells<'_>, now: u64, max: usize, needed: usize) -> bool {
         let held = self.len() + needed;
         if held > self.sweep_at && now >= self.earliest_expiry {

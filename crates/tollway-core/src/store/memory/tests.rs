@@ -314,11 +314,12 @@ fn in_tables<C>(store: &MemoryStore<C>) -> usize {
     shards.map(|shard| shard.table.lock().slots.len()).sum()
 }
 
-/// Replays checks, refunds and charges of one key under `policy` through the store
-/// and through the algorithm's functions, from `start` in steps of 150 ms, and
-/// asserts every decision the same; and that the state sits in a cell until its
-/// instant first reaches `edge`, where it stops packing, and in the table while it
-/// is past it.
+/// Replays checks, refunds and charges of one key under `policy` through the store, and
+/// through the algorithm's functions. It runs from `start` in steps of 150 ms.
+///
+/// It asserts every decision the same. It also asserts that the state sits in a cell
+/// until its instant first reaches `edge`, where it stops packing. Past `edge`, the
+/// state sits in the table.
 #[allow(clippy::type_complexity)]
 fn replay_across_the_edge<S: SlotState + Default>(
     policy: &Policy,

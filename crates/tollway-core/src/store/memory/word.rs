@@ -1,63 +1,95 @@
 //! How a state is written in one 64-bit word of the memory store's lock-free cells.
 //!
-//! - GCRA's and the leaky bucket shaper's state is one instant, the theoretical arrival
-//!   time: the word is that instant, and the state is a fresh key's from then on.
-//! - The token bucket's state (and the leaky bucket meter's, the same) and the fixed
-//!   window's are two integers: an instant from which the state is a fresh key's, and a
-//!   small number, which [`Packs`] fits in `b` bits:
+//! # GCRA and the leaky bucket shaper
 //!
-//!   ```text
-//!   b (5 bits) | instant (59 − b bits) | small number (b bits)
-//!   ```
+//! Their state is one instant, the theoretical arrival time. The word is that instant.
+//! The state is a fresh key's from then on.
 //!
-//!   The instant is written as microseconds from the store's *origin*, its clock when
-//!   it was made, whatever that clock counts from (zero, or the Unix epoch); a fresh
-//!   key's state, both integers 0, has a word of its own.
+//! # The token bucket and the fixed window
 //!
-//!   The token bucket's instant is `full_at`, the microsecond it is full again, and its
-//!   small number `frac`, the ticks of the microsecond before already refilled
-//!   (`frac < limit`; see [`token_bucket`]). A request takes `cost × period` ticks and
-//!   a microsecond refills `limit`, so the states the algorithm makes have `frac` a
-//!   multiple of `g = gcd(limit, period)` (but for a debt capped at 2^52 ticks, which
-//!   may not be, and then goes to the table): the word holds `frac / g < limit / g`, which takes no bits at all
-//!   for the usual quotas, whose limit divides the period (100 a minute, 10 a second).
-//!   The fixed window's instant is the window's end and its small number the count, up
-//!   to the limit: `b` is the bits of the limit (7 for 100 a minute).
+//! The token bucket's state is two integers, and so is the fixed window's. The leaky
+//! bucket meter's is the token bucket's. The first integer is an instant from which the
+//! state is a fresh key's. The second is a small number, which [`Packs`] fits in `b`
+//! bits:
 //!
-//!   The word is exactly the state while the instant is less than `2^(59 − b)` µs after
-//!   the origin: 18,000 years for `b = 0`, at least 285 years for `b ≤ 6`, 143 years for
-//!   a window of 100 a period (`b = 7`), 17.8 years for 1,000 (`b = 10`), 51 days for
-//!   100,000 (`b = 17`), 1.2 hours at worst (`b = 27`, a window of 2^26, the most a
-//!   quota allows). A state past that, or before the origin (a clock set back), does
-//!   not pack: the store keeps it under the shard's lock, in its table, as it keeps the
-//!   other algorithms' (exact, no longer lock-free), and once the clock itself has
-//!   passed the edge, a check under such a quota goes to the lock without looking in
-//!   the cells.
-//! - The sliding window counter's state is an instant and two counts up to the limit
-//!   (the previous window's and the current one's), `l` bits each:
+//! ```text
+//! b (5 bits) | instant (59 − b bits) | small number (b bits)
+//! ```
 //!
-//!   ```text
-//!   30 (5 bits) | l (4 bits) | s (6 bits) | instant in units (49 − 2l bits) | previous (l) | current (l)
-//!   ```
+//! The instant is written as microseconds from the store's *origin*. The origin is the
+//! store's clock when it was made, whatever that clock counts from (zero, or the Unix
+//! epoch). A fresh key's state, both integers 0, has a word of its own.
 //!
-//!   Its instant, the end of a window or of the one after (a multiple of the period), is
-//!   written in units of `2^s` µs from the origin, rounded up, `2^s` being the largest
-//!   power of two up to the period and up to `2^24` (16.8 s): one multiple of the period
-//!   at most falls within a unit, so the state's instant is found again exactly from its
-//!   unit and the period, and a sweep, which knows no period, takes the unit's end (up
-//!   to a unit late, never early). `l ≤ 15`, a limit up to 32,767; the word is exactly
-//!   the state while the instant is at most `2^(49 − 2l + s) − 2^s` µs after the
-//!   origin: 18,000 years for 100 a minute, 8.9 years for 1,000 a second, 407 days for
-//!   10,000 a minute, 12.7 days for 10,000 a second, 76 hours for 32,767 a second, 2.4
-//!   hours at worst (16,384 per 16,384 µs). Past that, or for a larger limit, the state
-//!   is kept under the lock as above.
+//! The token bucket's instant is `full_at`, the microsecond it is full again. Its small
+//! number is `frac`, the ticks of the microsecond before already refilled (`frac <
+//! limit`; see [`token_bucket`]). A request takes `cost × period` ticks, and a
+//! microsecond refills `limit`. So the states the algorithm makes have `frac` a multiple
+//! of `g = gcd(limit, period)`. The exception is a debt capped at 2^52 ticks, which may
+//! not be a multiple, and then goes to the table. The word holds `frac / g < limit / g`.
+//! That takes no bits at all for the usual quotas, whose limit divides the period (100 a
+//! minute, 10 a second).
 //!
-//! A packed word says its own `b` (and a counter's its `l` and `s`), so a window's count
-//! reads the same under whichever limit a reader holds (a split store's count keeps its
-//! key while its share changes; a count that no longer fits the new limit's bits moves
-//! to the table). A cell's key says which form its word has (its top bit: an instant or
-//! a packed word), so a sweep reads when any cell's state becomes a fresh key's without
-//! knowing its policy.
+//! The fixed window's instant is the window's end. Its small number is the count, up to
+//! the limit. So `b` is the bits of the limit (7 for 100 a minute).
+//!
+//! The word is exactly the state while the instant is less than `2^(59 − b)` µs after
+//! the origin:
+//!
+//! | `b` | range |
+//! |---|---|
+//! | 0 | 18,000 years |
+//! | up to 6 | at least 285 years |
+//! | 7, a window of 100 a period | 143 years |
+//! | 10, a window of 1,000 | 17.8 years |
+//! | 17, a window of 100,000 | 51 days |
+//! | 27, a window of 2^26, the most a quota allows | 1.2 hours, the worst |
+//!
+//! A state past that does not pack. Nor does a state before the origin (a clock set
+//! back). The store keeps such a state under the shard's lock, in its table, as it keeps
+//! the other algorithms' states. It stays exact, but is no longer lock-free. Once the
+//! clock itself has passed the edge, a check under such a quota goes to the lock without
+//! looking in the cells.
+//!
+//! # The sliding window counter
+//!
+//! Its state is an instant and two counts up to the limit, `l` bits each. The counts are
+//! the previous window's and the current one's:
+//!
+//! ```text
+//! 30 (5 bits) | l (4 bits) | s (6 bits) | instant in units (49 − 2l bits) | previous (l) | current (l)
+//! ```
+//!
+//! Its instant is the end of a window or of the one after, so a multiple of the period.
+//! It is written in units of `2^s` µs from the origin, rounded up. `2^s` is the largest
+//! power of two up to the period, and at most `2^24` (16.8 s). So at most one multiple of
+//! the period falls within a unit. The state's instant is then found again exactly from
+//! its unit and the period. A sweep knows no period, so it takes the unit's end: up to a
+//! unit late, never early.
+//!
+//! `l ≤ 15`, so the limit is at most 32,767. The word is exactly the state while the
+//! instant is at most `2^(49 − 2l + s) − 2^s` µs after the origin:
+//!
+//! | quota | range |
+//! |---|---|
+//! | 100 a minute | 18,000 years |
+//! | 1,000 a second | 8.9 years |
+//! | 10,000 a minute | 407 days |
+//! | 10,000 a second | 12.7 days |
+//! | 32,767 a second | 76 hours |
+//! | 16,384 per 16,384 µs | 2.4 hours, the worst |
+//!
+//! Past that, or for a larger limit, the state is kept under the lock as above.
+//!
+//! # Reading a word
+//!
+//! A packed word says its own `b`, and a counter's word its `l` and `s`. So a window's
+//! count reads the same under whichever limit a reader holds. A split store's count
+//! keeps its key while its share changes. A count that no longer fits the new limit's
+//! bits moves to the table.
+//!
+//! A cell's key says which form its word has: its top bit tells an instant from a packed
+//! word. So a sweep can read when any cell's state becomes a fresh key's, without knowing
+//! its policy.
 
 use crate::Quota;
 use crate::algorithm::{SlotState, fixed_window, sliding_counter, token_bucket};
@@ -114,8 +146,8 @@ fn pack_pair(instant: u64, small: u64, bits: u32, origin: u64) -> Option<u64> {
 }
 
 /// The instant and small number of a word from [`pack_pair`] with the same `origin`, as
-/// many bits as the word says. (The word's own `b`, not its quota's: a split store's
-/// count keeps one key while its limit changes.)
+/// many bits as the word says. That is the word's own `b`, not its quota's. A split
+/// store's count keeps one key while its limit changes.
 #[inline]
 fn unpack_pair(word: u64, origin: u64) -> (u64, u64) {
     if word == FRESH {
@@ -132,10 +164,11 @@ fn unpack_pair(word: u64, origin: u64) -> (u64, u64) {
 /// docs). Its instant is written as microseconds from `origin`, the store's clock when
 /// the store was made.
 pub(crate) trait Packs: SlotState {
-    /// Whether a check at `now` under `quota` looks for its state in the cells: not once
-    /// `now` is past the quota's edge after the origin, when no state that is not a
-    /// fresh key's (its instant later than `now`) packs; nor before the origin (a clock
-    /// set back), when the lock finds any that is.
+    /// Whether a check at `now` under `quota` looks for its state in the cells.
+    ///
+    /// Not once `now` is past the quota's edge after the origin. A state that is not a
+    /// fresh key's has its instant later than `now`, so then no such state packs. Nor
+    /// before the origin (a clock set back). Then the lock finds any state that packs.
     fn may_pack(now: u64, quota: &Quota, origin: u64) -> bool;
     /// The state as one word under `quota`, if it fits.
     fn pack(self, quota: &Quota, origin: u64) -> Option<u64>;
@@ -314,7 +347,7 @@ mod tests {
     }
 
     /// Every state a run of checks, refunds and charges makes packs and unpacks to
-    /// itself, and says when it is full again; a state before the origin, or past the
+    /// itself, and says when it is full again. A state before the origin, or past the
     /// range after it, does not pack.
     #[test]
     fn token_bucket_states_pack_exactly() {
@@ -403,9 +436,9 @@ mod tests {
     }
 
     /// Every sliding window counter state a run of checks and refunds makes packs and
-    /// unpacks to itself, and says it is fresh again at the end of the unit its instant
-    /// falls in (up to a period late); past the range, before the origin, or with counts
-    /// of more than 15 bits, it does not pack.
+    /// unpacks to itself. It says it is fresh again at the end of the unit its instant
+    /// falls in, up to a period late. It does not pack past the range, before the
+    /// origin, or with counts of more than 15 bits.
     #[test]
     fn sliding_counter_states_pack_exactly() {
         use crate::algorithm::sliding_counter::{self, State};

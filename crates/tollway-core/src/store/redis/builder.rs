@@ -83,16 +83,21 @@ impl RedisStoreBuilder {
 
     /// Passes `clock`'s time to the scripts instead of reading the server's `TIME`.
     ///
-    /// Every node must then count from the same origin (use [`crate::SystemClock`], or a
-    /// manual clock in tests), and skew between nodes moves their decisions. Measured
-    /// with two gateways 500 ms apart sending 600 requests over 3 s at 10 per second
-    /// (`tests/redis`, `clock_skew_...`): the buckets, GCRA and the fixed window admitted
-    /// one more than with agreeing clocks (40 for 39; 41 for 40), the sliding log five
-    /// more (35 for 30), the sliding counter five fewer (30 for 35). Keep clocks
-    /// synchronised well within the period, or keep the default (server time). Keys live
-    /// a little longer than their state needs (see
-    /// [`RedisStoreBuilder::grace`], default 1 s in this mode), since Redis expires them
-    /// by its own clock.
+    /// Every node must then count from the same origin. Use [`crate::SystemClock`], or a
+    /// manual clock in tests. Skew between nodes moves their decisions.
+    ///
+    /// `tests/redis` (`clock_skew_...`) measures this. Two gateways 500 ms apart send 600
+    /// requests over 3 s at 10 per second. They admit, against agreeing clocks:
+    ///
+    /// | algorithm | skewed | admitted, skewed for agreeing |
+    /// |---|---|---|
+    /// | the buckets, GCRA, the fixed window | one more | 40 for 39; 41 for 40 |
+    /// | the sliding log | five more | 35 for 30 |
+    /// | the sliding counter | five fewer | 30 for 35 |
+    ///
+    /// Keep clocks synchronised well within the period, or keep the default (server
+    /// time). Redis expires keys by its own clock. So keys live a little longer than
+    /// their state needs: see [`RedisStoreBuilder::grace`], default 1 s in this mode.
     pub fn caller_time(mut self, clock: impl Clock) -> Self {
         self.clock = Some(Arc::new(clock));
         if self.grace.is_zero() {
@@ -101,11 +106,12 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Remembers up to `entries` unit-cost denials and answers them locally until they
-    /// expire (default 65,536; 0 turns the cache off). Its answers are the ones Redis
-    /// would give and it never admits anything, so it is on by default; a flood from one
-    /// key then costs Redis about one call per node per retry period instead of one per
-    /// request.
+    /// Remembers up to `entries` unit-cost denials, and answers them locally until they
+    /// expire. The default is 65,536. 0 turns the cache off.
+    ///
+    /// Its answers are the ones Redis would give, and it never admits anything. So it is
+    /// on by default. A flood from one key then costs Redis about one call per node per
+    /// retry period, instead of one per request.
     pub fn deny_cache(mut self, entries: usize) -> Self {
         self.deny_cache = entries;
         self
@@ -117,10 +123,10 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The breaker: after `threshold` failed calls in a row (a timeout, a lost
-    /// connection) Redis is not called for `cool_down`, then one call probes it (default:
-    /// 5 failures, 250 ms). While it is open a decision costs microseconds, not a
-    /// timeout, and comes from the local fallback.
+    /// The breaker: after `threshold` failed calls in a row, Redis is not called for
+    /// `cool_down`. Then one call probes it. A failed call is a timeout or a lost
+    /// connection. The default is 5 failures and 250 ms. While the breaker is open, a
+    /// decision costs microseconds, not a timeout. It comes from the local fallback.
     pub fn breaker(mut self, threshold: u32, cool_down: Duration) -> Self {
         self.breaker = Some((threshold, cool_down));
         self
@@ -133,30 +139,34 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// While Redis cannot decide (a failed call, an open breaker), decide locally, in
-    /// this node's memory, giving it `share` of each quota (0 < share <= 1): with ten
-    /// gateways, 0.1, so that the fleet as a whole stays near the limit. The default is
-    /// a local fallback with share 1 (each node alone may admit a whole quota): neither
-    /// wide open nor closed.
+    /// While Redis cannot decide, decide locally, in this node's memory.
+    ///
+    /// Redis cannot decide after a failed call, or while the breaker is open. The node
+    /// then gets `share` of each quota (0 < share <= 1). With ten gateways, use 0.1. So
+    /// the fleet as a whole stays near the limit. The default is a local fallback with
+    /// share 1: each node alone may admit a whole quota. That is neither wide open nor
+    /// closed.
     pub fn local_fallback(mut self, share: f64) -> Self {
         self.fallback_share = Some(share);
         self
     }
 
-    /// No local fallback: a decision Redis cannot make is an error, and the layer
-    /// answers it as its `on_store_error` setting says — lets the request through (fail
-    /// open, its default) or refuses it (fail closed).
+    /// No local fallback: a decision Redis cannot make is an error.
+    ///
+    /// The layer answers it as its `on_store_error` setting says. It lets the request
+    /// through (fail open, its default), or refuses it (fail closed).
     pub fn without_local_fallback(mut self) -> Self {
         self.fallback_share = None;
         self
     }
 
-    /// Trusts only the CA certificate(s) in `pem` (PEM text) for the `rediss://` URLs
-    /// passed to [`RedisStoreBuilder::connect`] or [`RedisStoreBuilder::connect_cluster`]
-    /// (every node the cluster's slot map names, too), instead of the system's root
-    /// certificates: for servers whose certificates a private CA signed. A server's
-    /// certificate must still be valid for its host; a URL that is not `rediss://` is
-    /// refused.
+    /// Trusts only the CA certificate(s) in `pem` (PEM text), instead of the system's
+    /// root certificates. This is for servers whose certificates a private CA signed.
+    ///
+    /// It applies to the `rediss://` URLs passed to [`RedisStoreBuilder::connect`] or
+    /// [`RedisStoreBuilder::connect_cluster`]. It applies to every node the cluster's slot
+    /// map names, too. A server's certificate must still be valid for its host. A URL
+    /// that is not `rediss://` is refused.
     #[cfg(feature = "tls")]
     pub fn tls_root_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.tls_root = Some(pem.into());
@@ -278,9 +288,9 @@ impl RedisStoreBuilder {
     ///
     /// # Errors
     ///
-    /// When the prefix or timeout is invalid, the URL cannot be parsed, the server cannot
-    /// be reached within the timeout, refuses the credentials, or (TLS) presents a
-    /// certificate that does not verify.
+    /// When the prefix or timeout is invalid, or the URL cannot be parsed. When the
+    /// server cannot be reached within the timeout, or refuses the credentials. With
+    /// TLS, when the server presents a certificate that does not verify.
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
         self.validate().map_err(config_error)?;
         let client = self.client(url)?;
@@ -309,10 +319,11 @@ impl RedisStoreBuilder {
         self.build(Backend::Manager(manager)).map_err(config_error)
     }
 
-    /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` URLs):
-    /// the client learns the slot map, sends each script to the master that owns its
-    /// keys (one hash tag per key, so never `CROSSSLOT`), and follows `MOVED` and `ASK`
-    /// during resharding and failover.
+    /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` URLs).
+    ///
+    /// The client learns the slot map. It sends each script to the master that owns its
+    /// keys. There is one hash tag per key, so never `CROSSSLOT`. It follows `MOVED` and
+    /// `ASK` during resharding and failover.
     ///
     /// With the `tls` feature, `rediss://host:port` nodes are reached over TLS (every
     /// node then, the ones the slot map names too), verified as for
@@ -433,12 +444,13 @@ fn ensure_crypto_provider() {
     }
 }
 
-/// The store's connections send each call at once (`TCP_NODELAY`): calls are small and
-/// pipelined on one connection, and with Nagle's algorithm (redis-rs's default) a call
-/// made while another's reply is on its way waits for that reply's acknowledgement — on
-/// a network with delayed acknowledgements, tens of milliseconds (measured across a
-/// simulated 20 ms round trip: 34 ms a decision at the median instead of 24; see
-/// BENCHMARKS.md). Connections a user hands over (`with_manager`, a pool) keep theirs.
+/// The store's connections send each call at once (`TCP_NODELAY`).
+///
+/// Calls are small and pipelined on one connection. Nagle's algorithm is redis-rs's
+/// default. With it, a call made while another's reply is on its way waits for that
+/// reply's acknowledgement. On a network with delayed acknowledgements, that is tens of
+/// milliseconds. `BENCHMARKS.md` has the measured cost. Connections a user hands over
+/// (`with_manager`, a pool) keep their own setting.
 fn tcp_settings() -> redis::io::tcp::TcpSettings {
     redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }

@@ -12,18 +12,22 @@ use crate::{Decision, Decisions, Denial, Policy};
 
 /// Refusals of unit-cost requests that Redis gave, answered locally while they hold.
 ///
-/// Once Redis refuses a one-unit request because a limit is out of units until `T`, that
-/// limit has less than one unit until `T`: time only refills it, and a request of any
-/// cost can only make it emptier. The same request (same key, same limits) is therefore
-/// refused until the earliest such `T` among its denying limits, by every node, and each
-/// node may answer it itself until then: the denying limits' decisions are the ones Redis
-/// would give, field by field (remaining 0, the retry and reset times counted down); the
-/// limits that did not deny report what Redis said of them at the refusal (their reset
-/// counted down, their remaining as it was then: a little low, never high). It never
-/// admits anything. A flood from one key then costs Redis about one call per node per
-/// retry period instead of one per request. (Counting down uses this node's clock: with
-/// the server's `TIME`, local and server time differ by the call's latency, so a local
-/// refusal can outlast Redis's by that much.)
+/// Say Redis refuses a one-unit request because a limit is out of units until `T`.
+/// Then that limit has less than one unit until `T`. Time only refills it, and a request
+/// of any cost can only make it emptier. So every node refuses the same request (same
+/// key, same limits) until the earliest such `T` among its denying limits. Each node may
+/// answer it itself until then.
+///
+/// The local answer is the one Redis would give, field by field, for the denying
+/// limits. Their remaining is 0, and their retry and reset times are counted down. The
+/// limits that did not deny report what Redis said of them at the refusal. Their reset
+/// is counted down. Their remaining is as it was then: a little low, never high.
+///
+/// The cache never admits anything. A flood from one key then costs Redis about one call
+/// per node per retry period, instead of one per request.
+///
+/// Counting down uses this node's clock. With the server's `TIME`, local and server time
+/// differ by the call's latency. So a local refusal can outlast Redis's by that much.
 pub(super) struct DenyCache {
     clock: Arc<dyn Clock>,
     hasher: foldhash::quality::RandomState,

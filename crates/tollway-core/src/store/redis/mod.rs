@@ -28,42 +28,54 @@ pub const MAX_LITERAL_KEY: usize = 96;
 
 /// Limiter state in Redis, shared by every process that uses the same server and prefix.
 ///
-/// Each request is one `EVALSHA` of one Lua script (the twins of the Rust functions, in
-/// `lua/`) that decides all of the request's limits at once, all or nothing, so
-/// concurrent requests from any number of nodes are decided one at a time and can never
-/// over-admit, and a request refused by one limit is charged by none. The script is
-/// loaded on first use and reloaded transparently after `SCRIPT FLUSH`, a restart or a
-/// failover (`NOSCRIPT`).
+/// Each request is one `EVALSHA` of one Lua script. The scripts are the twins of the
+/// Rust functions, in `lua/`. The script decides all of the request's limits at once,
+/// all or nothing. So concurrent requests from any number of nodes are decided one at a
+/// time, and can never over-admit. A request refused by one limit is charged by none.
+/// The script is loaded on first use. It is reloaded transparently after `SCRIPT FLUSH`,
+/// a restart or a failover (`NOSCRIPT`).
 ///
-/// **Time** comes from the server (`redis.call('TIME')`) by default, so clock skew
-/// between gateways cannot widen a limit; [`RedisStoreBuilder::caller_time`] passes the
-/// caller's clock instead, for services that reject `TIME` in scripts, and for tests.
-/// On the server's clock a key is written to expire at the instant (`PXAT`,
-/// `PEXPIREAT`: Redis 6.2 or later) its state becomes equivalent to a fresh one, counted
-/// from the `TIME` the script read.
+/// # Time
 ///
-/// **Keys** are `prefix:{key}:policy:id`, one per limit: the braces are a hash tag, so
-/// all of a caller's limits share a cluster slot and one script decides them; `id` is
-/// [`Policy::id`] in hex, so a changed quota or algorithm starts afresh. User keys of up
-/// to 96 bytes of `A-Z a-z 0-9 . : _ - @ + = /` are kept readable; any other key
-/// (braces, spaces, binary, long) is replaced by `#` and 32 hex digits of its SHA-256,
-/// so a caller can neither move its key to another slot nor bloat Redis with a huge key.
+/// Time comes from the server (`redis.call('TIME')`) by default. So clock skew between
+/// gateways cannot widen a limit. [`RedisStoreBuilder::caller_time`] passes the caller's
+/// clock instead, for services that reject `TIME` in scripts, and for tests.
 ///
-/// **When Redis is slow or gone**, each call fails after the store's timeout (100 ms by
-/// default), and a breaker built in (see [`RedisStoreBuilder::breaker`]) stops calling
-/// Redis after five failures in a row, so a dead Redis costs microseconds a request,
-/// not a timeout; it probes Redis again every 250 ms. Meanwhile decisions come from a
-/// local fallback limiter in this node's memory, which gives the node its share of each
-/// quota ([`RedisStoreBuilder::local_fallback`]): the limit still holds, neither wide
-/// open nor closed. Without the fallback
-/// ([`RedisStoreBuilder::without_local_fallback`]), failures are errors, which the layer
-/// answers by letting requests through or refusing them, as configured.
+/// On the server's clock, a key is written to expire at the instant its state becomes
+/// equivalent to a fresh one. That instant is counted from the `TIME` the script read.
+/// The expiry uses `PXAT` and `PEXPIREAT`, so it needs Redis 6.2 or later.
 ///
-/// **Connections**: by default one multiplexed connection (a redis-rs
-/// `ConnectionManager`, which reconnects by itself) pipelines every concurrent call. It
-/// carries more calls a second than a pool that checks out a connection per call
-/// (`cargo bench -p tollway-core --features redis,deadpool --bench redis_store`). An existing `deadpool_redis::Pool` (feature `deadpool`) or
-/// `ConnectionManager` is accepted too.
+/// # Keys
+///
+/// Keys are `prefix:{key}:policy:id`, one per limit. The braces are a hash tag. So all
+/// of a caller's limits share a cluster slot, and one script decides them. `id` is
+/// [`Policy::id`] in hex, so a changed quota or algorithm starts afresh.
+///
+/// User keys of up to 96 bytes of `A-Z a-z 0-9 . : _ - @ + = /` are kept readable. Any
+/// other key is replaced by `#` and 32 hex digits of its SHA-256: braces, spaces,
+/// binary, or a longer key. So a caller can neither move its key to another slot, nor
+/// bloat Redis with a huge key.
+///
+/// # When Redis is slow or gone
+///
+/// Each call fails after the store's timeout, 100 ms by default. A breaker is built in
+/// (see [`RedisStoreBuilder::breaker`]). It stops calling Redis after five failures in a
+/// row. So a dead Redis costs microseconds a request, not a timeout. The breaker probes
+/// Redis again every 250 ms.
+///
+/// Meanwhile decisions come from a local fallback limiter in this node's memory. It
+/// gives the node its share of each quota ([`RedisStoreBuilder::local_fallback`]). So
+/// the limit still holds, neither wide open nor closed. Without the fallback
+/// ([`RedisStoreBuilder::without_local_fallback`]), failures are errors. The layer
+/// answers them by letting requests through or refusing them, as configured.
+///
+/// # Connections
+///
+/// By default one multiplexed connection pipelines every concurrent call. It is a
+/// redis-rs `ConnectionManager`, which reconnects by itself. It carries more calls a
+/// second than a pool that checks out a connection per call (`cargo bench -p
+/// tollway-core --features redis,deadpool --bench redis_store`). An existing
+/// `deadpool_redis::Pool` (feature `deadpool`) or `ConnectionManager` is accepted too.
 ///
 /// # Examples
 ///
@@ -189,9 +201,10 @@ impl RedisStore {
         }
     }
 
-    /// Decides like [`Store::check`] on the server's clock, whatever the builder chose,
-    /// straight to Redis (no deny cache, breaker or fallback), and returns the time the
-    /// script read from `TIME` (µs since the Unix epoch) beside the decisions.
+    /// Decides like [`Store::check`] on the server's clock, whatever the builder chose.
+    ///
+    /// It goes straight to Redis: no deny cache, breaker or fallback. It returns the
+    /// time the script read from `TIME` (µs since the Unix epoch) beside the decisions.
     ///
     /// For tests that compare the scripts with the Rust functions in server-time mode: the
     /// function fed this time must decide the same. Not a stable API.
@@ -370,10 +383,10 @@ impl Store for Scripts {
         self.call(key, policies, Kind::Check, cost, entry)
     }
 
-    /// A peek asks Redis (the deny cache answers only requests); a charge, refund or
-    /// reset also makes this node forget the refusals it remembers for the key, whose
-    /// times it changed. (Other nodes answer theirs until they run out: at most the
-    /// retry time they gave.)
+    /// A peek asks Redis: the deny cache answers only requests. A charge, refund or reset
+    /// also makes this node forget the refusals it remembers for the key, whose times it
+    /// changed. Other nodes answer theirs until they run out: at most the retry time they
+    /// gave.
     fn operate(
         &self,
         key: &[u8],

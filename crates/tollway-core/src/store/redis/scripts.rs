@@ -101,9 +101,12 @@ pub(super) enum Kind {
 }
 
 impl Call {
-    /// `EVALSHA`, and on `NOSCRIPT` (after `SCRIPT FLUSH`, a restart, a failover, or a
-    /// cluster node that never saw the script) `EVAL` of the source, which also caches
-    /// it on that node: the call goes to the node that owns the keys either way.
+    /// `EVALSHA`, and on `NOSCRIPT` `EVAL` of the source, which also caches it on that
+    /// node.
+    ///
+    /// `NOSCRIPT` comes after `SCRIPT FLUSH`, a restart or a failover, or from a cluster
+    /// node that never saw the script. The call goes to the node that owns the keys
+    /// either way.
     pub(super) async fn invoke(
         &self,
         con: &mut impl ConnectionLike,

@@ -12,11 +12,12 @@ pub type BoardFuture<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + S
 /// A region's notice board: where the regions post what they ask of a limit, for each
 /// region's [`SplitStore`](crate::SplitStore) to read.
 ///
-/// A post adds its notes to a topic (a note of the same name is replaced) all at once: a
-/// reader sees every note of a post or none of them. Implemented by
-/// [`MemoryStore`](crate::MemoryStore) (notes kept beside its limits, for one process)
-/// and by the Redis store (a hash a topic, written in one transaction with its expiry,
-/// read with one `HGETALL`).
+/// A post adds its notes to a topic all at once. A note of the same name is replaced. A
+/// reader sees every note of a post, or none of them.
+///
+/// [`MemoryStore`](crate::MemoryStore) implements it, with notes kept beside its limits,
+/// for one process. So does the Redis store, with a hash a topic. The hash is written in
+/// one transaction with its expiry, and read with one `HGETALL`.
 pub trait Board: Send + Sync + 'static {
     /// Adds `notes` (name, value) to `topic`, all at once; the topic is kept for `keep`
     /// after its last post.

@@ -7,10 +7,12 @@ use super::{Board, BoardFuture};
 use crate::RedisStore;
 
 /// Notes in Redis, for a [`SplitStore`](crate::SplitStore): a hash a topic, under
-/// `{prefix}:board:{topic}`, written with one `HSET` and given the post's expiry in the
-/// same transaction (`MULTI`/`EXEC`: a reader sees a post whole or not at all, and it
-/// expires), read with one `HGETALL`; both through the store's connections and within
-/// its timeout.
+/// `{prefix}:board:{topic}`.
+///
+/// A post is written with one `HSET`, and given the post's expiry in the same
+/// transaction (`MULTI`/`EXEC`). So a reader sees a post whole or not at all, and it
+/// expires. It is read with one `HGETALL`. Both go through the store's connections,
+/// within its timeout.
 impl Board for RedisStore {
     fn post(&self, topic: &str, notes: Vec<(Vec<u8>, u64)>, keep: Duration) -> BoardFuture<()> {
         if notes.is_empty() {

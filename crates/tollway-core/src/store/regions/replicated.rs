@@ -17,46 +17,59 @@ use super::{Failing, one_region_only};
 use crate::store::{Checked, Operation, Store};
 use crate::{ConfigError, Decisions, Policy, StoreError};
 
-/// A region's store that also tells the other regions what it admitted, so that each
-/// region decides against its own store — one round trip to a nearby Redis — and still
-/// counts what the others admitted.
+/// A region's store that also tells the other regions what it admitted.
 ///
-/// Every request this region admits is charged, in the background, to each other
-/// region's store ([`Operation::Charge`] of its cost, under the same key and policies),
-/// at most `sync_every` later (default 50 ms), by a task a peer. A decision therefore
-/// counts this region's own consumption and every other region's as of its last sync:
-/// the state in each region's store is the whole fleet's, late by the *staleness* `S` —
-/// the sync interval plus the one-way latency to the peer (rounds do not wait for each
-/// other's answers).
+/// Each region decides against its own store, one round trip to a nearby Redis. It
+/// still counts what the others admitted.
 ///
-/// **The bound.** Against one global store, a region admits too much only by what the
-/// other regions admitted in the last `S` that it has not heard of yet: in any period,
-/// at most `(regions − 1) × (r × S + 1)` requests more than the quota allows, where `r`
-/// is the rate at which one region admits (at most its callers' rate). Traffic from one
-/// region alone is decided exactly. The same holds for every algorithm, since a charge
-/// is consumption arriving late: the token bucket, leaky bucket and GCRA owe what their
-/// budget cannot take (up to a capacity: a backlog larger than that after a long
-/// partition is cut there); a window algorithm counts up to its limit, and a charge
-/// that arrives after its window ended lands in the next one (so it refuses a little
-/// early, never late); the sliding log takes late charges as entries made now, which
-/// expire later than they would have (again only ever refusing early).
+/// Every request this region admits is charged to each other region's store, in the
+/// background. The charge is an [`Operation::Charge`] of its cost, under the same key
+/// and policies. It arrives at most `sync_every` later (default 50 ms). Each peer has a
+/// task of its own that sends its charges.
 ///
-/// **Failure.** Nothing on the request path waits for another region. A peer that
-/// cannot be reached (a partition, a timeout) keeps what it is owed, merged per key and
-/// policies, and gets it when it can be reached again; meanwhile each side decides on
-/// what it knows, so a partition lets the regions admit up to a quota each. A peer owed
-/// for more than `max_pending` keys drops the charges of further new keys (counted in
-/// [`dropped`](Self::dropped)), so a long partition under a flood of new keys cannot
-/// exhaust memory.
+/// So a decision counts this region's own consumption, and every other region's as of
+/// its last sync. The state in each region's store is the whole fleet's, late by the
+/// *staleness* `S`. `S` is the sync interval plus the one-way latency to the peer.
+/// Rounds do not wait for each other's answers.
 ///
-/// Only admissions are replicated: a peek, charge or drain through [`Store::operate`]
-/// acts on this region's store alone, and a reset or refund is refused with an error (in
-/// one region it would be undone by the others' state): apply it to each region's own
-/// store. A peer that stops answering is logged at warn once, and once when it answers
-/// again.
+/// # The bound
 ///
-/// The sync tasks run on the tokio runtime the store is built in, and stop when the last
-/// clone of the store is dropped.
+/// Compare this with one global store. A region admits too much only by what the other
+/// regions admitted in the last `S`, that it has not heard of yet. In any period, that
+/// is at most `(regions − 1) × (r × S + 1)` requests more than the quota allows. Here
+/// `r` is the rate at which one region admits, at most its callers' rate. Traffic from
+/// one region alone is decided exactly.
+///
+/// The same holds for every algorithm, since a charge is consumption arriving late:
+///
+/// - The token bucket, leaky bucket and GCRA owe what their budget cannot take. They owe
+///   up to a capacity. A larger backlog, after a long partition, is cut there.
+/// - A window algorithm counts up to its limit. A charge that arrives after its window
+///   ended lands in the next one. So it refuses a little early, never late.
+/// - The sliding log takes late charges as entries made now. They expire later than they
+///   would have. Again it only ever refuses early.
+///
+/// # Failure
+///
+/// Nothing on the request path waits for another region. A peer may not be reachable:
+/// a partition, a timeout. It keeps what it is owed, merged per key and policies, and
+/// gets it when it can be reached again. Meanwhile each side decides on what it knows.
+/// So a partition lets the regions admit up to a quota each.
+///
+/// A peer owed for more than `max_pending` keys drops the charges of further new keys.
+/// [`dropped`](Self::dropped) counts them. So a long partition under a flood of new keys
+/// cannot exhaust memory.
+///
+/// A peer that stops answering is logged at warn once, and once when it answers again.
+///
+/// # Operations
+///
+/// Only admissions are replicated. A peek, charge or drain through [`Store::operate`]
+/// acts on this region's store alone. A reset or refund is refused with an error: in one
+/// region, the others' state would undo it. Apply it to each region's own store.
+///
+/// The sync tasks run on the tokio runtime the store is built in. They stop when the
+/// last clone of the store is dropped.
 ///
 /// # Examples
 ///
@@ -159,7 +172,7 @@ impl<S: Store + Clone> ReplicatedStore<S> {
     }
 
     /// Tells every peer now what it is owed, and returns when each has answered or
-    /// failed (what failed stays owed): for tests, and before a planned shutdown.
+    /// failed. What failed stays owed. For tests, and before a planned shutdown.
     pub async fn sync_now(&self) {
         let mut all = tokio::task::JoinSet::new();
         for i in 0..self.inner.peers.len() {
@@ -372,11 +385,12 @@ impl<S: Store + Clone> ReplicatedStoreBuilder<S> {
     }
 }
 
-/// Peer `i`'s sync task: every `every`, what it is owed, while the store lives. A round
-/// does not wait for the one before to be answered (a round trip can be longer than the
-/// interval): each takes what is owed when it starts, so rounds in flight never carry
-/// the same units, and what a round fails to deliver is owed again for a later one. A
-/// peer that does not answer has at most `timeout / every` rounds in flight.
+/// Peer `i`'s sync task: every `every`, what it is owed, while the store lives.
+///
+/// A round does not wait for the one before to be answered: a round trip can be longer
+/// than the interval. Each round takes what is owed when it starts. So rounds in flight
+/// never carry the same units. What a round fails to deliver is owed again for a later
+/// one. A peer that does not answer has at most `timeout / every` rounds in flight.
 async fn sync_forever<S: Store + Clone>(store: Weak<Inner<S>>, i: usize, every: Duration) {
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

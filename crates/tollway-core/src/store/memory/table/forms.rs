@@ -11,9 +11,10 @@ use crate::store::memory::word;
 use crate::{Decision, Policy, Quota};
 
 /// What a charge or drain (see [`Operation`]) takes as a request from a state with
-/// `left` units (`remaining` units always fit), and what it then owes: a charge takes
-/// whatever is left, if less, and owes what did not fit; a drain takes what is left over
-/// its `keep`.
+/// `left` units, and what it then owes. (`remaining` units always fit.)
+///
+/// A charge takes whatever is left, if less, and owes what did not fit. A drain takes
+/// what is left over its `keep`.
 fn take_and_owe(operation: Operation, left: u64) -> (u32, u32) {
     match operation {
         Operation::Charge(units) => {

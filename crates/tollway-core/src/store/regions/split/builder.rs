@@ -57,8 +57,10 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
     }
 
     /// Another region, `name`d as it names itself, and its store (its board) as this
-    /// region reaches it. A peer named otherwise is never heard from, and this region
-    /// then counts it as asking for everything (safe, but this region's shares shrink).
+    /// region reaches it.
+    ///
+    /// A peer named otherwise is never heard from. This region then counts it as asking
+    /// for everything. That is safe, but this region's shares shrink.
     pub fn peer(mut self, name: impl Into<String>, store: S) -> Self {
         self.peers.push((name.into(), store));
         self
@@ -71,10 +73,11 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
         self
     }
 
-    /// How long before each window's end this region posts its demand (default: a
-    /// quarter of the policy's period; at most half of it); it reads the others' half
-    /// the lead later, so half the lead must cover a post: the write on this region's
-    /// board, then the way to the others'.
+    /// How long before each window's end this region posts its demand.
+    ///
+    /// The default is a quarter of the policy's period, and the most is half of it. The
+    /// region reads the others' posts half the lead later. So half the lead must cover a
+    /// post: the write on this region's board, then the way to the others'.
     pub fn lead(mut self, lead: Duration) -> Self {
         self.lead = Some(lead);
         self
@@ -87,27 +90,31 @@ impl<S: Store + Board + Clone> SplitStoreBuilder<S> {
         self
     }
 
-    /// How many keys a window's demand is counted for (default 100,000); further new
-    /// keys are taken to ask nothing, so their shares come from the others' asks. (The
-    /// local store's own bound wants room for about three windows of keys: a window's
-    /// counts are kept until a span of 3 or more periods around it ends, rarely more
-    /// than 5.)
+    /// How many keys a window's demand is counted for (default 100,000).
+    ///
+    /// Further new keys are taken to ask nothing, so their shares come from the others'
+    /// asks. The local store's own bound wants room for about three windows of keys. A
+    /// window's counts are kept until a span of 3 or more periods around it ends. The
+    /// span is rarely more than 5.
     pub fn max_keys(mut self, keys: usize) -> Self {
         self.max_keys = keys;
         self
     }
 
-    /// Builds the store: reads what an earlier process under this region's name posted
-    /// (from this region's board; if it cannot be read, this region counts itself as
-    /// asking nothing for this window and the next), then starts the exchange, a task a
-    /// policy, on the current tokio runtime.
+    /// Builds the store, then starts the exchange on the current tokio runtime, a task
+    /// a policy.
+    ///
+    /// First it reads what an earlier process under this region's name posted, from
+    /// this region's board. If the board cannot be read, this region counts itself as
+    /// asking nothing for this window and the next.
     ///
     /// # Errors
     ///
-    /// Without a peer or a policy; with a policy that is not a fixed window, declared
-    /// twice, or whose period times 64 passes 2^50 µs; with a region or peer name that
-    /// is empty, has a zero byte, or repeats; with a lead of zero or over half a
-    /// policy's period; with a timeout or `max_keys` of zero; outside a tokio runtime.
+    /// When there is no peer or no policy. When a policy is not a fixed window, is
+    /// declared twice, or has a period that times 64 passes 2^50 µs. When a region or
+    /// peer name is empty, has a zero byte, or repeats. When a lead is zero, or over
+    /// half a policy's period. When a timeout or `max_keys` is zero. When called
+    /// outside a tokio runtime.
     pub async fn build(self) -> Result<SplitStore<S>, ConfigError> {
         if self.peers.is_empty() || self.policies.is_empty() {
             return Err(ConfigError::new(

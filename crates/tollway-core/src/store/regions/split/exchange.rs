@@ -32,12 +32,15 @@ fn whole_window(asked: u64, period: u64, elapsed: u64) -> u64 {
 
 impl<S: Store + Board + Clone> Inner<S> {
     /// Posts this region's demand of `window` under split `i`, once a window and only
-    /// within it: first on its own board (where a later process under its name reads
-    /// it), then — only once that is written — on every peer's. The post is never
-    /// repeated: a peer sees it whole or not at all, and never two versions of it. The
-    /// peers' posts are under way when this returns (the collection does not wait for
-    /// their answers, which take a round trip): the set ends when each has been answered
-    /// or has failed.
+    /// within it.
+    ///
+    /// It posts first on its own board, where a later process under its name reads it.
+    /// Only once that is written does it post on every peer's. The post is never
+    /// repeated. A peer sees it whole or not at all, and never two versions of it.
+    ///
+    /// The peers' posts are under way when this returns. The collection does not wait
+    /// for their answers, which take a round trip. The set ends when each has been
+    /// answered or has failed.
     pub(super) async fn report(&self, i: usize, window: u64) -> tokio::task::JoinSet<()> {
         let mut posts = tokio::task::JoinSet::new();
         let split = &self.splits[i];
@@ -131,10 +134,10 @@ impl<S: Store + Board + Clone> Inner<S> {
         Ok(posted)
     }
 
-    /// Reads this region's board for `window` under split `i` and fixes this region's
-    /// shares of the next window — only while `window` lasts, so that a window's shares
-    /// never change once it has begun. A window this region has not posted for by then
-    /// is closed: it will post nothing for it.
+    /// Reads this region's board for `window` under split `i`, and fixes this region's
+    /// shares of the next window. It does so only while `window` lasts. So a window's
+    /// shares never change once it has begun. A window this region has not posted for by
+    /// then is closed: it will post nothing for it.
     pub(super) async fn collect(&self, i: usize, window: u64) {
         let split = &self.splits[i];
         let period = split.policy.quota().period_micros();
@@ -205,9 +208,11 @@ impl<S: Store + Board + Clone> Inner<S> {
     }
 
     /// What an earlier process under this region's name posted for the window before
-    /// `now`'s and for `now`'s, from this region's board (where a post goes before any
-    /// peer's): so that this one neither posts a second version nor counts a post the
-    /// others read as none.
+    /// `now`'s and for `now`'s.
+    ///
+    /// It is read from this region's board, where a post goes before any peer's. So this
+    /// process neither posts a second version, nor counts as none a post the others
+    /// read.
     pub(super) async fn recover(&self, i: usize) {
         let period = self.splits[i].policy.quota().period_micros();
         let window = self.clock.now_micros() / period;

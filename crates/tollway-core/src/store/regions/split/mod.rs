@@ -30,68 +30,92 @@ use crate::{
     Algorithm, Clock, ConfigError, Decision, Decisions, Policy, Quota, StoreError, StoreErrorKind,
 };
 
-/// A region's store that admits only this region's share of each limit, so that the
-/// regions together never admit more than the limit — each deciding against its own
-/// store, one round trip to a nearby Redis, with nothing on the request path crossing to
+/// A region's store that admits only this region's share of each limit.
+///
+/// The regions together never admit more than the limit. Each decides against its own
+/// store, one round trip to a nearby Redis. Nothing on the request path crosses to
 /// another region.
 ///
-/// **Shares.** Every window of a fixed-window policy, each region counts what its callers
-/// ask of each key (admitted or not; [`Operation`]s are not demand), and a *lead* before
-/// the window's end (a quarter of the window by default) posts that demand — scaled to a
-/// whole window — on its own [`Board`] and then on every other region's, all keys in one
-/// post. Half the lead later it reads its own board and fixes, for the next window, its
-/// share of each key's limit from everyone's demand: max-min fair (where all asks fit,
-/// each region gets its ask and an even part of what is left; else each gets its ask up
-/// to the highest level the limit allows). A region computes only its own share; the
-/// shares of all regions, computed from the same asks, add up to at most the limit.
+/// # Shares
 ///
-/// **Never over-admits.** A region that has not heard from another — its post was lost,
-/// late, cut off, or made with another list of regions — counts that region as asking
-/// for everything; a region that posted nothing for a window counts itself so too.
-/// Asking more elsewhere can only shrink a region's share, so each region's share is at
-/// most what it would be had everyone heard everything, and those add up to at most the
-/// limit: in every window, the regions together admit at most the limit, whatever is
-/// lost, late or cut off. A window's shares are fixed before it begins, and a window is
-/// counted under its own name whatever the share, so a process that takes over a
-/// region's name mid-window — reading first what its predecessor posted, from the
-/// region's board — counts on from where its predecessor stopped. The conditions:
-/// - the regions' clocks agree on the windows (`SystemClock`, kept by NTP: regions apart
-///   by ε shift their windows by ε), and the local store's clock is within a period of
-///   the store's (Redis `TIME` will do);
-/// - every region lists the same regions. A post made with another list is logged and
-///   counted as asking everything, but while a change of the list rolls out, regions
-///   that list different sets can each take the share their own list gives them —
-///   together more than the limit;
-/// - one process at a time under a name, with a local store and board that outlive it
-///   and keep what they acknowledged (Redis; a memory store forgets its counts with the
-///   process anyway);
-/// - the local store counts every admission: a Redis store's local fallback (which
-///   admits on its own while Redis is down) or a memory store that admits untracked keys
-///   when full would admit past the share.
+/// Under a fixed-window policy, each region counts what its callers ask of
+/// each key in every window. It counts a request whether it is admitted or not.
+/// [`Operation`]s are not demand. The region posts that demand a *lead* before the
+/// window's end: a quarter of the window by default. It scales the demand to a whole
+/// window. It posts on its own [`Board`] first, then on every other region's, all keys in
+/// one post.
 ///
-/// **What it costs: under-admission.** Shares follow demand a window late: a region
-/// whose callers arrive gets its share from the window after the one in which its
-/// demand was posted (the next window when they arrive before that window's post, else
-/// the one after); meanwhile it has what the others left. A region's posts — its own
-/// board's write, then the way to the others — must be done within half the lead, or
-/// the others count it as asking everything. A region cut
-/// off from the others (and they, not hearing from it) decides on the level it can count
-/// on whatever the others ask: about `limit / regions` of a key it asked for, nothing of
-/// a key it did not ask for (until the link returns and a window's posts go through). A
-/// fleet starting afresh takes `limit / regions` of every key in its first window.
+/// Half the lead later, the region reads its own board. From everyone's demand it fixes
+/// its share of each key's limit for the next window. The shares are max-min fair. Where
+/// all asks fit, each region gets its ask and an even part of what is left. Else each
+/// region gets its ask, up to the highest level the limit allows. A region computes only
+/// its own share. The shares of all regions, computed from the same asks, add up to at
+/// most the limit.
 ///
-/// Only fixed windows split: a window ends everywhere at once, so a share changes only
-/// where the count starts afresh anyway (a bucket's tokens or a log's entries would carry
-/// a share over that no longer holds). Every policy a request names must be declared to
-/// the builder; other algorithms are refused when the store is built.
+/// # Never over-admits
 ///
-/// Decisions report this region's share as their limit, and reset and retry times that
-/// end with the window; a request the share cannot take at all (a share of zero) is
-/// refused without asking the store, and the request's other limits then report
+/// A region may not hear from another: its post was lost, late,
+/// cut off, or made with another list of regions. Then it counts that region as asking
+/// for everything. A region that posted nothing for a window counts itself so too.
+/// Asking more elsewhere can only shrink a region's share. So each region's share is at
+/// most what it would be had everyone heard everything, and those shares add up to at
+/// most the limit. In every window, the regions together admit at most the limit,
+/// whatever is lost, late or cut off.
+///
+/// A window's shares are fixed before it begins. A window is counted under its own name
+/// whatever the share. So a process may take over a region's name mid-window. It first
+/// reads what its predecessor posted, from the region's board. Then it counts on from
+/// where its predecessor stopped.
+///
+/// This holds under four conditions.
+///
+/// 1. The regions' clocks agree on the windows. `SystemClock`, kept by NTP, will do:
+///    regions apart by ε shift their windows by ε. The local store's clock is within a
+///    period of the store's. Redis `TIME` will do.
+/// 2. Every region lists the same regions. A post made with another list is logged, and
+///    counted as asking everything. But a change of the list takes a while to roll out.
+///    Meanwhile, regions that list different sets can each take the share their own list
+///    gives them. Together they can take more than the limit.
+/// 3. One process at a time runs under a name. Its local store and board outlive it, and
+///    keep what they acknowledged. Redis does. A memory store forgets its counts with the
+///    process anyway.
+/// 4. The local store counts every admission. A Redis store's local fallback admits on
+///    its own while Redis is down. A memory store may admit untracked keys when full.
+///    Either would admit past the share.
+///
+/// # What it costs: under-admission
+///
+/// Shares follow demand a window late. When a
+/// region's callers arrive, it gets their share from the window after the one in which
+/// their demand was posted. That is the next window when they arrive before that
+/// window's post, else the one after. Meanwhile the region has what the others left.
+///
+/// A region's posts must be done within half the lead. That covers its own board's
+/// write, then the way to the others. Else the others count it as asking everything.
+///
+/// A region may be cut off from the others, and they may not hear from it. It then
+/// decides on the level it can count on whatever the others ask. That is about
+/// `limit / regions` of a key it asked for, and nothing of a key it did not ask for. This
+/// lasts until the link returns and a window's posts go through. A fleet starting afresh
+/// takes `limit / regions` of every key in its first window.
+///
+/// # Only fixed windows split
+///
+/// A window ends everywhere at once. So a share changes
+/// only where the count starts afresh anyway. A bucket's tokens or a log's entries would
+/// carry over a share that no longer holds. Every policy a request names must be
+/// declared to the builder. Other algorithms are refused when the store is built.
+///
+/// # Decisions
+///
+/// A decision reports this region's share as its limit. Its reset and
+/// retry times end with the window. A share of zero cannot take a request at all. Such
+/// a request is refused without asking the store, and its other limits then report
 /// remaining 0. [`Store::operate`] acts on this region's share of the current window.
+///
 /// The local store keeps each window's counts a few periods after it ends (see the
 /// builder's `max_keys`). With several gateways in a region, each is a region of its own
-/// here (a name and a share of its own; its peers are every other gateway).
+/// here. It has a name and a share of its own, and its peers are every other gateway.
 ///
 /// # Examples
 ///
@@ -200,17 +224,19 @@ impl<S> Drop for Inner<S> {
 }
 
 impl<S: Store + Board + Clone> SplitStore<S> {
-    /// A builder for the region `name`d (as its peers name it), whose own store is
-    /// `local` (and its board, where the others post), on `clock` — the clock `local`
-    /// decides on (a memory store's, or a Redis store's caller time), so that windows
-    /// start at the same instant for both.
+    /// A builder for the region `name`d, as its peers name it.
+    ///
+    /// The region's own store is `local`, which is also its board, where the others
+    /// post. `clock` must be the clock `local` decides on: a memory store's, or a Redis
+    /// store's caller time. Then windows start at the same instant for both.
     pub fn builder(name: impl Into<String>, local: S, clock: impl Clock) -> SplitStoreBuilder<S> {
         SplitStoreBuilder::new(name, local, clock)
     }
 
-    /// Posts this region's demand for the current window now (if it has not yet), and
-    /// returns when each peer has answered or failed: for tests on a manual clock; the
-    /// store does it on time, `lead` before each window's end.
+    /// Posts this region's demand for the current window now, if it has not yet.
+    ///
+    /// Returns when each peer has answered or failed. This is for tests on a manual
+    /// clock. The store does it on time, `lead` before each window's end.
     pub async fn report_now(&self) {
         let now = self.inner.clock.now_micros();
         for i in 0..self.inner.splits.len() {
@@ -220,10 +246,11 @@ impl<S: Store + Board + Clone> SplitStore<S> {
         }
     }
 
-    /// Reads this region's board now and fixes its shares of the next window (a window
-    /// this region has not posted for yet is then closed: it posts nothing for it): for
-    /// tests on a manual clock; the store does it on time, half the lead before each
-    /// window's end.
+    /// Reads this region's board now and fixes its shares of the next window.
+    ///
+    /// A window this region has not posted for yet is then closed: it posts nothing for
+    /// it. This is for tests on a manual clock. The store does it on time, half the lead
+    /// before each window's end.
     pub async fn collect_now(&self) {
         let now = self.inner.clock.now_micros();
         for i in 0..self.inner.splits.len() {
@@ -245,24 +272,29 @@ impl<S: Store + Board + Clone> SplitStore<S> {
     }
 }
 
-/// How many periods long the fixed window is that a region's count of `window` is kept
-/// in (under a policy named for the window): the smallest `m` from 3 with neither
-/// `window` nor `window + 1` a multiple of it, so that no `m`-period window starts
-/// between one period before `window` and one after it. The count is then the same one
-/// whichever instant of that span the local store reads from its own clock: a request
-/// the split store placed just before a window's end, decided by the store just after,
-/// is counted with its window, and a local store whose clock (Redis's `TIME`, say) is
-/// apart from the split store's by less than a period counts each window whole.
+/// How many periods long the fixed window is that keeps a region's count of `window`.
+///
+/// The count is kept under a policy named for the window. The span is the smallest `m`
+/// from 3 such that neither `window` nor `window + 1` is a multiple of `m`. So no
+/// `m`-period window starts between one period before `window` and one after it.
+///
+/// The count is then the same one whichever instant of that span the local store reads
+/// from its own clock. Say the split store places a request just before a window's end,
+/// and the store decides it just after: it is counted with its window. And a local store
+/// whose clock is apart from the split store's by less than a period counts each window
+/// whole. Redis's `TIME` is such a clock.
 fn span(window: u64) -> u64 {
     (3..=MAX_SPAN)
         .find(|&m| (window == 0 || !window.is_multiple_of(m)) && !(window + 1).is_multiple_of(m))
         .unwrap_or(MAX_SPAN)
 }
 
-/// The longest span: 64 periods. Every `m` up to it dividing `window` or `window + 1`
-/// needs `window × (window + 1)` to be a multiple of lcm(1..64), about 2^90, so a window
-/// number past 2^44: a window of a millisecond reaches that 557 years after its clock's
-/// origin. (Below 2 million, no span passes 19.)
+/// The longest span: 64 periods.
+///
+/// For every `m` up to it to divide `window` or `window + 1`, `window × (window + 1)`
+/// must be a multiple of lcm(1..64). That is about 2^90, so the window number must be
+/// past 2^44. A window of a millisecond reaches that 557 years after its clock's origin.
+/// Below 2 million, no span passes 19.
 const MAX_SPAN: u64 = 64;
 
 impl<S: Store + Board + Clone> Inner<S> {
@@ -283,8 +315,9 @@ impl<S: Store + Board + Clone> Inner<S> {
             })
     }
 
-    /// The policies a request gets in this region — each declared policy at this
-    /// region's share of `key` — and how long each one's window lasts; or `Err` with the
+    /// The policies a request gets in this region, and how long each one's window lasts.
+    ///
+    /// Each declared policy comes at this region's share of `key`. `Err` holds the
     /// refusal when a share is zero.
     fn shares(
         &self,

@@ -83,14 +83,16 @@ pub(super) struct Shares {
 pub(super) const UNKNOWN: u64 = u64::MAX;
 
 /// A region's share of `limit` when it asks for `own` units and the other regions for
-/// `others` ([`UNKNOWN`] for a region not heard from): max-min fair. Where all asks fit,
-/// each region gets its ask and an even part (rounded down) of what is left, so that a
-/// region whose demand has just arrived finds some room; else each gets its ask up to
-/// the highest level the limit allows (what is left then is less than a unit a region).
+/// `others`: max-min fair. [`UNKNOWN`] stands for a region not heard from.
 ///
-/// Asking more elsewhere never grows a share, and the shares of all regions, computed
-/// from the same asks, add up to at most `limit`: the two facts `SplitStore`'s "never
-/// over-admits" rests on (checked exhaustively for small limits in the tests).
+/// Where all asks fit, each region gets its ask and an even part of what is left,
+/// rounded down. So a region whose demand has just arrived finds some room. Else each
+/// region gets its ask, up to the highest level the limit allows. What is left then is
+/// less than a unit a region.
+///
+/// Asking more elsewhere never grows a share. The shares of all regions, computed from
+/// the same asks, add up to at most `limit`. `SplitStore`'s "never over-admits" rests
+/// on these two facts. The tests check them exhaustively for small limits.
 pub(super) fn share(limit: u64, own: u64, others: &[u64]) -> u64 {
     let regions = others.len() as u64 + 1;
     let asked_at = |level: u64| {

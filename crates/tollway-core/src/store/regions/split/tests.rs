@@ -13,10 +13,11 @@ use crate::{
     StoreErrorKind,
 };
 
-/// The two facts "never over-admits" rests on, for every ask of three regions up to
-/// one past the limit (an ask above the limit is the same as one at it) and
-/// [`UNKNOWN`]: the shares add up to at most the limit, and a region's share never
-/// grows when another asks more.
+/// The two facts "never over-admits" rests on. The shares add up to at most the limit.
+/// A region's share never grows when another asks more.
+///
+/// They are checked for every ask of three regions up to one past the limit, and
+/// [`UNKNOWN`]. An ask above the limit is the same as one at it.
 #[test]
 fn shares_add_up_to_at_most_the_limit_and_shrink_when_others_ask_more() {
     for limit in 0..=13u64 {
@@ -225,11 +226,10 @@ async fn a_failing_board_is_logged_when_it_fails_and_when_it_answers_again() {
     assert_eq!(*lines.seen.lock(), [warn.clone(), warn]);
 }
 
-/// Every way the nine posts of three regions (each on its own board and the two
-/// others') can be lost, with region 2 reading before or after it posts, and five
-/// patterns of asks (0, 3 and 30 a window from each): in
-/// the next window, the three admit at most the limit of the key they asked for and
-/// of a key nobody asked for.
+/// Every way the nine posts of three regions can be lost. Each region posts on its own
+/// board and the two others'. Region 2 reads before or after it posts. There are five
+/// patterns of asks: 0, 3 and 30 a window from each. In the next window, the three admit
+/// at most the limit of the key they asked for, and of a key nobody asked for.
 #[tokio::test]
 async fn no_loss_of_posts_lets_the_regions_admit_past_the_limit() {
     for lost in 0u32..512 {
@@ -282,10 +282,12 @@ async fn no_loss_of_posts_lets_the_regions_admit_past_the_limit() {
     }
 }
 
-/// A region's process replaced after it posted: the new one reads what the old one
-/// posted before deciding, so it does not take the share the others left it on the
-/// assumption that it asked for everything. (Here region 0 asked nothing, the others
-/// 30 each: the others take 5 each, and region 0 — knowing it asked nothing — none.)
+/// A region's process replaced after it posted. The new one reads what the old one
+/// posted before deciding. The others left the region a share on the assumption that it
+/// asked for everything. So the new process does not take that share.
+///
+/// Here region 0 asked nothing, and the others 30 each. The others take 5 each. Region 0,
+/// knowing it asked nothing, takes none.
 #[tokio::test]
 async fn a_replaced_process_keeps_to_what_its_predecessor_posted() {
     let mut fleet = Fleet::new().await;
@@ -315,9 +317,10 @@ async fn a_replaced_process_keeps_to_what_its_predecessor_posted() {
     assert_eq!(fleet.admit(b"asked").await, 10);
 }
 
-/// Region 0 asked alone in window 0, so it has the whole limit of window 1 and
-/// spends it; replaced mid-window, the new process (its share now what it can count on
-/// whatever the others ask) counts on from its predecessor's count: nothing more.
+/// Region 0 asked alone in window 0, so it has the whole limit of window 1, and spends
+/// it. Then it is replaced mid-window. The new process's share is now what it can count
+/// on, whatever the others ask. It counts on from its predecessor's count, so it admits
+/// nothing more.
 #[tokio::test]
 async fn a_process_replaced_mid_window_counts_on_from_its_predecessor() {
     let mut fleet = Fleet::new().await;
@@ -352,8 +355,8 @@ async fn a_process_replaced_mid_window_counts_on_from_its_predecessor() {
 }
 
 /// A process whose board cannot be read when it starts does not know what its
-/// predecessor posted: it counts itself as asking nothing (so takes nothing, the
-/// others counting it as asking everything) and posts nothing for that window.
+/// predecessor posted. It counts itself as asking nothing, so it takes nothing. The
+/// others count it as asking everything. It posts nothing for that window.
 #[tokio::test]
 async fn a_process_that_cannot_read_its_board_at_start_takes_nothing() {
     let mut fleet = Fleet::new().await;
