@@ -30,10 +30,27 @@ pub mod sliding_counter;
 pub mod sliding_log;
 pub mod token_bucket;
 
-/// Which algorithm a policy uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Algorithm {
+/// Defines [`Algorithm`] and [`Algorithm::ALL`] from one list, so `ALL` names every
+/// variant: a new one is in `ALL` at once, and the compiler names each `match` that
+/// must handle it.
+macro_rules! algorithms {
+    ($($(#[$doc:meta])* $variant:ident,)+) => {
+        /// Which algorithm a policy uses.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum Algorithm {
+            $($(#[$doc])* $variant,)+
+        }
+
+        impl Algorithm {
+            /// Every algorithm, in the order of the table above.
+            pub const ALL: [Algorithm; [$(Algorithm::$variant),+].len()] =
+                [$(Algorithm::$variant),+];
+        }
+    };
+}
+
+algorithms! {
     /// [`token_bucket`]: bursts up to capacity, exact refill.
     TokenBucket,
     /// [`leaky_bucket::meter`]: rejects what overflows the bucket.
@@ -51,17 +68,6 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    /// Every algorithm, in the order of the table above.
-    pub const ALL: [Algorithm; 7] = [
-        Algorithm::TokenBucket,
-        Algorithm::LeakyBucket,
-        Algorithm::LeakyBucketShaper,
-        Algorithm::FixedWindow,
-        Algorithm::SlidingWindowLog,
-        Algorithm::SlidingWindowCounter,
-        Algorithm::Gcra,
-    ];
-
     /// A short stable name: `token_bucket`, `leaky_bucket`, `leaky_bucket_shaper`,
     /// `fixed_window`, `sliding_window_log`, `sliding_window_counter`, `gcra`.
     #[must_use]
