@@ -28,11 +28,12 @@ ready curl -s -o /dev/null "http://127.0.0.1:$hp/" || { cat "$out/server.log" >&
 (sleep 0.5; redis-cli -p "$rp" CLIENT PAUSE 5000 ALL >/dev/null) &
 echo "== 5 s pause inside a 6 s run"
 timeout 20 wrk -t2 -c32 -d6s --latency -H 'X-API-Key: demo-pro-key' "http://127.0.0.1:$hp/"
-sleep 1
+# A paused server answers PING only when the pause is over.
+redis-cli -p "$rp" ping >/dev/null
 echo "== no pause"
 timeout 20 wrk -t2 -c32 -d6s --latency -H 'X-API-Key: demo-pro-key' "http://127.0.0.1:$hp/"
 echo "== breaker log lines: $(grep -c 'breaker\|store failing\|answering again' "$out/server.log" || true)"
-sleep 1
+redis-cli -p "$rp" ping >/dev/null
 # The same pause, each request timed by a client of our own (wrk gives percentiles only).
 (sleep 1; redis-cli -p "$rp" CLIENT PAUSE 5000 ALL >/dev/null) &
 echo "== 5 s pause inside an 8 s run, every request timed"
