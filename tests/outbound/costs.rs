@@ -33,7 +33,7 @@ async fn costs_are_settled_with_what_the_response_reports() {
         .build()
         .unwrap()
         .layer(http_client());
-    let key = server.addr().to_string();
+    let key = format!("upstream:{}", server.addr());
     let remaining = || async {
         let peek = store
             .operate(key.as_bytes(), &[&tokens], Operation::Peek(0))

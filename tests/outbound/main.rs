@@ -26,7 +26,7 @@ use hyper_util::rt::TokioExecutor;
 use support::http::{Hits, Server, routes};
 use tollway_core::{Algorithm, MemoryStore, Operation, Policy, Quota, Store};
 use tollway_tower::outbound::{NoReplay, OutboundError, OutboundLayer};
-use tollway_tower::{GlobalKey, RateLimitLayer, TokioClock};
+use tollway_tower::{GlobalKey, Key, RateLimitLayer, TokioClock};
 use tower::{Layer, Service, ServiceExt};
 
 type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>;

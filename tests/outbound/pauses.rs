@@ -392,7 +392,7 @@ async fn a_copy_dropped_while_it_waits_out_the_pause_is_never_sent() {
     tokio::time::advance(Duration::from_secs(5)).await;
     assert_eq!(arrivals.lock().unwrap().len(), 1);
     // The refused request's charge stands (it was sent); the copy's was never made.
-    let key = server.addr().to_string();
+    let key = format!("upstream:{}", server.addr());
     let peek = store
         .operate(key.as_bytes(), &[&policy], Operation::Peek(0))
         .await

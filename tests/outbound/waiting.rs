@@ -34,7 +34,7 @@ async fn a_waiting_request_dropped_consumes_nothing() {
     tokio::time::advance(Duration::from_millis(700)).await;
 
     // The default key: the upstream's authority.
-    let key = server.addr().to_string();
+    let key = format!("upstream:{}", server.addr());
     let peek_upstream = store
         .operate(key.as_bytes(), &[&policy], Operation::Peek(0))
         .await
@@ -68,14 +68,18 @@ async fn refusals_are_typed_errors_and_a_request_without_a_key_is_not_limited() 
     let build = |b: tollway_tower::outbound::OutboundLayerBuilder<MemoryStore<TokioClock>>| {
         b.build().unwrap().layer(http_client())
     };
+    let no_key = |_: &Request<Empty<Bytes>>| None::<Key>;
     let mut waiting = build(
         OutboundLayer::builder(store.clone(), policy.clone()).max_wait(Duration::from_secs(10)),
     );
     let mut failing = build(OutboundLayer::builder(store.clone(), policy.clone()).fail_fast());
     let mut weighted =
         build(OutboundLayer::builder(store.clone(), policy.clone()).cost(|_, _, _| 3));
-    let mut unkeyed =
-        build(OutboundLayer::builder(store.clone(), policy.clone()).key(|_, _, _| None));
+    let mut unkeyed = OutboundLayer::builder(store.clone(), policy.clone())
+        .key(no_key)
+        .build()
+        .unwrap()
+        .layer(http_client());
 
     for _ in 0..2 {
         let response = send(&mut waiting, &server).await.unwrap();

@@ -353,7 +353,8 @@
 //!
 //! The same policies and stores work on the client side. A fleet sharing a store stays
 //! under a third-party API's quota together. [`outbound::OutboundLayer`] wraps any tower
-//! HTTP client, such as hyper-util's `Client`, keyed per upstream by default.
+//! HTTP client, such as hyper-util's `Client`. It is keyed by a [`KeyExtractor`], as on
+//! the server side: per upstream by default ([`outbound::Upstream`]).
 //!
 //! - A request over the limit waits its turn (the retry time plus up to 10% jitter, at
 //!   most `max_wait`, 30 s by default), or fails at once with `fail_fast`.

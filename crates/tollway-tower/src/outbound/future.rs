@@ -48,7 +48,7 @@ pin_project! {
         state: State<S::Future, St::Future, S::Response>,
         inner: S,
         shared: Arc<Shared<St, R>>,
-        keys: Keys,
+        keys: RequestKeys,
         cost: u32,
         request: Option<Request<B>>,
         // The copy to send if the upstream refuses the request (made before it is sent).
@@ -80,11 +80,11 @@ pin_project! {
 
 /// A request's keys: whose budget it draws on, and whose pause it waits out and starts.
 #[derive(Debug)]
-pub(super) struct Keys {
+pub(super) struct RequestKeys {
     /// `None`: not limited (nor paused).
-    pub(super) limits: Option<String>,
+    pub(super) limits: Option<Key>,
     /// `None`: never paused (always so when not limited, or the layer never pauses).
-    pub(super) pause: Option<String>,
+    pub(super) pause: Option<Key>,
 }
 
 impl<S, St, B, R> ResponseFuture<S, St, B, R>
@@ -95,7 +95,7 @@ where
     pub(super) fn new(
         inner: S,
         shared: Arc<Shared<St, R>>,
-        keys: Keys,
+        keys: RequestKeys,
         cost: u32,
         request: Request<B>,
     ) -> Self {
@@ -197,7 +197,7 @@ where
         let this = self;
         let next = match this.state.as_mut().project() {
             StateProj::Start => {
-                let keys = (this.keys.limits.as_deref(), this.keys.pause.as_deref());
+                let keys = (this.keys.limits.as_ref(), this.keys.pause.as_ref());
                 match (keys, &this.shared.pause) {
                     // No key: not limited.
                     ((None, _), _) => State::Ready,
@@ -219,12 +219,12 @@ where
             }
             StateProj::Pausing { check } => {
                 let answer = ready!(check.poll(cx));
-                let key = this.keys.limits.as_deref().unwrap_or_default();
+                let key = this.keys.limits.as_ref().ok_or(UNKEYED)?;
                 unpaused(answer, this.shared, key, *this.cost, this.waited)?
             }
             StateProj::Checking { check } => {
                 let answer = ready!(check.poll(cx));
-                let key = this.keys.limits.as_deref().unwrap_or_default();
+                let key = this.keys.limits.as_ref().ok_or(UNKEYED)?;
                 decided(answer, this.shared, key, this.waited)?
             }
             StateProj::Sleeping { sleep, then_call } => {
@@ -256,7 +256,7 @@ where
             }
             StateProj::Calling { call } => {
                 let mut response = ready!(call.poll(cx)).map_err(Into::into)?;
-                let Some(key) = this.keys.limits.as_deref() else {
+                let Some(key) = this.keys.limits.as_ref() else {
                     return Poll::Ready(Ok(Step::Answer(response)));
                 };
                 // One 429, one pause: a copy's refusal pauses nobody again (its first
@@ -264,7 +264,7 @@ where
                 // outbound layer inside this one handed on (it paused, or had paused).
                 let handled = response.extensions().get::<Handled>().is_some();
                 let pause_key = (this.refused.is_none() && !handled)
-                    .then_some(this.keys.pause.as_deref())
+                    .then_some(this.keys.pause.as_ref())
                     .flatten();
                 let (work, pause) = told(this.shared, key, pause_key, *this.cost, &response);
                 // Again if the upstream refused it, a copy was made, the pause ends
@@ -311,6 +311,9 @@ where
     }
 }
 
+/// What a store's answer for an unkeyed request says: it is never asked one.
+const UNKEYED: &str = "outbound: a store answered for a request with no key";
+
 /// Marks a refusal an outbound layer hands on: a layer around it does not send the
 /// request again (one more send per request, however many layers).
 #[derive(Clone, Copy, Debug)]
@@ -325,7 +328,7 @@ fn capacity(pause: &Policy) -> u32 {
 /// Asks the store to decide the request's limits.
 fn limits<F, C, R, St, P>(
     shared: &Shared<St, P>,
-    key: &str,
+    key: &Key,
     cost: u32,
     waited: &mut Duration,
 ) -> Result<State<F, C, R>, BoxError>
@@ -344,25 +347,30 @@ where
 fn decided<F, C, R, St, P>(
     answer: Result<Decisions, StoreError>,
     shared: &Shared<St, P>,
-    key: &str,
+    key: &Key,
     waited: &mut Duration,
 ) -> Result<State<F, C, R>, BoxError> {
     if shared.reporter.active() {
-        report(&answer, shared, key);
+        report(&answer, &shared.policies, shared, key);
     }
     after(answer, shared, waited)
 }
 
-/// Tells the limits' `answer` for the request of `key` (`outbound:` and the key).
-fn report<St, P>(answer: &Result<Decisions, StoreError>, shared: &Shared<St, P>, key: &str) {
-    let key = Key::new("outbound", key);
+/// Tells the `answer` of `policies` (the limits, or the pause) for the request of `key`
+/// (`outbound:` and the key).
+fn report<St, P>(
+    answer: &Result<Decisions, StoreError>,
+    policies: &[Policy],
+    shared: &Shared<St, P>,
+    key: &Key,
+) {
+    let key = Key::new("outbound", key.as_bytes());
     let Ok(decisions) = answer else {
         let event = DecisionEvent::new(Some(&key), DecisionOutcome::StoreError, &[], None);
         shared.reporter.report(&event, None);
         return;
     };
-    let verdicts: SmallVec<[Verdict<'_>; 2]> = shared
-        .policies
+    let verdicts: SmallVec<[Verdict<'_>; 2]> = policies
         .iter()
         .zip(decisions.iter())
         .map(|(policy, &decision)| Verdict { policy, decision })
@@ -380,18 +388,22 @@ fn report<St, P>(answer: &Result<Decisions, StoreError>, shared: &Shared<St, P>,
 fn unpaused<F, C, R, St, P>(
     answer: Result<Decisions, StoreError>,
     shared: &Shared<St, P>,
-    key: &str,
+    key: &Key,
     cost: u32,
     waited: &mut Duration,
 ) -> Result<State<F, C, R>, BoxError>
 where
     St: Store<Future = C>,
 {
-    let decisions = answer.map_err(|e| Box::new(OutboundError::Store(e)))?;
-    if decisions.is_allowed() {
-        limits(shared, key, cost, waited)
-    } else {
-        after(Ok(decisions), shared, waited)
+    match answer {
+        Ok(decisions) if decisions.is_allowed() => limits(shared, key, cost, waited),
+        // A pause runs (or the store failed): told like a refusal of the limits.
+        answer => {
+            if shared.reporter.active() {
+                report(&answer, shared.pause.as_slice(), shared, key);
+            }
+            after(answer, shared, waited)
+        }
     }
 }
 
@@ -446,8 +458,8 @@ fn after<F, C, R, St, P>(
 /// the pause the refusal asks for, if the layer pauses, recorded or not.
 fn told<St: Store, R: Send + Sync + 'static, RB>(
     shared: &Arc<Shared<St, R>>,
-    key: &str,
-    pause_key: Option<&str>,
+    key: &Key,
+    pause_key: Option<&Key>,
     cost: u32,
     response: &Response<RB>,
 ) -> (Option<Work>, Option<Duration>) {
@@ -457,7 +469,7 @@ fn told<St: Store, R: Send + Sync + 'static, RB>(
         pause_of(status, headers, longest).map(|pause| (policy.clone(), pause))
     });
     let paused = pause.as_ref().map(|&(_, pause)| pause);
-    let record = pause.zip(pause_key.map(str::to_owned));
+    let record = pause.zip(pause_key.cloned());
     let used = shared
         .settle
         .as_ref()
@@ -466,7 +478,7 @@ fn told<St: Store, R: Send + Sync + 'static, RB>(
     if record.is_none() && used.is_none() {
         return (None, paused);
     }
-    let (shared, key) = (Arc::clone(shared), key.to_owned());
+    let (shared, key) = (Arc::clone(shared), key.clone());
     let work: Work = Box::pin(async move {
         let store = &shared.store;
         if let Some(((policy, pause), pause_key)) = record {

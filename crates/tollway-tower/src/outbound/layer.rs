@@ -8,9 +8,10 @@ use http::{HeaderMap, Method, StatusCode, Uri};
 use tollway_core::{ConfigError, Policy, Store};
 use tower_layer::Layer;
 
+use super::keys::{Upstream, UpstreamAccount};
 use super::replay::Idempotent;
 use super::service::Outbound;
-use super::shared::{KeyFn, SettleFn, Shared};
+use super::shared::{Keys, SettleFn, Shared};
 use crate::pipeline::CostFn;
 use crate::report::{DecisionListener, Reporter};
 
@@ -18,19 +19,24 @@ use crate::report::{DecisionListener, Reporter};
 const PAUSE_CEILING: Duration = Duration::from_secs(3_600);
 
 /// Limits outbound requests: see the [module docs](super).
-pub struct OutboundLayer<St, R = Idempotent> {
+///
+/// `K` finds whose budget a request draws on, and `P` whose pause it waits out (both
+/// [`KeyExtractor`](crate::KeyExtractor)s); `R` says which refused requests go again.
+pub struct OutboundLayer<St, K = Upstream, P = UpstreamAccount, R = Idempotent> {
     shared: Arc<Shared<St, R>>,
+    keys: Arc<Keys<K, P>>,
 }
 
-impl<St, R> Clone for OutboundLayer<St, R> {
+impl<St, K, P, R> Clone for OutboundLayer<St, K, P, R> {
     fn clone(&self) -> Self {
         OutboundLayer {
             shared: Arc::clone(&self.shared),
+            keys: Arc::clone(&self.keys),
         }
     }
 }
 
-impl<St, R> fmt::Debug for OutboundLayer<St, R> {
+impl<St, K, P, R> fmt::Debug for OutboundLayer<St, K, P, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OutboundLayer")
             .field("policies", &self.shared.policies)
@@ -41,19 +47,17 @@ impl<St, R> fmt::Debug for OutboundLayer<St, R> {
 }
 
 impl<St: Store> OutboundLayer<St> {
-    /// A builder limiting requests by `policy` in `store`, keyed per upstream, and
-    /// pausing per upstream and account (see [`pause_key`](OutboundLayerBuilder::pause_key)).
+    /// A builder limiting requests by `policy` in `store`, keyed per upstream
+    /// ([`Upstream`]), and pausing per upstream and account ([`UpstreamAccount`]).
     pub fn builder(store: St, policy: Policy) -> OutboundLayerBuilder<St> {
         OutboundLayerBuilder {
+            keys: Keys {
+                limits: Upstream,
+                pause: Some(UpstreamAccount),
+            },
             settings: Settings {
                 store,
                 policies: vec![policy],
-                key: Box::new(|_, uri, _| {
-                    Some(uri.authority().map_or("", |a| a.as_str()).to_owned())
-                }),
-                pause_key: Some(Box::new(|_, uri, headers| {
-                    Some(super::pause::account_key(uri, headers))
-                })),
                 cost: None,
                 max_wait: Duration::from_secs(30),
                 jitter: 0.1,
@@ -66,27 +70,26 @@ impl<St: Store> OutboundLayer<St> {
     }
 }
 
-impl<S, St, R> Layer<S> for OutboundLayer<St, R> {
-    type Service = Outbound<S, St, R>;
+impl<S, St, K, P, R> Layer<S> for OutboundLayer<St, K, P, R> {
+    type Service = Outbound<S, St, K, P, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Outbound::new(inner, Arc::clone(&self.shared))
+        Outbound::new(inner, Arc::clone(&self.shared), Arc::clone(&self.keys))
     }
 }
 
 /// Builds an [`OutboundLayer`].
 #[must_use]
-pub struct OutboundLayerBuilder<St, R = Idempotent> {
+pub struct OutboundLayerBuilder<St, K = Upstream, P = UpstreamAccount, R = Idempotent> {
     settings: Settings<St>,
+    keys: Keys<K, P>,
     replay: R,
 }
 
-/// Everything a builder sets but which requests to send again.
+/// Everything a builder sets but the keys and which requests to send again.
 struct Settings<St> {
     store: St,
     policies: Vec<Policy>,
-    key: Box<KeyFn>,
-    pause_key: Option<Box<KeyFn>>,
     cost: Option<CostFn>,
     max_wait: Duration,
     jitter: f64,
@@ -95,7 +98,7 @@ struct Settings<St> {
     listener: Option<Arc<dyn DecisionListener>>,
 }
 
-impl<St, R> fmt::Debug for OutboundLayerBuilder<St, R> {
+impl<St, K, P, R> fmt::Debug for OutboundLayerBuilder<St, K, P, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OutboundLayerBuilder")
             .field("policies", &self.settings.policies)
@@ -106,7 +109,7 @@ impl<St, R> fmt::Debug for OutboundLayerBuilder<St, R> {
     }
 }
 
-impl<St: Store, R> OutboundLayerBuilder<St, R> {
+impl<St: Store, K, P, R> OutboundLayerBuilder<St, K, P, R> {
     /// Another limit every request must also fit (all or nothing, as on the server
     /// side): say 100 requests a second and 10,000 a day.
     pub fn policy(mut self, policy: Policy) -> Self {
@@ -114,34 +117,39 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         self
     }
 
-    /// Whose budget a request draws on, from its method, URI and headers (default: the
-    /// URI's authority, `api.example.com`, so every upstream has its own). Return the
-    /// account or API key as well to keep one budget per account; `None` sends the
-    /// request unlimited. An upstream's 429 then pauses the requests of this key (unless
-    /// [`pause_key`](Self::pause_key) says otherwise).
-    pub fn key(
-        mut self,
-        key: impl Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync + 'static,
-    ) -> Self {
-        self.settings.key = Box::new(key);
-        self.settings.pause_key = None;
-        self
+    /// Whose budget a request draws on: any [`KeyExtractor`](crate::KeyExtractor), as on
+    /// the server side. The default is [`Upstream`]: every upstream has its own budget.
+    ///
+    /// Key by the account as well to keep one budget per account. A request with no key
+    /// goes unlimited. An upstream's 429 then pauses the requests of this key, unless
+    /// [`pause_key`](Self::pause_key) says otherwise.
+    pub fn key<K2>(self, key: K2) -> OutboundLayerBuilder<St, K2, P, R> {
+        OutboundLayerBuilder {
+            settings: self.settings,
+            keys: Keys {
+                limits: key,
+                pause: None,
+            },
+            replay: self.replay,
+        }
     }
 
-    /// Whose requests an upstream's 429 pauses, from the refused request's method, URI
-    /// and headers; the requests a pause holds are those with the same pause key. The
-    /// default is the upstream and the account the request names: the URI's authority,
-    /// and a digest of the first of [`ACCOUNT_HEADERS`](super::ACCOUNT_HEADERS) it
-    /// carries (`Authorization`, `X-API-Key`, `Api-Key`). So one account's 429 does not
-    /// pause the others, and the credentials never reach the store. A request naming no
-    /// account is paused per upstream. After [`key`](Self::key), the default is that key.
-    /// `None`: the request is never paused.
-    pub fn pause_key(
-        mut self,
-        key: impl Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync + 'static,
-    ) -> Self {
-        self.settings.pause_key = Some(Box::new(key));
-        self
+    /// Whose requests an upstream's 429 pauses: any
+    /// [`KeyExtractor`](crate::KeyExtractor). A pause holds the requests with the same
+    /// pause key.
+    ///
+    /// The default is [`UpstreamAccount`]: one account's 429 does not pause the others.
+    /// After [`key`](Self::key), the default is that key. A request with no pause key
+    /// is never paused.
+    pub fn pause_key<P2>(self, key: P2) -> OutboundLayerBuilder<St, K, P2, R> {
+        OutboundLayerBuilder {
+            settings: self.settings,
+            keys: Keys {
+                limits: self.keys.limits,
+                pause: Some(key),
+            },
+            replay: self.replay,
+        }
     }
 
     /// How many units a request costs (default 1).
@@ -198,7 +206,9 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
 
     /// Hears every decision of the limits, as on the server side (see
     /// [`DecisionListener`]): a request that waits is told at each check, `limited`
-    /// until one lets it through. The caller's key is `outbound:` and the request's key.
+    /// until one lets it through. The caller's key is `outbound:` and the request's key
+    /// (`outbound:upstream:api.example.com`). A running pause is told as `limited`, with
+    /// the pause policy's decision.
     /// The debug event and the metrics (feature `metrics`) tell the same decisions.
     pub fn on_decision(mut self, listener: impl DecisionListener) -> Self {
         self.settings.listener = Some(Arc::new(listener));
@@ -213,9 +223,10 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
     /// request; the refused one keeps its charge. A request goes at most twice; when the
     /// second cannot go within `max_wait` (or the store fails meanwhile), the caller gets
     /// the upstream's 429. With no pausing (`max_pause` zero) nothing is sent again.
-    pub fn replay<R2>(self, replay: R2) -> OutboundLayerBuilder<St, R2> {
+    pub fn replay<R2>(self, replay: R2) -> OutboundLayerBuilder<St, K, P, R2> {
         OutboundLayerBuilder {
             settings: self.settings,
+            keys: self.keys,
             replay,
         }
     }
@@ -225,7 +236,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
     /// # Errors
     ///
     /// When the jitter is not a share from 0 to 1, or the longest pause is over an hour.
-    pub fn build(self) -> Result<OutboundLayer<St, R>, ConfigError> {
+    pub fn build(self) -> Result<OutboundLayer<St, K, P, R>, ConfigError> {
         if !(0.0..=1.0).contains(&self.settings.jitter) {
             return Err(ConfigError::new(format!(
                 "outbound jitter must be a share from 0 to 1 (0.1: up to 10% longer than the retry time); got {}",
@@ -245,8 +256,6 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
         let Settings {
             store,
             policies,
-            key,
-            pause_key,
             cost,
             max_wait,
             jitter,
@@ -259,8 +268,6 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
             shared: Arc::new(Shared {
                 store,
                 policies,
-                key,
-                pause_key,
                 cost,
                 max_wait,
                 jitter,
@@ -270,6 +277,7 @@ impl<St: Store, R> OutboundLayerBuilder<St, R> {
                 replay: self.replay,
                 reporter,
             }),
+            keys: Arc::new(self.keys),
         })
     }
 }

@@ -6,8 +6,15 @@
 //! process that share a [`MemoryStore`](tollway_core::MemoryStore).
 //!
 //! [`OutboundLayer`] wraps any tower HTTP client service: hyper-util's `Client`, or
-//! anything that is a `Service<http::Request<B>>`. It is keyed per upstream by default,
-//! by the URI's authority.
+//! anything that is a `Service<http::Request<B>>`.
+//!
+//! # Keys, costs and delays as on the server side
+//!
+//! A request's budget is found by a [`KeyExtractor`](crate::KeyExtractor), as on the
+//! server side. The default is [`Upstream`], the URI's authority: each upstream has its
+//! own budget. [`GlobalKey`](crate::GlobalKey), [`ApiKey`](crate::ApiKey), a closure or a
+//! chain work as well. The cost function and a shaper's delay follow the server side's
+//! rules too.
 //!
 //! # Wait, don't fail
 //!
@@ -31,9 +38,10 @@
 //! by the rule of [`pause_of`]. It is never longer than
 //! [`max_pause`](OutboundLayerBuilder::max_pause) (default 60 s).
 //!
-//! The pause key is the upstream and the account the request names. The account is a
-//! digest of its `Authorization`, `X-API-Key` or `Api-Key`. So one account's 429 pauses
-//! that account only. See [`pause_key`](OutboundLayerBuilder::pause_key).
+//! The pause key is [`UpstreamAccount`]: the upstream and the account the request names.
+//! The account is a digest of its `Authorization`, `X-API-Key` or `Api-Key`. So one
+//! account's 429 pauses that account only. See
+//! [`pause_key`](OutboundLayerBuilder::pause_key).
 //!
 //! After the pause, the refused request is sent once more if two things hold. It must be
 //! idempotent (`GET`, `PUT`, `DELETE`…), or be whatever
@@ -65,7 +73,8 @@
 //! event, metrics (feature `metrics`), and
 //! [`DecisionListener`](crate::DecisionListener)
 //! ([`on_decision`](OutboundLayerBuilder::on_decision)). It is keyed `outbound:` and the
-//! request's key.
+//! request's key. A running pause is told as `limited` by the pause's policy,
+//! `outbound-pause`.
 //!
 //! # Capacities
 //!
@@ -171,6 +180,7 @@
 
 mod error;
 mod future;
+mod keys;
 mod layer;
 mod pause;
 mod replay;
@@ -179,8 +189,9 @@ mod shared;
 
 pub use error::OutboundError;
 pub use future::ResponseFuture;
+pub use keys::{ACCOUNT_HEADERS, Upstream, UpstreamAccount};
 pub use layer::{OutboundLayer, OutboundLayerBuilder};
-pub use pause::{ACCOUNT_HEADERS, DEFAULT_PAUSE, pause_of};
+pub use pause::{DEFAULT_PAUSE, pause_of};
 pub use replay::{Idempotent, NoReplay, Replay};
 pub use service::Outbound;
 

@@ -1,10 +1,8 @@
 //! An upstream's 429, as a pause every worker sharing the key sees.
 
-use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
-use http::{HeaderMap, StatusCode, Uri, header};
-use sha2::{Digest, Sha256};
+use http::{HeaderMap, StatusCode, header};
 use tollway_core::{Algorithm, ConfigError, Policy, Quota};
 
 /// A pause no `Retry-After` states: a 429 without one, or with one that is not a
@@ -81,64 +79,4 @@ pub fn pause_of(status: StatusCode, headers: &HeaderMap, max_pause: Duration) ->
             Some(at.duration_since(SystemTime::now()).unwrap_or_default())
         });
     Some(stated.unwrap_or(DEFAULT_PAUSE).min(max_pause))
-}
-
-/// The headers that say which account a request is made for, in the order they are
-/// read: the first one present names it.
-pub const ACCOUNT_HEADERS: [&str; 3] = ["authorization", "x-api-key", "api-key"];
-
-/// The default pause key: the upstream (the URI's authority), and the account the
-/// request names in one of the [`ACCOUNT_HEADERS`], as a digest: `api.example.com`, or
-/// `api.example.com#account:3f1c…`. So one account's 429 pauses that account only. The
-/// credentials themselves never reach the store: only 16 bytes of their SHA-256.
-pub(super) fn account_key(uri: &Uri, headers: &HeaderMap) -> String {
-    let upstream = uri.authority().map_or("", |a| a.as_str());
-    let Some((name, value)) = ACCOUNT_HEADERS
-        .iter()
-        .find_map(|&name| Some((name, headers.get(name)?)))
-    else {
-        return upstream.to_owned();
-    };
-    let digest = Sha256::new()
-        .chain_update(name)
-        .chain_update(b":")
-        .chain_update(value.as_bytes())
-        .finalize();
-    let mut key = String::with_capacity(upstream.len() + 41);
-    key.push_str(upstream);
-    key.push_str("#account:");
-    for byte in &digest[..16] {
-        // Writing to a String cannot fail.
-        let _ = write!(key, "{byte:02x}");
-    }
-    key
-}
-
-#[cfg(test)]
-mod tests {
-    use http::HeaderValue;
-
-    use super::*;
-
-    #[test]
-    fn the_pause_key_names_the_account_by_a_digest_never_its_credentials() {
-        let uri: Uri = "https://api.example.com/v1/charges"
-            .parse()
-            .unwrap_or_default();
-        let mut headers = HeaderMap::new();
-        assert_eq!(account_key(&uri, &headers), "api.example.com");
-        headers.insert("x-api-key", HeaderValue::from_static("key-b"));
-        let by_key = account_key(&uri, &headers);
-        headers.insert("authorization", HeaderValue::from_static("Bearer sk-a"));
-        let by_bearer = account_key(&uri, &headers);
-        assert!(
-            by_bearer.starts_with("api.example.com#account:"),
-            "{by_bearer}"
-        );
-        assert_eq!(by_bearer.len(), "api.example.com#account:".len() + 32);
-        assert!(!by_bearer.contains("sk-a"), "{by_bearer}");
-        assert_ne!(by_key, by_bearer);
-        // The same credentials, the same key, in every process.
-        assert_eq!(account_key(&uri, &headers), by_bearer);
-    }
 }

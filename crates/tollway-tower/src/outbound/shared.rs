@@ -4,22 +4,26 @@
 use std::hash::BuildHasher;
 use std::time::Duration;
 
-use http::{HeaderMap, Method, StatusCode, Uri};
+use http::{HeaderMap, StatusCode};
 use tollway_core::Policy;
 
 use crate::pipeline::CostFn;
 use crate::report::Reporter;
 
-pub(super) type KeyFn = dyn Fn(&Method, &Uri, &HeaderMap) -> Option<String> + Send + Sync;
 pub(super) type SettleFn = dyn Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync;
+
+/// Whose budget a request draws on, and whose pause it waits out and starts.
+#[derive(Debug)]
+pub(super) struct Keys<K, P> {
+    pub(super) limits: K,
+    /// `None`: the limits' key.
+    pub(super) pause: Option<P>,
+}
 
 /// What every clone of a layer and its services share.
 pub(super) struct Shared<St, R> {
     pub(super) store: St,
     pub(super) policies: Vec<Policy>,
-    pub(super) key: Box<KeyFn>,
-    /// Whose pause a 429 starts and a request waits out; `None`: the limits' key.
-    pub(super) pause_key: Option<Box<KeyFn>>,
     pub(super) cost: Option<CostFn>,
     pub(super) max_wait: Duration,
     pub(super) jitter: f64,

@@ -2,8 +2,9 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use http::{Request, Response};
+use http::{Request, Response, StatusCode};
 use parking_lot::Mutex;
 use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
 use tower::ServiceExt;
@@ -66,7 +67,7 @@ async fn outbound_decisions_reach_the_listener_at_each_check() {
     ));
     waiting.oneshot(call()).await.unwrap();
 
-    let key = Some(Key::new("outbound", "api.example.com"));
+    let key = Some(Key::new("outbound", "upstream:api.example.com"));
     let policy = Some("upstream".to_owned());
     let told = |outcome| (outcome, key.clone(), policy.clone());
     assert_eq!(
@@ -77,6 +78,52 @@ async fn outbound_decisions_reach_the_listener_at_each_check() {
             // The waiting request: refused, then let through after its wait.
             told(DecisionOutcome::Limited),
             told(DecisionOutcome::Allowed),
+        ]
+    );
+}
+
+// A request held by an upstream's pause shows as refused by the pause's policy, so an
+// operator sees why it waited. Here the upstream's first answer is a 429 asking for a
+// second: the copy sent again waits that out.
+#[tokio::test(start_paused = true)]
+async fn a_running_pause_reaches_the_listener_as_limited_by_the_pause() {
+    let refused_once = Arc::new(AtomicBool::new(false));
+    let client = tower::service_fn(move |_: Request<()>| {
+        let first = !refused_once.swap(true, Ordering::Relaxed);
+        async move {
+            let mut response = Response::new(());
+            if first {
+                *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                response
+                    .headers_mut()
+                    .insert("retry-after", http::HeaderValue::from_static("1"));
+            }
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let policy = Policy::new("upstream", Algorithm::Gcra, Quota::per_second(10).unwrap()).unwrap();
+    let store = MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let heard = Heard::default();
+    let layer = OutboundLayer::builder(store, policy)
+        .jitter(0.0)
+        .on_decision(listener(&heard))
+        .build()
+        .unwrap();
+
+    let response = layer.layer(client).oneshot(call()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+
+    let key = Some(Key::new("outbound", "upstream:api.example.com"));
+    let told = |outcome, policy: &str| (outcome, key.clone(), Some(policy.to_owned()));
+    assert_eq!(
+        *heard.lock(),
+        [
+            told(DecisionOutcome::Allowed, "upstream"),
+            told(DecisionOutcome::Limited, "outbound-pause"),
+            told(DecisionOutcome::Allowed, "upstream"),
         ]
     );
 }

@@ -86,10 +86,12 @@
 //! # }
 //! ```
 
+mod builder;
 mod future;
 mod layer;
 mod service;
 
+pub use builder::RateLimitLayerBuilder;
 pub use future::ResponseFuture;
-pub use layer::{RateLimitLayer, RateLimitLayerBuilder, ShadowState};
+pub use layer::{RateLimitLayer, ShadowState};
 pub use service::RateLimit;
