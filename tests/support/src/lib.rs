@@ -33,25 +33,7 @@ use std::future::Future;
 
 use tollway_core::{Decision, Policy, Store, StoreError};
 
-/// splitmix64: a small deterministic generator, so failures replay exactly.
-#[derive(Debug, Clone)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    /// The next number.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-}
+pub use tollway_core::testing::Rng;
 
 /// One policy's decision, which is what most store tests ask.
 pub trait CheckOne: Store {

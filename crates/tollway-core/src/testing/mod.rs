@@ -65,7 +65,8 @@ use crate::{Clock, Quota, Store};
 
 mod trace;
 
-use trace::{Rng, cost, gap, quotas};
+pub use trace::{Rng, cost};
+use trace::{gap, quotas};
 
 /// A conformance run: how many events, from which seed, what the store may answer
 /// differently. See the [module docs](self).

@@ -5,12 +5,24 @@ use std::time::Duration;
 use super::quota;
 use crate::{Algorithm, Quota};
 
-/// splitmix64: a small seeded generator, the same trace on every machine.
-#[derive(Debug)]
-pub(super) struct Rng(pub(super) u64);
+/// splitmix64: a small seeded generator, the same trace on every machine. So a failure
+/// replays exactly.
+///
+/// # Examples
+///
+/// ```
+/// use tollway_core::testing::Rng;
+///
+/// let (mut a, mut b) = (Rng(7), Rng(7));
+/// assert_eq!(a.next_u64(), b.next_u64());
+/// assert!(a.below(10) < 10);
+/// ```
+#[derive(Clone, Debug)]
+pub struct Rng(pub u64);
 
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
+    /// The next number.
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -18,8 +30,8 @@ impl Rng {
         z ^ (z >> 31)
     }
 
-    /// A number below `n`.
-    pub(super) fn below(&mut self, n: u64) -> u64 {
+    /// A number below `n` (`n` > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n
     }
 }
@@ -56,8 +68,9 @@ pub(super) fn gap(rng: &mut Rng, now: u64, quota: &Quota) -> u64 {
     }
 }
 
-/// A request's cost: mostly 1, sometimes 0, sometimes over the capacity.
-pub(super) fn cost(rng: &mut Rng, quota: &Quota, algorithm: Algorithm) -> u32 {
+/// A random request's cost under `quota`: mostly 1, sometimes 0, sometimes over the
+/// capacity. The suites' costs, for traces of your own.
+pub fn cost(rng: &mut Rng, quota: &Quota, algorithm: Algorithm) -> u32 {
     let cap = if algorithm.uses_burst() {
         quota.burst()
     } else {

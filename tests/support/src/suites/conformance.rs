@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use tollway_core::testing::Conformance;
+use tollway_core::testing::{Conformance, cost};
 use tollway_core::{
     Algorithm, Clock, Decision, Denial, ManualClock, MemoryStore, Policy, Quota, RedisStore,
 };
@@ -13,21 +13,6 @@ use super::{Target, builder};
 use crate::redis::unique_prefix;
 use crate::stores::EPOCH_US;
 use crate::{CheckOne, Rng};
-
-fn cost(rng: &mut Rng, quota: &Quota, algorithm: Algorithm) -> u32 {
-    let cap = if algorithm.uses_burst() {
-        quota.burst()
-    } else {
-        quota.limit()
-    };
-    let c = match rng.below(10) {
-        0..=5 => 1,
-        6 => 0,
-        7 => cap + 1,
-        _ => 1 + rng.below(cap),
-    };
-    u32::try_from(c).unwrap()
-}
 
 /// Which of allowed (0), limited (1) and refused (2) a decision is, to show a trace
 /// exercises all three.
