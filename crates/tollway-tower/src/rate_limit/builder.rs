@@ -120,6 +120,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     }
 
     /// Names the limits file the settings come from in `build`'s errors.
+    #[cfg(feature = "config")]
     pub(crate) fn named_by_file(mut self, name: &str) -> Self {
         self.settings.source = Some(name.to_owned());
         self
