@@ -5,7 +5,7 @@
 -- algorithm's `refund` in crates/tollway-core/src/algorithm/.
 -- ARGV as prelude.lua describes, with [2] the units, and one more after the limits:
 -- [4 + 5N] the operation, 'charge', 'refund', 'reset' or 'drain' (take what is left over
--- the units: at most that many remain).
+-- the units: at most that many remain), or 'lend' (see below), with [5 + 5N] its cost.
 -- Not on the request path, so it is written for reading: helper functions, one loop.
 
 local units, grace, op = argv[2] + 0, argv[3] + 0, argv[4 + 5 * n]
@@ -226,6 +226,52 @@ local function charge(i, v, drain)
   end
   if c == 0 and x == v then return v end
   return store(keys[i], v, x, a)
+end
+
+-- 'lend': a request of ARGV[5 + 5N] units (its cost) and up to ARGV[2] units in all: at
+-- most half of what the fullest-spent limit has left, and at least the cost. All or
+-- nothing, decided as check.lua decides a request of the units taken. Replies check.lua's
+-- four integers a limit, then the units taken (0 when refused), then the time read. The
+-- twin of `grant_size` in crates/tollway-core/src/store/lend.rs. The log and the shaper
+-- do not lend: a unit spent later would need its own instant there.
+if op == 'lend' then
+  local cost, values, least = argv[5 + 5 * n] + 0, {}, -1
+  for i = 1, n do
+    local code = argv[5 * i - 1]
+    if code == '3' or code == '5' then
+      return error('tollway: the shaper and the sliding window log do not lend')
+    end
+    local v = call('GET', keys[i])
+    local _, left = decide(i, 0, v)
+    values[i] = v
+    if least < 0 or left < least then least = left end
+  end
+  local take = least / 2
+  take = take - take % 1
+  if take > units then take = units end
+  if take < cost then take = cost end
+  local reply, held, denied = {}, {}, false
+  for i = 1, n do
+    local denial, remaining, reset, wait, x, a = decide(i, take, values[i])
+    reply[4 * i - 3], reply[4 * i - 2], reply[4 * i - 1], reply[4 * i] = denial, remaining, reset, wait
+    held[2 * i - 1], held[2 * i] = x, a
+    if denial ~= 0 then denied = true end
+  end
+  if denied then
+    -- As check.lua: the limits that allowed reply what a request of 0 gets.
+    for i = 1, n do
+      if reply[4 * i - 3] == 0 then
+        local denial, remaining, reset, wait = decide(i, 0, values[i])
+        reply[4 * i - 3], reply[4 * i - 2], reply[4 * i - 1], reply[4 * i] = denial, remaining, reset, wait
+      end
+    end
+    take = 0
+  else
+    for i = 1, n do store(keys[i], values[i], held[2 * i - 1], held[2 * i]) end
+  end
+  reply[4 * n + 1] = take
+  reply[4 * n + 2] = told
+  return reply
 end
 
 local reply = {}

@@ -216,8 +216,10 @@ pub use store::{
 };
 pub use store::{
     BoxStore, BoxStoreFuture, BreakerState, Checked, CheckedFuture, CircuitBreaker,
-    CircuitBreakerBuilder, CircuitBreakerFuture, MemoryStore, MemoryStoreBuilder, Operation, Store,
-    WhenFull,
+    CircuitBreakerBuilder, CircuitBreakerFuture, Grant, LendFuture, MemoryStore,
+    MemoryStoreBuilder, Operation, Store, WhenFull,
 };
+#[cfg(feature = "leases")]
+pub use store::{Leased, LeasedBuilder};
 #[cfg(feature = "redis")]
 pub use store::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};

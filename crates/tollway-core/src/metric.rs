@@ -37,6 +37,24 @@ pub enum Kind {
     Histogram,
 }
 
+/// Units a [`Leased`](crate::Leased) store took, spent and lost (core, `metrics` and
+/// `leases`).
+pub const LEASE_UNITS: Metric = Metric {
+    name: "tollway_lease_units_total",
+    kind: Kind::Counter,
+    labels: &["event"],
+    help: "Units of leases: lent by the shared store, spent here, or gone bad unspent (event: lent, spent, expired)",
+};
+
+/// Where a [`Leased`](crate::Leased) store decided its hot and cold keys' requests
+/// (core, `metrics` and `leases`).
+pub const LEASE_DECISIONS: Metric = Metric {
+    name: "tollway_lease_decisions_total",
+    kind: Kind::Counter,
+    labels: &["where"],
+    help: "Requests a leasing store decided here from a lease (local) or by a call to the shared store (store)",
+};
+
 /// Requests the layer decided (tower, `metrics`).
 pub const DECISIONS: Metric = Metric {
     name: "tollway_decisions_total",
@@ -124,6 +142,8 @@ pub const ALL: &[Metric] = &[
     DENY_CACHE_HITS,
     BREAKER_STATE,
     MEMORY_STORE_KEYS,
+    LEASE_UNITS,
+    LEASE_DECISIONS,
     TIER_LOOKUPS_REFUSED,
     CONFIG_RELOADS,
     CONFIG_RELOAD_ERRORS,

@@ -83,6 +83,24 @@ impl Algorithm {
         }
     }
 
+    /// Whether a store may lend this algorithm's units in batches, to be spent later
+    /// by [`Leased`](crate::Leased) (see its docs for why each may or may not).
+    ///
+    /// The token bucket, the leaky bucket meter, GCRA and both windows lend. The sliding
+    /// window log and the shaper decide each request where its state lives: the log
+    /// remembers each admission's own instant, and the shaper gives each its own slot.
+    #[must_use]
+    pub const fn lends(self) -> bool {
+        match self {
+            Algorithm::TokenBucket
+            | Algorithm::LeakyBucket
+            | Algorithm::FixedWindow
+            | Algorithm::SlidingWindowCounter
+            | Algorithm::Gcra => true,
+            Algorithm::LeakyBucketShaper | Algorithm::SlidingWindowLog => false,
+        }
+    }
+
     /// Whether the algorithm uses the quota's burst as its capacity. The window
     /// algorithms count `limit` per window and have no separate burst.
     #[must_use]

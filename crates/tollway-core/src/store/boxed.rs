@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use super::{Checked, Operation, Store};
+use super::{Checked, LendFuture, Operation, Store};
 use crate::{ConfigError, Decisions, Policy, StoreError};
 
 /// The future of a [`BoxStore`] decision that waits.
@@ -61,6 +61,7 @@ trait ErasedStore: Send + Sync {
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture>;
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture>;
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError>;
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture>;
 }
 
 impl<S: Store> ErasedStore for S {
@@ -74,6 +75,10 @@ impl<S: Store> ErasedStore for S {
 
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
         Store::supports(self, policy)
+    }
+
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+        Store::lend(self, key, policies, cost, ask)
     }
 }
 
@@ -101,5 +106,9 @@ impl Store for BoxStore {
 
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
         self.inner.supports(policy)
+    }
+
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+        self.inner.lend(key, policies, cost, ask)
     }
 }

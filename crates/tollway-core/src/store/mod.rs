@@ -8,6 +8,9 @@
 
 mod boxed;
 mod breaker;
+#[cfg(feature = "leases")]
+mod lease;
+mod lend;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
@@ -24,6 +27,9 @@ pub use self::boxed::{BoxStore, BoxStoreFuture};
 pub use self::breaker::{
     BreakerState, CircuitBreaker, CircuitBreakerBuilder, CircuitBreakerFuture,
 };
+#[cfg(feature = "leases")]
+pub use self::lease::{Leased, LeasedBuilder};
+pub use self::lend::{Grant, LendFuture};
 pub use self::memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 #[cfg(feature = "redis")]
 pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
@@ -144,6 +150,24 @@ pub trait Store: Send + Sync + 'static {
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
         let _ = policy;
         Ok(())
+    }
+
+    /// Takes a batch of units for `key` under every one of `policies`, in one step: a
+    /// request of `cost` units, and up to `ask` units in all.
+    ///
+    /// The store takes as many as every limit fits, at most `ask`, and at most half of
+    /// what the fullest-spent limit has left. It takes the request's own `cost` at
+    /// least, or nothing: then the grant holds the request's refusal. A grant is all
+    /// or nothing like a check, and its decisions are those of a request of the units
+    /// it took. [`Leased`](crate::Leased) spends the units beyond the request's cost
+    /// later, in this process.
+    ///
+    /// `None`: the store does not lend these policies (or not now). The default lends
+    /// nothing. The memory and Redis stores lend every policy whose algorithm
+    /// [`lends`](crate::Algorithm::lends).
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+        let _ = (key, policies, cost, ask);
+        None
     }
 }
 

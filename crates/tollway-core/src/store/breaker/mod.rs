@@ -455,6 +455,42 @@ where
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
         self.inner.primary.supports(policy)
     }
+
+    /// Lends through the primary while the breaker is closed. Otherwise `None`: the
+    /// request is then checked as usual, and probes or falls back.
+    ///
+    /// A loan that fails counts as a failure. Its request is decided by the fallback, if
+    /// any, as a grant of its own cost.
+    fn lend(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: u32,
+        ask: u32,
+    ) -> Option<super::LendFuture> {
+        if self.state() != BreakerState::Closed {
+            return None;
+        }
+        let call = self.inner.primary.lend(key, policies, cost, ask)?;
+        let inner = Arc::clone(&self.inner);
+        let request = inner.fallback.is_some().then(|| {
+            let policies: SmallVec<[Policy; 4]> = policies.iter().map(|p| (*p).clone()).collect();
+            (key.to_vec(), policies)
+        });
+        Some(Box::pin(async move {
+            let answer = call.await;
+            inner.record(answer.is_ok(), false);
+            match (answer, request) {
+                (Err(error), Some((key, policies))) => {
+                    tracing::debug!(%error, "rate limit store failed a loan; deciding locally");
+                    let policies: SmallVec<[&Policy; 4]> = policies.iter().collect();
+                    let decisions = inner.fall_back(error, &key, &policies, cost)?;
+                    Ok(super::Grant::new(cost, decisions))
+                }
+                (answer, _) => answer,
+            }
+        }))
+    }
 }
 
 /// Ends a probe whose future is dropped before it answers.

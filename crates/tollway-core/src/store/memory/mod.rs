@@ -388,6 +388,31 @@ impl<C: Clock> Store for MemoryStore<C> {
     ) -> Checked<Self::Future> {
         Checked::Ready(Ok(self.apply(key, policies, operation)))
     }
+
+    /// A peek at every limit, then a decision at the grant's size: two steps, so a
+    /// request between them may shrink the grant to the request's own cost.
+    fn lend(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: u32,
+        ask: u32,
+    ) -> Option<super::LendFuture> {
+        if !super::lend::all_lend(policies) {
+            return None;
+        }
+        let peek = self.apply(key, policies, Operation::Peek(0));
+        let units = super::lend::grant_size(super::lend::least_remaining(&peek), cost, ask);
+        let mut decisions = self.decide(key, policies, units);
+        let mut granted = units;
+        if !decisions.is_allowed() && units > cost {
+            decisions = self.decide(key, policies, cost);
+            granted = cost;
+        }
+        Some(Box::pin(std::future::ready(Ok(super::Grant::new(
+            granted, decisions,
+        )))))
+    }
 }
 
 impl<C> Shared<C> {

@@ -19,7 +19,9 @@ use sha2::{Digest, Sha256};
 pub use self::builder::RedisStoreBuilder;
 use self::deny_cache::{DenyCache, DenyEntry};
 use self::scripts::{Call, Kind, SCRIPT, Time, capacities, code, parse};
-use super::{BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Operation, Store};
+use super::{
+    BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Grant, LendFuture, Operation, Store,
+};
 use crate::clock::Clock;
 use crate::{Decisions, Policy, StoreError, StoreErrorKind};
 
@@ -226,6 +228,28 @@ impl RedisStore {
         Ok((decisions, told))
     }
 
+    /// Lends like [`Store::lend`] on the server's clock, whatever the builder chose, and
+    /// returns the time the script read beside the grant: see
+    /// [`check_telling_time`](Self::check_telling_time). Not a stable API.
+    #[doc(hidden)]
+    pub async fn lend_telling_time(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: u32,
+        ask: u32,
+    ) -> Result<(Grant, u64), StoreError> {
+        let scripts = self.scripts();
+        let call = scripts.call_of(key, policies, Kind::Lend { cost }, ask, Time::ServerTold);
+        let mut reply = scripts.run_script(&call).await?;
+        let told = reply.pop().and_then(|t| u64::try_from(t).ok());
+        let grant = granted(reply, &capacities(policies))?;
+        let told = told.ok_or_else(|| {
+            StoreError::new(StoreErrorKind::Script, "the script did not tell its time")
+        })?;
+        Ok((grant, told))
+    }
+
     fn scripts(&self) -> &Scripts {
         match &self.front {
             Front::Scripts(scripts) => scripts,
@@ -258,6 +282,27 @@ impl Store for RedisStore {
             Front::Guarded(guarded) => guarded.operate(key, policies, operation),
         }
     }
+
+    /// One script call takes the request's cost and the units lent, all or nothing,
+    /// through the breaker (see [`CircuitBreaker`]'s `lend`). A refusal the deny cache
+    /// knows is answered at once, as a check's is.
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+        match &self.front {
+            Front::Scripts(scripts) => scripts.lend_call(key, policies, cost, ask),
+            Front::Guarded(guarded) => guarded.lend(key, policies, cost, ask),
+        }
+    }
+}
+
+/// The grant in a `lend` reply: the decisions, then the units taken.
+fn granted(mut reply: Vec<i64>, capacities: &[u64]) -> Result<Grant, StoreError> {
+    let units = reply.pop().and_then(|u| u32::try_from(u).ok()).ok_or_else(|| {
+        StoreError::new(
+            StoreErrorKind::Script,
+            "the lend script replied no units: is another version of tollway using the same prefix?",
+        )
+    })?;
+    Ok(Grant::new(units, parse(&reply, capacities)?))
 }
 
 /// What a [`Board`](crate::Board) on this store uses: its prefix, and plain commands.
@@ -383,6 +428,10 @@ impl Store for Scripts {
         self.call(key, policies, Kind::Check, cost, entry)
     }
 
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+        self.lend_call(key, policies, cost, ask)
+    }
+
     /// A peek asks Redis: the deny cache answers only requests. A charge, refund or reset
     /// also makes this node forget the refusals it remembers for the key, whose times it
     /// changed. Other nodes answer theirs until they run out: at most the retry time they
@@ -427,6 +476,42 @@ impl Store for Scripts {
 }
 
 impl Scripts {
+    /// One `lend` call for `key`'s limits; a refusal is remembered, as a check's is.
+    fn lend_call(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: u32,
+        ask: u32,
+    ) -> Option<LendFuture> {
+        if !super::lend::all_lend(policies) {
+            return None;
+        }
+        let cache = self.inner.deny_cache.as_ref();
+        let entry = cache.and_then(|cache| cache.entry(key, policies, cost));
+        if let Some(decisions) = cache.zip(entry).and_then(|(c, e)| c.lookup(e)) {
+            #[cfg(feature = "metrics")]
+            metrics::counter!(crate::metric::DENY_CACHE_HITS.name).increment(1);
+            return Some(Box::pin(std::future::ready(Ok(Grant::new(0, decisions)))));
+        }
+        let time = match &self.inner.clock {
+            Some(clock) => Time::Caller(clock.now_micros()),
+            None => Time::Server,
+        };
+        let call = self.call_of(key, policies, Kind::Lend { cost }, ask, time);
+        let capacities = capacities(policies);
+        let this = self.clone();
+        Some(Box::pin(async move {
+            let grant = granted(this.run_script(&call).await?, &capacities)?;
+            if let (Some(cache), Some(entry)) = (&this.inner.deny_cache, entry)
+                && !grant.decisions().is_allowed()
+            {
+                cache.remember(entry, grant.decisions());
+            }
+            Ok(grant)
+        }))
+    }
+
     /// Runs one script call for `key`'s limits; a refusal is remembered under the deny
     /// cache's `entry`, if any.
     fn call(

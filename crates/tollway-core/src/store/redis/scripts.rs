@@ -98,6 +98,11 @@ pub(super) enum Kind {
     Peek,
     /// `operate.lua`, with its operation's name.
     Operate(&'static str),
+    /// `operate.lua`'s `lend`: a request of `cost`, and up to the call's units in all.
+    Lend {
+        /// The request's own cost.
+        cost: u32,
+    },
 }
 
 impl Call {
@@ -113,7 +118,7 @@ impl Call {
     ) -> Result<redis::Value, RedisError> {
         let (script, source) = match self.kind {
             Kind::Check | Kind::Peek => (&*SCRIPT, SOURCE),
-            Kind::Operate(_) => (&*OPERATE, OPERATE_SOURCE),
+            Kind::Operate(_) | Kind::Lend { .. } => (&*OPERATE, OPERATE_SOURCE),
         };
         match self
             .command("EVALSHA", script.get_hash())
@@ -138,14 +143,16 @@ impl Call {
         cmd.arg(self.units);
         match self.kind {
             Kind::Peek => cmd.arg("peek"),
-            Kind::Check | Kind::Operate(_) => cmd.arg(self.grace_ms),
+            Kind::Check | Kind::Operate(_) | Kind::Lend { .. } => cmd.arg(self.grace_ms),
         };
         for limit in &self.limits {
             cmd.arg(&limit[..]);
         }
-        if let Kind::Operate(operation) = self.kind {
-            cmd.arg(operation);
-        }
+        match self.kind {
+            Kind::Operate(operation) => cmd.arg(operation),
+            Kind::Lend { cost } => cmd.arg("lend").arg(cost),
+            Kind::Check | Kind::Peek => &mut cmd,
+        };
         cmd
     }
 }

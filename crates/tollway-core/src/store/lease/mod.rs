@@ -1,0 +1,364 @@
+//! Leases: a hot key's requests decided here, from units lent by the shared store.
+//!
+//! [`Leased`] wraps a store that [lends](Store::lend), such as the
+//! [`RedisStore`](crate::RedisStore). A key that is hot here takes a batch of units from
+//! the shared state in one call. The units are debited there first. Its requests are
+//! then decided in this process's memory, until the batch runs low. Then the next batch
+//! is asked for in the background. A request never waits for it while units are left.
+//! A key seen rarely is decided one call a request, as without leases.
+//!
+//! See the [`Leased`] docs for the bound it keeps, and why it is exact.
+
+mod builder;
+mod table;
+#[cfg(test)]
+#[cfg(feature = "testing")]
+mod tests;
+mod units;
+
+use std::fmt;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+pub use self::builder::LeasedBuilder;
+use self::table::{Counts, Local, Table};
+use self::units::Loan;
+use super::boxed::boxed;
+use super::{BoxStoreFuture, Checked, Grant, LendFuture, Operation, Store};
+use crate::{Clock, ConfigError, MonotonicClock, Policy, StoreError};
+
+/// A store whose hot keys are decided here, from units leased from `S`.
+///
+/// # How
+///
+/// Each key and set of policies keeps its demand here: the units its requests asked
+/// for over the last *horizon* (200 ms by default). While that is under
+/// [`min_units`](LeasedBuilder::min_units), each request is one call to `S`, as before.
+/// Past it, the next request asks `S` to [lend](Store::lend) about one horizon's worth.
+/// That call decides the request too: a cold key never pays a second round trip. A loan
+/// holds at most [`max_share`](LeasedBuilder::max_share) of a limit's capacity, and the
+/// store lends at most half of what a limit has left. So loans shrink to one unit as a
+/// limit runs out, and the last units of a period go to whoever asks.
+///
+/// Requests then spend the loan's units in order, here. When half a loan is left, the
+/// next one is asked for in the background (on the tokio runtime the request runs on).
+/// A request with no good units left asks `S` itself, one call, as a cold key does.
+///
+/// # Never over the limit
+///
+/// Each unit is debited from the shared state before it is spent. A unit is good here
+/// only while spending it could not pass the limit:
+///
+/// - a window's units until their window ends (fixed window, sliding window counter);
+/// - a bucket's or GCRA's unit `j` of a loan until the state would have refilled unit
+///   `j − 1` of it (token bucket, leaky bucket meter, GCRA). Spent later, the refill
+///   would be there for another request too.
+///
+/// So in any interval, the units spent here and at the store are at most what the
+/// algorithm admits in it, whatever the number of gateways. A unit gone bad is dropped
+/// unspent. The sliding window log and the leaky bucket shaper do not lend
+/// ([`Algorithm::lends`](crate::Algorithm::lends)): each of their admissions needs its
+/// own instant in the shared state. A request under any of them is one call, as before.
+///
+/// The deadlines are counted on this process's clock from when a loan's call was sent.
+/// The store read its time later. So a unit goes bad here no later than at the store,
+/// whatever the clocks read. Only their rates must agree: a clock that runs fast by
+/// 100 ppm keeps a unit 100 µs too long a second of its life.
+///
+/// # The cost: units left unspent
+///
+/// Units a gateway holds and does not spend are lost to the others until they go bad:
+/// at most one loan's units a gateway and key, for at most one loan's span (its units'
+/// worth of refill; for a window, until it ends). A full bucket lends units that go bad
+/// one a refill interval. So below the limit a loan spends a share of its units about
+/// this gateway's share of the rate. The store's calls still fall by the units spent a
+/// loan. `BENCHMARKS.md` ("Leases") has the measured calls, shares and latencies.
+///
+/// # When the store is away
+///
+/// A hot key keeps spending the units it holds, exactly. Loans that fail count as the
+/// store's failures. Once its breaker opens, the store lends nothing. Then requests
+/// without units are checked, and get the store's failure policy: the Redis store's
+/// local fallback, say. Nothing is counted twice when it returns: the units were debited
+/// before they were spent.
+///
+/// # Examples
+///
+/// Three gateways sharing one store (a memory store stands in for Redis here, on a
+/// manual clock):
+///
+/// ```
+/// use std::time::Duration;
+/// use tollway_core::{Algorithm, Leased, ManualClock, MemoryStore, Policy, Quota, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let clock = ManualClock::new();
+/// let shared = MemoryStore::builder().clock(clock.clone()).build()?;
+/// let policy = Policy::new("api", Algorithm::FixedWindow, Quota::per_second(1_000)?)?;
+/// let gateways: Vec<_> = (0..3)
+///     .map(|_| Leased::builder(shared.clone()).clock(clock.clone()).build())
+///     .collect::<Result<_, _>>()?;
+///
+/// let mut admitted = 0;
+/// for i in 0..3_000 {
+///     clock.advance(Duration::from_micros(100));
+///     let gateway = &gateways[i % 3];
+///     if gateway.check(b"hot", &[&policy], 1).await?.is_allowed() {
+///         admitted += 1;
+///     }
+/// }
+/// // 300 ms of 10,000 a second against 1,000 a second: never more.
+/// assert!(admitted <= 1_000);
+/// assert!(admitted > 900);
+/// # Ok(())
+/// # }
+/// ```
+pub struct Leased<S, C = MonotonicClock> {
+    inner: Arc<Inner<S, C>>,
+}
+
+struct Inner<S, C> {
+    store: S,
+    clock: C,
+    table: Table,
+}
+
+impl<S, C> Clone for Leased<S, C> {
+    fn clone(&self) -> Self {
+        Leased {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<S: fmt::Debug, C> fmt::Debug for Leased<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Leased")
+            .field("store", &self.inner.store)
+            .field("keys", &self.inner.table.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> Leased<S> {
+    /// Leases from `store`, with the default sizes (see [`LeasedBuilder`]).
+    ///
+    /// # Errors
+    ///
+    /// Never with the defaults; see [`LeasedBuilder::build`].
+    pub fn new(store: S) -> Result<Self, ConfigError> {
+        Leased::builder(store).build()
+    }
+
+    /// A builder for leases from `store`.
+    pub fn builder(store: S) -> LeasedBuilder<S> {
+        LeasedBuilder::new(store)
+    }
+}
+
+impl<S, C> Leased<S, C> {
+    /// The store it leases from.
+    pub fn store(&self) -> &S {
+        &self.inner.store
+    }
+
+    /// How many keys (each with its set of policies) it tracks: hot, or seen lately.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.inner.table.len()
+    }
+
+    /// Whether it tracks no key.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<S: Store, C: Clock> Leased<S, C> {
+    /// Asks the store for `ask` more units of `key` in the background, if a runtime
+    /// runs one.
+    fn renew(&self, key: &[u8], ids: SmallVec<[u64; 2]>, policies: &[&Policy], ask: u32) {
+        let inner = &self.inner;
+        let origin = inner.clock.now_micros();
+        let call = tokio::runtime::Handle::try_current()
+            .ok()
+            .and_then(|runtime| Some((runtime, inner.store.lend(key, policies, 0, ask)?)));
+        let Some((runtime, call)) = call else {
+            inner.table.lent(key, &ids, None);
+            return;
+        };
+        let asking = Asking::new(Arc::clone(inner), key, ids, policies, origin, 0);
+        runtime.spawn(async move {
+            if let Err(error) = asking.finish(call.await) {
+                tracing::debug!(%error, "a lease was not renewed");
+            }
+        });
+    }
+}
+
+/// The key-and-policies' identity in the table: each policy's name and quota.
+fn ids_of(policies: &[&Policy]) -> SmallVec<[u64; 2]> {
+    let hasher = foldhash::fast::FixedState::with_seed(0x1ea5e);
+    policies
+        .iter()
+        .map(|p| hasher.hash_one((p.name(), p.id())))
+        .collect()
+}
+
+impl<S: Store, C: Clock> Store for Leased<S, C> {
+    type Future = BoxStoreFuture;
+
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
+        let inner = &self.inner;
+        if cost == 0 || !super::lend::all_lend(policies) {
+            return boxed(inner.store.check(key, policies, cost));
+        }
+        let ids = ids_of(policies);
+        let now = inner.clock.now_micros();
+        let mut counts = Counts::default();
+        let local = inner
+            .table
+            .spend(key, &ids, policies, cost, now, &mut counts);
+        record::expired(counts.expired);
+        match local {
+            Local::Spent { decisions, renew } => {
+                record::spent(cost);
+                if let Some(ask) = renew {
+                    self.renew(key, ids, policies, ask);
+                }
+                Checked::Ready(Ok(decisions))
+            }
+            Local::Pass => {
+                record::called();
+                boxed(inner.store.check(key, policies, cost))
+            }
+            Local::Lend(ask) => {
+                record::called();
+                let Some(call) = inner.store.lend(key, policies, cost, ask) else {
+                    inner.table.lent(key, &ids, None);
+                    return boxed(inner.store.check(key, policies, cost));
+                };
+                let asking = Asking::new(Arc::clone(inner), key, ids, policies, now, cost);
+                Checked::Pending(Box::pin(async move {
+                    asking.finish(call.await).map(Grant::into_decisions)
+                }))
+            }
+        }
+    }
+
+    /// Straight to the store. A reset also drops this process's loans of the key: its
+    /// units were taken from the state the reset forgets. Other gateways keep theirs
+    /// until they go bad.
+    fn operate(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        operation: Operation,
+    ) -> Checked<BoxStoreFuture> {
+        if operation == Operation::Reset {
+            record::expired(self.inner.table.forget(key));
+        }
+        boxed(self.inner.store.operate(key, policies, operation))
+    }
+
+    fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
+        self.inner.store.supports(policy)
+    }
+
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+        self.inner.store.lend(key, policies, cost, ask)
+    }
+}
+
+/// A loan's call on its way: keeps what it lends, and ends the key's asking even if it
+/// is dropped unanswered.
+struct Asking<S, C> {
+    inner: Arc<Inner<S, C>>,
+    key: Box<[u8]>,
+    ids: SmallVec<[u64; 2]>,
+    policies: SmallVec<[Policy; 2]>,
+    origin: u64,
+    cost: u32,
+    done: bool,
+}
+
+impl<S, C> Asking<S, C> {
+    fn new(
+        inner: Arc<Inner<S, C>>,
+        key: &[u8],
+        ids: SmallVec<[u64; 2]>,
+        policies: &[&Policy],
+        origin: u64,
+        cost: u32,
+    ) -> Self {
+        Asking {
+            inner,
+            key: key.into(),
+            ids,
+            policies: policies.iter().map(|&p| p.clone()).collect(),
+            origin,
+            cost,
+            done: false,
+        }
+    }
+
+    /// Keeps the units the store lent past the request's cost.
+    fn finish(mut self, answer: Result<Grant, StoreError>) -> Result<Grant, StoreError> {
+        self.done = true;
+        let loan = answer.as_ref().ok().and_then(|grant| {
+            let policies: SmallVec<[&Policy; 2]> = self.policies.iter().collect();
+            let loan = Loan::new(self.origin, &policies, grant, self.cost)?;
+            record::lent(loan.unspent());
+            Some(loan)
+        });
+        self.inner.table.lent(&self.key, &self.ids, loan);
+        answer
+    }
+}
+
+impl<S, C> Drop for Asking<S, C> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.inner.table.lent(&self.key, &self.ids, None);
+        }
+    }
+}
+
+/// The lease metrics (feature `metrics`): see [`crate::metric::LEASE_UNITS`] and
+/// [`crate::metric::LEASE_DECISIONS`].
+mod record {
+    #[cfg(feature = "metrics")]
+    use crate::metric::{LEASE_DECISIONS, LEASE_UNITS};
+
+    pub(super) fn lent(units: u64) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!(LEASE_UNITS.name, "event" => "lent").increment(units);
+        let _ = units;
+    }
+
+    pub(super) fn spent(cost: u32) {
+        #[cfg(feature = "metrics")]
+        {
+            metrics::counter!(LEASE_UNITS.name, "event" => "spent").increment(u64::from(cost));
+            metrics::counter!(LEASE_DECISIONS.name, "where" => "local").increment(1);
+        }
+        let _ = cost;
+    }
+
+    pub(super) fn expired(units: u64) {
+        #[cfg(feature = "metrics")]
+        if units > 0 {
+            metrics::counter!(LEASE_UNITS.name, "event" => "expired").increment(units);
+        }
+        let _ = units;
+    }
+
+    pub(super) fn called() {
+        #[cfg(feature = "metrics")]
+        metrics::counter!(LEASE_DECISIONS.name, "where" => "store").increment(1);
+    }
+}

@@ -1,0 +1,255 @@
+//! The loans this process holds, one entry a key and set of policies, with each key's
+//! demand here.
+
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+use parking_lot::Mutex;
+use smallvec::SmallVec;
+
+use super::units::Loan;
+use crate::{Decisions, Policy};
+
+/// What a request's lease says, before any store is asked.
+#[derive(Debug)]
+pub(super) enum Local {
+    /// Decided here from a loan's units. `renew`: ask the store for more, in the
+    /// background, this many.
+    Spent {
+        decisions: Decisions,
+        renew: Option<u32>,
+    },
+    /// No good units: lend this many with the request (and mark the entry asking).
+    Lend(u32),
+    /// Ask the store for the request alone.
+    Pass,
+}
+
+/// How the table sizes loans and bounds itself.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Sizing {
+    /// The time a loan should last at the key's demand here, in µs.
+    pub(super) horizon: u64,
+    /// The smallest loan worth a call: a key whose demand over a horizon is less
+    /// is decided one request at a time.
+    pub(super) min_units: u64,
+    /// The largest share of a limit's capacity one loan may take.
+    pub(super) max_share: f64,
+    /// An entry unused this long may be dropped, in µs.
+    pub(super) idle: u64,
+    /// The most entries a shard holds.
+    pub(super) per_shard: usize,
+}
+
+/// The loans of one key under one set of policies, and its demand here.
+#[derive(Debug)]
+struct Entry {
+    hash: u64,
+    key: Box<[u8]>,
+    ids: SmallVec<[u64; 2]>,
+    /// Units asked since `since`, and over the last horizon that ended.
+    since: u64,
+    seen: u64,
+    per_horizon: u64,
+    /// Units spent from a loan, in order of age.
+    loans: SmallVec<[Loan; 2]>,
+    /// A call that lends is on its way.
+    asking: bool,
+    used: u64,
+}
+
+impl Entry {
+    fn is(&self, hash: u64, key: &[u8], ids: &[u64]) -> bool {
+        self.hash == hash && *self.key == *key && self.ids[..] == *ids
+    }
+
+    /// Counts a request of `cost` at `now` into the demand: the units of the last
+    /// horizon; or, for a key not yet hot, of the first `min_units` units, so that a
+    /// key turning hot leases after a loan's worth of requests rather than a horizon.
+    fn observe(&mut self, now: u64, cost: u32, sizing: &Sizing) {
+        self.seen += u64::from(cost);
+        self.used = now;
+        let elapsed = now.saturating_sub(self.since);
+        let warming = self.per_horizon < sizing.min_units && self.seen >= sizing.min_units;
+        if elapsed >= sizing.horizon || warming {
+            let horizon = sizing.horizon;
+            self.per_horizon = self.seen.saturating_mul(horizon) / elapsed.max(1);
+            self.since = now;
+            self.seen = 0;
+        }
+    }
+
+    /// Units neither spent nor good any more, dropping the loans that have none good.
+    fn drop_spent(&mut self, now: u64) -> u64 {
+        let mut lost = 0;
+        self.loans.retain(|loan| {
+            let keep = loan.good(now) > 0;
+            if !keep {
+                lost += loan.unspent();
+            }
+            keep
+        });
+        lost
+    }
+}
+
+/// Every loan this process holds, sharded by key.
+#[derive(Debug)]
+pub(super) struct Table {
+    shards: Box<[Mutex<HashTable<Entry>>]>,
+    hasher: foldhash::fast::RandomState,
+    sizing: Sizing,
+}
+
+/// What [`Table::spend`] found, beside its answer: units gone bad unspent.
+#[derive(Debug, Default)]
+pub(super) struct Counts {
+    pub(super) expired: u64,
+}
+
+impl Table {
+    pub(super) fn new(shards: usize, sizing: Sizing) -> Self {
+        Table {
+            shards: (0..shards.next_power_of_two())
+                .map(|_| Mutex::new(HashTable::new()))
+                .collect(),
+            hasher: foldhash::fast::RandomState::default(),
+            sizing,
+        }
+    }
+
+    fn hash(&self, key: &[u8], ids: &[u64]) -> u64 {
+        self.hasher.hash_one((key, ids))
+    }
+
+    fn shard(&self, key: &[u8]) -> &Mutex<HashTable<Entry>> {
+        // Every set of policies of one key in one shard, so a reset finds them all.
+        let hash = self.hasher.hash_one(key);
+        &self.shards[(hash as usize) & (self.shards.len() - 1)]
+    }
+
+    /// The most units one loan for `policies` may hold: a share of the smallest
+    /// capacity, at least one.
+    fn most(&self, policies: &[&Policy]) -> u64 {
+        let capacity = capacity(policies) as f64;
+        ((capacity * self.sizing.max_share) as u64).max(1)
+    }
+
+    /// Decides a request of `cost` at `now` from a loan if it can, or says what to ask
+    /// the store.
+    pub(super) fn spend(
+        &self,
+        key: &[u8],
+        ids: &[u64],
+        policies: &[&Policy],
+        cost: u32,
+        now: u64,
+        counts: &mut Counts,
+    ) -> Local {
+        let hash = self.hash(key, ids);
+        let mut shard = self.shard(key).lock();
+        let sizing = &self.sizing;
+        let entry = match shard.find_mut(hash, |e| e.is(hash, key, ids)) {
+            Some(entry) => entry,
+            None => {
+                if shard.len() >= sizing.per_shard {
+                    let idle = sizing.idle;
+                    shard.retain(|e| {
+                        let keep = now.saturating_sub(e.used) < idle;
+                        if !keep {
+                            counts.expired += e.loans.iter().map(Loan::unspent).sum::<u64>();
+                        }
+                        keep
+                    });
+                    if shard.len() >= sizing.per_shard {
+                        return Local::Pass;
+                    }
+                }
+                let entry = Entry {
+                    hash,
+                    key: key.into(),
+                    ids: ids.into(),
+                    since: now,
+                    seen: 0,
+                    per_horizon: 0,
+                    loans: SmallVec::new(),
+                    asking: false,
+                    used: now,
+                };
+                shard.insert_unique(hash, entry, |e| e.hash).into_mut()
+            }
+        };
+        entry.observe(now, cost, sizing);
+        counts.expired += entry.drop_spent(now);
+        let most = self.most(policies);
+        let ask = entry.per_horizon.clamp(1, most);
+        if let Some(decisions) = entry
+            .loans
+            .iter_mut()
+            .find_map(|loan| loan.spend(now, cost))
+        {
+            let good: u64 = entry.loans.iter().map(|loan| loan.good(now)).sum();
+            // Half a loan left: ask for the next one now, so that it comes before this
+            // one runs out.
+            let renew = (!entry.asking && 2 * good < ask && ask >= sizing.min_units).then(|| {
+                entry.asking = true;
+                u32::try_from(ask).unwrap_or(u32::MAX)
+            });
+            return Local::Spent { decisions, renew };
+        }
+        // Cold (too little demand here for a loan to pay), or a loan is on its way.
+        if entry.asking || entry.per_horizon < sizing.min_units || most < sizing.min_units {
+            return Local::Pass;
+        }
+        entry.asking = true;
+        let ask = ask.max(u64::from(cost));
+        Local::Lend(u32::try_from(ask).unwrap_or(u32::MAX))
+    }
+
+    /// Keeps the units of `loan` for the key, and ends its call's asking.
+    pub(super) fn lent(&self, key: &[u8], ids: &[u64], loan: Option<Loan>) {
+        let hash = self.hash(key, ids);
+        let mut shard = self.shard(key).lock();
+        if let Some(entry) = shard.find_mut(hash, |e| e.is(hash, key, ids)) {
+            entry.asking = false;
+            entry.loans.extend(loan);
+        }
+    }
+
+    /// Forgets every loan of `key`: its state was reset. Returns the units unspent.
+    pub(super) fn forget(&self, key: &[u8]) -> u64 {
+        let mut shard = self.shard(key).lock();
+        let mut unspent = 0;
+        shard.retain(|e| {
+            let keep = *e.key != *key;
+            if !keep {
+                unspent += e.loans.iter().map(Loan::unspent).sum::<u64>();
+            }
+            keep
+        });
+        unspent
+    }
+
+    /// How many keys and sets of policies the table holds.
+    pub(super) fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+}
+
+/// The most units a request under all of `policies` can take at once: the smallest
+/// capacity (the burst of a bucket or GCRA, the limit of a window).
+fn capacity(policies: &[&Policy]) -> u64 {
+    policies
+        .iter()
+        .map(|p| capacity_of(p.algorithm(), p.quota()))
+        .min()
+        .unwrap_or(0)
+}
+
+fn capacity_of(algorithm: crate::Algorithm, quota: &crate::Quota) -> u64 {
+    if algorithm.uses_burst() {
+        quota.burst()
+    } else {
+        quota.limit()
+    }
+}

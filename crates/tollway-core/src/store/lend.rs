@@ -1,0 +1,94 @@
+//! Lending: a batch of units taken from a store's shared state in one step.
+//!
+//! A store that lends lets [`Leased`](crate::Leased) decide a hot key's requests
+//! locally. Only the algorithms whose units may be spent later lend: see
+//! [`Algorithm::lends`](crate::Algorithm::lends).
+
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::{Decision, Decisions, Policy};
+
+/// The future of a [`Store::lend`](super::Store::lend).
+pub type LendFuture =
+    Pin<Box<dyn Future<Output = Result<Grant, crate::StoreError>> + Send + 'static>>;
+
+/// What a store lent: how many units, and the decisions the store made taking them.
+///
+/// The decisions are those of a request of [`units`](Self::units) units. When the store
+/// refused even the request's own cost, they are the refusal, and `units` is 0.
+///
+/// # Examples
+///
+/// ```
+/// use tollway_core::{Algorithm, ManualClock, MemoryStore, Policy, Quota, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = MemoryStore::builder().clock(ManualClock::new()).build()?;
+/// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(100)?)?;
+///
+/// // A request of 1 unit, and up to 30 more to spend later.
+/// let grant = store.lend(b"hot", &[&policy], 1, 31).expect("the memory store lends").await?;
+/// assert_eq!(grant.units(), 31);
+/// assert_eq!(grant.decisions()[0].remaining(), 69);
+///
+/// // Near the limit, a store lends at most half of what is left.
+/// let grant = store.lend(b"hot", &[&policy], 1, 100).expect("it lends").await?;
+/// assert_eq!(grant.units(), 34);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    units: u32,
+    decisions: Decisions,
+}
+
+impl Grant {
+    /// A grant of `units`, taken with these decisions.
+    #[must_use]
+    pub fn new(units: u32, decisions: Decisions) -> Self {
+        let units = if decisions.is_allowed() { units } else { 0 };
+        Grant { units, decisions }
+    }
+
+    /// How many units were taken: the request's own cost and the rest, lent.
+    #[must_use]
+    pub fn units(&self) -> u32 {
+        self.units
+    }
+
+    /// The decisions of taking them, one a policy.
+    #[must_use]
+    pub fn decisions(&self) -> &Decisions {
+        &self.decisions
+    }
+
+    /// The decisions, taken out of the grant.
+    #[must_use]
+    pub fn into_decisions(self) -> Decisions {
+        self.decisions
+    }
+}
+
+/// How many units to lend for a request of `cost`, asked `ask`, when every limit still
+/// holds `least` at most: `ask`, but at most half of `least`, and at least `cost`.
+///
+/// Halving keeps the last units of a period for the gateways that ask after.
+/// `lua/operate.lua` (its `lend`) computes the same.
+pub(crate) fn grant_size(least: u64, cost: u32, ask: u32) -> u32 {
+    let half = u32::try_from(least / 2).unwrap_or(u32::MAX);
+    ask.min(half).max(cost)
+}
+
+/// The most units a request fits now, under every limit: the least of the
+/// `remaining` of the decisions of a request of 0 units.
+pub(crate) fn least_remaining(peek: &Decisions) -> u64 {
+    peek.iter().map(Decision::remaining).min().unwrap_or(0)
+}
+
+/// Whether every one of `policies` may lend.
+pub(crate) fn all_lend(policies: &[&Policy]) -> bool {
+    policies.iter().all(|p| p.algorithm().lends())
+}
