@@ -41,6 +41,17 @@ async fn three_gateways_on_the_cluster_never_admit_more_than_the_model() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clusters_loans_are_the_memory_stores() {
+    suites::lend_conformance(&cluster(), 1_500).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_leasing_gateways_on_the_cluster_never_admit_more_than_the_capacity() {
+    let keys = suites::leased_atomicity(&cluster()).await;
+    shared_cluster().assert_on_every_master(&keys).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_survive_script_flush_on_every_cluster_node() {
     let keys = suites::script_flush(&cluster()).await;
     shared_cluster().assert_on_every_master(&keys).await;

@@ -80,6 +80,23 @@ async fn three_gateways_and_66_tasks_never_admit_more_than_the_model() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scripts_loans_are_the_memory_stores() {
+    suites::lend_conformance(&shared(), 5_000).await;
+}
+
+/// Server-time mode: a loan reads Redis's `TIME`, and the memory store fed the time it
+/// read lends the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_servers_clock_the_scripts_loans_are_the_memory_stores() {
+    suites::lend_conformance_server_time(&shared(), 300).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_leasing_gateways_and_66_tasks_never_admit_more_than_the_capacity() {
+    suites::leased_atomicity(&shared()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_survive_script_flush() {
     suites::script_flush(&shared()).await;
 }

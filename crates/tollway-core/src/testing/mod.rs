@@ -9,6 +9,8 @@
 //! - [`all_or_nothing`](Conformance::all_or_nothing): one to four limits of different
 //!   algorithms a request. So a request refused by one limit must charge none of them.
 //!   One event in four is an [`Operation`]: a peek, charge, refund, reset or drain.
+//! - [`lending`](Conformance::lending): loans ([`Store::lend`]) of one or two limits,
+//!   the units and decisions of each grant.
 //!
 //! Each suite panics at the first decision that differs, naming the event. It checks
 //! that its trace is not vacuous: the trace admits, limits and refuses. A suite needs no
@@ -298,6 +300,120 @@ impl Conformance {
         assert!(
             refused_with_room >= self.events / 20,
             "{name}: {refused_with_room} refused with room"
+        );
+        report
+    }
+
+    /// Replays a trace of loans ([`Store::lend`]) through `store` and a memory store on
+    /// `clock`: one or two limits of the algorithms that [lend](Algorithm::lends), a
+    /// cost from 0 to past the capacity, and up to twice the capacity asked. One event
+    /// in four is a request instead, so that loans meet states requests left. Every
+    /// grant must match, units and decisions. `store` must read `clock`, which the
+    /// suite moves forward.
+    ///
+    /// # Panics
+    ///
+    /// At the first answer that differs from the memory store's, or when `store` fails
+    /// or lends nothing for a policy that lends. Also when the trace is vacuous: under a
+    /// tenth of its loans lend more than their cost, or under a twentieth are refused.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_core::testing::Conformance;
+    /// use tollway_core::{ManualClock, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tollway_core::ConfigError> {
+    /// let clock = ManualClock::new();
+    /// let store = MemoryStore::builder().clock(clock.clone()).build()?;
+    /// Conformance::new(2_000).lending(&store, &clock).await;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn lending<S: Store>(&self, store: &S, clock: &ManualClock) -> Report {
+        const CALLERS: u64 = 3;
+        let memory = twin(clock);
+        let mut rng = Rng(self.seed.unwrap_or(0x1e4d_5eed));
+        let pool: Vec<Policy> = Algorithm::ALL
+            .iter()
+            .filter(|a| a.lends())
+            .enumerate()
+            .flat_map(|(i, &algorithm)| {
+                let quotas = quotas(algorithm);
+                [i, i + 2].map(|q| {
+                    Policy::new(format!("lend{i}-{q}"), algorithm, quotas[q % quotas.len()])
+                        .expect("a valid policy")
+                })
+            })
+            .collect();
+        let mut report = Report {
+            events: 0,
+            used: Vec::new(),
+        };
+        let (mut lent, mut refused, mut loans) = (0, 0, 0);
+        for i in 0..self.events {
+            let n = 1 + rng.below(2) as usize;
+            let mut chosen: Vec<&Policy> = Vec::new();
+            while chosen.len() < n {
+                let p = &pool[rng.below(pool.len() as u64) as usize];
+                if !chosen.iter().any(|c| c.name() == p.name()) {
+                    chosen.push(p);
+                }
+            }
+            let now = clock.now_micros();
+            clock.set_micros(now + gap(&mut rng, now, chosen[0].quota()));
+            let (first, algorithm) = (chosen[0].quota(), chosen[0].algorithm());
+            let cost = cost(&mut rng, first, algorithm);
+            let capacity = if algorithm.uses_burst() {
+                first.burst()
+            } else {
+                first.limit()
+            };
+            let ask = u32::try_from(rng.below(2 * capacity + 1)).unwrap_or(u32::MAX);
+            let caller = format!("caller-{}", rng.below(CALLERS));
+            let names: Vec<&str> = chosen.iter().map(|p| p.name()).collect();
+            report.events += 1;
+            for p in &chosen {
+                report.record(&caller, p);
+            }
+            let context = || {
+                format!(
+                    "{}: event {i} {caller} at {} cost {cost} ask {ask} limits {names:?}",
+                    self.name,
+                    clock.now_micros()
+                )
+            };
+            if rng.below(4) == 0 {
+                let expected = memory.decide(caller.as_bytes(), &chosen, cost);
+                let got = answer(store.check(caller.as_bytes(), &chosen, cost), &context).await;
+                assert_eq!(got, expected, "{}", context());
+                continue;
+            }
+            let expected = memory
+                .lend(caller.as_bytes(), &chosen, cost, ask)
+                .expect("the memory store lends every lending policy")
+                .await
+                .unwrap_or_else(|e| panic!("{}: the memory store failed: {e}", context()));
+            let got = store
+                .lend(caller.as_bytes(), &chosen, cost, ask)
+                .unwrap_or_else(|| panic!("{}: the store lends nothing", context()))
+                .await
+                .unwrap_or_else(|e| panic!("{}: the store failed: {e}", context()));
+            assert_eq!(got, expected, "{}", context());
+            loans += 1;
+            if expected.units() > cost {
+                lent += 1;
+            }
+            if !expected.decisions().is_allowed() {
+                refused += 1;
+            }
+        }
+        let name = &self.name;
+        assert!(lent >= loans / 10, "{name}: {lent} of {loans} loans lent");
+        assert!(
+            refused >= loans / 20,
+            "{name}: {refused} of {loans} loans refused"
         );
         report
     }

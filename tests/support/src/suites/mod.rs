@@ -13,9 +13,11 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use tollway_core::{ManualClock, RedisStore, RedisStoreBuilder};
 
 mod conformance;
+mod lease;
 mod script;
 
 pub use conformance::{clock_skew, conformance, conformance_multi, conformance_server_time};
+pub use lease::{Counted, leased_atomicity, lend_conformance, lend_conformance_server_time};
 pub use script::{
     a_changed_quota_starts_afresh, atomicity, expiry, hostile_keys, one_round_trip, script_flush,
 };

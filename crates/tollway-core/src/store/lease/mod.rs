@@ -200,29 +200,23 @@ impl<S: Store, C: Clock> Leased<S, C> {
     }
 }
 
-/// The key-and-policies' identity in the table: each policy's name and quota.
-fn ids_of(policies: &[&Policy]) -> SmallVec<[u64; 2]> {
-    let hasher = foldhash::fast::FixedState::with_seed(0x1ea5e);
-    policies
-        .iter()
-        .map(|p| hasher.hash_one((p.name(), p.id())))
-        .collect()
-}
-
-impl<S: Store, C: Clock> Store for Leased<S, C> {
-    type Future = BoxStoreFuture;
-
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
+impl<S: Store, C: Clock> Leased<S, C> {
+    /// Decides a request from a loan, or asks the store. `waited`: it waited for a loan
+    /// already, and does not wait again.
+    fn decide(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: u32,
+        waited: bool,
+    ) -> Checked<BoxStoreFuture> {
         let inner = &self.inner;
-        if cost == 0 || !super::lend::all_lend(policies) {
-            return boxed(inner.store.check(key, policies, cost));
-        }
         let ids = ids_of(policies);
         let now = inner.clock.now_micros();
         let mut counts = Counts::default();
         let local = inner
             .table
-            .spend(key, &ids, policies, cost, now, &mut counts);
+            .spend(key, &ids, policies, cost, now, waited, &mut counts);
         record::expired(counts.expired);
         match local {
             Local::Spent { decisions, renew } => {
@@ -231,6 +225,16 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
                     self.renew(key, ids, policies, ask);
                 }
                 Checked::Ready(Ok(decisions))
+            }
+            Local::Wait(mut landed) => {
+                let (this, key) = (self.clone(), key.to_vec());
+                let policies: SmallVec<[Policy; 2]> = policies.iter().map(|&p| p.clone()).collect();
+                Checked::Pending(Box::pin(async move {
+                    // Woken when the loan lands (or its call is dropped).
+                    let _ = landed.changed().await;
+                    let policies: SmallVec<[&Policy; 2]> = policies.iter().collect();
+                    this.decide(&key, &policies, cost, true).await
+                }))
             }
             Local::Pass => {
                 record::called();
@@ -248,6 +252,26 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
                 }))
             }
         }
+    }
+}
+
+/// The key-and-policies' identity in the table: each policy's name and quota.
+fn ids_of(policies: &[&Policy]) -> SmallVec<[u64; 2]> {
+    let hasher = foldhash::fast::FixedState::with_seed(0x1ea5e);
+    policies
+        .iter()
+        .map(|p| hasher.hash_one((p.name(), p.id())))
+        .collect()
+}
+
+impl<S: Store, C: Clock> Store for Leased<S, C> {
+    type Future = BoxStoreFuture;
+
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
+        if cost == 0 || !super::lend::all_lend(policies) {
+            return boxed(self.inner.store.check(key, policies, cost));
+        }
+        self.decide(key, policies, cost, false)
     }
 
     /// Straight to the store. A reset also drops this process's loans of the key: its

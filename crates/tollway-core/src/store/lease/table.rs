@@ -21,6 +21,8 @@ pub(super) enum Local {
     },
     /// No good units: lend this many with the request (and mark the entry asking).
     Lend(u32),
+    /// No good units, and a loan is on its way: wait for it, then look again.
+    Wait(tokio::sync::watch::Receiver<()>),
     /// Ask the store for the request alone.
     Pass,
 }
@@ -53,8 +55,9 @@ struct Entry {
     per_horizon: u64,
     /// Units spent from a loan, in order of age.
     loans: SmallVec<[Loan; 2]>,
-    /// A call that lends is on its way.
-    asking: bool,
+    /// A call that lends is on its way: dropped when it lands, which wakes the
+    /// requests waiting for it.
+    asking: Option<tokio::sync::watch::Sender<()>>,
     used: u64,
 }
 
@@ -136,7 +139,8 @@ impl Table {
     }
 
     /// Decides a request of `cost` at `now` from a loan if it can, or says what to ask
-    /// the store.
+    /// the store. `waited`: the request waited for a loan already (its demand is
+    /// counted).
     pub(super) fn spend(
         &self,
         key: &[u8],
@@ -144,6 +148,7 @@ impl Table {
         policies: &[&Policy],
         cost: u32,
         now: u64,
+        waited: bool,
         counts: &mut Counts,
     ) -> Local {
         let hash = self.hash(key, ids);
@@ -173,13 +178,15 @@ impl Table {
                     seen: 0,
                     per_horizon: 0,
                     loans: SmallVec::new(),
-                    asking: false,
+                    asking: None,
                     used: now,
                 };
                 shard.insert_unique(hash, entry, |e| e.hash).into_mut()
             }
         };
-        entry.observe(now, cost, sizing);
+        if !waited {
+            entry.observe(now, cost, sizing);
+        }
         counts.expired += entry.drop_spent(now);
         let most = self.most(policies);
         let ask = entry.per_horizon.clamp(1, most);
@@ -191,17 +198,26 @@ impl Table {
             let good: u64 = entry.loans.iter().map(|loan| loan.good(now)).sum();
             // Half a loan left: ask for the next one now, so that it comes before this
             // one runs out.
-            let renew = (!entry.asking && 2 * good < ask && ask >= sizing.min_units).then(|| {
-                entry.asking = true;
-                u32::try_from(ask).unwrap_or(u32::MAX)
-            });
+            let renew =
+                (entry.asking.is_none() && 2 * good < ask && ask >= sizing.min_units).then(|| {
+                    entry.asking = Some(tokio::sync::watch::Sender::new(()));
+                    u32::try_from(ask).unwrap_or(u32::MAX)
+                });
             return Local::Spent { decisions, renew };
         }
-        // Cold (too little demand here for a loan to pay), or a loan is on its way.
-        if entry.asking || entry.per_horizon < sizing.min_units || most < sizing.min_units {
+        if let Some(asking) = &entry.asking {
+            // Waiting once: a loan too small for every waiter sends the rest to the store.
+            return if waited {
+                Local::Pass
+            } else {
+                Local::Wait(asking.subscribe())
+            };
+        }
+        // Cold: too little demand here for a loan to pay.
+        if entry.per_horizon < sizing.min_units || most < sizing.min_units {
             return Local::Pass;
         }
-        entry.asking = true;
+        entry.asking = Some(tokio::sync::watch::Sender::new(()));
         let ask = ask.max(u64::from(cost));
         Local::Lend(u32::try_from(ask).unwrap_or(u32::MAX))
     }
@@ -211,7 +227,7 @@ impl Table {
         let hash = self.hash(key, ids);
         let mut shard = self.shard(key).lock();
         if let Some(entry) = shard.find_mut(hash, |e| e.is(hash, key, ids)) {
-            entry.asking = false;
+            entry.asking = None;
             entry.loans.extend(loan);
         }
     }
