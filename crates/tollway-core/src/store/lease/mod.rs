@@ -23,7 +23,7 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 pub use self::builder::LeasedBuilder;
-use self::table::{Counts, Local, Table};
+use self::table::{Counts, Local, Request, Table};
 use self::units::Loan;
 use super::boxed::boxed;
 use super::{BoxStoreFuture, Checked, Grant, LendFuture, Operation, Store};
@@ -214,9 +214,13 @@ impl<S: Store, C: Clock> Leased<S, C> {
         let ids = ids_of(policies);
         let now = inner.clock.now_micros();
         let mut counts = Counts::default();
-        let local = inner
-            .table
-            .spend(key, &ids, policies, cost, now, waited, &mut counts);
+        let request = Request {
+            key,
+            ids: &ids,
+            policies,
+            cost,
+        };
+        let local = inner.table.spend(&request, now, waited, &mut counts);
         record::expired(counts.expired);
         match local {
             Local::Spent { decisions, renew } => {

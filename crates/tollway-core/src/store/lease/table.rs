@@ -27,6 +27,15 @@ pub(super) enum Local {
     Pass,
 }
 
+/// A request, as the table sees it: the key, its policies and their identities, the cost.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Request<'a> {
+    pub(super) key: &'a [u8],
+    pub(super) ids: &'a [u64],
+    pub(super) policies: &'a [&'a Policy],
+    pub(super) cost: u32,
+}
+
 /// How the table sizes loans and bounds itself.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Sizing {
@@ -138,19 +147,21 @@ impl Table {
         ((capacity * self.sizing.max_share) as u64).max(1)
     }
 
-    /// Decides a request of `cost` at `now` from a loan if it can, or says what to ask
-    /// the store. `waited`: the request waited for a loan already (its demand is
-    /// counted).
+    /// Decides `request` at `now` from a loan if it can, or says what to ask the store.
+    /// `waited`: the request waited for a loan already (its demand is counted).
     pub(super) fn spend(
         &self,
-        key: &[u8],
-        ids: &[u64],
-        policies: &[&Policy],
-        cost: u32,
+        request: &Request<'_>,
         now: u64,
         waited: bool,
         counts: &mut Counts,
     ) -> Local {
+        let Request {
+            key,
+            ids,
+            policies,
+            cost,
+        } = *request;
         let hash = self.hash(key, ids);
         let mut shard = self.shard(key).lock();
         let sizing = &self.sizing;
