@@ -229,8 +229,8 @@ local function charge(i, v, drain)
 end
 
 -- 'lend': a request of ARGV[5 + 5N] units (its cost) and up to ARGV[2] units in all: at
--- most half of what the fullest-spent limit has left, and at least the cost. All or
--- nothing, decided as check.lua decides a request of the units taken. Replies check.lua's
+-- most half of what the fullest-spent limit has left (rounded up), and at least the cost.
+-- All or nothing, decided as check.lua decides a request of the units taken. Replies check.lua's
 -- four integers a limit, then the units taken (0 when refused), then the time read. The
 -- twin of `grant_size` in crates/tollway-core/src/store/lend.rs. The log and the shaper
 -- do not lend: a unit spent later would need its own instant there.
@@ -247,7 +247,7 @@ if op == 'lend' then
     if least < 0 or left < least then least = left end
   end
   local take = least / 2
-  take = take - take % 1
+  take = take + (-take) % 1
   if take > units then take = units end
   if take < cost then take = cost end
   local reply, held, denied = {}, {}, false

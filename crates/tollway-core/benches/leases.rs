@@ -9,7 +9,8 @@
 //!
 //! 1. **Shares, on a manual clock.** 3 s of traffic at half and at twice a limit of
 //!    50,000 a second, in 1 ms steps: each step's requests go at once, then the clock
-//!    moves on. Every decision of a step is at one known instant, so the exact
+//!    moves on (after a real millisecond, so that renewals land as they would). Every
+//!    decision of a step is at one known instant, so the exact
 //!    algorithm can replay what was admitted (over-admission: the admissions it refuses)
 //!    and what was asked (the share of what it admits). Redis calls are `INFO
 //!    commandstats`' script calls. The stores pass the manual clock to the scripts.
@@ -153,6 +154,9 @@ async fn shares(server: &RedisServer, algorithm: Algorithm, leased: bool, demand
         for allowed in join_all(asks).await {
             events.push((at, allowed));
         }
+        // A step lasts a real millisecond too, so that calls on their way (renewals)
+        // land within about the step they would at full speed.
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let calls = scripts(&mut node).await - before;
     let (allowed, over) = exact(&policy, &events);

@@ -3,7 +3,7 @@
 //! regional modes will be measured against).
 //!
 //! ```sh
-//! cargo bench -p tollway-core --features redis,regions --bench regions
+//! cargo bench -p tollway-core --features redis,regions,leases --bench regions
 //! ```
 //!
 //! Three simulated regions on loopback: region A holds the `redis-server`; the gateways
@@ -28,6 +28,8 @@
 //! interval plus the one-way latency), and the local decision latency; and it writes
 //! `benches/regions.svg`, the worst window's over-admission against the sync interval,
 //! one line a round trip.
+//!
+//! `REGIONS_PART=global|replicated|split|leased` runs one part alone.
 //!
 //! Part 3, the split mode (`SplitStore`): the same three regions, one customer at 100 a
 //! second (fixed window), a `SplitStore` gateway a region over its own Redis posting on
@@ -104,11 +106,158 @@ async fn gateway(name: &'static str, url: String, prefix: String, policy: Policy
 
 #[tokio::main]
 async fn main() {
-    global().await;
+    let part = std::env::var("REGIONS_PART").unwrap_or_default();
+    if part.is_empty() || part == "global" {
+        global().await;
+        println!();
+    }
+    if part.is_empty() || part == "replicated" {
+        replicated().await;
+        println!();
+    }
+    if part.is_empty() || part == "split" {
+        split().await;
+        println!();
+    }
+    if part.is_empty() || part == "leased" {
+        leased().await;
+    }
+}
+
+/// Part 4: leases from the one global Redis in region A. Each region's gateway is a
+/// `Leased` over its `RedisStore` (server time, the deny cache on), horizon 500 ms and
+/// loans of up to 30% of the capacity: long enough for a renewal to come back across
+/// 150 ms. The customer at 100 a second (GCRA); each region sends one request every
+/// 20 ms open loop for 5 s (150 a second together). A second run cuts region C off from
+/// 2 s to 3.5 s. Prints each region's decision latency, the admissions against the
+/// limit over the run (a full bucket and its refill), and C's admissions while cut off.
+async fn leased() {
+    let server = RedisServer::start();
+    let target = format!("127.0.0.1:{}", server.port()).parse().unwrap();
+    let policy = Policy::new(
+        "leased",
+        Algorithm::Gcra,
+        Quota::per_second(PER_SECOND).unwrap(),
+    )
+    .unwrap();
+    println!(
+        "leases from one global Redis in region A; every region a request each {SEND_EVERY:?} \
+         for {RUN:?}; {PER_SECOND}/s for one customer; horizon 500 ms, max_share 0.3"
+    );
     println!();
-    replicated().await;
-    println!();
-    split().await;
+    println!(
+        "| round trip A–B, A–C | C cut off | A p50 / p99 ms | B p50 / p99 ms | C p50 / p99 ms | admitted (A, B, C) | the limit over the run | C admitted while cut off |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for rtt_ms in RTTS_MS {
+        for cut in [false, true] {
+            let one_way = Duration::from_micros(rtt_ms * 500);
+            let to_b = LatencyProxy::start(target, one_way).await;
+            let to_c = LatencyProxy::start(target, one_way).await;
+            let prefix = support::unique_prefix(&format!("leased-{rtt_ms}-{cut}"));
+            let mut gateways = Vec::new();
+            for url in [server.url(), to_b.redis_url(), to_c.redis_url()] {
+                let store = RedisStore::builder()
+                    .prefix(prefix.clone())
+                    .timeout(Duration::from_millis(400))
+                    .without_local_fallback()
+                    .connect(&url)
+                    .await
+                    .unwrap();
+                gateways.push(
+                    tollway_core::Leased::builder(store)
+                        .horizon(Duration::from_millis(500))
+                        .max_share(0.3)
+                        .build()
+                        .unwrap(),
+                );
+            }
+            let epoch = Instant::now();
+            let cutter = async {
+                if cut {
+                    tokio::time::sleep(Duration::from_millis(2_000)).await;
+                    to_c.cut();
+                    tokio::time::sleep(Duration::from_millis(1_500)).await;
+                    to_c.heal();
+                }
+            };
+            let (a, b, c, ()) = tokio::join!(
+                leased_sender(gateways[0].clone(), policy.clone(), epoch),
+                leased_sender(gateways[1].clone(), policy.clone(), epoch),
+                leased_sender(gateways[2].clone(), policy.clone(), epoch),
+                cutter,
+            );
+            let ran = epoch.elapsed();
+            let limit = f64::from(PER_SECOND) * (1.0 + ran.as_secs_f64());
+            let admitted = a.admitted.len() + b.admitted.len() + c.admitted.len();
+            let while_cut = c
+                .admitted
+                .iter()
+                .filter(|at| (2_000..3_500).contains(&at.as_millis()))
+                .count();
+            let p = |r: &Sent| {
+                let mut l = r.latencies.clone();
+                l.sort();
+                format!("{:.3} / {:.3}", percentile(&l, 0.5), percentile(&l, 0.99))
+            };
+            println!(
+                "| {rtt_ms} ms | {} | {} | {} | {} | {admitted} ({}, {}, {}) | {limit:.0} in {:.1} s | {} |",
+                if cut { "2–3.5 s" } else { "no" },
+                p(&a),
+                p(&b),
+                p(&c),
+                a.admitted.len(),
+                b.admitted.len(),
+                c.admitted.len(),
+                ran.as_secs_f64(),
+                if cut {
+                    while_cut.to_string()
+                } else {
+                    "–".to_owned()
+                },
+            );
+            assert!(
+                admitted as f64 <= limit,
+                "leases admitted {admitted}, over {limit}"
+            );
+        }
+    }
+}
+
+/// What one region's sender saw: when each admitted request was sent (from the run's
+/// start), and each decision's latency (errors count as refusals).
+struct Sent {
+    admitted: Vec<Duration>,
+    latencies: Vec<Duration>,
+}
+
+async fn leased_sender<G: Store + Clone>(gateway: G, policy: Policy, epoch: Instant) -> Sent {
+    let mut ticks = tokio::time::interval(SEND_EVERY);
+    let mut pending = tokio::task::JoinSet::new();
+    while epoch.elapsed() < RUN {
+        ticks.tick().await;
+        let (gateway, policy) = (gateway.clone(), policy.clone());
+        pending.spawn(async move {
+            let (at, before) = (epoch.elapsed(), Instant::now());
+            let allowed = gateway
+                .check(b"customer", &[&policy], 1)
+                .await
+                .is_ok_and(|d| d.is_allowed());
+            (at, before.elapsed(), allowed)
+        });
+    }
+    let mut sent = Sent {
+        admitted: Vec::new(),
+        latencies: Vec::new(),
+    };
+    while let Some(answer) = pending.join_next().await {
+        let (at, took, allowed) = answer.unwrap();
+        sent.latencies.push(took);
+        if allowed {
+            sent.admitted.push(at);
+        }
+    }
+    sent
 }
 
 /// Part 1: one global Redis in region A.

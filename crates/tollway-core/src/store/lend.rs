@@ -35,7 +35,7 @@ pub type LendFuture =
 ///
 /// // Near the limit, a store lends at most half of what is left.
 /// let grant = store.lend(b"hot", &[&policy], 1, 100).expect("it lends").await?;
-/// assert_eq!(grant.units(), 34);
+/// assert_eq!(grant.units(), 35);
 /// # Ok(())
 /// # }
 /// ```
@@ -73,12 +73,13 @@ impl Grant {
 }
 
 /// How many units to lend for a request of `cost`, asked `ask`, when every limit still
-/// holds `least` at most: `ask`, but at most half of `least`, and at least `cost`.
+/// holds `least` at most: `ask`, but at most half of `least` (rounded up), and at least
+/// `cost`.
 ///
-/// Halving keeps the last units of a period for the gateways that ask after.
-/// `lua/operate.lua` (its `lend`) computes the same.
+/// Halving keeps the last units of a period for the gateways that ask after; the last
+/// unit goes to whoever asks. `lua/operate.lua` (its `lend`) computes the same.
 pub(crate) fn grant_size(least: u64, cost: u32, ask: u32) -> u32 {
-    let half = u32::try_from(least / 2).unwrap_or(u32::MAX);
+    let half = u32::try_from(least.div_ceil(2)).unwrap_or(u32::MAX);
     ask.min(half).max(cost)
 }
 

@@ -156,7 +156,7 @@ pub trait Store: Send + Sync + 'static {
     /// request of `cost` units, and up to `ask` units in all.
     ///
     /// The store takes as many as every limit fits, at most `ask`, and at most half of
-    /// what the fullest-spent limit has left. It takes the request's own `cost` at
+    /// what the fullest-spent limit has left (rounded up). It takes the request's own `cost` at
     /// least, or nothing: then the grant holds the request's refusal. A grant is all
     /// or nothing like a check, and its decisions are those of a request of the units
     /// it took. [`Leased`](crate::Leased) spends the units beyond the request's cost

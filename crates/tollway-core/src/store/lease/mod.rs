@@ -23,7 +23,7 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 pub use self::builder::LeasedBuilder;
-use self::table::{Counts, Local, Request, Table};
+use self::table::{Counts, Dry, Local, Request, Table};
 use self::units::Loan;
 use super::boxed::boxed;
 use super::{BoxStoreFuture, Checked, Grant, LendFuture, Operation, Store};
@@ -188,10 +188,10 @@ impl<S: Store, C: Clock> Leased<S, C> {
             .ok()
             .and_then(|runtime| Some((runtime, inner.store.lend(key, policies, 0, ask)?)));
         let Some((runtime, call)) = call else {
-            inner.table.lent(key, &ids, None);
+            inner.table.unask(key, &ids);
             return;
         };
-        let asking = Asking::new(Arc::clone(inner), key, ids, policies, origin, 0);
+        let asking = Asking::new(Arc::clone(inner), key, ids, policies, origin, (0, ask));
         runtime.spawn(async move {
             if let Err(error) = asking.finish(call.await) {
                 tracing::debug!(%error, "a lease was not renewed");
@@ -230,6 +230,13 @@ impl<S: Store, C: Clock> Leased<S, C> {
                 }
                 Checked::Ready(Ok(decisions))
             }
+            Local::Refused { decisions, renew } => {
+                record::refused();
+                if let Some(ask) = renew {
+                    self.renew(key, ids, policies, ask);
+                }
+                Checked::Ready(Ok(decisions))
+            }
             Local::Wait(mut landed) => {
                 let (this, key) = (self.clone(), key.to_vec());
                 let policies: SmallVec<[Policy; 2]> = policies.iter().map(|&p| p.clone()).collect();
@@ -247,16 +254,50 @@ impl<S: Store, C: Clock> Leased<S, C> {
             Local::Lend(ask) => {
                 record::called();
                 let Some(call) = inner.store.lend(key, policies, cost, ask) else {
-                    inner.table.lent(key, &ids, None);
+                    inner.table.unask(key, &ids);
                     return boxed(inner.store.check(key, policies, cost));
                 };
-                let asking = Asking::new(Arc::clone(inner), key, ids, policies, now, cost);
+                let asking = Asking::new(Arc::clone(inner), key, ids, policies, now, (cost, ask));
                 Checked::Pending(Box::pin(async move {
                     asking.finish(call.await).map(Grant::into_decisions)
                 }))
             }
         }
     }
+}
+
+/// Whether the store was short when it answered `grant` to a loan of `ask` sent at
+/// `origin`: it refused, or lent less than asked. Until a loan comes back whole, a
+/// request with no units here is refused here. It waits until the refusal's retry time,
+/// or for a limit left empty its next unit (a bucket's or GCRA's refill, a window's end).
+fn short(origin: u64, policies: &[&Policy], grant: &Grant, ask: u32) -> Option<Dry> {
+    let decisions = grant.decisions();
+    if decisions.is_allowed() && grant.units() >= ask {
+        return None;
+    }
+    let wait = if decisions.is_allowed() {
+        policies
+            .iter()
+            .zip(decisions.iter())
+            .map(|(p, d)| match (p.algorithm().uses_burst(), d.remaining()) {
+                (true, _) => p.quota().emission_micros(),
+                (false, 0) => d.reset_after_micros(),
+                (false, _) => 0,
+            })
+            .max()
+            .unwrap_or(0)
+    } else {
+        decisions
+            .iter()
+            .filter_map(|d| d.retry_after())
+            .max()
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+    };
+    Some(Dry {
+        origin,
+        until: origin.saturating_add(wait),
+        decisions: decisions.clone(),
+    })
 }
 
 /// The key-and-policies' identity in the table: each policy's name and quota.
@@ -311,6 +352,7 @@ struct Asking<S, C> {
     policies: SmallVec<[Policy; 2]>,
     origin: u64,
     cost: u32,
+    ask: u32,
     done: bool,
 }
 
@@ -321,7 +363,7 @@ impl<S, C> Asking<S, C> {
         ids: SmallVec<[u64; 2]>,
         policies: &[&Policy],
         origin: u64,
-        cost: u32,
+        (cost, ask): (u32, u32),
     ) -> Self {
         Asking {
             inner,
@@ -330,20 +372,27 @@ impl<S, C> Asking<S, C> {
             policies: policies.iter().map(|&p| p.clone()).collect(),
             origin,
             cost,
+            ask,
             done: false,
         }
     }
 
-    /// Keeps the units the store lent past the request's cost.
+    /// Keeps the units the store lent past the request's cost, and whether it had any
+    /// left.
     fn finish(mut self, answer: Result<Grant, StoreError>) -> Result<Grant, StoreError> {
         self.done = true;
-        let loan = answer.as_ref().ok().and_then(|grant| {
-            let policies: SmallVec<[&Policy; 2]> = self.policies.iter().collect();
-            let loan = Loan::new(self.origin, &policies, grant, self.cost)?;
-            record::lent(loan.unspent());
-            Some(loan)
-        });
-        self.inner.table.lent(&self.key, &self.ids, loan);
+        let policies: SmallVec<[&Policy; 2]> = self.policies.iter().collect();
+        match &answer {
+            Ok(grant) => {
+                let loan = Loan::new(self.origin, &policies, grant, self.cost);
+                if let Some(loan) = &loan {
+                    record::lent(loan.unspent());
+                }
+                let dry = short(self.origin, &policies, grant, self.ask);
+                self.inner.table.lent(&self.key, &self.ids, loan, dry);
+            }
+            Err(_) => self.inner.table.unask(&self.key, &self.ids),
+        }
         answer
     }
 }
@@ -351,7 +400,7 @@ impl<S, C> Asking<S, C> {
 impl<S, C> Drop for Asking<S, C> {
     fn drop(&mut self) {
         if !self.done {
-            self.inner.table.lent(&self.key, &self.ids, None);
+            self.inner.table.unask(&self.key, &self.ids);
         }
     }
 }
@@ -383,6 +432,11 @@ mod record {
             metrics::counter!(LEASE_UNITS.name, "event" => "expired").increment(units);
         }
         let _ = units;
+    }
+
+    pub(super) fn refused() {
+        #[cfg(feature = "metrics")]
+        metrics::counter!(LEASE_DECISIONS.name, "where" => "local").increment(1);
     }
 
     pub(super) fn called() {

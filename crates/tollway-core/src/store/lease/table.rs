@@ -23,6 +23,12 @@ pub(super) enum Local {
     Lend(u32),
     /// No good units, and a loan is on its way: wait for it, then look again.
     Wait(tokio::sync::watch::Receiver<()>),
+    /// Refused here: the store was short at its last answer. `renew`: ask the store,
+    /// in the background, this many.
+    Refused {
+        decisions: Decisions,
+        renew: Option<u32>,
+    },
     /// Ask the store for the request alone.
     Pass,
 }
@@ -67,7 +73,40 @@ struct Entry {
     /// A call that lends is on its way: dropped when it lands, which wakes the
     /// requests waiting for it.
     asking: Option<tokio::sync::watch::Sender<()>>,
+    /// The store's last answer was short: it refused, or lent less than asked.
+    dry: Option<Dry>,
     used: u64,
+}
+
+/// What the store said when it was short (see `short` in the lease module): from when
+/// and until when its next unit comes (this process's clock), and its decisions.
+#[derive(Clone, Debug)]
+pub(super) struct Dry {
+    pub(super) origin: u64,
+    pub(super) until: u64,
+    pub(super) decisions: Decisions,
+}
+
+impl Dry {
+    /// The refusal a request gets at `now`: the store's answer, counted down. The limit
+    /// with the fewest units left refuses (and any the store refused); the others tell
+    /// what they had.
+    fn refusal(&self, now: u64) -> Decisions {
+        let elapsed = now.saturating_sub(self.origin);
+        let left = self.until.saturating_sub(now).max(1);
+        let least = self.decisions.iter().map(crate::Decision::remaining).min();
+        self.decisions
+            .iter()
+            .map(|d| {
+                let reset = d.reset_after_micros().saturating_sub(elapsed);
+                if !d.is_allowed() || Some(d.remaining()) == least {
+                    crate::Decision::limited(d.limit(), 0, reset, left)
+                } else {
+                    crate::Decision::allow(d.limit(), d.remaining(), reset, 0)
+                }
+            })
+            .collect()
+    }
 }
 
 impl Entry {
@@ -190,6 +229,7 @@ impl Table {
                     per_horizon: 0,
                     loans: SmallVec::new(),
                     asking: None,
+                    dry: None,
                     used: now,
                 };
                 shard.insert_unique(hash, entry, |e| e.hash).into_mut()
@@ -216,6 +256,17 @@ impl Table {
                 });
             return Local::Spent { decisions, renew };
         }
+        if let Some(dry) = &entry.dry {
+            // The store was short at its last answer: refused here at once, while a loan
+            // is asked for in the background, until one comes back whole. Nothing waits
+            // on a store that has too little to lend.
+            let decisions = dry.refusal(now);
+            let renew = (entry.asking.is_none() && ask >= sizing.min_units).then(|| {
+                entry.asking = Some(tokio::sync::watch::Sender::new(()));
+                u32::try_from(ask).unwrap_or(u32::MAX)
+            });
+            return Local::Refused { decisions, renew };
+        }
         if let Some(asking) = &entry.asking {
             // Waiting once: a loan too small for every waiter sends the rest to the store.
             return if waited {
@@ -234,12 +285,24 @@ impl Table {
     }
 
     /// Keeps the units of `loan` for the key, and ends its call's asking.
-    pub(super) fn lent(&self, key: &[u8], ids: &[u64], loan: Option<Loan>) {
+    /// Keeps the units of `loan` for the key, and what the store said if it was short
+    /// (`dry`); ends the call's asking.
+    pub(super) fn lent(&self, key: &[u8], ids: &[u64], loan: Option<Loan>, dry: Option<Dry>) {
         let hash = self.hash(key, ids);
         let mut shard = self.shard(key).lock();
         if let Some(entry) = shard.find_mut(hash, |e| e.is(hash, key, ids)) {
             entry.asking = None;
             entry.loans.extend(loan);
+            entry.dry = dry;
+        }
+    }
+
+    /// Ends the key's asking: its call was never sent, failed or was dropped.
+    pub(super) fn unask(&self, key: &[u8], ids: &[u64]) {
+        let hash = self.hash(key, ids);
+        let mut shard = self.shard(key).lock();
+        if let Some(entry) = shard.find_mut(hash, |e| e.is(hash, key, ids)) {
+            entry.asking = None;
         }
     }
 
