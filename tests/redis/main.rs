@@ -330,3 +330,51 @@ async fn bad_breaker_and_fallback_settings_fail_before_connecting() {
         assert!(error.to_string().contains(says), "{error}");
     }
 }
+
+/// A limits file's `leases` make the store a leasing one: 2,000 requests of one caller
+/// through the layer, at a tenth of its limit, cost Redis a few loans rather than a
+/// script call each; a cold caller still costs one call a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limits_files_leases_decide_a_hot_caller_here() {
+    use tollway_tower::config::LimitsFile;
+    use tower::{Service, ServiceExt};
+
+    let server = RedisServer::start();
+    let text = format!(
+        "[store]\nkind = \"redis\"\nurl = \"{}\"\nleases = {{ min_units = 4 }}\n\n\
+         [layer]\ndefault = \"api\"\n\n\
+         [policies.api]\nalgorithm = \"gcra\"\nlimit = 20_000\nperiod = \"1s\"\n",
+        server.url()
+    );
+    let file = LimitsFile::parse("limits.toml", &text).unwrap();
+    let layer = file.layer(file.store().await.unwrap(), file.key().unwrap()).unwrap();
+    let mut service = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service_fn(|_: http::Request<()>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(()))
+        });
+    let mut node = server.connection().await;
+    let request = |peer: &str| {
+        let mut request = http::Request::new(());
+        request
+            .extensions_mut()
+            .insert(peer.parse::<std::net::SocketAddr>().unwrap());
+        request
+    };
+    let before = script_calls(&mut node).await;
+    for _ in 0..2_000 {
+        let response = service.ready().await.unwrap().call(request("203.0.113.7:4000")).await;
+        assert_eq!(response.unwrap().status(), 200);
+        tokio::time::sleep(Duration::from_micros(500)).await;
+    }
+    let hot = script_calls(&mut node).await - before;
+    println!("a hot caller: {hot} script calls for 2,000 requests");
+    assert!(hot <= 200, "{hot} script calls for 2,000 requests");
+    let before = script_calls(&mut node).await;
+    for i in 0..50 {
+        let peer = format!("198.51.100.{i}:4000");
+        let response = service.ready().await.unwrap().call(request(&peer)).await;
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    assert_eq!(script_calls(&mut node).await - before, 50, "a cold caller, one call each");
+}

@@ -90,8 +90,9 @@ impl LimitsFile {
         let file: File = toml::from_str(text).map_err(|e| {
             // serde's words for a `Switch` that is neither: say what to write instead.
             let message = if e.message().contains("untagged enum Switch") {
-                "write breaker = false, true or { threshold = 5, cool_down_ms = 250 }, and \
-                 local_fallback = false, true or a share of each quota like 0.1"
+                "write breaker = false, true or { threshold = 5, cool_down_ms = 250 }; \
+                 local_fallback = false, true or a share of each quota like 0.1; and \
+                 leases = false, true or { horizon_ms = 200, min_units = 8, max_share = 0.1 }"
                     .to_owned()
             } else if e.message() == "recursion limit" {
                 format!(

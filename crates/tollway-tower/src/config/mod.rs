@@ -19,7 +19,8 @@
 //! them is refused.
 //!
 //! A `[store]` naming Redis needs the `redis` feature. Without it, the file is refused
-//! at its `kind`, with the feature to enable.
+//! at its `kind`, with the feature to enable. So do its `leases` (a Redis store's hot
+//! keys decided here, see [`Leased`](tollway_core::Leased)), with the `leases` feature.
 //!
 //! # The file
 //!
@@ -27,6 +28,7 @@
 //! [store]                       # optional: memory is the default
 //! kind = "memory"               # or "redis", with url = "redis://..." or nodes = [...]
 //! max_keys = 1_000_000
+//! # Redis only: leases = true, or { horizon_ms = 200, min_units = 8, max_share = 0.1 }
 //!
 //! [layer]
 //! default = "anonymous"         # the policy of callers without a tier

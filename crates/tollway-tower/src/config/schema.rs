@@ -33,6 +33,7 @@ pub(super) struct StoreSection {
     pub(super) timeout_ms: Option<u64>,
     pub(super) breaker: Option<Spanned<Switch<BreakerSection>>>,
     pub(super) local_fallback: Option<Spanned<Switch<f64>>>,
+    pub(super) leases: Option<Spanned<Switch<LeaseSection>>>,
 }
 
 /// A setting that is `false` (off), `true` (on, the defaults) or its settings.
@@ -41,6 +42,14 @@ pub(super) struct StoreSection {
 pub(super) enum Switch<T> {
     Toggle(bool),
     Set(T),
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct LeaseSection {
+    pub(super) horizon_ms: Option<u64>,
+    pub(super) min_units: Option<u32>,
+    pub(super) max_share: Option<f64>,
 }
 
 #[derive(Debug, Deserialize, PartialEq)]

@@ -19,6 +19,11 @@ pub(super) const NEEDS_REDIS: &str = "kind = \"redis\" needs tollway-tower's `re
      which this build does not have: enable it (features = [\"config\", \"redis\"]), or \
      write kind = \"memory\"";
 
+/// What a file asking for leases gets without the `leases` feature.
+#[cfg(not(feature = "leases"))]
+const NEEDS_LEASES: &str = "leases need tollway-tower's `leases` feature, which this build \
+     does not have: enable it (features = [\"config\", \"redis\", \"leases\"]), or remove leases";
+
 const REDIS_WHERE: &str = "a Redis store has url = \"redis://host:6379\" or nodes = [...] for a cluster, not both or neither";
 
 impl LimitsFile {
@@ -54,11 +59,73 @@ impl LimitsFile {
                     }
                     _ => return Err(self.at(span.clone(), REDIS_WHERE)),
                 };
-                connected
-                    .map(BoxStore::new)
-                    .map_err(|e| self.at(span, &e.to_string()))
+                let store = connected.map_err(|e| self.at(span, &e.to_string()))?;
+                self.leased(store)
             }
         }
+    }
+
+    /// The Redis store as the file's `leases` say: itself, or leased from.
+    #[cfg(feature = "redis")]
+    fn leased(&self, store: tollway_core::RedisStore) -> Result<BoxStore, ConfigError> {
+        #[cfg(feature = "leases")]
+        if let Some(leases) = self.lease_builder(store.clone())? {
+            return Ok(BoxStore::new(leases.build()?));
+        }
+        Ok(BoxStore::new(store))
+    }
+
+    /// The leases the `[store]` section asks for over `store`, checked; `None` for none.
+    #[cfg(feature = "leases")]
+    fn lease_builder<S: tollway_core::Store>(
+        &self,
+        store: S,
+    ) -> Result<Option<tollway_core::LeasedBuilder<S>>, ConfigError> {
+        use super::schema::Switch;
+
+        let section = self.file.store.as_ref().map(Spanned::get_ref);
+        let Some(leases) = section.and_then(|s| s.leases.as_ref()) else {
+            return Ok(None);
+        };
+        let mut builder = tollway_core::Leased::builder(store);
+        match leases.get_ref() {
+            Switch::Toggle(false) => return Ok(None),
+            Switch::Toggle(true) => {}
+            Switch::Set(set) => {
+                if let Some(ms) = set.horizon_ms {
+                    builder = builder.horizon(std::time::Duration::from_millis(ms));
+                }
+                if let Some(units) = set.min_units {
+                    builder = builder.min_units(units);
+                }
+                if let Some(share) = set.max_share {
+                    builder = builder.max_share(share);
+                }
+            }
+        }
+        Ok(Some(builder))
+    }
+
+    /// The `leases` setting, checked: only on a Redis store, and only with the `leases`
+    /// feature.
+    fn check_leases(&self, section: &StoreSection, redis: bool) -> Result<(), ConfigError> {
+        let Some(leases) = &section.leases else {
+            return Ok(());
+        };
+        if !redis {
+            return Err(self.at(
+                Some(leases.span()),
+                "leases are taken from a shared store: they need kind = \"redis\" (a memory store decides every request here already)",
+            ));
+        }
+        #[cfg(feature = "leases")]
+        if let Some(builder) = self.lease_builder(MemoryStore::new())? {
+            builder.build().map_err(|e| self.err(Some(leases.span()), e))?;
+        }
+        #[cfg(not(feature = "leases"))]
+        return Err(self.at(Some(leases.span()), NEEDS_LEASES));
+        #[cfg(feature = "leases")]
+        Ok(())
     }
 
     /// The builder of the store the file describes, its settings checked.
@@ -137,6 +204,9 @@ impl LimitsFile {
             return Ok(());
         };
         self.check_store_kind(spanned)?;
+        let section = spanned.get_ref();
+        let redis = section.kind.as_ref().is_some_and(|k| k.get_ref() == "redis");
+        self.check_leases(section, redis)?;
         self.store_builder().map(|_| ())
     }
 

@@ -146,6 +146,22 @@ fn store_settings_are_checked_before_start() {
 }
 
 #[test]
+fn leases_are_for_a_redis_store_and_checked_before_start() {
+    let store = |settings: &str| format!("[store]\n{settings}\n\n{}", file(API, ""));
+    let err = error(&store("leases = true"), 2, 10);
+    assert!(err.contains("kind = \"redis\""), "{err}");
+    let redis = "kind = \"redis\"\nurl = \"redis://127.0.0.1\"";
+    let err = error(&store(&format!("{redis}\nleases = {{ max_share = 2.0 }}")), 4, 10);
+    assert!(err.contains("max_share"), "{err}");
+    let err = error(&store(&format!("{redis}\nleases = {{ horizon = 5 }}")), 4, 10);
+    assert!(err.contains("horizon_ms"), "{err}");
+    let good = store(&format!(
+        "{redis}\nleases = {{ horizon_ms = 100, min_units = 4, max_share = 0.2 }}"
+    ));
+    assert!(LimitsFile::parse("limits.toml", &good).is_ok());
+}
+
+#[test]
 fn a_listed_api_key_is_seen_even_outside_the_tiers() {
     let text = format!(
         "[key]\napi_key = {{ header = \"x-api-key\" }}\n\n{}",

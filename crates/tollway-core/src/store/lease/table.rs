@@ -186,6 +186,26 @@ impl Table {
         ((capacity * self.sizing.max_share) as u64).max(1)
     }
 
+    /// What a horizon refills of the slowest bucket or GCRA among `policies` (0 when
+    /// none is one): the least a loan of them must hold to last a horizon.
+    ///
+    /// A bucket's units go bad as the state refills them (see `units`). Taken while it
+    /// is full, a loan of `n` units lasts `n` refills, whatever the demand here. So a
+    /// loan sized to the demand alone would go bad before it is spent, and its renewals
+    /// would come as often as the refill.
+    fn refill(&self, policies: &[&Policy]) -> u64 {
+        policies
+            .iter()
+            .filter(|p| p.algorithm().uses_burst())
+            .map(|p| {
+                let quota = p.quota();
+                let per = u128::from(quota.limit()) * u128::from(self.sizing.horizon);
+                u64::try_from(per / u128::from(quota.period_micros().max(1))).unwrap_or(u64::MAX)
+            })
+            .min()
+            .unwrap_or(0)
+    }
+
     /// Decides `request` at `now` from a loan if it can, or says what to ask the store.
     /// `waited`: the request waited for a loan already (its demand is counted).
     pub(super) fn spend(
@@ -240,7 +260,10 @@ impl Table {
         }
         counts.expired += entry.drop_spent(now);
         let most = self.most(policies);
-        let ask = entry.per_horizon.clamp(1, most);
+        let ask = entry
+            .per_horizon
+            .max(self.refill(policies))
+            .clamp(1, most);
         if let Some(decisions) = entry
             .loans
             .iter_mut()
