@@ -16,6 +16,7 @@
 mod answers;
 mod breaker;
 mod cluster;
+mod leases;
 mod migration;
 mod outage;
 

@@ -347,12 +347,15 @@ async fn a_limits_files_leases_decide_a_hot_caller_here() {
         server.url()
     );
     let file = LimitsFile::parse("limits.toml", &text).unwrap();
-    let layer = file.layer(file.store().await.unwrap(), file.key().unwrap()).unwrap();
-    let mut service = tower::ServiceBuilder::new()
-        .layer(layer)
-        .service_fn(|_: http::Request<()>| async {
-            Ok::<_, std::convert::Infallible>(http::Response::new(()))
-        });
+    let layer = file
+        .layer(file.store().await.unwrap(), file.key().unwrap())
+        .unwrap();
+    let mut service =
+        tower::ServiceBuilder::new()
+            .layer(layer)
+            .service_fn(|_: http::Request<()>| async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(()))
+            });
     let mut node = server.connection().await;
     let request = |peer: &str| {
         let mut request = http::Request::new(());
@@ -363,7 +366,12 @@ async fn a_limits_files_leases_decide_a_hot_caller_here() {
     };
     let before = script_calls(&mut node).await;
     for _ in 0..2_000 {
-        let response = service.ready().await.unwrap().call(request("203.0.113.7:4000")).await;
+        let response = service
+            .ready()
+            .await
+            .unwrap()
+            .call(request("203.0.113.7:4000"))
+            .await;
         assert_eq!(response.unwrap().status(), 200);
         tokio::time::sleep(Duration::from_micros(500)).await;
     }
@@ -376,5 +384,9 @@ async fn a_limits_files_leases_decide_a_hot_caller_here() {
         let response = service.ready().await.unwrap().call(request(&peer)).await;
         assert_eq!(response.unwrap().status(), 200);
     }
-    assert_eq!(script_calls(&mut node).await - before, 50, "a cold caller, one call each");
+    assert_eq!(
+        script_calls(&mut node).await - before,
+        50,
+        "a cold caller, one call each"
+    );
 }

@@ -120,7 +120,9 @@ impl LimitsFile {
         }
         #[cfg(feature = "leases")]
         if let Some(builder) = self.lease_builder(MemoryStore::new())? {
-            builder.build().map_err(|e| self.err(Some(leases.span()), e))?;
+            builder
+                .build()
+                .map_err(|e| self.err(Some(leases.span()), e))?;
         }
         #[cfg(not(feature = "leases"))]
         return Err(self.at(Some(leases.span()), NEEDS_LEASES));
@@ -205,7 +207,10 @@ impl LimitsFile {
         };
         self.check_store_kind(spanned)?;
         let section = spanned.get_ref();
-        let redis = section.kind.as_ref().is_some_and(|k| k.get_ref() == "redis");
+        let redis = section
+            .kind
+            .as_ref()
+            .is_some_and(|k| k.get_ref() == "redis");
         self.check_leases(section, redis)?;
         self.store_builder().map(|_| ())
     }

@@ -151,9 +151,17 @@ fn leases_are_for_a_redis_store_and_checked_before_start() {
     let err = error(&store("leases = true"), 2, 10);
     assert!(err.contains("kind = \"redis\""), "{err}");
     let redis = "kind = \"redis\"\nurl = \"redis://127.0.0.1\"";
-    let err = error(&store(&format!("{redis}\nleases = {{ max_share = 2.0 }}")), 4, 10);
+    let err = error(
+        &store(&format!("{redis}\nleases = {{ max_share = 2.0 }}")),
+        4,
+        10,
+    );
     assert!(err.contains("max_share"), "{err}");
-    let err = error(&store(&format!("{redis}\nleases = {{ horizon = 5 }}")), 4, 10);
+    let err = error(
+        &store(&format!("{redis}\nleases = {{ horizon = 5 }}")),
+        4,
+        10,
+    );
     assert!(err.contains("horizon_ms"), "{err}");
     let good = store(&format!(
         "{redis}\nleases = {{ horizon_ms = 100, min_units = 4, max_share = 0.2 }}"

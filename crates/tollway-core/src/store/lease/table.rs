@@ -260,10 +260,7 @@ impl Table {
         }
         counts.expired += entry.drop_spent(now);
         let most = self.most(policies);
-        let ask = entry
-            .per_horizon
-            .max(self.refill(policies))
-            .clamp(1, most);
+        let ask = entry.per_horizon.max(self.refill(policies)).clamp(1, most);
         if let Some(decisions) = entry
             .loans
             .iter_mut()
