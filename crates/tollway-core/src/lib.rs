@@ -129,15 +129,42 @@
 //! # }
 //! ```
 //!
+//! ## Leases
+//!
+//! One key on one Redis shard has one Redis core's ceiling, and each request pays the
+//! round trip. `Leased` (feature `leases`) decides a hot key's requests in this
+//! process, from units the store lends in batches ([`Store::lend`]). A batch is debited
+//! at the store before any unit is spent, and a unit is spent only while spending it
+//! could not pass the limit. So a fleet of leasing gateways never admits more than one
+//! store deciding every request would. Cold keys keep one call a request. The sliding
+//! window log and the shaper do not lend.
+//!
+//! ```no_run
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use tollway_core::{Leased, RedisStore};
+//!
+//! let redis = RedisStore::builder().connect("redis://127.0.0.1:6379").await?;
+//! let store = Leased::new(redis)?; // a Store: hand it to the layer
+//! # let _ = store;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! `Leased`'s docs give the rule that keeps it exact and what it costs. `BENCHMARKS.md`
+//! ("Leases") measures the store calls, the Redis CPU, the shares admitted and the
+//! latency (`cargo bench -p tollway-core --features redis,leases --bench leases`).
+//!
 //! ## Regions
 //!
-//! Three ways hold one limit across regions. `BENCHMARKS.md` ("Multi-region") measures
+//! Four ways hold one limit across regions. `BENCHMARKS.md` ("Multi-region") measures
 //! each on simulated regions
-//! (`cargo bench -p tollway-core --features redis,regions --bench regions`).
+//! (`cargo bench -p tollway-core --features redis,regions,leases --bench regions`).
 //!
 //! | | a decision costs | over the limit | under the limit | a region cut off |
 //! |---|---|---|---|---|
 //! | one global Redis | the round trip to its region | never | never | cannot decide: the breaker's fallback does |
+//! | leases from one global Redis | local, from units held; a round trip while a key turns hot or the limit is short | never | by the units held unspent, and while contested | decides from the units it holds, then the breaker's fallback |
 //! | `ReplicatedStore` | a local round trip | by what others admitted in the last sync plus one way | never | up to a quota on each side, settled on heal |
 //! | `SplitStore` (fixed windows) | a local round trip | never | while demand moves (a window or two), and while regions cannot hear each other | about limit ÷ regions of a key it asked for |
 //!
@@ -156,7 +183,13 @@
 //! shares never add up past the limit: lost posts, late posts and partitions only cost
 //! admissions. Shares follow demand a window late. Half the lead must cover a post's way.
 //!
+//! **Leases from one global Redis** (features `redis` and `leases`). A region's hot keys
+//! are decided locally from units leased from the one Redis. The horizon must span a
+//! renewal's round trip: `Leased::builder(store).horizon(..)` at three round trips or
+//! more.
+//!
 //! Choose the global Redis where a region's round trip to it is acceptable. Choose
+//! leases from it where the hot keys carry the traffic and the limit must hold. Choose
 //! replicated where a few percent over is fine and the latency is not. Choose split where
 //! the limit is a contract (an upstream's quota, a paid tier) and refusing a little while
 //! demand moves is the lesser harm.
@@ -181,6 +214,8 @@
 //!   `ReplicatedStore` (each tells the others what it admitted) and `SplitStore` (each
 //!   holds a share, rebalanced every window from demand; never over-admits). Optional
 //!   dependency `tokio` (with its runtime, for the background tasks).
+//! - `leases`: `Leased`, a store that decides hot keys here from units another store
+//!   lends. Optional dependency `tokio` (its runtime renews loans in the background).
 //! - `metrics`: the stores' metrics through the `metrics` facade (Redis call latency,
 //!   deny-cache hits, breaker state, keys held by the memory store). Optional dependency
 //!   `metrics`.
