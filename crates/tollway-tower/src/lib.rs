@@ -402,6 +402,9 @@
 //!   synchronous `RateLimitInterceptor` (`RateLimitLayer::interceptor`). Optional
 //!   dependencies `tonic`, `tonic-types`.
 //! - `redis`: re-exports the Redis store, `RedisStore`. Enables `tollway-core/redis`.
+//! - `leases`: re-exports `Leased`, a store whose hot keys are decided in memory from
+//!   units leased from another (see its docs), and lets a limits file ask for it
+//!   (`[store] leases`). Enables `tollway-core/leases`.
 //! - `metrics`: decisions counted in `tollway_decisions_total` by policy and outcome
 //!   (and, with `config`, failed reloads in `tollway_config_reload_errors_total`), and
 //!   the stores' metrics through `tollway-core/metrics`. Optional dependency `metrics`.
@@ -454,6 +457,8 @@ pub use rate_limit::{
 pub use rejection::{Rejection, default_rejection};
 pub use report::{DecisionEvent, DecisionListener, DecisionOutcome};
 pub use tollway_core;
+#[cfg(feature = "leases")]
+pub use tollway_core::Leased;
 #[cfg(feature = "redis")]
 pub use tollway_core::RedisStore;
 pub use tollway_core::{

@@ -186,7 +186,7 @@ impl<St, K> RateLimitLayer<St, K> {
     }
 
     /// Puts the whole layer in shadow mode, or takes it out: see
-    /// [`RateLimitLayerBuilder::shadow`]. Takes effect for the next request, in every
+    /// [`RateLimitLayerBuilder::shadow`](super::RateLimitLayerBuilder::shadow). Takes effect for the next request, in every
     /// clone of the layer and every service it built, and outlives a
     /// [`swap_limits`](Self::swap_limits) (a reload) until
     /// [`reset_shadow`](Self::reset_shadow).
@@ -196,7 +196,7 @@ impl<St, K> RateLimitLayer<St, K> {
     }
 
     /// Puts one policy in shadow mode, or takes it out: see
-    /// [`RateLimitLayerBuilder::shadow_policy`]. Its callers' state is kept either way.
+    /// [`RateLimitLayerBuilder::shadow_policy`](super::RateLimitLayerBuilder::shadow_policy). Its callers' state is kept either way.
     /// Like [`set_shadow`](Self::set_shadow), it outlives a swap of limits.
     ///
     /// # Errors

@@ -69,12 +69,23 @@ use crate::{Clock, ConfigError, MonotonicClock, Policy, StoreError};
 ///
 /// # The cost: units left unspent
 ///
-/// Units a gateway holds and does not spend are lost to the others until they go bad:
-/// at most one loan's units a gateway and key, for at most one loan's span (its units'
-/// worth of refill; for a window, until it ends). A full bucket lends units that go bad
-/// one a refill interval. So below the limit a loan spends a share of its units about
-/// this gateway's share of the rate. The store's calls still fall by the units spent a
-/// loan. `BENCHMARKS.md` ("Leases") has the measured calls, shares and latencies.
+/// Units a gateway holds and does not spend are lost to the others until they go bad.
+/// A gateway holds at most two loans of a key (one spent down to half, and its
+/// renewal), each at most `max_share` of the smallest capacity. So with `g` gateways,
+/// at most `2 × g × max_share` of a capacity is held unspent at once (60% for three
+/// gateways at the default 0.1). A held unit goes bad within a loan's span: the refill
+/// of its units for a bucket or GCRA (about a horizon), the rest of the window for a
+/// window. Units are not given back early: a bucket's go bad as the state refills
+/// them, and a window's with their window.
+///
+/// The store lends at most half of what a limit has left, and a short store is asked
+/// only in the background. So near the limit the loans shrink to a unit, and a contested
+/// limit goes to whoever asks first. `BENCHMARKS.md` ("Leases") has the measured calls,
+/// shares and latencies: at twice a limit, over 99.8% of what one call a request admits.
+///
+/// A full bucket lends units that go bad one a refill interval. So a loan of a bucket or
+/// GCRA holds at least a horizon's refill: below the limit it spends a share of its
+/// units about this gateway's share of the rate.
 ///
 /// # When the store is away
 ///
