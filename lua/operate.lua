@@ -5,7 +5,8 @@
 -- algorithm's `refund` in crates/tollway-core/src/algorithm/.
 -- ARGV as prelude.lua describes, with [2] the units, and one more after the limits:
 -- [4 + 5N] the operation, 'charge', 'refund', 'reset' or 'drain' (take what is left over
--- the units: at most that many remain), or 'lend' (see below), with [5 + 5N] its cost.
+-- the units: at most that many remain), or 'lend' (see below), with [5 + 5N] its cost, or
+-- 'giveback' (see below), with [5 + 5N] .. [4 + 6N] the windows' ends.
 -- Not on the request path, so it is written for reading: helper functions, one loop.
 
 local units, grace, op = argv[2] + 0, argv[3] + 0, argv[4 + 5 * n]
@@ -135,6 +136,75 @@ local function sliding_window_counter_refund(period, v)
   return false, 0
 end
 
+-- 'giveback': a loan's unspent units back to the windows they came from, ARGV[4 + 5N + i]
+-- being where limit i's window ends (µs). The twins of `give_back` in
+-- crates/tollway-core/src/algorithm/fixed_window.rs and sliding_counter.rs; the buckets,
+-- GCRA and the log keep their state. Each returns the new state and its `a`, or `v` as it
+-- was.
+
+-- Fixed window: off the count while the window is still the current one.
+local function fixed_window_give_back(period, v, stop)
+  local stored_end, count = unpack('<dd', v)
+  local window_end = now / period
+  window_end = (window_end - window_end % 1) * period + period
+  if stored_end > window_end then window_end = stored_end end
+  if stored_end ~= stop or window_end ~= stop then return v, 0 end
+  count = count - units
+  if count <= 0 then return false, 0 end
+  return pack('<dd', stop, count), stop
+end
+
+-- Sliding window counter: off the current count while that window counts them, off the
+-- previous count once it has just ended.
+local function sliding_window_counter_give_back(period, v, stop)
+  local start = now / period
+  start = (start - start % 1) * period
+  local expires_at, stored_prev, stored_curr = unpack('<ddd', v)
+  local own_start, prev, curr = -1, 0, 0
+  if stored_curr > 0 then
+    own_start = expires_at - 2 * period
+    if own_start < 0 then own_start = 0 end
+  elseif stored_prev > 0 then
+    own_start = expires_at - period
+    if own_start < 0 then own_start = 0 end
+  end
+  if own_start > start then start = own_start end
+  if own_start == start then
+    prev, curr = stored_prev, stored_curr
+  elseif own_start >= 0 and own_start + period == start then
+    prev = stored_curr
+  end
+  if start + period == stop then
+    curr = curr - units
+    if curr < 0 then curr = 0 end
+  elseif start == stop then
+    prev = prev - units
+    if prev < 0 then prev = 0 end
+  else
+    return v, 0
+  end
+  if curr > 0 then
+    return pack('<ddd', start + 2 * period, prev, curr), start + 2 * period
+  elseif prev > 0 then
+    return pack('<ddd', start + period, prev, 0), start + period
+  end
+  return false, 0
+end
+
+-- Gives limit i's units back to the window ending at its ARGV; returns what its key holds.
+local function give_back(i, v)
+  local code, _, period = limit_of(i)
+  if not v or (code ~= '4' and code ~= '6') then return v end
+  local stop, x, a = argv[4 + 5 * n + i] + 0, v, 0
+  if code == '4' then
+    x, a = fixed_window_give_back(period, v, stop)
+  else
+    x, a = sliding_window_counter_give_back(period, v, stop)
+  end
+  if x == v then return v end
+  return store(keys[i], v, x, a)
+end
+
 -- Gives the units back to limit i; returns what its key now holds.
 local function refund(i, v)
   local key = keys[i]
@@ -231,7 +301,8 @@ end
 -- 'lend': a request of ARGV[5 + 5N] units (its cost) and up to ARGV[2] units in all: at
 -- most half of what the fullest-spent limit has left (rounded up), and at least the cost.
 -- All or nothing, decided as check.lua decides a request of the units taken. Replies check.lua's
--- four integers a limit, then the units taken (0 when refused), then the time read. The
+-- four integers a limit, then the units taken (0 when refused), then the time it decided at
+-- (the caller's or the server's). The
 -- twin of `grant_size` in crates/tollway-core/src/store/lend.rs. The log and the shaper
 -- do not lend: a unit spent later would need its own instant there.
 if op == 'lend' then
@@ -270,7 +341,7 @@ if op == 'lend' then
     for i = 1, n do store(keys[i], values[i], held[2 * i - 1], held[2 * i]) end
   end
   reply[4 * n + 1] = take
-  reply[4 * n + 2] = told
+  reply[4 * n + 2] = now
   return reply
 end
 
@@ -287,6 +358,8 @@ for i = 1, n do
     v = charge(i, v, false)
   elseif op == 'drain' then
     v = charge(i, v, true)
+  elseif op == 'giveback' then
+    v = give_back(i, v)
   else
     return error('tollway: unknown operation ' .. tostring(op))
   end

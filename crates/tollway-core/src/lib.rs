@@ -251,7 +251,7 @@ pub use store::{
 };
 pub use store::{
     BoxStore, BoxStoreFuture, BreakerState, Checked, CheckedFuture, CircuitBreaker,
-    CircuitBreakerBuilder, CircuitBreakerFuture, Grant, LendFuture, MemoryStore,
+    CircuitBreakerBuilder, CircuitBreakerFuture, GiveBackFuture, Grant, LendFuture, MemoryStore,
     MemoryStoreBuilder, Operation, Store, WhenFull,
 };
 #[cfg(feature = "leases")]

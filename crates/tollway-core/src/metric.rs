@@ -43,7 +43,7 @@ pub const LEASE_UNITS: Metric = Metric {
     name: "tollway_lease_units_total",
     kind: Kind::Counter,
     labels: &["event"],
-    help: "Units of leases: lent by the shared store, spent here, or gone bad unspent (event: lent, spent, expired)",
+    help: "Units of leases: lent by the shared store, spent here, given back, or gone bad unspent (event: lent, spent, returned, expired)",
 };
 
 /// Where a [`Leased`](crate::Leased) store decided its hot and cold keys' requests

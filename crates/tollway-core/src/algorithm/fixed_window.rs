@@ -84,6 +84,20 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
     }
 }
 
+/// Gives back `units` taken from the window ending at `end` and never spent (a lease's
+/// unspent units): off its count while it is still the current window. Once it has
+/// ended its count is gone anyway, and a later window's count is left alone.
+#[must_use]
+pub fn give_back(state: State, now: u64, quota: &Quota, units: u32, end: u64) -> State {
+    if state.end != end || window_end(state, now, quota) != end {
+        return state;
+    }
+    match state.count.saturating_sub(u64::from(units)) {
+        0 => State::default(),
+        count => State { end, count },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +136,34 @@ mod tests {
         assert_eq!(refund(s, 200, &q, 2).count, 4);
         assert_eq!(refund(s, 200, &q, 7), State::default());
         assert_eq!(refund(s, 1_000_000, &q, 1), State::default());
+    }
+
+    // A lease's unspent units go back to the window they came from, and to no other: a
+    // later window's count is other requests' and stays.
+    #[test]
+    fn units_given_back_leave_only_their_own_window() {
+        let q = Quota::per_second(10).unwrap();
+        let (_, lent) = check(State::default(), 200_000, &q, 6);
+        assert_eq!(
+            lent,
+            State {
+                end: 1_000_000,
+                count: 6
+            }
+        );
+        let back = give_back(lent, 500_000, &q, 4, 1_000_000);
+        assert_eq!(
+            back,
+            State {
+                end: 1_000_000,
+                count: 2
+            }
+        );
+        assert_eq!(give_back(lent, 500_000, &q, 9, 1_000_000), State::default());
+        // Too late: the window ended, and the next one's count is another's.
+        let (_, next) = check(lent, 1_100_000, &q, 3);
+        assert_eq!(give_back(next, 1_200_000, &q, 4, 1_000_000), next);
+        assert_eq!(give_back(lent, 1_200_000, &q, 4, 1_000_000), lent);
     }
 
     #[test]

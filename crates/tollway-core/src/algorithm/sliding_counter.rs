@@ -156,6 +156,24 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
     )
 }
 
+/// Gives back `units` counted in the window ending at `end` and never spent (a lease's
+/// unspent units): off the current window's count while it is that window, off the
+/// previous window's once it has just ended. An older window's units weigh nothing.
+#[must_use]
+pub fn give_back(state: State, now: u64, quota: &Quota, units: u32, end: u64) -> State {
+    let period = quota.period_micros();
+    let start = state.current_start(now, quota);
+    let (prev, curr) = state.counts_at(start, period);
+    let units = u64::from(units);
+    if start + period == end {
+        State::at(start, period, prev, curr.saturating_sub(units))
+    } else if start == end {
+        State::at(start, period, prev.saturating_sub(units), curr)
+    } else {
+        state
+    }
+}
+
 /// The first instant at which `cost` more units fit, given counts that do not fit now.
 fn retry_at(start: u64, period: u64, limit: u64, prev: u64, curr: u64, cost: u64) -> u64 {
     // Later in this window, as the previous window's weight shrinks:
@@ -178,6 +196,25 @@ fn retry_at(start: u64, period: u64, limit: u64, prev: u64, curr: u64, cost: u64
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // A lease's unspent units come off the window they were counted in: the current one,
+    // or the previous one once it has just ended; never a later window's count.
+    #[test]
+    fn units_given_back_leave_only_their_own_window() {
+        let q = Quota::per_second(10).unwrap();
+        let (_, lent) = check(State::default(), 200_000, &q, 6);
+        assert_eq!((lent.prev, lent.curr), (0, 6));
+        let back = give_back(lent, 500_000, &q, 4, 1_000_000);
+        assert_eq!((back.prev, back.curr), (0, 2));
+        // A window later, they are the previous window's.
+        let later = give_back(lent, 1_300_000, &q, 4, 1_000_000);
+        assert_eq!((later.prev, later.curr), (2, 0));
+        assert!(check(later, 1_300_000, &q, 8).0.is_allowed());
+        // Two windows later they weigh nothing: the state is left alone.
+        assert_eq!(give_back(lent, 2_300_000, &q, 4, 1_000_000), lent);
+        // A window's end that is not this one's or the last's changes nothing.
+        assert_eq!(give_back(lent, 500_000, &q, 4, 2_000_000), lent);
+    }
     use crate::algorithm::testing::run;
 
     /// Two nodes whose clocks are 0.5 s apart share a key. The one behind sees the

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use super::{Checked, LendFuture, Operation, Store};
+use super::{Checked, GiveBackFuture, LendFuture, Operation, Store};
 use crate::{ConfigError, Decisions, Policy, StoreError};
 
 /// The future of a [`BoxStore`] decision that waits.
@@ -62,6 +62,13 @@ trait ErasedStore: Send + Sync {
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture>;
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError>;
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture>;
+    fn give_back(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) -> Option<GiveBackFuture>;
 }
 
 impl<S: Store> ErasedStore for S {
@@ -79,6 +86,16 @@ impl<S: Store> ErasedStore for S {
 
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
         Store::lend(self, key, policies, cost, ask)
+    }
+
+    fn give_back(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) -> Option<GiveBackFuture> {
+        Store::give_back(self, key, policies, units, ends)
     }
 }
 
@@ -110,5 +127,15 @@ impl Store for BoxStore {
 
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
         self.inner.lend(key, policies, cost, ask)
+    }
+
+    fn give_back(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) -> Option<GiveBackFuture> {
+        self.inner.give_back(key, policies, units, ends)
     }
 }

@@ -7,11 +7,15 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use crate::{Decision, Decisions, Policy};
+use crate::{Algorithm, Decision, Decisions, Policy};
 
 /// The future of a [`Store::lend`](super::Store::lend).
 pub type LendFuture =
     Pin<Box<dyn Future<Output = Result<Grant, crate::StoreError>> + Send + 'static>>;
+
+/// The future of a [`Store::give_back`](super::Store::give_back).
+pub type GiveBackFuture =
+    Pin<Box<dyn Future<Output = Result<(), crate::StoreError>> + Send + 'static>>;
 
 /// What a store lent: how many units, and the decisions the store made taking them.
 ///
@@ -43,14 +47,27 @@ pub type LendFuture =
 pub struct Grant {
     units: u32,
     decisions: Decisions,
+    at: u64,
 }
 
 impl Grant {
-    /// A grant of `units`, taken with these decisions.
+    /// A grant of `units`, taken with these decisions at `at` µs on the store's clock.
     #[must_use]
-    pub fn new(units: u32, decisions: Decisions) -> Self {
+    pub fn new(units: u32, decisions: Decisions, at: u64) -> Self {
         let units = if decisions.is_allowed() { units } else { 0 };
-        Grant { units, decisions }
+        Grant {
+            units,
+            decisions,
+            at,
+        }
+    }
+
+    /// When the store took the units, in µs on its own clock (Redis's `TIME`, by
+    /// default). A window's end is this plus its decision's reset: what
+    /// [`Store::give_back`](super::Store::give_back) names.
+    #[must_use]
+    pub fn at(&self) -> u64 {
+        self.at
     }
 
     /// How many units were taken: the request's own cost and the rest, lent.
@@ -92,4 +109,24 @@ pub(crate) fn least_remaining(peek: &Decisions) -> u64 {
 /// Whether every one of `policies` may lend.
 pub(crate) fn all_lend(policies: &[&Policy]) -> bool {
     policies.iter().all(|p| p.algorithm().lends())
+}
+
+/// Where `policy`'s window ends after a grant's `decision` for it, at `at` on the
+/// store's clock; 0 for a bucket or GCRA, which has no window. The window's units go bad
+/// there, and a give-back names it.
+pub(crate) fn window_end(policy: &Policy, decision: &Decision, at: u64) -> u64 {
+    let reset = decision.reset_after_micros();
+    match policy.algorithm() {
+        // The window ends `reset` from now once it has counted a unit.
+        Algorithm::FixedWindow => at.saturating_add(reset),
+        // With units in the current window, `reset` is its end and one period more.
+        Algorithm::SlidingWindowCounter => {
+            at.saturating_add(reset.saturating_sub(policy.quota().period_micros()))
+        }
+        Algorithm::TokenBucket
+        | Algorithm::LeakyBucket
+        | Algorithm::LeakyBucketShaper
+        | Algorithm::SlidingWindowLog
+        | Algorithm::Gcra => 0,
+    }
 }

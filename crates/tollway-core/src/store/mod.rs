@@ -10,7 +10,7 @@ mod boxed;
 mod breaker;
 #[cfg(feature = "leases")]
 mod lease;
-mod lend;
+pub(crate) mod lend;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
@@ -29,7 +29,7 @@ pub use self::breaker::{
 };
 #[cfg(feature = "leases")]
 pub use self::lease::{Leased, LeasedBuilder};
-pub use self::lend::{Grant, LendFuture};
+pub use self::lend::{GiveBackFuture, Grant, LendFuture};
 pub use self::memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 #[cfg(feature = "redis")]
 pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
@@ -167,6 +167,29 @@ pub trait Store: Send + Sync + 'static {
     /// [`lends`](crate::Algorithm::lends).
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
         let _ = (key, policies, cost, ask);
+        None
+    }
+
+    /// Gives back `units` of a loan that were never spent, to the windows they came
+    /// from: `ends[i]` is where `policies[i]`'s window ends, on the store's clock (the
+    /// grant's [`at`](Grant::at) plus its reset).
+    ///
+    /// A fixed window takes them off its count while that window is the current one; a
+    /// sliding window counter off its current count, or off its previous one once the
+    /// window has just ended. Anything else keeps its state: a window that ended forgot
+    /// its count, and a bucket's lent units go bad as it refills them. So a give-back
+    /// never frees a unit another window counted.
+    ///
+    /// Send each give-back once: a second would free units twice. `None`: the store takes
+    /// nothing back (the default); the units go bad with their windows.
+    fn give_back(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) -> Option<GiveBackFuture> {
+        let _ = (key, policies, units, ends);
         None
     }
 }

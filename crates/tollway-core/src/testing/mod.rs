@@ -307,8 +307,9 @@ impl Conformance {
     /// Replays a trace of loans ([`Store::lend`]) through `store` and a memory store on
     /// `clock`: one or two limits of the algorithms that [lend](Algorithm::lends), a
     /// cost from 0 to past the capacity, and up to twice the capacity asked. One event
-    /// in four is a request instead, so that loans meet states requests left. Every
-    /// grant must match, units and decisions. `store` must read `clock`, which the
+    /// in four is a request instead, so that loans meet states requests left. One loan
+    /// in three gives units back ([`Store::give_back`]), at once or a period later. Every
+    /// grant must match, units and decisions, and so must the states after a give-back. `store` must read `clock`, which the
     /// suite moves forward.
     ///
     /// # Panics
@@ -351,7 +352,7 @@ impl Conformance {
             events: 0,
             used: Vec::new(),
         };
-        let (mut lent, mut refused, mut loans) = (0, 0, 0);
+        let (mut lent, mut refused, mut loans, mut given, mut freed) = (0, 0, 0, 0, 0);
         for i in 0..self.events {
             let n = 1 + rng.below(2) as usize;
             let mut chosen: Vec<&Policy> = Vec::new();
@@ -404,6 +405,39 @@ impl Conformance {
             loans += 1;
             if expected.units() > cost {
                 lent += 1;
+                // One loan in three gives some of its units back at once, or a window
+                // later (to a window that has ended, or a later one): both stores take
+                // them off the same counts, or keep their state alike.
+                if rng.below(3) == 0 {
+                    let units = 1 + rng.below(u64::from(expected.units() - cost)) as u32;
+                    let ends: Vec<u64> = chosen
+                        .iter()
+                        .zip(expected.decisions().iter())
+                        .map(|(p, d)| crate::store::lend::window_end(p, d, expected.at()))
+                        .collect();
+                    if rng.below(2) == 0 {
+                        let now = clock.now_micros();
+                        clock.set_micros(now + chosen[0].quota().period_micros());
+                    }
+                    let context = || format!("{}: giving back {units} of {ends:?}", context());
+                    let peek = Operation::Peek(0);
+                    let before = memory.apply(caller.as_bytes(), &chosen, peek);
+                    memory
+                        .give_back(caller.as_bytes(), &chosen, units, &ends)
+                        .expect("the memory store takes units back")
+                        .await
+                        .unwrap_or_else(|e| panic!("{}: the memory store failed: {e}", context()));
+                    store
+                        .give_back(caller.as_bytes(), &chosen, units, &ends)
+                        .unwrap_or_else(|| panic!("{}: the store takes nothing back", context()))
+                        .await
+                        .unwrap_or_else(|e| panic!("{}: the store failed: {e}", context()));
+                    let expected = memory.apply(caller.as_bytes(), &chosen, peek);
+                    let got = answer(store.operate(caller.as_bytes(), &chosen, peek), &context);
+                    assert_eq!(got.await, expected, "{}", context());
+                    given += 1;
+                    freed += usize::from(before != expected);
+                }
             }
             if !expected.decisions().is_allowed() {
                 refused += 1;
@@ -414,6 +448,14 @@ impl Conformance {
         assert!(
             refused >= loans / 20,
             "{name}: {refused} of {loans} loans refused"
+        );
+        assert!(
+            given >= loans / 40,
+            "{name}: {given} of {loans} loans gave units back"
+        );
+        assert!(
+            freed >= given / 10,
+            "{name}: {freed} of {given} give-backs freed units"
         );
         report
     }

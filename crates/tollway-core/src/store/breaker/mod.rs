@@ -485,11 +485,26 @@ where
                     tracing::debug!(%error, "rate limit store failed a loan; deciding locally");
                     let policies: SmallVec<[&Policy; 4]> = policies.iter().collect();
                     let decisions = inner.fall_back(error, &key, &policies, cost)?;
-                    Ok(super::Grant::new(cost, decisions))
+                    Ok(super::Grant::new(cost, decisions, 0))
                 }
                 (answer, _) => answer,
             }
         }))
+    }
+
+    /// Gives back through the primary while the breaker is closed; else `None`: the
+    /// units go bad with their windows. The outcome does not move the breaker.
+    fn give_back(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) -> Option<super::GiveBackFuture> {
+        if self.state() != BreakerState::Closed {
+            return None;
+        }
+        self.inner.primary.give_back(key, policies, units, ends)
     }
 }
 

@@ -151,6 +151,7 @@ impl<S: Store, C: Clock> LeasedBuilder<S, C> {
                 store: self.store,
                 clock: self.clock,
                 table: Table::new(shards, sizing),
+                sweeping: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }

@@ -26,7 +26,7 @@ pub use self::builder::LeasedBuilder;
 use self::table::{Counts, Dry, Local, Request, Table};
 use self::units::Loan;
 use super::boxed::boxed;
-use super::{BoxStoreFuture, Checked, Grant, LendFuture, Operation, Store};
+use super::{BoxStoreFuture, Checked, GiveBackFuture, Grant, LendFuture, Operation, Store};
 use crate::{Clock, ConfigError, MonotonicClock, Policy, StoreError};
 
 /// A store whose hot keys are decided here, from units leased from `S`.
@@ -64,8 +64,14 @@ use crate::{Clock, ConfigError, MonotonicClock, Policy, StoreError};
 ///
 /// The deadlines are counted on this process's clock from when a loan's call was sent.
 /// The store read its time later. So a unit goes bad here no later than at the store,
-/// whatever the clocks read. Only their rates must agree: a clock that runs fast by
+/// whatever this clock reads. Only the rates must agree: a clock that runs slow by
 /// 100 ppm keeps a unit 100 µs too long a second of its life.
+///
+/// That holds when the store decides on one clock for every gateway: Redis's `TIME`
+/// (the Redis store's default), or one clock the gateways share. With the Redis store
+/// on each caller's clock (`caller_time`) and gateways' clocks apart, a window's units
+/// may be spent after a gateway ahead has started the next window: lease on the
+/// server's clock.
 ///
 /// # The cost: units left unspent
 ///
@@ -75,8 +81,9 @@ use crate::{Clock, ConfigError, MonotonicClock, Policy, StoreError};
 /// at most `2 × g × max_share` of a capacity is held unspent at once (60% for three
 /// gateways at the default 0.1). A held unit goes bad within a loan's span: the refill
 /// of its units for a bucket or GCRA (about a horizon), the rest of the window for a
-/// window. Units are not given back early: a bucket's go bad as the state refills
-/// them, and a window's with their window.
+/// window. A key unused here for two horizons gives its window units back to their
+/// window ([`Store::give_back`]), once: a later window is never credited. A bucket's
+/// units are not given back: they go bad as the state refills them.
 ///
 /// The store lends at most half of what a limit has left, and a short store is asked
 /// only in the background. So near the limit the loans shrink to a unit, and a contested
@@ -135,6 +142,8 @@ struct Inner<S, C> {
     store: S,
     clock: C,
     table: Table,
+    /// A task gives idle keys' window units back (see `Leased::sweep`).
+    sweeping: std::sync::atomic::AtomicBool,
 }
 
 impl<S, C> Clone for Leased<S, C> {
@@ -190,24 +199,85 @@ impl<S, C> Leased<S, C> {
 }
 
 impl<S: Store, C: Clock> Leased<S, C> {
-    /// Asks the store for `ask` more units of `key` in the background, if a runtime
-    /// runs one.
-    fn renew(&self, key: &[u8], ids: SmallVec<[u64; 2]>, policies: &[&Policy], ask: u32) {
+    /// Starts the task that gives back what idle keys hold, once, on the runtime the
+    /// request runs on: every horizon, the loans of keys unused for two horizons are
+    /// taken out; a window's good units go back to their window, the rest go bad. The
+    /// task ends with the last clone of this store.
+    fn sweep(&self) {
+        use std::sync::atomic::Ordering;
         let inner = &self.inner;
-        let origin = inner.clock.now_micros();
-        let call = tokio::runtime::Handle::try_current()
-            .ok()
-            .and_then(|runtime| Some((runtime, inner.store.lend(key, policies, 0, ask)?)));
-        let Some((runtime, call)) = call else {
-            inner.table.unask(key, &ids);
+        if inner.sweeping.load(Ordering::Relaxed) || inner.sweeping.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            inner.sweeping.store(false, Ordering::Relaxed);
             return;
         };
-        let asking = Asking::new(Arc::clone(inner), key, ids, policies, origin, (0, ask));
+        let every = std::time::Duration::from_micros(inner.table.horizon());
+        let weak = Arc::downgrade(inner);
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(inner) = weak.upgrade() else {
+                    break;
+                };
+                inner.give_back_idle().await;
+            }
+        });
+    }
+
+    /// Asks the store for `ask` more units of `key` in the background, if a runtime
+    /// runs one.
+    fn renew(&self, key: &[u8], ids: SmallVec<[u64; 2]>, policies: &[&Policy], loan: Ask) {
+        let inner = &self.inner;
+        let loan = Ask {
+            origin: inner.clock.now_micros(),
+            ..loan
+        };
+        let call = tokio::runtime::Handle::try_current()
+            .ok()
+            .and_then(|runtime| Some((runtime, inner.store.lend(key, policies, 0, loan.ask)?)));
+        let Some((runtime, call)) = call else {
+            // Never sent: nothing will land to clear the key's shortness.
+            inner.table.unask(key, &ids, loan.generation, true);
+            return;
+        };
+        self.sweep();
+        let asking = Asking::new(Arc::clone(inner), key, ids, policies, loan);
         runtime.spawn(async move {
             if let Err(error) = asking.finish(call.await) {
                 tracing::debug!(%error, "a lease was not renewed");
             }
         });
+    }
+}
+
+impl<S: Store, C: Clock> Inner<S, C> {
+    /// Takes the loans of the keys unused for two horizons out of the table, and gives
+    /// a window's good units back. Each give-back is sent once.
+    async fn give_back_idle(&self) {
+        let now = self.clock.now_micros();
+        let since = now.saturating_sub(2 * self.table.horizon());
+        let mut counts = Counts::default();
+        let back = self.table.idle_loans(since, now, &mut counts);
+        record::expired(counts.expired);
+        for loan in back {
+            let policies: SmallVec<[&Policy; 2]> = loan.policies.iter().collect();
+            let units = u64::from(loan.units);
+            match self
+                .store
+                .give_back(&loan.key, &policies, loan.units, &loan.ends)
+            {
+                Some(call) => match call.await {
+                    Ok(()) => record::returned(units),
+                    Err(error) => {
+                        tracing::debug!(%error, "a lease's units were not given back");
+                        record::expired(units);
+                    }
+                },
+                None => record::expired(units),
+            }
+        }
     }
 }
 
@@ -223,7 +293,6 @@ impl<S: Store, C: Clock> Leased<S, C> {
     ) -> Checked<BoxStoreFuture> {
         let inner = &self.inner;
         let ids = ids_of(policies);
-        let now = inner.clock.now_micros();
         let mut counts = Counts::default();
         let request = Request {
             key,
@@ -231,20 +300,29 @@ impl<S: Store, C: Clock> Leased<S, C> {
             policies,
             cost,
         };
-        let local = inner.table.spend(&request, now, waited, &mut counts);
+        let local = inner
+            .table
+            .spend(&request, &inner.clock, waited, &mut counts);
         record::expired(counts.expired);
+        let (now, generation) = (counts.now, counts.generation);
+        let background = |ask| Ask {
+            origin: now,
+            cost: 0,
+            ask,
+            generation,
+        };
         match local {
             Local::Spent { decisions, renew } => {
                 record::spent(cost);
                 if let Some(ask) = renew {
-                    self.renew(key, ids, policies, ask);
+                    self.renew(key, ids, policies, background(ask));
                 }
                 Checked::Ready(Ok(decisions))
             }
             Local::Refused { decisions, renew } => {
                 record::refused();
                 if let Some(ask) = renew {
-                    self.renew(key, ids, policies, ask);
+                    self.renew(key, ids, policies, background(ask));
                 }
                 Checked::Ready(Ok(decisions))
             }
@@ -265,10 +343,17 @@ impl<S: Store, C: Clock> Leased<S, C> {
             Local::Lend(ask) => {
                 record::called();
                 let Some(call) = inner.store.lend(key, policies, cost, ask) else {
-                    inner.table.unask(key, &ids);
+                    inner.table.unask(key, &ids, generation, true);
                     return boxed(inner.store.check(key, policies, cost));
                 };
-                let asking = Asking::new(Arc::clone(inner), key, ids, policies, now, (cost, ask));
+                self.sweep();
+                let loan = Ask {
+                    origin: now,
+                    cost,
+                    ask,
+                    generation,
+                };
+                let asking = Asking::new(Arc::clone(inner), key, ids, policies, loan);
                 Checked::Pending(Box::pin(async move {
                     asking.finish(call.await).map(Grant::into_decisions)
                 }))
@@ -277,13 +362,16 @@ impl<S: Store, C: Clock> Leased<S, C> {
     }
 }
 
-/// Whether the store was short when it answered `grant` to a loan of `ask` sent at
-/// `origin`: it refused, or lent less than asked. Until a loan comes back whole, a
-/// request with no units here is refused here. It waits until the refusal's retry time,
-/// or for a limit left empty its next unit (a bucket's or GCRA's refill, a window's end).
-fn short(origin: u64, policies: &[&Policy], grant: &Grant, ask: u32) -> Option<Dry> {
+/// Whether the store was short when it answered `grant` to `loan`: it refused a
+/// request of a unit, or lent less than asked. Until a loan comes back whole, a request
+/// with no units here is refused here. It waits until the refusal's retry time, or for a
+/// limit left empty its next unit (a bucket's or GCRA's refill, a window's end).
+///
+/// A refusal of a larger request says nothing of smaller ones, and a breaker's fallback
+/// (a grant at time 0) nothing of the store: neither makes the key short.
+fn short(policies: &[&Policy], grant: &Grant, loan: Ask) -> Option<Dry> {
     let decisions = grant.decisions();
-    if decisions.is_allowed() && grant.units() >= ask {
+    if grant.at() == 0 || (decisions.is_allowed() && grant.units() >= loan.ask) {
         return None;
     }
     let wait = if decisions.is_allowed() {
@@ -297,16 +385,18 @@ fn short(origin: u64, policies: &[&Policy], grant: &Grant, ask: u32) -> Option<D
             })
             .max()
             .unwrap_or(0)
-    } else {
+    } else if loan.cost <= 1 {
         decisions
             .iter()
             .filter_map(|d| d.retry_after())
             .max()
             .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+    } else {
+        return None;
     };
     Some(Dry {
-        origin,
-        until: origin.saturating_add(wait),
+        origin: loan.origin,
+        until: loan.origin.saturating_add(wait),
         decisions: decisions.clone(),
     })
 }
@@ -330,16 +420,18 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
         self.decide(key, policies, cost, false)
     }
 
-    /// Straight to the store. A reset also drops this process's loans of the key: its
-    /// units were taken from the state the reset forgets. Other gateways keep theirs
-    /// until they go bad.
+    /// Straight to the store. Anything but a peek also drops this process's loans of
+    /// the key: a refund, charge, drain or reset moves the state its units' deadlines
+    /// were priced against. Other gateways keep theirs until they go bad, so a refund
+    /// or reset while others hold loans may let them spend a loan's worth more.
     fn operate(
         &self,
         key: &[u8],
         policies: &[&Policy],
         operation: Operation,
     ) -> Checked<BoxStoreFuture> {
-        if operation == Operation::Reset {
+        // A correction moves the state the loans' deadlines were priced against.
+        if !matches!(operation, Operation::Peek(_)) {
             record::expired(self.inner.table.forget(key));
         }
         boxed(self.inner.store.operate(key, policies, operation))
@@ -352,6 +444,26 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
         self.inner.store.lend(key, policies, cost, ask)
     }
+
+    fn give_back(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) -> Option<GiveBackFuture> {
+        self.inner.store.give_back(key, policies, units, ends)
+    }
+}
+
+/// What a loan's call asks: sent at `origin` (this process's clock), for a request of
+/// `cost` (0 for a renewal) and `ask` units in all, for the entry of `generation`.
+#[derive(Clone, Copy, Debug)]
+struct Ask {
+    origin: u64,
+    cost: u32,
+    ask: u32,
+    generation: u64,
 }
 
 /// A loan's call on its way: keeps what it lends, and ends the key's asking even if it
@@ -361,9 +473,7 @@ struct Asking<S, C> {
     key: Box<[u8]>,
     ids: SmallVec<[u64; 2]>,
     policies: SmallVec<[Policy; 2]>,
-    origin: u64,
-    cost: u32,
-    ask: u32,
+    loan: Ask,
     done: bool,
 }
 
@@ -373,17 +483,14 @@ impl<S, C> Asking<S, C> {
         key: &[u8],
         ids: SmallVec<[u64; 2]>,
         policies: &[&Policy],
-        origin: u64,
-        (cost, ask): (u32, u32),
+        loan: Ask,
     ) -> Self {
         Asking {
             inner,
             key: key.into(),
             ids,
             policies: policies.iter().map(|&p| p.clone()).collect(),
-            origin,
-            cost,
-            ask,
+            loan,
             done: false,
         }
     }
@@ -393,16 +500,26 @@ impl<S, C> Asking<S, C> {
     fn finish(mut self, answer: Result<Grant, StoreError>) -> Result<Grant, StoreError> {
         self.done = true;
         let policies: SmallVec<[&Policy; 2]> = self.policies.iter().collect();
+        let Ask {
+            origin,
+            cost,
+            generation,
+            ..
+        } = self.loan;
         match &answer {
             Ok(grant) => {
-                let loan = Loan::new(self.origin, &policies, grant, self.cost);
+                let loan = Loan::new(origin, &policies, grant, cost);
                 if let Some(loan) = &loan {
                     record::lent(loan.unspent());
                 }
-                let dry = short(self.origin, &policies, grant, self.ask);
-                self.inner.table.lent(&self.key, &self.ids, loan, dry);
+                let dry = short(&policies, grant, self.loan);
+                let table = &self.inner.table;
+                table.lent(&self.key, &self.ids, generation, loan, dry);
             }
-            Err(_) => self.inner.table.unask(&self.key, &self.ids),
+            Err(_) => self
+                .inner
+                .table
+                .unask(&self.key, &self.ids, generation, false),
         }
         answer
     }
@@ -411,7 +528,10 @@ impl<S, C> Asking<S, C> {
 impl<S, C> Drop for Asking<S, C> {
     fn drop(&mut self) {
         if !self.done {
-            self.inner.table.unask(&self.key, &self.ids);
+            let generation = self.loan.generation;
+            self.inner
+                .table
+                .unask(&self.key, &self.ids, generation, false);
         }
     }
 }
@@ -448,6 +568,12 @@ mod record {
     pub(super) fn refused() {
         #[cfg(feature = "metrics")]
         metrics::counter!(LEASE_DECISIONS.name, "where" => "local").increment(1);
+    }
+
+    pub(super) fn returned(units: u64) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!(LEASE_UNITS.name, "event" => "returned").increment(units);
+        let _ = units;
     }
 
     pub(super) fn called() {

@@ -2,6 +2,7 @@
 //! demand here.
 
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashTable;
 use parking_lot::Mutex;
@@ -64,10 +65,14 @@ struct Entry {
     hash: u64,
     key: Box<[u8]>,
     ids: SmallVec<[u64; 2]>,
+    /// The policies, for a give-back.
+    policies: SmallVec<[Policy; 2]>,
     /// Units asked since `since`, and over the last horizon that ended.
     since: u64,
     seen: u64,
     per_horizon: u64,
+    /// Told apart from an entry of the same key made after this one was forgotten.
+    generation: u64,
     /// Units spent from a loan, in order of age.
     loans: SmallVec<[Loan; 2]>,
     /// A call that lends is on its way: dropped when it lands, which wakes the
@@ -148,14 +153,53 @@ impl Entry {
 #[derive(Debug)]
 pub(super) struct Table {
     shards: Box<[Mutex<HashTable<Entry>>]>,
+    generations: AtomicU64,
     hasher: foldhash::fast::RandomState,
     sizing: Sizing,
 }
 
-/// What [`Table::spend`] found, beside its answer: units gone bad unspent.
+/// A loan's good units to give back to the windows they came from.
+#[derive(Debug)]
+pub(super) struct GiveBack {
+    pub(super) key: Box<[u8]>,
+    pub(super) policies: SmallVec<[Policy; 2]>,
+    pub(super) units: u32,
+    pub(super) ends: SmallVec<[u64; 2]>,
+}
+
+/// What [`Table::spend`] found, beside its answer: units gone bad unspent, the time it
+/// read, and the generation of the key's entry.
 #[derive(Debug, Default)]
 pub(super) struct Counts {
     pub(super) expired: u64,
+    pub(super) now: u64,
+    pub(super) generation: u64,
+}
+
+/// Spends `cost` units at `now` from `loans`, oldest first: from one loan when one has
+/// as many good, else from several in order (each unit is good on its own). `None` when
+/// they hold fewer good units than that, all told.
+fn spend_from(loans: &mut [Loan], now: u64, cost: u32) -> Option<Decisions> {
+    if let Some(decisions) = loans.iter_mut().find_map(|loan| loan.spend(now, cost)) {
+        return Some(decisions);
+    }
+    let good: u64 = loans.iter().map(|loan| loan.good(now)).sum();
+    if good < u64::from(cost) || loans.is_empty() {
+        return None;
+    }
+    let mut need = u64::from(cost);
+    let mut told = None;
+    for loan in loans.iter_mut() {
+        let take = loan.good(now).min(need);
+        if take > 0 {
+            told = loan.spend(now, u32::try_from(take).unwrap_or(u32::MAX));
+            need -= take;
+        }
+        if need == 0 {
+            break;
+        }
+    }
+    told
 }
 
 impl Table {
@@ -164,6 +208,7 @@ impl Table {
             shards: (0..shards.next_power_of_two())
                 .map(|_| Mutex::new(HashTable::new()))
                 .collect(),
+            generations: AtomicU64::new(0),
             hasher: foldhash::fast::RandomState::default(),
             sizing,
         }
@@ -206,12 +251,14 @@ impl Table {
             .unwrap_or(0)
     }
 
-    /// Decides `request` at `now` from a loan if it can, or says what to ask the store.
-    /// `waited`: the request waited for a loan already (its demand is counted).
+    /// Decides `request` from a loan if it can, or says what to ask the store. The time
+    /// is read from `clock` under the shard's lock, so no unit is spent later than the
+    /// time it was checked at. `waited`: the request waited for a loan already (its
+    /// demand is counted). `counts` tells the time read and the entry's generation.
     pub(super) fn spend(
         &self,
         request: &Request<'_>,
-        now: u64,
+        clock: &impl crate::Clock,
         waited: bool,
         counts: &mut Counts,
     ) -> Local {
@@ -223,6 +270,8 @@ impl Table {
         } = *request;
         let hash = self.hash(key, ids);
         let mut shard = self.shard(key).lock();
+        let now = clock.now_micros();
+        counts.now = now;
         let sizing = &self.sizing;
         let entry = match shard.find_mut(hash, |e| e.is(hash, key, ids)) {
             Some(entry) => entry,
@@ -244,6 +293,8 @@ impl Table {
                     hash,
                     key: key.into(),
                     ids: ids.into(),
+                    policies: policies.iter().map(|&p| p.clone()).collect(),
+                    generation: self.generations.fetch_add(1, Ordering::Relaxed),
                     since: now,
                     seen: 0,
                     per_horizon: 0,
@@ -255,37 +306,38 @@ impl Table {
                 shard.insert_unique(hash, entry, |e| e.hash).into_mut()
             }
         };
+        counts.generation = entry.generation;
         if !waited {
             entry.observe(now, cost, sizing);
         }
         counts.expired += entry.drop_spent(now);
         let most = self.most(policies);
         let ask = entry.per_horizon.max(self.refill(policies)).clamp(1, most);
-        if let Some(decisions) = entry
-            .loans
-            .iter_mut()
-            .find_map(|loan| loan.spend(now, cost))
-        {
+        let hot = entry.per_horizon >= sizing.min_units && ask >= sizing.min_units;
+        if let Some(decisions) = spend_from(&mut entry.loans, now, cost) {
             let good: u64 = entry.loans.iter().map(|loan| loan.good(now)).sum();
             // Half a loan left: ask for the next one now, so that it comes before this
             // one runs out.
-            let renew =
-                (entry.asking.is_none() && 2 * good < ask && ask >= sizing.min_units).then(|| {
-                    entry.asking = Some(tokio::sync::watch::Sender::new(()));
-                    u32::try_from(ask).unwrap_or(u32::MAX)
-                });
-            return Local::Spent { decisions, renew };
-        }
-        if let Some(dry) = &entry.dry {
-            // The store was short at its last answer: refused here at once, while a loan
-            // is asked for in the background, until one comes back whole. Nothing waits
-            // on a store that has too little to lend.
-            let decisions = dry.refusal(now);
-            let renew = (entry.asking.is_none() && ask >= sizing.min_units).then(|| {
+            let renew = (entry.asking.is_none() && 2 * good < ask && hot).then(|| {
                 entry.asking = Some(tokio::sync::watch::Sender::new(()));
                 u32::try_from(ask).unwrap_or(u32::MAX)
             });
-            return Local::Refused { decisions, renew };
+            return Local::Spent { decisions, renew };
+        }
+        if let Some(dry) = &entry.dry {
+            // The store was short at its last answer: refused here at once while a loan
+            // is asked for in the background, until one comes back whole. Nothing waits
+            // on a store that had too little to lend. Past the store's retry time, a key
+            // no longer hot (or with nothing asked) goes the usual way.
+            if now < dry.until || (entry.asking.is_some() || hot) {
+                let decisions = dry.refusal(now);
+                let renew = (entry.asking.is_none() && hot).then(|| {
+                    entry.asking = Some(tokio::sync::watch::Sender::new(()));
+                    u32::try_from(ask).unwrap_or(u32::MAX)
+                });
+                return Local::Refused { decisions, renew };
+            }
+            entry.dry = None;
         }
         if let Some(asking) = &entry.asking {
             // Waiting once: a loan too small for every waiter sends the rest to the store.
@@ -296,7 +348,7 @@ impl Table {
             };
         }
         // Cold: too little demand here for a loan to pay.
-        if entry.per_horizon < sizing.min_units || most < sizing.min_units {
+        if !hot {
             return Local::Pass;
         }
         entry.asking = Some(tokio::sync::watch::Sender::new(()));
@@ -304,25 +356,69 @@ impl Table {
         Local::Lend(u32::try_from(ask).unwrap_or(u32::MAX))
     }
 
-    /// Keeps the units of `loan` for the key, and ends its call's asking.
     /// Keeps the units of `loan` for the key, and what the store said if it was short
-    /// (`dry`); ends the call's asking.
-    pub(super) fn lent(&self, key: &[u8], ids: &[u64], loan: Option<Loan>, dry: Option<Dry>) {
+    /// (`dry`); ends the call's asking. Nothing, when the entry is not the one the call
+    /// was made for (`generation`: it was forgotten and made anew since).
+    pub(super) fn lent(
+        &self,
+        key: &[u8],
+        ids: &[u64],
+        generation: u64,
+        loan: Option<Loan>,
+        dry: Option<Dry>,
+    ) {
         let hash = self.hash(key, ids);
         let mut shard = self.shard(key).lock();
-        if let Some(entry) = shard.find_mut(hash, |e| e.is(hash, key, ids)) {
+        if let Some(entry) = shard.find_mut(hash, |e| e.is(hash, key, ids))
+            && entry.generation == generation
+        {
             entry.asking = None;
             entry.loans.extend(loan);
             entry.dry = dry;
         }
     }
 
-    /// Ends the key's asking: its call was never sent, failed or was dropped.
-    pub(super) fn unask(&self, key: &[u8], ids: &[u64]) {
+    /// Takes the loans of the keys unused since `since` out of the table: the good
+    /// units of a window's loan, to give back; the others' are counted as gone bad.
+    pub(super) fn idle_loans(&self, since: u64, now: u64, counts: &mut Counts) -> Vec<GiveBack> {
+        let mut back = Vec::new();
+        for shard in &self.shards {
+            let mut shard = shard.lock();
+            for entry in shard
+                .iter_mut()
+                .filter(|e| e.used < since && !e.loans.is_empty())
+            {
+                for loan in entry.loans.drain(..) {
+                    let good = loan.good(now);
+                    if loan.windowed() && good > 0 {
+                        counts.expired += loan.unspent() - good;
+                        back.push(GiveBack {
+                            key: entry.key.clone(),
+                            policies: entry.policies.clone(),
+                            units: u32::try_from(good).unwrap_or(u32::MAX),
+                            ends: loan.ends(),
+                        });
+                    } else {
+                        counts.expired += loan.unspent();
+                    }
+                }
+            }
+        }
+        back
+    }
+
+    /// Ends the key's asking: its call was never sent, failed or was dropped. `dry`: it
+    /// was never sent, so nothing will clear the key's shortness: forget it too.
+    pub(super) fn unask(&self, key: &[u8], ids: &[u64], generation: u64, dry: bool) {
         let hash = self.hash(key, ids);
         let mut shard = self.shard(key).lock();
-        if let Some(entry) = shard.find_mut(hash, |e| e.is(hash, key, ids)) {
+        if let Some(entry) = shard.find_mut(hash, |e| e.is(hash, key, ids))
+            && entry.generation == generation
+        {
             entry.asking = None;
+            if dry {
+                entry.dry = None;
+            }
         }
     }
 
@@ -338,6 +434,11 @@ impl Table {
             keep
         });
         unspent
+    }
+
+    /// The horizon, in µs.
+    pub(super) fn horizon(&self) -> u64 {
+        self.sizing.horizon
     }
 
     /// How many keys and sets of policies the table holds.

@@ -249,3 +249,38 @@ impl Store for Counting {
         self.store.lend(key, policies, cost, ask)
     }
 }
+
+// A gateway that stops seeing a key gives its window units back after two horizons, so
+// the last units of a period are not stuck in it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_idle_gateway_gives_its_window_units_back() {
+    let clock = ManualClock::at_micros(1_000_000_000);
+    let shared = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let policy = Policy::new(
+        "window",
+        Algorithm::FixedWindow,
+        Quota::per_minute(6_000).unwrap(),
+    )
+    .unwrap();
+    let gateway = Leased::builder(shared.clone())
+        .clock(clock.clone())
+        .horizon(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    for _ in 0..40 {
+        clock.advance(Duration::from_micros(100));
+        let decisions = gateway.check(b"hot", &[&policy], 1).await.unwrap();
+        assert!(decisions.is_allowed());
+        tokio::task::yield_now().await;
+    }
+    let remaining = || shared.apply(b"hot", &[&policy], crate::Operation::Peek(0))[0].remaining();
+    assert!(
+        remaining() < 6_000 - 40,
+        "the gateway holds a loan: {}",
+        remaining()
+    );
+    // Two horizons without a request, and the task that sweeps has run.
+    clock.advance(Duration::from_millis(150));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(remaining(), 6_000 - 40, "what was not spent is back");
+}

@@ -47,7 +47,7 @@ impl Expiry {
             Algorithm::Gcra => {
                 let spacing = quota.emission_micros();
                 Some(Expiry::Slots {
-                    lead: reset.saturating_sub(units * spacing),
+                    lead: reset.saturating_sub(units.saturating_mul(spacing)),
                     spacing,
                     per_us: 1,
                 })
@@ -59,20 +59,18 @@ impl Expiry {
                 let (limit, period) = (quota.limit(), quota.period_micros());
                 let after = match reset {
                     0 => 0,
-                    us => (us - 1) * limit + 1,
+                    // Past u64 (no valid quota gets there): no lead, the units go bad soonest.
+                    us => (us - 1).checked_mul(limit).map_or(0, |ticks| ticks + 1),
                 };
                 Some(Expiry::Slots {
-                    lead: after.saturating_sub(units * period),
+                    lead: after.saturating_sub(units.saturating_mul(period)),
                     spacing: period,
                     per_us: limit,
                 })
             }
-            // The window ends `reset` from now once it has counted a unit.
-            Algorithm::FixedWindow => Some(Expiry::Until(reset)),
-            // With units in the current window, `reset` is its end and one period more.
-            Algorithm::SlidingWindowCounter => {
-                Some(Expiry::Until(reset.saturating_sub(quota.period_micros())))
-            }
+            Algorithm::FixedWindow | Algorithm::SlidingWindowCounter => Some(Expiry::Until(
+                crate::store::lend::window_end(policy, decision, 0),
+            )),
             Algorithm::LeakyBucketShaper | Algorithm::SlidingWindowLog => None,
         }
     }
@@ -105,6 +103,9 @@ struct Held {
     expiry: Expiry,
     /// The grant's decision: the limit, and what remained in the store after it.
     decision: Decision,
+    /// For a window, where it ends on the store's clock (0 for a bucket or GCRA): what a
+    /// give-back names.
+    end: u64,
 }
 
 /// Units taken from the store in one call, to be spent here in order.
@@ -137,9 +138,12 @@ impl Loan {
             .iter()
             .zip(grant.decisions().iter())
             .map(|(policy, decision)| {
+                let expiry = Expiry::of(policy, decision, units)?;
+                let end = crate::store::lend::window_end(policy, decision, grant.at());
                 Some(Held {
-                    expiry: Expiry::of(policy, decision, units)?,
+                    expiry,
                     decision: *decision,
+                    end,
                 })
             })
             .collect::<Option<SmallVec<[Held; 2]>>>()?;
@@ -163,6 +167,16 @@ impl Loan {
     /// How many of its units are good at `now`.
     pub(super) fn good(&self, now: u64) -> u64 {
         (self.last + 1).saturating_sub(self.first_good(now))
+    }
+
+    /// Whether it holds a window's units, which the store can take back.
+    pub(super) fn windowed(&self) -> bool {
+        self.limits.iter().any(|held| held.end > 0)
+    }
+
+    /// Each limit's window end on the store's clock (0 for a bucket or GCRA).
+    pub(super) fn ends(&self) -> SmallVec<[u64; 2]> {
+        self.limits.iter().map(|held| held.end).collect()
     }
 
     /// How many of its units were not spent (gone bad, or still good).
@@ -204,7 +218,7 @@ mod tests {
 
     fn grant(policy: &Policy, decision: Decision, units: u32) -> Grant {
         let _ = policy;
-        Grant::new(units, Decisions::from(decision))
+        Grant::new(units, Decisions::from(decision), 0)
     }
 
     // A GCRA loan from a full bucket: the state would refill unit j − 1 of it
@@ -270,7 +284,10 @@ mod tests {
         ]
         .into_iter()
         .collect();
-        let mut loan = Loan::new(0, &[&fixed, &sliding], &Grant::new(10, decisions), 1).unwrap();
+        let grant = Grant::new(10, decisions, 40_000_000);
+        let mut loan = Loan::new(0, &[&fixed, &sliding], &grant, 1).unwrap();
+        assert!(loan.windowed());
+        assert_eq!(loan.ends()[..], [60_000_000, 50_000_000]);
         assert_eq!(loan.good(9_999_999), 9);
         assert_eq!(loan.good(10_000_000), 0, "the sliding window ends first");
         let told = loan.spend(5_000_000, 9).unwrap();

@@ -41,6 +41,10 @@ pub(crate) trait Pair {
     /// Takes `units` whether or not they fit: a bucket owes what does not fit; a window
     /// does not count past its limit.
     fn charge(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State;
+    /// Gives back a lease's unspent `units` to the window ending at `end`: a window's
+    /// count drops while that window counts; a bucket keeps its state (its lent units go
+    /// bad as it refills them).
+    fn give_back(state: Self::State, now: u64, quota: &Quota, units: u32, end: u64) -> Self::State;
 }
 
 /// One thing the store does, for any algorithm: [`visit`] calls the method for the
@@ -124,6 +128,10 @@ impl Pair for TokenBucket {
     fn charge(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
         token_bucket::charge(state, now, quota, units)
     }
+
+    fn give_back(state: Self::State, _: u64, _: &Quota, _: u32, _: u64) -> Self::State {
+        state
+    }
 }
 
 /// [`Algorithm::LeakyBucket`]: the meter, whose state is a token bucket's.
@@ -143,6 +151,10 @@ impl Pair for Meter {
 
     fn charge(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
         leaky_bucket::meter_charge(state, now, quota, units)
+    }
+
+    fn give_back(state: Self::State, _: u64, _: &Quota, _: u32, _: u64) -> Self::State {
+        state
     }
 }
 
@@ -164,6 +176,10 @@ impl Pair for FixedWindow {
     fn charge(state: Self::State, _: u64, _: &Quota, _: u32) -> Self::State {
         state
     }
+
+    fn give_back(state: Self::State, now: u64, quota: &Quota, units: u32, end: u64) -> Self::State {
+        fixed_window::give_back(state, now, quota, units, end)
+    }
 }
 
 /// [`Algorithm::SlidingWindowCounter`].
@@ -183,5 +199,9 @@ impl Pair for SlidingCounter {
 
     fn charge(state: Self::State, _: u64, _: &Quota, _: u32) -> Self::State {
         state
+    }
+
+    fn give_back(state: Self::State, now: u64, quota: &Quota, units: u32, end: u64) -> Self::State {
+        sliding_counter::give_back(state, now, quota, units, end)
     }
 }

@@ -403,6 +403,7 @@ impl<C: Clock> Store for MemoryStore<C> {
         }
         let peek = self.apply(key, policies, Operation::Peek(0));
         let units = super::lend::grant_size(super::lend::least_remaining(&peek), cost, ask);
+        let at = self.shared.clock.now_micros();
         let mut decisions = self.decide(key, policies, units);
         let mut granted = units;
         if !decisions.is_allowed() && units > cost {
@@ -410,8 +411,29 @@ impl<C: Clock> Store for MemoryStore<C> {
             granted = cost;
         }
         Some(Box::pin(std::future::ready(Ok(super::Grant::new(
-            granted, decisions,
+            granted, decisions, at,
         )))))
+    }
+
+    fn give_back(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) -> Option<super::GiveBackFuture> {
+        let (shard, key_hash, now) = self.locate(key);
+        let shared = &*self.shared;
+        let mut table = shared.shards[shard].table.lock();
+        table.give_back(
+            shared.cells.shard(shard),
+            key_hash,
+            now,
+            policies,
+            units,
+            ends,
+        );
+        Some(Box::pin(std::future::ready(Ok(()))))
     }
 }
 

@@ -6,7 +6,7 @@ use smallvec::SmallVec;
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
-use self::forms::{Operate, Read, Refund};
+use self::forms::{GiveBack, Operate, Read, Refund};
 use super::WhenFull;
 use super::cells::{Cells, Meta, Pinned};
 use super::dispatch::{self, Instant, Pair};
@@ -253,6 +253,31 @@ impl Table {
                 self.read(cells, hash, now, policy, 0).0
             })
             .collect()
+    }
+
+    /// Gives a lease's unspent `units` back to each policy's window ending at `ends[i]`
+    /// (see [`Store::give_back`](crate::Store::give_back)).
+    pub(super) fn give_back(
+        &mut self,
+        cells: Cells<'_>,
+        key_hash: u64,
+        now: u64,
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) {
+        for (&policy, &end) in policies.iter().zip(ends) {
+            let give_back = GiveBack {
+                table: &mut *self,
+                cells,
+                hash: key_hash ^ policy.id(),
+                now,
+                quota: policy.quota(),
+                units,
+                end,
+            };
+            dispatch::visit(policy.algorithm(), give_back);
+        }
     }
 
     /// Gives `units` back to one policy's state, if the key has one.

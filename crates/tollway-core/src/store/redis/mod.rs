@@ -20,7 +20,8 @@ pub use self::builder::RedisStoreBuilder;
 use self::deny_cache::{DenyCache, DenyEntry};
 use self::scripts::{Call, Kind, SCRIPT, Time, capacities, code, parse};
 use super::{
-    BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Grant, LendFuture, Operation, Store,
+    BoxStoreFuture, BreakerState, Checked, CircuitBreaker, GiveBackFuture, Grant, LendFuture,
+    Operation, Store,
 };
 use crate::clock::Clock;
 use crate::{Decisions, Policy, StoreError, StoreErrorKind};
@@ -240,14 +241,10 @@ impl RedisStore {
         ask: u32,
     ) -> Result<(Grant, u64), StoreError> {
         let scripts = self.scripts();
-        let call = scripts.call_of(key, policies, Kind::Lend { cost }, ask, Time::ServerTold);
-        let mut reply = scripts.run_script(&call).await?;
-        let told = reply.pop().and_then(|t| u64::try_from(t).ok());
-        let grant = granted(reply, &capacities(policies))?;
-        let told = told.ok_or_else(|| {
-            StoreError::new(StoreErrorKind::Script, "the script did not tell its time")
-        })?;
-        Ok((grant, told))
+        let call = scripts.call_of(key, policies, Kind::Lend { cost }, ask, Time::Server);
+        let grant = granted(scripts.run_script(&call).await?, &capacities(policies))?;
+        let at = grant.at();
+        Ok((grant, at))
     }
 
     fn scripts(&self) -> &Scripts {
@@ -292,17 +289,39 @@ impl Store for RedisStore {
             Front::Guarded(guarded) => guarded.lend(key, policies, cost, ask),
         }
     }
+
+    /// One script call, through the breaker; never sent twice.
+    fn give_back(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) -> Option<GiveBackFuture> {
+        match &self.front {
+            Front::Scripts(scripts) => scripts.give_back(key, policies, units, ends),
+            Front::Guarded(guarded) => guarded.give_back(key, policies, units, ends),
+        }
+    }
 }
 
-/// The grant in a `lend` reply: the decisions, then the units taken.
+/// The grant in a `lend` reply: the decisions, the units taken, the time it decided at.
 fn granted(mut reply: Vec<i64>, capacities: &[u64]) -> Result<Grant, StoreError> {
-    let units = reply.pop().and_then(|u| u32::try_from(u).ok()).ok_or_else(|| {
+    let bad = || {
         StoreError::new(
             StoreErrorKind::Script,
-            "the lend script replied no units: is another version of tollway using the same prefix?",
+            "the lend script replied no units or time: is another version of tollway using the same prefix?",
         )
-    })?;
-    Ok(Grant::new(units, parse(&reply, capacities)?))
+    };
+    let at = reply
+        .pop()
+        .and_then(|t| u64::try_from(t).ok())
+        .ok_or_else(bad)?;
+    let units = reply
+        .pop()
+        .and_then(|u| u32::try_from(u).ok())
+        .ok_or_else(bad)?;
+    Ok(Grant::new(units, parse(&reply, capacities)?, at))
 }
 
 /// What a [`Board`](crate::Board) on this store uses: its prefix, and plain commands.
@@ -358,7 +377,10 @@ impl Scripts {
                 match request.send(&mut con).await {
                     // A connection that broke (a restart, a failover) is reopened by the
                     // manager: one retry, within the same timeout.
-                    Err(e) if e.is_connection_dropped() || e.is_io_error() => {
+                    Err(e)
+                        if (e.is_connection_dropped() || e.is_io_error())
+                            && request.may_repeat() =>
+                    {
                         request.send(&mut con).await.map_err(redis_error)
                     }
                     other => other.map_err(redis_error),
@@ -394,6 +416,15 @@ enum Request<'a> {
 }
 
 impl Request<'_> {
+    /// Whether it may be sent again after its connection broke (see
+    /// [`Kind::may_repeat`]).
+    fn may_repeat(self) -> bool {
+        match self {
+            Request::Script(call) => call.kind.may_repeat(),
+            Request::Command(_) | Request::Pipeline(_) => true,
+        }
+    }
+
     async fn send(self, con: &mut impl ConnectionLike) -> Result<redis::Value, RedisError> {
         match self {
             Request::Script(call) => call.invoke(con).await,
@@ -430,6 +461,29 @@ impl Store for Scripts {
 
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
         self.lend_call(key, policies, cost, ask)
+    }
+
+    /// One `giveback` call, sent once: a call that may have run is not sent again.
+    fn give_back(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        units: u32,
+        ends: &[u64],
+    ) -> Option<GiveBackFuture> {
+        if ends.len() != policies.len() {
+            return None;
+        }
+        let time = match &self.inner.clock {
+            Some(clock) => Time::Caller(clock.now_micros()),
+            None => Time::Server,
+        };
+        let mut call = self.call_of(key, policies, Kind::GiveBack, units, time);
+        call.ends = ends.iter().copied().collect();
+        let this = self.clone();
+        Some(Box::pin(
+            async move { this.run_script(&call).await.map(|_| ()) },
+        ))
     }
 
     /// A peek asks Redis: the deny cache answers only requests. A charge, refund or reset
@@ -492,7 +546,9 @@ impl Scripts {
         if let Some(decisions) = cache.zip(entry).and_then(|(c, e)| c.lookup(e)) {
             #[cfg(feature = "metrics")]
             metrics::counter!(crate::metric::DENY_CACHE_HITS.name).increment(1);
-            return Some(Box::pin(std::future::ready(Ok(Grant::new(0, decisions)))));
+            return Some(Box::pin(std::future::ready(Ok(Grant::new(
+                0, decisions, 0,
+            )))));
         }
         let time = match &self.inner.clock {
             Some(clock) => Time::Caller(clock.now_micros()),
@@ -569,6 +625,7 @@ impl Scripts {
                     ]
                 })
                 .collect(),
+            ends: smallvec::SmallVec::new(),
         }
     }
 

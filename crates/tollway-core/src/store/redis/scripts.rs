@@ -77,6 +77,8 @@ pub(super) struct Call {
     pub(super) grace_ms: u64,
     /// Per limit: algorithm code, limit, period (µs), burst, emission interval (µs).
     pub(super) limits: SmallVec<[[u64; 5]; 2]>,
+    /// A give-back's windows' ends, one a limit (empty otherwise).
+    pub(super) ends: SmallVec<[u64; 2]>,
 }
 
 /// Where a call's time comes from.
@@ -103,6 +105,17 @@ pub(super) enum Kind {
         /// The request's own cost.
         cost: u32,
     },
+    /// `operate.lua`'s `giveback`: the call's units back to the windows ending at the
+    /// call's `ends`. Never sent twice.
+    GiveBack,
+}
+
+impl Kind {
+    /// Whether the call may be sent again when its connection broke before the reply:
+    /// not a give-back, which may have run, and must not free its units twice.
+    pub(super) fn may_repeat(self) -> bool {
+        !matches!(self, Kind::GiveBack)
+    }
 }
 
 impl Call {
@@ -118,7 +131,7 @@ impl Call {
     ) -> Result<redis::Value, RedisError> {
         let (script, source) = match self.kind {
             Kind::Check | Kind::Peek => (&*SCRIPT, SOURCE),
-            Kind::Operate(_) | Kind::Lend { .. } => (&*OPERATE, OPERATE_SOURCE),
+            Kind::Operate(_) | Kind::Lend { .. } | Kind::GiveBack => (&*OPERATE, OPERATE_SOURCE),
         };
         match self
             .command("EVALSHA", script.get_hash())
@@ -143,7 +156,9 @@ impl Call {
         cmd.arg(self.units);
         match self.kind {
             Kind::Peek => cmd.arg("peek"),
-            Kind::Check | Kind::Operate(_) | Kind::Lend { .. } => cmd.arg(self.grace_ms),
+            Kind::Check | Kind::Operate(_) | Kind::Lend { .. } | Kind::GiveBack => {
+                cmd.arg(self.grace_ms)
+            }
         };
         for limit in &self.limits {
             cmd.arg(&limit[..]);
@@ -151,6 +166,7 @@ impl Call {
         match self.kind {
             Kind::Operate(operation) => cmd.arg(operation),
             Kind::Lend { cost } => cmd.arg("lend").arg(cost),
+            Kind::GiveBack => cmd.arg("giveback").arg(&self.ends[..]),
             Kind::Check | Kind::Peek => &mut cmd,
         };
         cmd

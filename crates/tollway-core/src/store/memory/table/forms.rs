@@ -121,6 +121,42 @@ impl<'a> Visit for Read<'_, 'a> {
     }
 }
 
+/// [`Table::give_back`] for one algorithm: only a window's count changes.
+pub(super) struct GiveBack<'t, 'a> {
+    pub(super) table: &'t mut Table,
+    pub(super) cells: Cells<'a>,
+    pub(super) hash: u64,
+    pub(super) now: u64,
+    pub(super) quota: &'t Quota,
+    pub(super) units: u32,
+    pub(super) end: u64,
+}
+
+impl Visit for GiveBack<'_, '_> {
+    type Out = ();
+
+    /// GCRA and the shaper keep their state: a lent unit goes bad as it refills.
+    fn instant<A: Instant>(self) {}
+
+    fn pair<A: Pair>(self) {
+        let GiveBack {
+            table,
+            cells,
+            hash,
+            now,
+            quota,
+            units,
+            end,
+        } = self;
+        table.update_slot(cells, hash, now, quota, |s: A::State| {
+            A::give_back(s, now, quota, units, end)
+        });
+    }
+
+    /// The log does not lend.
+    fn log(self) {}
+}
+
 /// [`Table::refund`] for one algorithm.
 pub(super) struct Refund<'t, 'a> {
     pub(super) table: &'t mut Table,
