@@ -103,9 +103,9 @@ local function fixed_window_refund(period, v)
   return pack('<dd', window_end, count), window_end
 end
 
--- Sliding window counter: from the current window's count first, then the previous's.
-local function sliding_window_counter_refund(period, v)
-  if not v then return false, 0 end
+-- The sliding window counter's current window and its counts, read from `v` as
+-- sliding_window_counter.lua reads them: start, prev, curr.
+local function sliding_window_counter_counts(period, v)
   local start = now / period
   start = (start - start % 1) * period
   local expires_at, stored_prev, stored_curr = unpack('<ddd', v)
@@ -123,17 +123,30 @@ local function sliding_window_counter_refund(period, v)
   elseif own_start >= 0 and own_start + period == start then
     prev = stored_curr
   end
-  local from_prev = units - curr
-  if from_prev < 0 then from_prev = 0 end
-  curr, prev = curr - units, prev - from_prev
-  if curr < 0 then curr = 0 end
-  if prev < 0 then prev = 0 end
+  return start, prev, curr
+end
+
+-- The state of a sliding window counter whose current window starts at `start`, and its
+-- `a` (false, 0 for a fresh one).
+local function sliding_window_counter_state(period, start, prev, curr)
   if curr > 0 then
     return pack('<ddd', start + 2 * period, prev, curr), start + 2 * period
   elseif prev > 0 then
     return pack('<ddd', start + period, prev, 0), start + period
   end
   return false, 0
+end
+
+-- Sliding window counter: from the current window's count first, then the previous's.
+local function sliding_window_counter_refund(period, v)
+  if not v then return false, 0 end
+  local start, prev, curr = sliding_window_counter_counts(period, v)
+  local from_prev = units - curr
+  if from_prev < 0 then from_prev = 0 end
+  curr, prev = curr - units, prev - from_prev
+  if curr < 0 then curr = 0 end
+  if prev < 0 then prev = 0 end
+  return sliding_window_counter_state(period, start, prev, curr)
 end
 
 -- 'giveback': a loan's unspent units back to the windows they came from, ARGV[4 + 5N + i]
@@ -157,23 +170,7 @@ end
 -- Sliding window counter: off the current count while that window counts them, off the
 -- previous count once it has just ended.
 local function sliding_window_counter_give_back(period, v, stop)
-  local start = now / period
-  start = (start - start % 1) * period
-  local expires_at, stored_prev, stored_curr = unpack('<ddd', v)
-  local own_start, prev, curr = -1, 0, 0
-  if stored_curr > 0 then
-    own_start = expires_at - 2 * period
-    if own_start < 0 then own_start = 0 end
-  elseif stored_prev > 0 then
-    own_start = expires_at - period
-    if own_start < 0 then own_start = 0 end
-  end
-  if own_start > start then start = own_start end
-  if own_start == start then
-    prev, curr = stored_prev, stored_curr
-  elseif own_start >= 0 and own_start + period == start then
-    prev = stored_curr
-  end
+  local start, prev, curr = sliding_window_counter_counts(period, v)
   if start + period == stop then
     curr = curr - units
     if curr < 0 then curr = 0 end
@@ -183,12 +180,7 @@ local function sliding_window_counter_give_back(period, v, stop)
   else
     return v, 0
   end
-  if curr > 0 then
-    return pack('<ddd', start + 2 * period, prev, curr), start + 2 * period
-  elseif prev > 0 then
-    return pack('<ddd', start + period, prev, 0), start + period
-  end
-  return false, 0
+  return sliding_window_counter_state(period, start, prev, curr)
 end
 
 -- Gives limit i's units back to the window ending at its ARGV; returns what its key holds.

@@ -231,13 +231,7 @@ impl Conformance {
         let mut operations = [0usize; 5];
         for i in 0..self.events {
             let n = 1 + rng.below(4) as usize;
-            let mut chosen: Vec<&Policy> = Vec::new();
-            while chosen.len() < n {
-                let p = &pool[rng.below(pool.len() as u64) as usize];
-                if !chosen.iter().any(|c| c.name() == p.name()) {
-                    chosen.push(p);
-                }
-            }
+            let chosen = choose(&mut rng, &pool, n);
             let now = clock.now_micros();
             clock.set_micros(now + gap(&mut rng, now, chosen[0].quota()));
             let cost = cost(&mut rng, chosen[0].quota(), chosen[0].algorithm()).min(3);
@@ -355,13 +349,7 @@ impl Conformance {
         let (mut lent, mut refused, mut loans, mut given, mut freed) = (0, 0, 0, 0, 0);
         for i in 0..self.events {
             let n = 1 + rng.below(2) as usize;
-            let mut chosen: Vec<&Policy> = Vec::new();
-            while chosen.len() < n {
-                let p = &pool[rng.below(pool.len() as u64) as usize];
-                if !chosen.iter().any(|c| c.name() == p.name()) {
-                    chosen.push(p);
-                }
-            }
+            let chosen = choose(&mut rng, &pool, n);
             let now = clock.now_micros();
             clock.set_micros(now + gap(&mut rng, now, chosen[0].quota()));
             let (first, algorithm) = (chosen[0].quota(), chosen[0].algorithm());
@@ -481,6 +469,18 @@ impl Conformance {
             }
         }
     }
+}
+
+/// `n` different policies of `pool`, at random.
+fn choose<'p>(rng: &mut Rng, pool: &'p [Policy], n: usize) -> Vec<&'p Policy> {
+    let mut chosen: Vec<&Policy> = Vec::new();
+    while chosen.len() < n {
+        let p = &pool[rng.below(pool.len() as u64) as usize];
+        if !chosen.iter().any(|c| c.name() == p.name()) {
+            chosen.push(p);
+        }
+    }
+    chosen
 }
 
 /// The memory store the suites compare with, on the store's clock.
