@@ -2,10 +2,16 @@
 -- replies four integers per limit (see prelude.lua). operate.lua writes states alike.
 
 -- ARGV[3] 'peek': decide as usual and write nothing.
-local cost, grace = argv[2] + 0, argv[3]
+-- ARGV[2] '*': each limit has a cost of its own, ARGV[3 + 5N + i] for limit i.
+local each, cost, grace = argv[2] == '*', 0, argv[3]
 local commit = grace ~= 'peek'
 if commit then grace = grace + 0 end
 if n == 0 then return {} end
+if not each then
+  cost = argv[2] + 0
+elseif n == 1 then
+  cost = argv[9] + 0
+end
 
 -- One limit (most requests): the loop below without its bookkeeping, measured 5% faster
 -- end to end. The two dispatch on the code and write alike: keep them in step. (Shared
@@ -55,7 +61,8 @@ for pass = 1, 2 do
   for i = 1, n do
     local r, j = 4 * i, 5 * i
     if pass == 1 or reply[r - 3] == 0 then
-      local key, code, v = keys[i], argv[j - 1], false
+      local key, code, v, c = keys[i], argv[j - 1], false, c
+      if each and pass == 1 then c = argv[3 + 5 * n + i] + 0 end
       if pass == 2 then
         v = held[3 * i - 2]
       elseif code ~= '5' then
@@ -96,7 +103,9 @@ if commit and not denied then
     local key, code, r = keys[i], argv[5 * i - 1], 3 * i
     local v, x, y = held[r - 2], held[r - 1], held[r]
     if code == '5' then
-      if cost > 0 then sliding_window_log_admit(key, now, cost, argv[5 * i + 1] + 0, grace, x, y) end
+      local c = cost
+      if each then c = argv[3 + 5 * n + i] + 0 end
+      if c > 0 then sliding_window_log_admit(key, now, c, argv[5 * i + 1] + 0, grace, x, y) end
     elseif y > now then
       if x ~= v then
         local ttl = (y - since) / 1000

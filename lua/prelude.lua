@@ -10,7 +10,8 @@
 -- ARGV:
 --   [1] now in µs, or "" to read the server's clock (TIME), or "TIME" to read it and
 --       reply the time read after the decisions (tests compare it with the Rust functions)
---   [2] cost in units, the same for every limit (may be 0)
+--   [2] cost in units, the same for every limit (may be 0); or '*': each limit's own,
+--       in [3 + 5N + i] after the limits (check.lua)
 --   [3] grace in ms, added to every time-to-live (0 normally); or "peek": decide as
 --       usual and write nothing
 --   then five per limit; limit i's are [b+1] .. [b+5] with b = 3 + 5 × (i − 1):

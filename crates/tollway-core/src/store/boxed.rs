@@ -59,6 +59,12 @@ impl fmt::Debug for BoxStore {
 /// [`Store`] as a trait object: the same method, with the waiting future boxed.
 trait ErasedStore: Send + Sync {
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture>;
+    fn check_each(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        costs: &[u32],
+    ) -> Checked<BoxStoreFuture>;
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture>;
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError>;
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture>;
@@ -74,6 +80,15 @@ trait ErasedStore: Send + Sync {
 impl<S: Store> ErasedStore for S {
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
         boxed(Store::check(self, key, policies, cost))
+    }
+
+    fn check_each(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        costs: &[u32],
+    ) -> Checked<BoxStoreFuture> {
+        boxed(Store::check_each(self, key, policies, costs))
     }
 
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture> {
@@ -115,6 +130,15 @@ impl Store for BoxStore {
 
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
         self.inner.check(key, policies, cost)
+    }
+
+    fn check_each(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        costs: &[u32],
+    ) -> Checked<BoxStoreFuture> {
+        self.inner.check_each(key, policies, costs)
     }
 
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture> {

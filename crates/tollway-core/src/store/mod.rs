@@ -38,7 +38,7 @@ pub use self::regions::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreB
 #[cfg(feature = "regions")]
 pub use self::regions::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
 
-use crate::{ConfigError, Decisions, Policy, StoreError};
+use crate::{ConfigError, Decisions, Policy, StoreError, StoreErrorKind};
 
 /// Decides requests against limiter state kept somewhere.
 ///
@@ -88,6 +88,46 @@ pub trait Store: Send + Sync + 'static {
     /// Decides one request of `cost` units for `key` against every policy in
     /// `policies`, all or nothing; the decisions come in the order of `policies`.
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future>;
+
+    /// Decides one request for `key` that costs each of `policies` its own units:
+    /// `costs[i]` for `policies[i]` (1 request and 800 tokens, say). All or nothing, as
+    /// [`check`](Self::check): a request refused by one limit charges none.
+    ///
+    /// The default decides a request whose limits all cost the same by `check`, and
+    /// fails any other: a store of your own that keeps limits apart overrides it. The
+    /// memory and Redis stores (one script call) decide any.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_core::{Algorithm, MemoryStore, Policy, Quota, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let requests = Policy::new("requests", Algorithm::FixedWindow, Quota::per_minute(60)?)?;
+    /// let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(10_000)?)?;
+    /// let d = store.check_each(b"team-7", &[&requests, &tokens], &[1, 800]).await?;
+    /// assert_eq!((d[0].remaining(), d[1].remaining()), (59, 9_200));
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// Through its future: when `costs` is not one a policy, or (the default) when the
+    /// costs differ.
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+        match Cost::of(policies, costs) {
+            Ok(Cost::Same(cost)) => self.check(key, policies, cost),
+            Ok(Cost::Each(_)) => Checked::Ready(Err(StoreError::new(
+                StoreErrorKind::Other,
+                "this store decides one cost for all of a request's limits: \
+                 give each limit the same cost, or use a store that implements check_each",
+            ))),
+            Err(e) => Checked::Ready(Err(e)),
+        }
+    }
 
     /// Looks at or corrects `key`'s state under each of `policies` without deciding a
     /// request: see [`Operation`]. The answer is one decision a policy, in their order.
@@ -191,6 +231,38 @@ pub trait Store: Send + Sync + 'static {
     ) -> Option<GiveBackFuture> {
         let _ = (key, policies, units, ends);
         None
+    }
+}
+
+/// What each of a request's limits costs: the same for all, or one each.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Cost {
+    Same(u32),
+    Each(smallvec::SmallVec<[u32; 4]>),
+}
+
+impl Cost {
+    /// The costs of `policies`: the same when every one is, else each.
+    ///
+    /// # Errors
+    ///
+    /// When there is not one cost a policy.
+    pub(crate) fn of(policies: &[&Policy], costs: &[u32]) -> Result<Cost, StoreError> {
+        if costs.len() != policies.len() {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "a request under {} limits has {} costs: give one a limit",
+                    policies.len(),
+                    costs.len()
+                ),
+            ));
+        }
+        Ok(match costs.split_first() {
+            None => Cost::Same(0),
+            Some((&first, rest)) if rest.iter().all(|&c| c == first) => Cost::Same(first),
+            Some(_) => Cost::Each(costs.into()),
+        })
     }
 }
 

@@ -200,7 +200,8 @@ impl Conformance {
 
     /// Replays the trace of requests against one to four limits of different
     /// algorithms (chosen afresh each request, so their states interleave) through
-    /// `store` and a memory store on `clock`. Every decision of every limit must match,
+    /// `store` and a memory store on `clock`. One request in three under several limits
+    /// costs each its own ([`Store::check_each`]). Every decision of every limit must match,
     /// and so must the all-or-nothing rule: a refused request charges no limit. One
     /// event in four is an [`Operation`] instead, whose answers must match too. `store`
     /// must read `clock`, which the suite moves forward.
@@ -209,7 +210,7 @@ impl Conformance {
     ///
     /// At the first answer that differs from the memory store's, or that `store` fails.
     /// Also when the trace is vacuous. It is vacuous when under a tenth of its requests
-    /// are admitted, or under a twentieth are refused by one limit while another had
+    /// are admitted, or under a twenty-fifth are refused by one limit while another had
     /// room. It is also vacuous when operations are under 1% of it.
     pub async fn all_or_nothing<S: Store>(&self, store: &S, clock: &ManualClock) -> Report {
         const CALLERS: u64 = 3;
@@ -227,7 +228,7 @@ impl Conformance {
             events: 0,
             used: Vec::new(),
         };
-        let (mut admitted, mut refused_with_room) = (0, 0);
+        let (mut admitted, mut refused_with_room, mut multi) = (0, 0, 0);
         let mut operations = [0usize; 5];
         for i in 0..self.events {
             let n = 1 + rng.below(4) as usize;
@@ -267,15 +268,35 @@ impl Conformance {
                 operations[kind] += 1;
                 continue;
             }
-            let expected = memory.decide(caller.as_bytes(), &chosen, cost);
+            // One request in three under several limits costs each its own.
+            let each: Option<Vec<u32>> = (chosen.len() > 1 && rng.below(3) == 0).then(|| {
+                let mut each: Vec<u32> = chosen
+                    .iter()
+                    .map(|p| trace::cost(&mut rng, p.quota(), p.algorithm()).min(3))
+                    .collect();
+                each[0] = cost;
+                each
+            });
             let context = || {
                 format!(
-                    "{}: event {i} {caller} at {} cost {cost} limits {names:?}",
+                    "{}: event {i} {caller} at {} cost {cost} (each {each:?}) limits {names:?}",
                     self.name,
                     clock.now_micros()
                 )
             };
-            let got = answer(store.check(caller.as_bytes(), &chosen, cost), &context).await;
+            let (expected, got) = match &each {
+                Some(costs) => {
+                    multi += 1;
+                    let expected = memory.decide_each(caller.as_bytes(), &chosen, costs);
+                    let got = store.check_each(caller.as_bytes(), &chosen, costs);
+                    (expected, answer(got, &context).await)
+                }
+                None => {
+                    let expected = memory.decide(caller.as_bytes(), &chosen, cost);
+                    let got = store.check(caller.as_bytes(), &chosen, cost);
+                    (expected, answer(got, &context).await)
+                }
+            };
             self.compare(&got, &expected, &context);
             if expected.is_allowed() {
                 admitted += 1;
@@ -288,11 +309,15 @@ impl Conformance {
         let name = &self.name;
         assert!(admitted >= self.events / 10, "{name}: {admitted} admitted");
         assert!(
+            multi >= self.events / 20,
+            "{name}: {multi} requests of a cost a limit"
+        );
+        assert!(
             operations.iter().all(|&n| n >= self.events / 100),
             "{name}: operations (peek, charge, refund, reset, drain): {operations:?}"
         );
         assert!(
-            refused_with_room >= self.events / 20,
+            refused_with_room >= self.events / 25,
             "{name}: {refused_with_room} refused with room"
         );
         report

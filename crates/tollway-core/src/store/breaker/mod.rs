@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
 use crate::store::boxed::boxed;
-use crate::store::{BoxStoreFuture, Checked, Operation, Store};
+use crate::store::{BoxStoreFuture, Checked, Cost, Operation, Store};
 use crate::{Decisions, MemoryStore, Policy, Quota, StoreError, StoreErrorKind};
 
 /// Where a [`CircuitBreaker`] store's circuit breaker stands.
@@ -285,7 +285,7 @@ impl<S, C: Clock> Inner<S, C> {
         error: StoreError,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
+        cost: &Cost,
     ) -> Result<Decisions, StoreError> {
         match &self.fallback {
             Some(fallback) => fallback.decide(key, policies, cost),
@@ -295,8 +295,16 @@ impl<S, C: Clock> Inner<S, C> {
 }
 
 impl<C: Clock> Fallback<C> {
-    fn decide(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Result<Decisions, StoreError> {
-        self.on_share(policies, |scaled| self.store.decide(key, scaled, cost))
+    fn decide(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: &Cost,
+    ) -> Result<Decisions, StoreError> {
+        self.on_share(policies, |scaled| match cost {
+            Cost::Same(cost) => self.store.decide(key, scaled, *cost),
+            Cost::Each(costs) => self.store.decide_each(key, scaled, costs),
+        })
     }
 
     /// A charge or drain, on this node's share of each policy.
@@ -357,17 +365,19 @@ fn scale(policy: &Policy, share: f64) -> Result<Policy, ConfigError> {
     Policy::new(policy.name(), policy.algorithm(), quota)
 }
 
-/// The boxed future of a [`CircuitBreaker`] decision that waits for the primary.
-pub type CircuitBreakerFuture = BoxStoreFuture;
-
-impl<S, C> Store for CircuitBreaker<S, C>
+impl<S, C> CircuitBreaker<S, C>
 where
     S: Store,
     C: Clock + Clone,
 {
-    type Future = CircuitBreakerFuture;
-
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    /// A request through the breaker: to the primary while it may be called, else (or
+    /// when it fails) to the fallback.
+    fn decide(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        cost: Cost,
+    ) -> Checked<CircuitBreakerFuture> {
         let inner = &self.inner;
         let probe = match inner.permit() {
             Permit::Call => false,
@@ -377,10 +387,14 @@ where
                     StoreErrorKind::Other,
                     "rate limit store unavailable: breaker open, not calling it until the cool-down ends",
                 );
-                return Checked::Ready(inner.fall_back(error, key, policies, cost));
+                return Checked::Ready(inner.fall_back(error, key, policies, &cost));
             }
         };
-        match inner.primary.check(key, policies, cost) {
+        let answer = match &cost {
+            Cost::Same(cost) => inner.primary.check(key, policies, *cost),
+            Cost::Each(costs) => inner.primary.check_each(key, policies, costs),
+        };
+        match answer {
             // Decided without calling out (the Redis store's deny cache): nothing was
             // learned about the primary's health, so it is not recorded, and a probe
             // is left to the next decision that calls out.
@@ -392,7 +406,7 @@ where
             }
             Checked::Ready(Err(error)) => {
                 inner.record(false, probe);
-                Checked::Ready(inner.fall_back(error, key, policies, cost))
+                Checked::Ready(inner.fall_back(error, key, policies, &cost))
             }
             Checked::Pending(call) => {
                 let inner = Arc::clone(&self.inner);
@@ -400,7 +414,7 @@ where
                 let request = inner.fallback.is_some().then(|| {
                     let policies: SmallVec<[Policy; 4]> =
                         policies.iter().map(|p| (*p).clone()).collect();
-                    (key.to_vec(), policies)
+                    (key.to_vec(), policies, cost)
                 });
                 let mut abandoned = AbandonedProbe(probe.then(|| Arc::clone(&inner)));
                 Checked::Pending(Box::pin(async move {
@@ -409,15 +423,37 @@ where
                     abandoned.disarm();
                     inner.record(answer.is_ok(), probe);
                     match (answer, request) {
-                        (Err(error), Some((key, policies))) => {
+                        (Err(error), Some((key, policies, cost))) => {
                             tracing::debug!(%error, "rate limit store failed; deciding locally");
                             let policies: SmallVec<[&Policy; 4]> = policies.iter().collect();
-                            inner.fall_back(error, &key, &policies, cost)
+                            inner.fall_back(error, &key, &policies, &cost)
                         }
                         (answer, _) => answer,
                     }
                 }))
             }
+        }
+    }
+}
+
+/// The boxed future of a [`CircuitBreaker`] decision that waits for the primary.
+pub type CircuitBreakerFuture = BoxStoreFuture;
+
+impl<S, C> Store for CircuitBreaker<S, C>
+where
+    S: Store,
+    C: Clock + Clone,
+{
+    type Future = CircuitBreakerFuture;
+
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+        self.decide(key, policies, Cost::Same(cost))
+    }
+
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+        match Cost::of(policies, costs) {
+            Ok(cost) => self.decide(key, policies, cost),
+            Err(e) => Checked::Ready(Err(e)),
         }
     }
 
@@ -484,7 +520,7 @@ where
                 (Err(error), Some((key, policies))) => {
                     tracing::debug!(%error, "rate limit store failed a loan; deciding locally");
                     let policies: SmallVec<[&Policy; 4]> = policies.iter().collect();
-                    let decisions = inner.fall_back(error, &key, &policies, cost)?;
+                    let decisions = inner.fall_back(error, &key, &policies, &Cost::Same(cost))?;
                     Ok(super::Grant::new(cost, decisions, 0))
                 }
                 (answer, _) => answer,

@@ -420,6 +420,20 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
         self.decide(key, policies, cost, false)
     }
 
+    /// Leased like a check when every limit costs the same; else straight to the store
+    /// (a loan's units are one count for all of its limits).
+    fn check_each(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        costs: &[u32],
+    ) -> Checked<BoxStoreFuture> {
+        match super::Cost::of(policies, costs) {
+            Ok(super::Cost::Same(cost)) => self.check(key, policies, cost),
+            _ => boxed(self.inner.store.check_each(key, policies, costs)),
+        }
+    }
+
     /// Straight to the store. Anything but a peek also drops this process's loans of
     /// the key: a refund, charge, drain or reset moves the state its units' deadlines
     /// were priced against. Other gateways keep theirs until they go bad, so a refund

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use self::cells::{Cells, Levels};
 use self::dispatch::{Instant, Pair, Visit};
-use self::table::{Bounds, Shard};
+use self::table::{Bounds, Costs, Shard};
 use self::word::Packs;
 use super::{Checked, Operation, Store};
 
@@ -226,7 +226,36 @@ impl<C: Clock> MemoryStore<C> {
         {
             return Decisions::from(decision);
         }
-        self.decide_locked(shard, key_hash, now, policies, cost)
+        self.decide_locked(shard, key_hash, now, policies, Costs::Same(cost))
+    }
+
+    /// Decides one request for `key` that costs each of `policies` its own units,
+    /// `costs[i]` for `policies[i]`, all or nothing, without awaiting: what
+    /// [`Store::check_each`] answers.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
+    ///
+    /// let store = MemoryStore::new();
+    /// let requests = Policy::new("requests", Algorithm::TokenBucket, Quota::per_minute(60)?)?;
+    /// let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(1_000)?)?;
+    /// // One request of 800 tokens: both limits charged, each its own cost.
+    /// let d = store.decide_each(b"team-7", &[&requests, &tokens], &[1, 800]);
+    /// assert_eq!((d[0].remaining(), d[1].remaining()), (59, 200));
+    /// // 300 more tokens do not fit: the request limit is not charged either.
+    /// let d = store.decide_each(b"team-7", &[&requests, &tokens], &[1, 300]);
+    /// assert!(!d.is_allowed());
+    /// assert_eq!(d[0].remaining(), 59);
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    pub fn decide_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Decisions {
+        if let ([_], [cost]) = (policies, costs) {
+            return self.decide(key, policies, *cost);
+        }
+        let (shard, key_hash, now) = self.locate(key);
+        self.decide_locked(shard, key_hash, now, policies, Costs::Each(costs))
     }
 
     /// The key's shard (its place), its hash, and the time now.
@@ -250,7 +279,7 @@ impl<C: Clock> MemoryStore<C> {
         key_hash: u64,
         now: u64,
         policies: &[&Policy],
-        cost: u32,
+        costs: Costs<'_>,
     ) -> Decisions {
         let mut table = self.shared.shards[shard].table.lock();
         #[cfg(feature = "metrics")]
@@ -260,7 +289,7 @@ impl<C: Clock> MemoryStore<C> {
             key_hash,
             now,
             policies,
-            cost,
+            costs,
             &self.shared.bounds(),
             true,
         );
@@ -302,7 +331,7 @@ impl<C: Clock> MemoryStore<C> {
         {
             return decision;
         }
-        let decisions = self.decide_locked(shard, key_hash, now, &[policy], cost);
+        let decisions = self.decide_locked(shard, key_hash, now, &[policy], Costs::Same(cost));
         // One policy, one decision.
         decisions
             .first()
@@ -378,6 +407,12 @@ impl<C: Clock> Store for MemoryStore<C> {
 
     fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
         Checked::Ready(Ok(self.decide(key, policies, cost)))
+    }
+
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+        Checked::Ready(
+            super::Cost::of(policies, costs).map(|_| self.decide_each(key, policies, costs)),
+        )
     }
 
     fn operate(

@@ -147,6 +147,24 @@ impl Change<'_> {
 /// The fixed-size state of a key no request has changed.
 const FRESH: Slot = [0, 0];
 
+/// What each limit of a request costs: the same for all, or one each.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Costs<'a> {
+    Same(u32),
+    Each(&'a [u32]),
+}
+
+impl Costs<'_> {
+    /// Limit `i`'s cost.
+    #[inline]
+    fn of(self, i: usize) -> u32 {
+        match self {
+            Costs::Same(cost) => cost,
+            Costs::Each(costs) => costs.get(i).copied().unwrap_or(0),
+        }
+    }
+}
+
 impl Table {
     pub(super) fn len(&self) -> usize {
         self.slots.len() + self.logs.len() + Cells::len(&self.cells)
@@ -166,7 +184,7 @@ impl Table {
         key_hash: u64,
         now: u64,
         policies: &[&Policy],
-        cost: u32,
+        costs: Costs<'_>,
         bounds: &Bounds,
         commit: bool,
     ) -> Decisions {
@@ -183,7 +201,7 @@ impl Table {
             // A policy's entries are the key's hash moved by the policy's id, which
             // covers its name, algorithm and quota: a changed quota starts afresh.
             let hash = key_hash ^ policy.id();
-            let (mut decision, change) = self.read(cells, hash, now, policy, cost);
+            let (mut decision, change) = self.read(cells, hash, now, policy, costs.of(i));
             if change.is_new_key() && decision.is_allowed() {
                 new_keys += 1;
                 if !self.has_room(cells, now, max, new_keys)
@@ -198,8 +216,8 @@ impl Table {
         if decisions.is_allowed() {
             if commit {
                 let room = self.len() + new_keys <= max;
-                for (policy, change) in policies.iter().zip(changes) {
-                    self.write(cells, change, now, policy, cost, room);
+                for (i, (policy, change)) in policies.iter().zip(changes).enumerate() {
+                    self.write(cells, change, now, policy, costs.of(i), room);
                 }
             }
         } else {
@@ -226,7 +244,15 @@ impl Table {
         bounds: &Bounds,
     ) -> Decisions {
         if let Operation::Peek(cost) = operation {
-            return self.decide(cells, key_hash, now, policies, cost, bounds, false);
+            return self.decide(
+                cells,
+                key_hash,
+                now,
+                policies,
+                Costs::Same(cost),
+                bounds,
+                false,
+            );
         }
         policies
             .iter()

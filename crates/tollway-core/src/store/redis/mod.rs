@@ -20,7 +20,7 @@ pub use self::builder::RedisStoreBuilder;
 use self::deny_cache::{DenyCache, DenyEntry};
 use self::scripts::{Call, Kind, SCRIPT, Time, capacities, code, parse};
 use super::{
-    BoxStoreFuture, BreakerState, Checked, CircuitBreaker, GiveBackFuture, Grant, LendFuture,
+    BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Cost, GiveBackFuture, Grant, LendFuture,
     Operation, Store,
 };
 use crate::clock::Clock;
@@ -280,6 +280,15 @@ impl Store for RedisStore {
         }
     }
 
+    /// One script call, whatever the limits and their costs (see
+    /// [`Store::check_each`]); through the breaker as a check.
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+        match &self.front {
+            Front::Scripts(scripts) => scripts.check_each(key, policies, costs),
+            Front::Guarded(guarded) => guarded.check_each(key, policies, costs),
+        }
+    }
+
     /// One script call takes the request's cost and the units lent, all or nothing,
     /// through the breaker (see [`CircuitBreaker`]'s `lend`). A refusal the deny cache
     /// knows is answered at once, as a check's is.
@@ -459,6 +468,33 @@ impl Store for Scripts {
         self.call(key, policies, Kind::Check, cost, entry)
     }
 
+    /// One script call, as a check. The deny cache, which remembers refusals of one
+    /// cost, neither answers nor remembers it.
+    fn check_each(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        costs: &[u32],
+    ) -> Checked<BoxStoreFuture> {
+        match Cost::of(policies, costs) {
+            Ok(Cost::Same(cost)) => self.check(key, policies, cost),
+            Ok(Cost::Each(costs)) => {
+                let time = match &self.inner.clock {
+                    Some(clock) => Time::Caller(clock.now_micros()),
+                    None => Time::Server,
+                };
+                let mut call = self.call_of(key, policies, Kind::CheckEach, 0, time);
+                call.extra = costs.iter().map(|&c| u64::from(c)).collect();
+                let capacities = capacities(policies);
+                let this = self.clone();
+                Checked::Pending(Box::pin(async move {
+                    parse(&this.run_script(&call).await?, &capacities)
+                }))
+            }
+            Err(e) => Checked::Ready(Err(e)),
+        }
+    }
+
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
         self.lend_call(key, policies, cost, ask)
     }
@@ -479,7 +515,7 @@ impl Store for Scripts {
             None => Time::Server,
         };
         let mut call = self.call_of(key, policies, Kind::GiveBack, units, time);
-        call.ends = ends.iter().copied().collect();
+        call.extra = ends.iter().copied().collect();
         let this = self.clone();
         Some(Box::pin(
             async move { this.run_script(&call).await.map(|_| ()) },
@@ -625,7 +661,7 @@ impl Scripts {
                     ]
                 })
                 .collect(),
-            ends: smallvec::SmallVec::new(),
+            extra: smallvec::SmallVec::new(),
         }
     }
 

@@ -77,8 +77,9 @@ pub(super) struct Call {
     pub(super) grace_ms: u64,
     /// Per limit: algorithm code, limit, period (µs), burst, emission interval (µs).
     pub(super) limits: SmallVec<[[u64; 5]; 2]>,
-    /// A give-back's windows' ends, one a limit (empty otherwise).
-    pub(super) ends: SmallVec<[u64; 2]>,
+    /// One number a limit after the limits: a give-back's windows' ends, or a
+    /// `CheckEach`'s costs (empty otherwise).
+    pub(super) extra: SmallVec<[u64; 2]>,
 }
 
 /// Where a call's time comes from.
@@ -96,6 +97,8 @@ pub(super) enum Time {
 pub(super) enum Kind {
     /// `check.lua`, writing the new states.
     Check,
+    /// `check.lua` with a cost a limit, the call's `extra`.
+    CheckEach,
     /// `check.lua`, writing nothing.
     Peek,
     /// `operate.lua`, with its operation's name.
@@ -130,7 +133,7 @@ impl Call {
         con: &mut impl ConnectionLike,
     ) -> Result<redis::Value, RedisError> {
         let (script, source) = match self.kind {
-            Kind::Check | Kind::Peek => (&*SCRIPT, SOURCE),
+            Kind::Check | Kind::CheckEach | Kind::Peek => (&*SCRIPT, SOURCE),
             Kind::Operate(_) | Kind::Lend { .. } | Kind::GiveBack => (&*OPERATE, OPERATE_SOURCE),
         };
         match self
@@ -153,12 +156,17 @@ impl Call {
             Time::Server => cmd.arg(""),
             Time::ServerTold => cmd.arg("TIME"),
         };
-        cmd.arg(self.units);
+        match self.kind {
+            Kind::CheckEach => cmd.arg("*"),
+            _ => cmd.arg(self.units),
+        };
         match self.kind {
             Kind::Peek => cmd.arg("peek"),
-            Kind::Check | Kind::Operate(_) | Kind::Lend { .. } | Kind::GiveBack => {
-                cmd.arg(self.grace_ms)
-            }
+            Kind::Check
+            | Kind::CheckEach
+            | Kind::Operate(_)
+            | Kind::Lend { .. }
+            | Kind::GiveBack => cmd.arg(self.grace_ms),
         };
         for limit in &self.limits {
             cmd.arg(&limit[..]);
@@ -166,7 +174,8 @@ impl Call {
         match self.kind {
             Kind::Operate(operation) => cmd.arg(operation),
             Kind::Lend { cost } => cmd.arg("lend").arg(cost),
-            Kind::GiveBack => cmd.arg("giveback").arg(&self.ends[..]),
+            Kind::GiveBack => cmd.arg("giveback").arg(&self.extra[..]),
+            Kind::CheckEach => cmd.arg(&self.extra[..]),
             Kind::Check | Kind::Peek => &mut cmd,
         };
         cmd

@@ -292,7 +292,15 @@ impl Visit for Operate<'_, '_> {
         let (cost, _) = take_and_owe(operation, left);
         // A drain with nothing over `keep` takes nothing.
         if cost > 0 || matches!(operation, Operation::Charge(_)) {
-            table.decide(cells, key_hash, now, &[policy], cost, bounds, true);
+            table.decide(
+                cells,
+                key_hash,
+                now,
+                &[policy],
+                super::Costs::Same(cost),
+                bounds,
+                true,
+            );
         }
     }
 }
