@@ -72,3 +72,14 @@ async fn a_changed_quota_starts_afresh_on_the_cluster() {
 async fn hostile_keys_cannot_choose_their_cluster_slot() {
     suites::hostile_keys(&cluster()).await;
 }
+
+/// A request refused by its token limit takes no request unit: both limits under the
+/// caller's hash tag, on one master, in one script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_by_its_token_limit_takes_no_request_unit() {
+    let clock = tollway_core::ManualClock::at_micros(support::stores::EPOCH_US);
+    let store = cluster()
+        .connect(suites::builder(&clock).prefix(support::unique_prefix("costs")))
+        .await;
+    suites::a_refused_token_takes_no_request_unit(store, "cluster").await;
+}

@@ -7,6 +7,15 @@ use support::stores::{EPOCH_S, per_minute};
 use tollway_tower::{ApiKey, HeaderStyle, RateLimitLayer};
 
 both_stores! {
+    /// A cost per limit: 1 request and N tokens, all or nothing. A request its token
+    /// limit refuses takes no request unit, and the 429 reports the token limit.
+    async fn a_request_refused_by_its_token_limit_takes_no_request_unit(store, clock) {
+        let _ = clock;
+        support::suites::a_refused_token_takes_no_request_unit(store, "http").await;
+    }
+}
+
+both_stores! {
     /// A route limit (checkout, 2/min) on top of the user limit (10/min): the route limit
     /// denies while the user limit still has room, and the refused requests cost the user
     /// limit nothing (all or nothing). The legacy headers report the most restrictive

@@ -162,7 +162,10 @@
 //! method. A request refused by its route limit costs its tier nothing.
 //!
 //! [`cost`](RateLimitLayerBuilder::cost) weighs a request by its method, URI and
-//! headers. [`charge_after`](RateLimitLayerBuilder::charge_after) charges a policy what
+//! headers. [`policy_cost`](RateLimitLayerBuilder::policy_cost) gives one policy a cost
+//! of its own: 1 request and 800 tokens, all or nothing, so a request its token limit
+//! refuses takes no request unit.
+//! [`charge_after`](RateLimitLayerBuilder::charge_after) charges a policy what
 //! the response says it used, such as an LLM API's tokens. The next request is refused
 //! once the budget is spent, with the exact `Retry-After`.
 //!

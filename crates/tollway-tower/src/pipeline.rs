@@ -22,7 +22,7 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 use tollway_core::{
-    Checked, Clock, Decision, Decisions, Operation, Policy, Store, StoreError, StoreErrorKind,
+    Checked, Clock, Decisions, Operation, Policy, Store, StoreError, StoreErrorKind,
 };
 
 use crate::access::{AccessLists, Listed};
@@ -122,6 +122,10 @@ pub(crate) fn cost_of<'r>(
     cost.map_or(1, |cost| cost(method, uri(), headers))
 }
 
+/// What a request costs one policy, from its method, URI, headers and extensions.
+pub(crate) type PolicyCostFn =
+    Arc<dyn Fn(&Method, &Uri, &HeaderMap, &http::Extensions) -> u32 + Send + Sync>;
+
 /// The units a response reports having used, charged after the fact.
 pub(crate) type ChargeFn =
     Arc<dyn Fn(StatusCode, &HeaderMap, &http::Extensions) -> u32 + Send + Sync>;
@@ -144,6 +148,9 @@ pub(crate) struct Limiter<St> {
     pub(crate) store: St,
     pub(crate) limits: Limits,
     pub(crate) cost: Option<CostFn>,
+    /// A cost of its own for some policies, by index in `limits`; `None` when no policy
+    /// has one (every limit costs `cost`).
+    pub(crate) policy_costs: Option<Box<[Option<PolicyCostFn>]>>,
     pub(crate) missing: MissingKey,
     pub(crate) on_error: OnStoreError,
     pub(crate) protocol: Protocol,
@@ -232,6 +239,9 @@ pub(crate) struct Evaluation {
     key: Key,
     selected: Selected,
     cost: u32,
+    /// Each selected limit's cost, in the order of `selected`, when some policy has a
+    /// cost of its own; empty when every limit costs `cost`.
+    each: SmallVec<[u32; 4]>,
     /// The store failed to decide it (nothing to charge after the response).
     failed: bool,
 }
@@ -386,10 +396,26 @@ impl<St: Store> Limiter<St> {
         // The URI the client sent, as route limits see it.
         let uri = || sent_uri(request);
         let cost = cost_of(self.cost.as_ref(), request.method(), uri, request.headers());
+        let each = match &self.policy_costs {
+            None => SmallVec::new(),
+            Some(costs) => selected
+                .iter()
+                .map(|&index| match &costs[index] {
+                    Some(of) => of(
+                        request.method(),
+                        uri(),
+                        request.headers(),
+                        request.extensions(),
+                    ),
+                    None => cost,
+                })
+                .collect(),
+        };
         let mut evaluation = Evaluation {
             key,
             selected,
             cost,
+            each,
             failed: false,
         };
         let step = evaluation.check(self);
@@ -551,10 +577,13 @@ impl Evaluation {
     #[inline]
     fn check<'l, St: Store>(&mut self, limiter: &'l Limiter<St>) -> Step<'l, St::Future> {
         let policies = self.policies(limiter);
-        match limiter
-            .store
-            .check(self.key.as_bytes(), &policies, self.cost)
-        {
+        let key = self.key.as_bytes();
+        let checked = if self.each.is_empty() {
+            limiter.store.check(key, &policies, self.cost)
+        } else {
+            limiter.store.check_each(key, &policies, &self.each)
+        };
+        match checked {
             Checked::Ready(answer) => self.decided(limiter, answer),
             Checked::Pending(future) => Step::Wait(future),
         }
@@ -637,10 +666,18 @@ impl Evaluation {
             }
             // Asked again without the shadow limits that denied; those that allowed stay,
             // to be charged with the rest.
-            let mut decided = decisions.iter();
-            self.selected.retain(|index| {
-                decided.next().is_none_or(Decision::is_allowed) || !shadow.policy(*index)
-            });
+            let keep: SmallVec<[bool; 4]> = self
+                .selected
+                .iter()
+                .zip(decisions.iter())
+                .map(|(&index, decision)| decision.is_allowed() || !shadow.policy(index))
+                .collect();
+            let mut kept = keep.iter();
+            self.selected.retain(|_| kept.next().is_none_or(|&k| k));
+            if !self.each.is_empty() {
+                let mut kept = keep.iter();
+                self.each.retain(|_| kept.next().is_none_or(|&k| k));
+            }
             if self.selected.iter().all(|&index| shadow.policy(index)) {
                 return Step::Done(Outcome::pass());
             }

@@ -67,6 +67,7 @@ trait ErasedStore: Send + Sync {
     ) -> Checked<BoxStoreFuture>;
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture>;
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError>;
+    fn supports_each_cost(&self) -> Result<(), ConfigError>;
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture>;
     fn give_back(
         &self,
@@ -97,6 +98,10 @@ impl<S: Store> ErasedStore for S {
 
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
         Store::supports(self, policy)
+    }
+
+    fn supports_each_cost(&self) -> Result<(), ConfigError> {
+        Store::supports_each_cost(self)
     }
 
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
@@ -147,6 +152,10 @@ impl Store for BoxStore {
 
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
         self.inner.supports(policy)
+    }
+
+    fn supports_each_cost(&self) -> Result<(), ConfigError> {
+        self.inner.supports_each_cost()
     }
 
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {

@@ -192,6 +192,19 @@ pub trait Store: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Whether [`check_each`](Self::check_each) decides limits of different costs. A
+    /// layer whose policies have costs of their own asks when it is built.
+    ///
+    /// # Errors
+    ///
+    /// The default: this store keeps one cost for all of a request's limits.
+    fn supports_each_cost(&self) -> Result<(), ConfigError> {
+        Err(ConfigError::new(
+            "this store decides one cost for all of a request's limits: give no policy a cost \
+             of its own, or use the memory or Redis store",
+        ))
+    }
+
     /// Takes a batch of units for `key` under every one of `policies`, in one step: a
     /// request of `cost` units, and up to `ask` units in all.
     ///

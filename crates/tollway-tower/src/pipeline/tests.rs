@@ -78,6 +78,14 @@ impl Store for Scripted {
         self.scripted(|| self.inner.check(key, policies, cost))
     }
 
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+        self.scripted(|| self.inner.check_each(key, policies, costs))
+    }
+
+    fn supports_each_cost(&self) -> Result<(), tollway_core::ConfigError> {
+        Ok(())
+    }
+
     fn operate(
         &self,
         key: &[u8],
@@ -186,6 +194,15 @@ fn charged_route(
     builder
         .route(None, "/llm", one_a_minute("tokens"))
         .charge_after("tokens", |_, _, _| 3)
+}
+
+/// A layer whose `tokens` policy, a hundred a minute on `/api/*`, costs 40 a request.
+fn tokens_route(
+    builder: RateLimitLayerBuilder<Scripted, PeerIp>,
+) -> RateLimitLayerBuilder<Scripted, PeerIp> {
+    builder
+        .route(None, "/api/*", hundred_a_minute("tokens"))
+        .policy_cost("tokens", |_, _, _, _| 40)
 }
 
 fn rows() -> Vec<Row> {
@@ -307,6 +324,31 @@ fn rows() -> Vec<Row> {
             ..row("a failed tier lookup refuses when told to")
         },
         Row {
+            layer: tokens_route,
+            before: 1,
+            path: "/api/x",
+            seen: allowed(Some("8")),
+            ..row("each limit is charged its own cost: 2 of 10 requests, 80 of 100 tokens")
+        },
+        Row {
+            layer: tokens_route,
+            before: 2,
+            path: "/api/x",
+            seen: denied("tokens"),
+            told: &[DecisionOutcome::Limited],
+            ..row("a request its token limit refuses is refused by that limit")
+        },
+        Row {
+            layer: |b| tokens_route(b).shadow_policy("tokens"),
+            before: 2,
+            answers: Answers::Later,
+            path: "/api/x",
+            seen: allowed(Some("7")),
+            told: &[DecisionOutcome::ShadowLimited, DecisionOutcome::Allowed],
+            waits: 2,
+            ..row("a policy in shadow refusing its own cost leaves the others at theirs")
+        },
+        Row {
             layer: charged_route,
             path: "/llm",
             seen: allowed(Some("0")),
@@ -397,4 +439,40 @@ async fn a_charge_after_the_response_takes_what_it_reports() {
         // 10 − 1 − 4 − 1 for `tokens`, 10 − 2 for the default: the most restrictive.
         assert_eq!(seen(decided.outcome), allowed(Some("4")), "{answers:?}");
     }
+}
+
+/// A store that decides one cost for all of a request's limits.
+struct OneCost(MemoryStore);
+
+impl Store for OneCost {
+    type Future = Ready<Result<Decisions, StoreError>>;
+
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+        self.0.check(key, policies, cost)
+    }
+
+    fn operate(
+        &self,
+        key: &[u8],
+        policies: &[&Policy],
+        operation: Operation,
+    ) -> Checked<Self::Future> {
+        self.0.operate(key, policies, operation)
+    }
+}
+
+#[test]
+fn a_cost_per_policy_needs_a_store_that_decides_each_and_a_known_policy() {
+    let builder = || RateLimitLayer::builder(OneCost(MemoryStore::new()), ten_a_minute("default"));
+    let error = builder()
+        .policy_cost("default", |_, _, _, _| 2)
+        .build()
+        .unwrap_err();
+    assert!(error.to_string().contains("one cost for all"), "{error}");
+    let error = RateLimitLayer::builder(MemoryStore::new(), ten_a_minute("default"))
+        .policy_cost("tokens", |_, _, _, _| 2)
+        .build()
+        .unwrap_err();
+    assert!(error.to_string().contains("tokens"), "{error}");
+    assert!(builder().build().is_ok());
 }

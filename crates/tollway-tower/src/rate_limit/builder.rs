@@ -16,7 +16,9 @@ use crate::headers::{HeaderStyle, LimitValues};
 use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
 use crate::lookup::{LookupSettings, Lookups, OnLookupError, TierLookup};
-use crate::pipeline::{AfterCharge, ChargeFn, CostFn, Limiter, MissingKey, OnStoreError, Protocol};
+use crate::pipeline::{
+    AfterCharge, ChargeFn, CostFn, Limiter, MissingKey, OnStoreError, PolicyCostFn, Protocol,
+};
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 use crate::report::{DecisionListener, Failures, Reporter};
 use crate::shadow::Shadow;
@@ -38,6 +40,7 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
                 routes: Vec::new(),
                 errors: Vec::new(),
                 cost: None,
+                policy_costs: Vec::new(),
                 missing: MissingKey::Shared,
                 on_error: OnStoreError::Allow,
                 protocol: Protocol::Detect,
@@ -75,6 +78,7 @@ struct Settings<St> {
     routes: Vec<RouteLimit>,
     errors: Vec<ConfigError>,
     cost: Option<CostFn>,
+    policy_costs: Vec<(String, PolicyCostFn)>,
     missing: MissingKey,
     on_error: OnStoreError,
     protocol: Protocol,
@@ -260,6 +264,47 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
     ) -> Self {
         self.settings.cost = Some(Arc::new(cost));
+        self
+    }
+
+    /// How many units a request costs the policy named `policy`, instead of
+    /// [`cost`](Self::cost): from its method, URI, headers and extensions.
+    ///
+    /// Each limit of a request is charged its own cost, all or nothing: 1 request and
+    /// 800 tokens, say. A request one limit refuses charges none, so a request refused by
+    /// its token limit takes no request unit. In Redis it is one script call still. The
+    /// headers and a 429 report the limit that refused. An extension lets an earlier
+    /// layer that read the body (an LLM call's `max_tokens`) say the cost. A name the
+    /// layer does not know fails [`build`](Self::build), and so does a store that keeps
+    /// one cost a request ([`Store::check_each`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+    ///
+    /// let requests = Policy::new("requests", Algorithm::Gcra, Quota::per_minute(60)?)?;
+    /// let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(100_000)?)?;
+    /// let layer = RateLimitLayer::builder(MemoryStore::new(), requests)
+    ///     .route(None, "/v1/completions", tokens)
+    ///     .policy_cost("tokens", |_method, _uri, headers, _extensions| {
+    ///         headers
+    ///             .get("x-max-tokens")
+    ///             .and_then(|v| v.to_str().ok()?.parse().ok())
+    ///             .unwrap_or(1_000)
+    ///     })
+    ///     .build()?;
+    /// # let _ = layer;
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    pub fn policy_cost(
+        mut self,
+        policy: impl Into<String>,
+        cost: impl Fn(&Method, &Uri, &HeaderMap, &Extensions) -> u32 + Send + Sync + 'static,
+    ) -> Self {
+        self.settings
+            .policy_costs
+            .push((policy.into(), Arc::new(cost)));
         self
     }
 
@@ -474,6 +519,16 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         for name in &settings.shadow_policies {
             in_shadow[limits.index_of(name)?] = true;
         }
+        let policy_costs = if settings.policy_costs.is_empty() {
+            None
+        } else {
+            let mut costs: Vec<Option<PolicyCostFn>> = vec![None; limits.policies().len()];
+            for (name, cost) in settings.policy_costs {
+                costs[limits.index_of(&name)?] = Some(cost);
+            }
+            settings.store.supports_each_cost()?;
+            Some(costs.into_boxed_slice())
+        };
         let charge_after = match settings.charge_after {
             Some((name, units)) => Some(AfterCharge {
                 policy: limits.index_of(&name)?,
@@ -503,6 +558,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 store: settings.store,
                 limits,
                 cost: settings.cost,
+                policy_costs,
                 missing: settings.missing,
                 on_error: settings.on_error,
                 protocol: settings.protocol,

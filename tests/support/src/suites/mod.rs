@@ -13,10 +13,12 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use tollway_core::{ManualClock, RedisStore, RedisStoreBuilder};
 
 mod conformance;
+mod costs;
 mod lease;
 mod script;
 
 pub use conformance::{clock_skew, conformance, conformance_multi, conformance_server_time};
+pub use costs::a_refused_token_takes_no_request_unit;
 pub use lease::{Counted, leased_atomicity, lend_conformance, lend_conformance_server_time};
 pub use script::{
     a_changed_quota_starts_afresh, atomicity, expiry, hostile_keys, one_round_trip, script_flush,

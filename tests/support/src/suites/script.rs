@@ -16,8 +16,9 @@ use crate::CheckOne;
 use crate::redis::{command_calls, unique_prefix};
 use crate::stores::EPOCH_US;
 
-/// A request against three limits is one script call, however many limits it has: the
-/// server's `INFO commandstats` counts one `EVALSHA` a request.
+/// A request against three limits is one script call, however many limits it has and
+/// whether they cost the same or each its own: the server's `INFO commandstats` counts
+/// one `EVALSHA` a request.
 pub async fn one_round_trip(target: &Target, node: &mut MultiplexedConnection) -> Vec<String> {
     let clock = ManualClock::at_micros(EPOCH_US);
     let store = target
@@ -46,7 +47,18 @@ pub async fn one_round_trip(target: &Target, node: &mut MultiplexedConnection) -
         );
     }
     assert_eq!(command_calls(node, "evalsha").await - before, 10);
-    ["warm", "caller"]
+    // Three limits, three costs: still one call a request.
+    let before = command_calls(node, "evalsha").await;
+    for i in 1..=10 {
+        let decisions = store
+            .check_each(b"each", &policies, &[1, 2, 3])
+            .await
+            .unwrap();
+        let remaining: Vec<u64> = decisions.iter().map(Decision::remaining).collect();
+        assert_eq!(remaining, [100 - i, 100 - 2 * i, 100 - 3 * i]);
+    }
+    assert_eq!(command_calls(node, "evalsha").await - before, 10);
+    ["warm", "caller", "each"]
         .iter()
         .flat_map(|k| policies.iter().map(|p| store.state_key(k.as_bytes(), p)))
         .collect()

@@ -492,6 +492,11 @@ where
         self.inner.primary.supports(policy)
     }
 
+    /// The fallback decides each cost too: it is a memory store.
+    fn supports_each_cost(&self) -> Result<(), ConfigError> {
+        self.inner.primary.supports_each_cost()
+    }
+
     /// Lends through the primary while the breaker is closed. Otherwise `None`: the
     /// request is then checked as usual, and probes or falls back.
     ///

@@ -455,6 +455,10 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
         self.inner.store.supports(policy)
     }
 
+    fn supports_each_cost(&self) -> Result<(), ConfigError> {
+        self.inner.store.supports_each_cost()
+    }
+
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
         self.inner.store.lend(key, policies, cost, ask)
     }

@@ -415,6 +415,10 @@ impl<C: Clock> Store for MemoryStore<C> {
         )
     }
 
+    fn supports_each_cost(&self) -> Result<(), crate::ConfigError> {
+        Ok(())
+    }
+
     fn operate(
         &self,
         key: &[u8],

@@ -289,6 +289,10 @@ impl Store for RedisStore {
         }
     }
 
+    fn supports_each_cost(&self) -> Result<(), crate::ConfigError> {
+        Ok(())
+    }
+
     /// One script call takes the request's cost and the units lent, all or nothing,
     /// through the breaker (see [`CircuitBreaker`]'s `lend`). A refusal the deny cache
     /// knows is answered at once, as a check's is.
@@ -493,6 +497,10 @@ impl Store for Scripts {
             }
             Err(e) => Checked::Ready(Err(e)),
         }
+    }
+
+    fn supports_each_cost(&self) -> Result<(), crate::ConfigError> {
+        Ok(())
     }
 
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
