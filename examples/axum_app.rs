@@ -6,7 +6,7 @@
 //! |---|---|
 //! | `GET /` | hello, limited by the caller's tier |
 //! | `GET`/`POST /api/v1/checkout` | also 5 / min per caller (sliding window log) |
-//! | `POST /api/v1/completions?tokens=N` | also 1,000 tokens / min per caller, charged after the response for the `N` it reports used |
+//! | `POST /api/v1/completions?tokens=N` | also 1,000 tokens / min per caller, settled after the response to the `N` it reports used |
 //! | `GET /metrics` | Prometheus text |
 //! | `GET /admin/limits/{policy}/{key}` | a caller's state under a policy (`all`: each), consuming nothing |
 //! | `DELETE /admin/limits/{policy}/{key}` | the caller back to fresh under that policy (`all`: every one) |
@@ -92,11 +92,8 @@ pub fn app(
     let file = LimitsFile::read(config)?;
     // What a file cannot say: how many tokens a completion used.
     let reloader = Reloader::from_file_with(config, file, store, |builder| {
-        builder.charge_after("tokens", |_, headers, _| {
-            headers
-                .get(TOKENS_USED)
-                .and_then(|v| v.to_str().ok()?.parse().ok())
-                .unwrap_or(0)
+        builder.settle("tokens", |_, headers, _| {
+            headers.get(TOKENS_USED)?.to_str().ok()?.parse().ok()
         })
     })?;
     let limits = reloader.layer();

@@ -133,17 +133,13 @@ async fn upstream() -> Result<(SocketAddr, Arc<Seen>), Box<dyn Error>> {
         Algorithm::TokenBucket,
         Quota::per_minute(TOKENS_PER_MINUTE as u32)?,
     )?;
-    // A call takes one token up front (it is refused once they are gone) and the rest
-    // of what it used after its response.
+    // A call reserves one token up front (it is refused once they are gone) and is
+    // settled to what it used after its response.
     let layer = RateLimitLayer::builder(MemoryStore::new(), requests)
         .route(None, "/v1/complete", tokens)
         .key(GlobalKey)
-        .charge_after("upstream-tokens", |_, headers: &HeaderMap, _| {
-            let used: u32 = headers
-                .get("x-tokens-used")
-                .and_then(|v| v.to_str().ok()?.parse().ok())
-                .unwrap_or(0);
-            used.saturating_sub(1)
+        .settle("upstream-tokens", |_, headers: &HeaderMap, _| {
+            headers.get("x-tokens-used")?.to_str().ok()?.parse().ok()
         })
         .build()?;
     let seen = Arc::new(Seen::default());

@@ -198,7 +198,7 @@ fn a_policy_that_lost_its_route_is_refused_at_its_line_before_the_server_starts(
     let checked = tollway_tower::config::LimitsFile::read(dir.file()).unwrap_err();
     assert!(checked.to_string().starts_with(&at), "{checked}");
     let charge = |builder: tollway_tower::RateLimitLayerBuilder<_, _>| {
-        builder.charge_after("tokens", |_, _, _| 1)
+        builder.settle("tokens", |_, _, _| Some(1))
     };
     let clock = ManualClock::at_micros(EPOCH_US);
     let served = Reloader::new(dir.file(), memory_store(&clock)).unwrap_err();

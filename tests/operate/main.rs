@@ -96,12 +96,13 @@ both_stores! {
 }
 
 both_stores! {
-    /// A completion reports the tokens it used, and the layer charges them to the
-    /// caller's 1,000-token-a-minute budget (a token bucket) after the response: two
-    /// completions of 600 use it up — the second takes the 398 left and owes 202 — and
-    /// the next is refused with the exact wait for the debt and its own token, 203 tokens
-    /// at 60 ms (`Retry-After: 13`), and passes once that has passed, not before.
-    async fn a_response_is_charged_what_it_used_and_the_next_request_waits(store, clock) {
+    /// A completion reserves 1 token, reports the tokens it used, and the layer settles
+    /// the caller's 1,000-token-a-minute budget (a token bucket) to them after the
+    /// response: two completions of 600 use it up — the second takes the 400 left and
+    /// owes 200 — and the next is refused with the exact wait for the debt and its own
+    /// token, 201 tokens at 60 ms (`Retry-After: 13`), and passes once that has passed,
+    /// not before.
+    async fn a_response_is_settled_to_what_it_used_and_the_next_request_waits(store, clock) {
         let (_server, client) = example(store).await;
         let path = "/admin/limits/tokens/ip:127.0.0.1";
         let completion = "/api/v1/completions?tokens=600";
@@ -109,8 +110,8 @@ both_stores! {
         let first = client.send(Method::POST, completion, &[]).await;
         assert_eq!(first.status, StatusCode::OK);
         assert_eq!(first.header("x-tokens-used"), Some("600"));
-        // The response reported the state before its charge; the charge is in the store.
-        assert_eq!(json(&client.get_with(path, &[ADMIN]).await.body)["remaining"], 399);
+        // The response reported the state before its settlement; that is in the store.
+        assert_eq!(json(&client.get_with(path, &[ADMIN]).await.body)["remaining"], 400);
         assert_eq!(client.send(Method::POST, completion, &[]).await.status, StatusCode::OK);
         assert_eq!(json(&client.get_with(path, &[ADMIN]).await.body)["remaining"], 0);
 
@@ -119,9 +120,9 @@ both_stores! {
         assert_eq!(refused.header("retry-after"), Some("13"));
         assert!(refused.body.contains("retry after 13 seconds"), "{}", refused.body);
         let waiting = json(&client.get_with(path, &[ADMIN]).await.body);
-        assert_eq!(waiting["retry_after_ms"], 12_180);
+        assert_eq!(waiting["retry_after_ms"], 12_060);
 
-        clock.advance(Duration::from_millis(12_179));
+        clock.advance(Duration::from_millis(12_059));
         assert_eq!(client.send(Method::POST, completion, &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
         clock.advance(Duration::from_millis(1));
         assert_eq!(client.send(Method::POST, completion, &[]).await.status, StatusCode::OK);

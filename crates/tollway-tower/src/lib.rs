@@ -165,12 +165,14 @@
 //! headers. [`policy_cost`](RateLimitLayerBuilder::policy_cost) gives one policy a cost
 //! of its own: 1 request and 800 tokens, all or nothing, so a request its token limit
 //! refuses takes no request unit.
-//! [`charge_after`](RateLimitLayerBuilder::charge_after) charges a policy what
-//! the response says it used, such as an LLM API's tokens. The next request is refused
-//! once the budget is spent, with the exact `Retry-After`.
+//! [`settle`](RateLimitLayerBuilder::settle) reserves that cost when the request is
+//! admitted and settles the policy to what the call used once its response ends, such
+//! as an LLM API's tokens: the rest is charged, or the difference refunded. The
+//! response says what it used, or the handler does through [`Usage`] as it streams. The
+//! next request is refused once the budget is spent, with the exact `Retry-After`.
 //!
 //! ```
-//! use http::{Method, StatusCode};
+//! use http::Method;
 //! use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
 //!
 //! let per_ip = Policy::new("per-ip", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
@@ -183,9 +185,15 @@
 //!     .route(None, "/exports/*", exports)
 //!     .route(None, "/api/v1/completions", tokens)
 //!     .cost(|method, _, _| if method == Method::DELETE { 5 } else { 1 })
-//!     .charge_after("tokens", |status, headers, _| {
-//!         let used = headers.get("x-tokens-used").and_then(|v| v.to_str().ok()?.parse().ok());
-//!         if status == StatusCode::OK { used.unwrap_or(0) } else { 0 }
+//!     // Reserve what the client allows, then settle to what was used.
+//!     .policy_cost("tokens", |_, _, headers, _| {
+//!         headers.get("x-max-tokens").and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(500)
+//!     })
+//!     .settle("tokens", |status, headers, _| {
+//!         if !status.is_success() {
+//!             return Some(0);
+//!         }
+//!         headers.get("x-tokens-used")?.to_str().ok()?.parse().ok()
 //!     })
 //!     .build()?;
 //! # let _ = layer;
@@ -436,6 +444,7 @@ mod pipeline;
 pub mod rate_limit;
 mod rejection;
 mod report;
+mod settle;
 mod shadow;
 mod verdict;
 
@@ -459,6 +468,7 @@ pub use rate_limit::{
 };
 pub use rejection::{Rejection, default_rejection};
 pub use report::{DecisionEvent, DecisionListener, DecisionOutcome};
+pub use settle::{Unsettled, Usage};
 pub use tollway_core;
 #[cfg(feature = "leases")]
 pub use tollway_core::Leased;

@@ -7,9 +7,9 @@
 //! the [`Wait`] and hands its [`Answer`] to [`Limiter::resume`], which comes to the
 //! next `Progress`. A decided request's [`Outcome`] becomes what the service does next
 //! through [`Limiter::next`]: call the inner service with headers to add (perhaps after
-//! a shaping delay), or answer in its place. The charge after the response
-//! (`charge_after`) is decided here too: a [`Decided`] request carries its [`Charge`],
-//! which [`Limiter::charge`] settles once the response is known.
+//! a shaping delay), or answer in its place. What to settle after the response
+//! (`settle`) is decided here too: a [`Decided`] request carries its [`Reservation`],
+//! which a [`Settlement`](crate::settle::Settlement) settles once the response ends.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -21,9 +21,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use pin_project_lite::pin_project;
 use smallvec::SmallVec;
-use tollway_core::{
-    Checked, Clock, Decisions, Operation, Policy, Store, StoreError, StoreErrorKind,
-};
+use tollway_core::{Checked, Clock, Decisions, Policy, Store, StoreError, StoreErrorKind};
 
 use crate::access::{AccessLists, Listed};
 use crate::headers::{HeaderStyle, LimitValues, RateLimitHeaders};
@@ -32,6 +30,7 @@ use crate::limits::{Limits, Selected, sent_uri};
 use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, unknown_key};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
 use crate::report::{DecisionEvent, DecisionOutcome, Failures, Reporter};
+use crate::settle::{Reservation, Settle, Usage};
 use crate::shadow::Shadow;
 use crate::verdict::{Verdict, max_delay, most_restrictive, restriction};
 
@@ -126,17 +125,6 @@ pub(crate) fn cost_of<'r>(
 pub(crate) type PolicyCostFn =
     Arc<dyn Fn(&Method, &Uri, &HeaderMap, &http::Extensions) -> u32 + Send + Sync>;
 
-/// The units a response reports having used, charged after the fact.
-pub(crate) type ChargeFn =
-    Arc<dyn Fn(StatusCode, &HeaderMap, &http::Extensions) -> u32 + Send + Sync>;
-
-/// Which policy is charged after responses, and by how much.
-pub(crate) struct AfterCharge {
-    /// The policy's index in [`Limits`].
-    pub(crate) policy: usize,
-    pub(crate) units: ChargeFn,
-}
-
 /// A layer's current limiter, swapped whole when its limits are replaced
 /// ([`RateLimitLayer::swap_limits`](crate::RateLimitLayer::swap_limits)): a request takes
 /// the one current when it starts and keeps it to the end.
@@ -164,9 +152,9 @@ pub(crate) struct Limiter<St> {
     pub(crate) shadow: Shadow,
     pub(crate) reporter: Reporter,
     pub(crate) failures: Failures,
-    /// Failures of the charges after responses (`charge_after`).
+    /// Failures of the settlements after responses (`settle`).
     pub(crate) charge_failures: Failures,
-    pub(crate) charge_after: Option<AfterCharge>,
+    pub(crate) settle: Option<Settle>,
     pub(crate) lookups: Option<Lookups>,
 }
 
@@ -179,13 +167,13 @@ pub(crate) enum Progress<'l, F> {
     Waiting(Wait<F>, Resume),
 }
 
-/// A decided request: its outcome, and what to charge after its response.
+/// A decided request: its outcome, and what to settle after its response.
 #[derive(Debug)]
 pub(crate) struct Decided<'l> {
     pub(crate) outcome: Outcome<'l>,
-    /// Only for a request let through, when the layer charges after responses, the
-    /// charged policy is one of the request's, and the store decided it.
-    pub(crate) charge: Option<Charge>,
+    /// Only for a request let through, when the layer settles after responses, the
+    /// settled policy is one of the request's, and the store decided it.
+    pub(crate) charge: Option<Reservation>,
 }
 
 pin_project! {
@@ -224,13 +212,6 @@ pub(crate) enum Resume {
     Check(Evaluation),
     /// Its caller's tier is being looked up.
     Lookup(Key),
-}
-
-/// What to charge after the response to a request: its caller's key, under the policy
-/// the layer charges after responses.
-#[derive(Debug)]
-pub(crate) struct Charge {
-    key: Key,
 }
 
 /// A request to check against its limits: who, which limits, how many units.
@@ -444,48 +425,35 @@ impl<St: Store> Limiter<St> {
         }
     }
 
-    /// The charge after the response to the request of `evaluation`, let through: when
-    /// the layer charges after responses and the charged policy is one of the request's.
-    /// A request the store failed to decide is not charged either: the store is down.
+    /// The reservation to settle after the response to the request of `evaluation`, let
+    /// through: when the layer settles after responses and the settled policy is one of
+    /// the request's. A request the store failed to decide reserved nothing.
     #[inline]
-    fn charge_for(&self, evaluation: Evaluation) -> Option<Charge> {
-        let after = self.charge_after.as_ref()?;
-        if evaluation.failed || !evaluation.selected.contains(&after.policy) {
+    fn charge_for(&self, evaluation: Evaluation) -> Option<Reservation> {
+        let settle = self.settle.as_ref()?;
+        if evaluation.failed {
             return None;
         }
-        Some(Charge {
+        let at = evaluation
+            .selected
+            .iter()
+            .position(|&i| i == settle.policy)?;
+        let reserved = evaluation.each.get(at).copied().unwrap_or(evaluation.cost);
+        Some(Reservation {
             key: evaluation.key,
+            reserved,
+            usage: Usage::new(),
         })
     }
 
-    /// Charges the units `response` reports having used, for the request of `charge`:
-    /// done at once (and told), or the store's future, whose answer goes to
-    /// [`charged`](Self::charged).
-    pub(crate) fn charge<R>(&self, charge: &Charge, response: &Response<R>) -> Option<St::Future> {
-        let after = self.charge_after.as_ref()?;
-        let units = (after.units)(response.status(), response.headers(), response.extensions());
-        if units == 0 {
-            return None;
-        }
-        let policy = self.limits.policy(after.policy);
-        let key = charge.key.as_bytes();
-        match self.store.operate(key, &[policy], Operation::Charge(units)) {
-            Checked::Ready(answer) => {
-                self.charged(answer);
-                None
-            }
-            Checked::Pending(future) => Some(future),
-        }
-    }
-
-    /// Tells a failed charge the way a failed decision is told (apart: the decisions may
-    /// go on from a fallback while charges fail).
+    /// Tells a failed settlement the way a failed decision is told (apart: the
+    /// decisions may go on from a fallback while settlements fail).
     pub(crate) fn charged(&self, answer: Result<Decisions, StoreError>) {
         match answer {
             Ok(_) => self.charge_failures.succeeded(),
             Err(error) => self
                 .charge_failures
-                .failed(&error, "responses go uncharged for what they used"),
+                .failed(&error, "responses go unsettled for what they used"),
         }
     }
 

@@ -252,12 +252,12 @@ impl<St: Store + Clone> Reloader<St> {
     /// and on each reload.
     ///
     /// This is for what a file cannot say, such as a cost function, a decision listener
-    /// or [`charge_after`](RateLimitLayerBuilder::charge_after).
+    /// or [`settle`](RateLimitLayerBuilder::settle).
     ///
     /// # Errors
     ///
-    /// When the extended builder fails to build (a `charge_after` naming a policy the
-    /// file lacks).
+    /// When the extended builder fails to build (a `settle` naming a policy the file
+    /// lacks).
     pub fn from_file_with(
         path: impl Into<PathBuf>,
         file: LimitsFile,

@@ -89,7 +89,7 @@ fn a_network_with_host_bits_is_refused_with_both_meanings() {
 
 /// A policy that no route, tier or default names limits nothing: refused at its table,
 /// so a file whose policy lost its route fails `check`, not the server (whose
-/// `charge_after` or shadow flag names it).
+/// `settle` or shadow flag names it).
 #[test]
 fn a_policy_nothing_names_is_refused_where_it_is() {
     let policy = "\n[policies.checkout]\nalgorithm = \"gcra\"\nlimit = 1\nperiod = \"1s\"\n";

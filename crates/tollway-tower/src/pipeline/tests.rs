@@ -187,13 +187,13 @@ fn seen(outcome: Outcome<'_>) -> Seen {
     }
 }
 
-/// A layer charging `tokens`, one a minute on `/llm`, 3 units after each response.
+/// A layer settling `tokens`, one a minute on `/llm`, to 3 units after each response.
 fn charged_route(
     builder: RateLimitLayerBuilder<Scripted, PeerIp>,
 ) -> RateLimitLayerBuilder<Scripted, PeerIp> {
     builder
         .route(None, "/llm", one_a_minute("tokens"))
-        .charge_after("tokens", |_, _, _| 3)
+        .settle("tokens", |_, _, _| Some(3))
 }
 
 /// A layer whose `tokens` policy, a hundred a minute on `/api/*`, costs 40 a request.
@@ -353,12 +353,12 @@ fn rows() -> Vec<Row> {
             path: "/llm",
             seen: allowed(Some("0")),
             charged: true,
-            ..row("a request let through on the charged route is charged after its response")
+            ..row("a request let through on the charged route is settled after its response")
         },
         Row {
             layer: charged_route,
             path: "/other",
-            ..row("a request off the charged route is not charged")
+            ..row("a request off the settled route is not settled")
         },
         Row {
             layer: charged_route,
@@ -366,7 +366,7 @@ fn rows() -> Vec<Row> {
             path: "/llm",
             seen: denied("tokens"),
             told: &[DecisionOutcome::Limited],
-            ..row("a denied request is not charged")
+            ..row("a denied request is not settled")
         },
         Row {
             layer: charged_route,
@@ -374,7 +374,7 @@ fn rows() -> Vec<Row> {
             path: "/llm",
             seen: allowed(None),
             told: &[DecisionOutcome::StoreError],
-            ..row("a request the store failed to decide is not charged")
+            ..row("a request the store failed to decide is not settled")
         },
     ]
 }
@@ -405,39 +405,6 @@ async fn each_rule_of_the_pipeline() {
         );
         assert_eq!(seen(decided.outcome), row.seen, "{rule}");
         assert_eq!(*told.lock(), row.told, "{rule}: told");
-    }
-}
-
-// The charge after the response takes the units the response reports from the charged
-// policy, so that the caller's next request finds them gone.
-#[tokio::test]
-async fn a_charge_after_the_response_takes_what_it_reports() {
-    for answers in [Answers::AtOnce, Answers::Later] {
-        let store = Scripted::new();
-        let layer = RateLimitLayer::builder(store.clone(), ten_a_minute("default"))
-            .route(None, "/llm", ten_a_minute("tokens"))
-            .charge_after("tokens", |_, headers, _| {
-                headers
-                    .get("x-used")
-                    .map_or(0, |v| v.to_str().unwrap().parse().unwrap())
-            })
-            .build()
-            .unwrap();
-        let limiter = layer.limiter();
-        store.answer(answers);
-        let (decided, _) = drive(&limiter, &request("/llm")).await;
-        let charge = decided.charge.expect("charged after");
-        let response = Response::builder().header("x-used", "4").body(()).unwrap();
-        match limiter.charge(&charge, &response) {
-            Some(future) => limiter.charged(future.await),
-            None => assert_eq!(answers, Answers::AtOnce, "charged at once"),
-        }
-        // Nothing used, nothing charged.
-        let nothing = Response::new(());
-        assert!(limiter.charge(&charge, &nothing).is_none());
-        let (decided, _) = drive(&limiter, &request("/llm")).await;
-        // 10 − 1 − 4 − 1 for `tokens`, 10 − 2 for the default: the most restrictive.
-        assert_eq!(seen(decided.outcome), allowed(Some("4")), "{answers:?}");
     }
 }
 

@@ -16,11 +16,10 @@ use crate::headers::{HeaderStyle, LimitValues};
 use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
 use crate::lookup::{LookupSettings, Lookups, OnLookupError, TierLookup};
-use crate::pipeline::{
-    AfterCharge, ChargeFn, CostFn, Limiter, MissingKey, OnStoreError, PolicyCostFn, Protocol,
-};
+use crate::pipeline::{CostFn, Limiter, MissingKey, OnStoreError, PolicyCostFn, Protocol};
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 use crate::report::{DecisionListener, Failures, Reporter};
+use crate::settle::{Settle, Unsettled, UsedFn};
 use crate::shadow::Shadow;
 
 use super::layer::RateLimitLayer;
@@ -51,7 +50,8 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
                 shadow: false,
                 shadow_policies: Vec::new(),
                 listener: None,
-                charge_after: None,
+                settle: None,
+                unsettled: Unsettled::Keep,
                 lookup: None,
                 lookup_settings: LookupSettings::default(),
                 on_lookup_error: OnLookupError::Anonymous,
@@ -89,7 +89,8 @@ struct Settings<St> {
     shadow: bool,
     shadow_policies: Vec<String>,
     listener: Option<Arc<dyn DecisionListener>>,
-    charge_after: Option<(String, ChargeFn)>,
+    settle: Option<(String, UsedFn)>,
+    unsettled: Unsettled,
     lookup: Option<Arc<dyn TierLookup>>,
     lookup_settings: LookupSettings,
     on_lookup_error: OnLookupError,
@@ -258,7 +259,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// router, its prefix included. A cost above a limit's capacity is refused with a 429
     /// that has no `Retry-After` (it can never pass). A cost of 0 takes nothing: it is
     /// answered with the limit's headers, and refused only while the caller owes units
-    /// (charged past empty, see [`charge_after`](Self::charge_after)).
+    /// (charged past empty, see [`settle`](Self::settle)).
     pub fn cost(
         mut self,
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
@@ -429,46 +430,68 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
-    /// Charges the policy named `policy` the `units` a response reports it used.
+    /// Reserves, then settles, the policy named `policy`: a request reserves its cost
+    /// when it is admitted, and once its response has ended the policy is settled to
+    /// what the call used.
     ///
-    /// The charge is made once an admitted request's response is ready. The units may be
-    /// an LLM API's tokens, read from a header or an extension the handler sets. They
-    /// come besides the request's cost, taken when it was admitted. Only requests that
-    /// `policy` applies to are charged. It is usually a route's policy: a token budget
-    /// beside the caller's request rate.
+    /// The cost reserved is the policy's ([`policy_cost`](Self::policy_cost), say an LLM
+    /// call's `max_tokens`), else the layer's. What the call used comes from `used`,
+    /// read from the response's status, headers and extensions. Or the handler reports
+    /// it through the [`Usage`](crate::Usage) the layer puts in the request's extensions,
+    /// as it streams. More than reserved is charged: what the budget cannot take is owed
+    /// by a bucket or GCRA and waited out; a window counts up to its limit. Less is
+    /// refunded. Only requests that `policy` applies to are settled: usually a route's
+    /// token budget beside the caller's request rate.
     ///
-    /// What the budget cannot take is owed by a bucket or GCRA, and waited out (see
-    /// `Operation::Charge`). A window algorithm counts up to its limit. So the next
-    /// request is refused once the caller has used the budget up, and for as long as it
-    /// owes. The response waits for the charge: at once in memory, a round trip in Redis.
-    /// A charge the store fails is dropped, and told like a store failure. A name the
-    /// layer does not know fails [`build`](Self::build).
+    /// The settlement is made when the response body ends, before its last frame is
+    /// handed on: at once in memory, a round trip in Redis. So a client that read the
+    /// answer finds the budget settled. A call that stops short (the service fails, the
+    /// client goes away, the body is dropped) is settled at once to what was reported,
+    /// else by [`on_unsettled`](Self::on_unsettled). A settlement the store fails is
+    /// dropped, and told like a store failure. A name the layer does not know fails
+    /// [`build`](Self::build).
     ///
     /// # Examples
     ///
     /// ```
-    /// use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+    /// use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer, Unsettled};
     ///
     /// let requests = Policy::new("requests", Algorithm::Gcra, Quota::per_second(10)?)?;
     /// let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(100_000)?)?;
     /// let layer = RateLimitLayer::builder(MemoryStore::new(), requests)
     ///     .route(None, "/v1/completions", tokens)
-    ///     .charge_after("tokens", |_status, headers, _extensions| {
+    ///     // Reserve the most a call may use...
+    ///     .policy_cost("tokens", |_, _, headers, _| {
     ///         headers
-    ///             .get("x-tokens-used")
+    ///             .get("x-max-tokens")
     ///             .and_then(|v| v.to_str().ok()?.parse().ok())
-    ///             .unwrap_or(0)
+    ///             .unwrap_or(1_000)
     ///     })
+    ///     // ...then settle to what it used, or give it all back if the call failed.
+    ///     .settle("tokens", |status, headers, _extensions| {
+    ///         if status.is_server_error() {
+    ///             return None;
+    ///         }
+    ///         headers.get("x-tokens-used")?.to_str().ok()?.parse().ok()
+    ///     })
+    ///     .on_unsettled(Unsettled::Refund)
     ///     .build()?;
     /// # let _ = layer;
     /// # Ok::<(), tollway_core::ConfigError>(())
     /// ```
-    pub fn charge_after(
+    pub fn settle(
         mut self,
         policy: impl Into<String>,
-        units: impl Fn(StatusCode, &HeaderMap, &Extensions) -> u32 + Send + Sync + 'static,
+        used: impl Fn(StatusCode, &HeaderMap, &Extensions) -> Option<u32> + Send + Sync + 'static,
     ) -> Self {
-        self.settings.charge_after = Some((policy.into(), Arc::new(units)));
+        self.settings.settle = Some((policy.into(), Arc::new(used)));
+        self
+    }
+
+    /// What a settled call's reservation comes to when nothing reported what it used
+    /// (default [`Unsettled::Keep`]): see [`settle`](Self::settle).
+    pub fn on_unsettled(mut self, unsettled: Unsettled) -> Self {
+        self.settings.unsettled = unsettled;
         self
     }
 
@@ -478,9 +501,11 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     ///
     /// When a route pattern or a listed network is malformed. When two of the layer's
     /// policies share a name: the name keeps their state apart in the store. When a
-    /// policy put in shadow mode, or charged after responses, is not one of the layer's.
-    /// When the store cannot decide one of the policies ([`Store::supports`]). A
-    /// `SplitStore`, say, decides only the policies declared to it.
+    /// policy put in shadow mode, given a cost of its own, or settled after responses, is
+    /// not one of the layer's. When the store cannot decide one of the policies
+    /// ([`Store::supports`]). A `SplitStore`, say, decides only the policies declared to
+    /// it. When a policy has a cost of its own and the store keeps one cost a request
+    /// ([`Store::supports_each_cost`]).
     pub fn build(self) -> Result<RateLimitLayer<St, K>, ConfigError> {
         let source = self.settings.source.clone();
         self.build_here().map_err(|e| match source {
@@ -529,16 +554,17 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             settings.store.supports_each_cost()?;
             Some(costs.into_boxed_slice())
         };
-        let charge_after = match settings.charge_after {
-            Some((name, units)) => Some(AfterCharge {
+        let settle = match settings.settle {
+            Some((name, used)) => Some(Settle {
                 policy: limits.index_of(&name)?,
-                units,
+                used,
+                unsettled: settings.unsettled,
             }),
             None => None,
         };
         let failures = Failures::new("rate limit store", Arc::clone(&settings.wall_clock));
         let charge_failures =
-            Failures::new("post-response charge", Arc::clone(&settings.wall_clock));
+            Failures::new("post-response settlement", Arc::clone(&settings.wall_clock));
         let reporter = Reporter::new(settings.listener, limits.policies());
         let limit_values = LimitValues::new(limits.policies());
         let lookups = match settings.lookup {
@@ -571,7 +597,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 reporter,
                 failures,
                 charge_failures,
-                charge_after,
+                settle,
                 lookups,
             })),
             key: Arc::new(key),

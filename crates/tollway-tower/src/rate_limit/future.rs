@@ -16,7 +16,8 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::headers::RateLimitHeaders;
-use crate::pipeline::{Answer, Charge, Decided, Limiter, Next, Progress, Resume, Wait};
+use crate::pipeline::{Answer, Decided, Limiter, Next, Progress, Resume, Wait};
+use crate::settle::Settlement;
 
 pin_project! {
     /// The future of a [`RateLimit`](super::RateLimit) service's response.
@@ -26,9 +27,8 @@ pin_project! {
     /// 1. `Waiting`: for the caller's tier, when the layer looks tiers up and has not
     ///    cached it. Then for the store's decision.
     /// 2. `Delaying`: a shaping delay.
-    /// 3. `Calling`: the inner service's future.
-    /// 4. `Charging`: the store charging what the response reports it used, when the
-    ///    layer charges after responses.
+    /// 3. `Calling`: the inner service's future. When the layer settles after
+    ///    responses, the response's body settles the call at its end.
     ///
     /// Or `Answered`, in the service's place. A request the store decides at once starts
     /// in `Calling` or `Answered`.
@@ -43,29 +43,30 @@ pin_project! {
         St: Store,
     {
         #[pin]
-        state: State<St::Future, S::Future, S, B, St, S::Response>,
+        state: State<St::Future, S::Future, S, B, St>,
     }
 }
 
 pin_project! {
     #[project = StateProj]
     #[project_replace = StateOwned]
-    enum State<C, F, S, B, St, R> {
+    enum State<C, F, S, B, St>
+    where
+        St: Store,
+    {
         // The store is deciding the request's limits, or its caller's tier is being looked
         // up. The request waits in a box: it waits for I/O anyway, and the future of a
         // request decided at once stays small.
         Waiting { #[pin] wait: Wait<C>, pending: Box<Pending<S, B, St>> },
         // The request is admitted and held for its shaping delay, boxed likewise.
         Delaying { sleep: Pin<Box<Sleep>>, held: Box<Held<S, B, St>> },
-        // The inner service is answering; its response gets `headers`, and is charged
-        // for what it reports it used, `after`.
+        // The inner service is answering; its response gets `headers`, and its body
+        // settles the call, `after`.
         Calling {
             #[pin] future: F,
             headers: RateLimitHeaders,
-            after: Option<Box<AfterResponse<St>>>,
+            after: Option<Box<Settlement<St>>>,
         },
-        // The store is charging what the response used; then the response is returned.
-        Charging { #[pin] charge: C, response: R, after: Box<AfterResponse<St>> },
         // The layer answers in the service's place.
         Answered { response: Response<Bytes> },
         // The response was returned.
@@ -83,27 +84,27 @@ pub(super) struct Pending<S, B, St> {
 }
 
 /// An admitted request and the ready service it will be handed to.
-pub(super) struct Held<S, B, St> {
+pub(super) struct Held<S, B, St: Store> {
     service: S,
     request: Request<B>,
     headers: RateLimitHeaders,
-    after: Option<Box<AfterResponse<St>>>,
+    after: Option<Box<Settlement<St>>>,
 }
 
-/// What charging a response for the units it used needs: the layer, and what the
-/// pipeline said to charge. Made only for the requests the pipeline charges.
-pub(super) struct AfterResponse<St> {
-    limiter: Arc<Limiter<St>>,
-    charge: Charge,
-}
-
-impl<St> AfterResponse<St> {
-    pub(super) fn new(limiter: &Arc<Limiter<St>>, charge: Charge) -> Box<Self> {
-        Box::new(AfterResponse {
-            limiter: Arc::clone(limiter),
-            charge,
-        })
+/// Calls `service` with `request`, into which a settled call's [`Usage`](crate::Usage)
+/// goes for its handler to report into.
+pub(super) fn call<S, B, St: Store>(
+    service: &mut S,
+    mut request: Request<B>,
+    after: Option<&Settlement<St>>,
+) -> S::Future
+where
+    S: Service<Request<B>>,
+{
+    if let Some(after) = after {
+        request.extensions_mut().insert(after.usage().clone());
     }
+    service.call(request)
 }
 
 impl<S, B, St> ResponseFuture<S, B, St>
@@ -125,7 +126,7 @@ where
         service: S,
         request: Request<B>,
         headers: RateLimitHeaders,
-        after: Option<Box<AfterResponse<St>>>,
+        after: Option<Box<Settlement<St>>>,
     ) -> Self {
         Self::from(State::delaying(delay, service, request, headers, after))
     }
@@ -135,7 +136,7 @@ where
     pub(super) fn calling(
         future: S::Future,
         headers: RateLimitHeaders,
-        after: Option<Box<AfterResponse<St>>>,
+        after: Option<Box<Settlement<St>>>,
     ) -> Self {
         Self::from(State::Calling {
             future,
@@ -149,18 +150,18 @@ where
         Self::from(State::Answered { response })
     }
 
-    fn from(state: State<St::Future, S::Future, S, B, St, S::Response>) -> Self {
+    fn from(state: State<St::Future, S::Future, S, B, St>) -> Self {
         ResponseFuture { state }
     }
 }
 
-impl<C, F, S, B, St, R> State<C, F, S, B, St, R> {
+impl<C, F, S, B, St: Store> State<C, F, S, B, St> {
     fn delaying(
         delay: Duration,
         service: S,
         request: Request<B>,
         headers: RateLimitHeaders,
-        after: Option<Box<AfterResponse<St>>>,
+        after: Option<Box<Settlement<St>>>,
     ) -> Self {
         State::Delaying {
             sleep: Box::pin(tokio::time::sleep(delay)),
@@ -198,10 +199,7 @@ where
 {
     /// The next state once the wait came to `answer`: perhaps another wait (the store,
     /// after a tier lookup; the limits that enforce, after one in shadow mode denied).
-    fn resume(
-        mut self: Box<Self>,
-        answer: Answer,
-    ) -> State<St::Future, S::Future, S, B, St, S::Response> {
+    fn resume(mut self: Box<Self>, answer: Answer) -> State<St::Future, S::Future, S, B, St> {
         let at = self.at;
         let Decided { outcome, charge } = match self.limiter.resume(at, answer, &self.request) {
             Progress::Decided(decided) => decided,
@@ -214,12 +212,12 @@ where
             }
         };
         let next = self.limiter.next(outcome, &self.request);
-        let after = charge.map(|charge| AfterResponse::new(&self.limiter, charge));
+        let after = charge.map(|charge| Box::new(Settlement::new(&self.limiter, charge)));
         State::next(next, after, self.service, self.request)
     }
 }
 
-impl<C, S, B, St> State<C, S::Future, S, B, St, S::Response>
+impl<C, S, B, St> State<C, S::Future, S, B, St>
 where
     S: Service<Request<B>>,
     St: Store,
@@ -228,14 +226,14 @@ where
     /// answer in its place.
     fn next(
         next: Next,
-        after: Option<Box<AfterResponse<St>>>,
+        after: Option<Box<Settlement<St>>>,
         mut service: S,
         request: Request<B>,
     ) -> Self {
         match next {
             Next::Call { headers, delay } => match delay {
                 None => State::Calling {
-                    future: service.call(request),
+                    future: call(&mut service, request, after.as_deref()),
                     headers,
                     after,
                 },
@@ -249,9 +247,10 @@ where
 impl<S, B, St> Held<S, B, St>
 where
     S: Service<Request<B>>,
+    St: Store,
 {
     /// Calls the service: the delay is over.
-    fn call<C>(self) -> State<C, S::Future, S, B, St, S::Response> {
+    fn call<C>(self) -> State<C, S::Future, S, B, St> {
         let Held {
             mut service,
             request,
@@ -259,7 +258,7 @@ where
             after,
         } = self;
         State::Calling {
-            future: service.call(request),
+            future: call(&mut service, request, after.as_deref()),
             headers,
             after,
         }
@@ -302,31 +301,18 @@ where
                     headers,
                     after,
                 } => {
+                    // A failed call drops `after`, which settles it short.
                     let mut response = ready!(future.poll(cx))?;
                     std::mem::take(headers).insert_into(response.headers_mut());
-                    if let Some(after) = after.take()
-                        && let Some(charge) = after.limiter.charge(&after.charge, &response)
-                    {
-                        state.set(State::Charging {
-                            charge,
-                            response,
-                            after,
-                        });
-                        continue;
-                    }
+                    let after = after.take();
                     state.set(State::Done);
-                    return Poll::Ready(Ok(response.map(ResponseBody::service)));
-                }
-                StateProj::Charging { charge, .. } => {
-                    let answer = ready!(charge.poll(cx));
-                    let StateOwned::Charging {
-                        response, after, ..
-                    } = state.as_mut().project_replace(State::Done)
-                    else {
-                        unreachable!("the state was Charging")
-                    };
-                    after.limiter.charged(answer);
-                    return Poll::Ready(Ok(response.map(ResponseBody::service)));
+                    return Poll::Ready(Ok(match after {
+                        None => response.map(ResponseBody::service),
+                        Some(after) => {
+                            after.read(&response);
+                            response.map(|body| ResponseBody::finishing(body, after))
+                        }
+                    }));
                 }
                 StateProj::Answered { .. } => {
                     let StateOwned::Answered { response } =

@@ -9,10 +9,11 @@ use tollway_core::Store;
 use tower_service::Service;
 
 use super::ResponseFuture;
-use super::future::{AfterResponse, Pending};
+use super::future::{Pending, call};
 use crate::body::ResponseBody;
 use crate::key::{KeyExtractor, PeerIp};
 use crate::pipeline::{Current, Decided, Limiter, Next, Progress};
+use crate::settle::Settlement;
 
 /// Rate limits the requests to `S`. Built by [`RateLimitLayer`](super::RateLimitLayer);
 /// clones share their limits.
@@ -96,9 +97,12 @@ where
         // Decided without waiting: the ready service is called now, or not at all.
         match limiter.next(outcome, &request) {
             Next::Call { headers, delay } => {
-                let after = charge.map(|charge| AfterResponse::new(&current, charge));
+                let after = charge.map(|charge| Box::new(Settlement::new(&current, charge)));
                 match delay {
-                    None => ResponseFuture::calling(self.inner.call(request), headers, after),
+                    None => {
+                        let future = call(&mut self.inner, request, after.as_deref());
+                        ResponseFuture::calling(future, headers, after)
+                    }
                     Some(delay) => {
                         let service = take_ready(&mut self.inner);
                         ResponseFuture::delaying(delay, service, request, headers, after)

@@ -463,7 +463,7 @@ where
     ///
     /// A charge or drain is part of serving a request, after its response. It goes to the
     /// primary while the breaker is closed. While it is not, it goes to the local
-    /// fallback, if any. So an outage does not lift a `charge_after` budget. Without a
+    /// fallback, if any. So an outage does not lift a settled budget. Without a
     /// fallback, it fails at once. What the fallback charged stays local. It is not
     /// replayed to the primary when it answers again.
     ///

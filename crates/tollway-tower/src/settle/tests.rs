@@ -1,0 +1,351 @@
+//! Reserve, then settle, through the tower service: a call reserves its estimate, and
+//! the budget is settled to what it used when its body ends, or by the rule when it
+//! stops short. The budget is read by a request of cost 0, whose headers report it.
+
+use std::convert::Infallible;
+use std::future::{Future, Ready};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tokio::sync::mpsc;
+use tollway_core::{
+    Algorithm, Checked, Decisions, ManualClock, MemoryStore, Operation, Policy, Quota, Store,
+    StoreError,
+};
+use tower::{Layer, Service, ServiceExt};
+
+use super::*;
+use crate::{GlobalKey, RateLimitLayer, ResponseBody};
+
+/// A body whose frames the test sends; it ends when the sender is dropped.
+struct Frames(mpsc::Receiver<Bytes>);
+
+impl Body for Frames {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// What the handler of a call hands the test: the usage to report into, and the sender
+/// of its body's frames.
+struct Call {
+    usage: Option<Usage>,
+    frames: mpsc::Sender<Bytes>,
+}
+
+/// A memory store that answers through its future, as Redis does.
+#[derive(Clone)]
+struct Later(MemoryStore<ManualClock>);
+
+impl Store for Later {
+    type Future = Ready<Result<Decisions, StoreError>>;
+
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+        later(self.0.check(key, policies, cost))
+    }
+
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+        later(self.0.check_each(key, policies, costs))
+    }
+
+    fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<Self::Future> {
+        later(self.0.operate(key, policies, op))
+    }
+
+    fn supports_each_cost(&self) -> Result<(), tollway_core::ConfigError> {
+        Ok(())
+    }
+}
+
+fn later(
+    answer: Checked<Ready<Result<Decisions, StoreError>>>,
+) -> Checked<Ready<Result<Decisions, StoreError>>> {
+    match answer {
+        Checked::Ready(answer) => Checked::Pending(std::future::ready(answer)),
+        pending => pending,
+    }
+}
+
+/// A service limited to 100 tokens a minute on `/llm`, each call reserving `x-max`
+/// (default 50) and settled to the `x-used` its response reports, if any. Its handler
+/// hands each call to the test and answers with the headers the request asked for.
+fn service<St: Store>(
+    store: St,
+    unsettled: Unsettled,
+) -> (
+    impl Service<
+        Request<()>,
+        Response = Response<ResponseBody<Frames>>,
+        Error = std::io::Error,
+        Future: Send,
+    > + Clone,
+    mpsc::UnboundedReceiver<Call>,
+) {
+    let requests = Policy::new(
+        "requests",
+        Algorithm::Gcra,
+        Quota::per_minute(1_000).unwrap(),
+    );
+    let tokens = Policy::new(
+        "tokens",
+        Algorithm::TokenBucket,
+        Quota::per_minute(100).unwrap(),
+    );
+    let layer = RateLimitLayer::builder(store, requests.unwrap())
+        .key(GlobalKey)
+        .route(None, "/llm", tokens.unwrap())
+        .policy_cost("tokens", |_, _, headers, _| {
+            number(headers, "x-max").unwrap_or(50)
+        })
+        .settle("tokens", |_, headers, _| number(headers, "x-used"))
+        .on_unsettled(unsettled)
+        .build()
+        .unwrap();
+    let (calls, handed) = mpsc::unbounded_channel();
+    let inner = tower::service_fn(move |request: Request<()>| {
+        let (frames, body) = mpsc::channel(8);
+        let _ = calls.send(Call {
+            usage: request.extensions().get::<Usage>().cloned(),
+            frames,
+        });
+        let failed = request.headers().contains_key("x-fail");
+        let hang = request.headers().contains_key("x-hang");
+        let used = request.headers().get("x-reply-used").cloned();
+        async move {
+            if hang {
+                std::future::pending::<()>().await;
+            }
+            if failed {
+                return Err(std::io::Error::other("the handler failed"));
+            }
+            let mut response = Response::new(Frames(body));
+            if let Some(used) = used {
+                response.headers_mut().insert("x-used", used);
+            }
+            Ok(response)
+        }
+    });
+    (layer.layer(inner), handed)
+}
+
+fn number(headers: &http::HeaderMap, name: &str) -> Option<u32> {
+    headers.get(name)?.to_str().ok()?.parse().ok()
+}
+
+fn llm(headers: &[(&str, &str)]) -> Request<()> {
+    let mut request = Request::get("/llm").body(()).unwrap();
+    for &(name, value) in headers {
+        request.headers_mut().insert(
+            http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            value.parse().unwrap(),
+        );
+    }
+    request
+}
+
+/// The tokens left: a request that reserves none reports them, and settles nothing.
+async fn tokens_left<S>(service: &mut S, calls: &mut mpsc::UnboundedReceiver<Call>) -> String
+where
+    S: Service<Request<()>, Response = Response<ResponseBody<Frames>>, Error = std::io::Error>,
+{
+    let response = service
+        .ready()
+        .await
+        .unwrap()
+        .call(llm(&[("x-max", "0")]))
+        .await
+        .unwrap();
+    drop(calls.recv().await);
+    let left = response.headers()["x-ratelimit-remaining"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    response.into_body().collect().await.unwrap();
+    left
+}
+
+fn store() -> MemoryStore<ManualClock> {
+    MemoryStore::builder()
+        .clock(ManualClock::new())
+        .build()
+        .unwrap()
+}
+
+/// Sends `request` and returns its response and the call its handler handed over.
+async fn send<S>(
+    service: &mut S,
+    calls: &mut mpsc::UnboundedReceiver<Call>,
+    request: Request<()>,
+) -> (Response<ResponseBody<Frames>>, Call)
+where
+    S: Service<Request<()>, Response = Response<ResponseBody<Frames>>, Error = std::io::Error>,
+{
+    let response = service.ready().await.unwrap().call(request).await.unwrap();
+    (response, calls.recv().await.unwrap())
+}
+
+#[tokio::test]
+async fn a_call_reserves_its_estimate_and_is_settled_to_what_it_used_at_its_end() {
+    for answers_later in [false, true] {
+        let (mut service, mut calls) = if answers_later {
+            let (service, calls) = service(Later(store()), Unsettled::Keep);
+            (tollway_boxed(service), calls)
+        } else {
+            let (service, calls) = service(store(), Unsettled::Keep);
+            (tollway_boxed(service), calls)
+        };
+        // Used less than reserved: the rest comes back when the body ends.
+        let request = llm(&[("x-max", "50"), ("x-reply-used", "20")]);
+        let (response, call) = send(&mut service, &mut calls, request).await;
+        assert!(call.usage.is_some(), "the handler gets a Usage");
+        assert_eq!(
+            tokens_left(&mut service, &mut calls).await,
+            "50",
+            "reserved"
+        );
+        call.frames
+            .send(Bytes::from_static(b"answer"))
+            .await
+            .unwrap();
+        drop(call.frames);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"answer");
+        assert_eq!(
+            tokens_left(&mut service, &mut calls).await,
+            "80",
+            "settled to 20"
+        );
+
+        // Used more: the rest is charged.
+        let request = llm(&[("x-max", "10"), ("x-reply-used", "70")]);
+        let (response, call) = send(&mut service, &mut calls, request).await;
+        drop(call.frames);
+        response.into_body().collect().await.unwrap();
+        assert_eq!(
+            tokens_left(&mut service, &mut calls).await,
+            "10",
+            "settled to 70"
+        );
+    }
+}
+
+/// The service boxed, so that the two stores' services are one type.
+fn tollway_boxed<S>(
+    service: S,
+) -> tower::util::BoxCloneService<Request<()>, Response<ResponseBody<Frames>>, std::io::Error>
+where
+    S: Service<Request<()>, Response = Response<ResponseBody<Frames>>, Error = std::io::Error>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    tower::util::BoxCloneService::new(service)
+}
+
+#[tokio::test]
+async fn a_streamed_answer_is_settled_to_what_its_handler_reported_when_it_ends() {
+    let (mut service, mut calls) = service(store(), Unsettled::Keep);
+    let (response, call) = send(&mut service, &mut calls, llm(&[("x-max", "60")])).await;
+    let usage = call.usage.unwrap();
+    let mut body = response.into_body();
+    for _ in 0..3 {
+        usage.add(10);
+        call.frames
+            .send(Bytes::from_static(b"token"))
+            .await
+            .unwrap();
+        assert!(body.frame().await.unwrap().unwrap().is_data());
+    }
+    // Still streaming: the reservation stands.
+    assert_eq!(tokens_left(&mut service, &mut calls).await, "40");
+    drop(call.frames);
+    assert!(body.frame().await.is_none());
+    assert_eq!(tokens_left(&mut service, &mut calls).await, "70");
+}
+
+#[tokio::test]
+async fn a_body_dropped_mid_stream_is_settled_to_what_was_reported() {
+    for answers_later in [false, true] {
+        let (mut service, mut calls) = if answers_later {
+            let (service, calls) = service(Later(store()), Unsettled::Keep);
+            (tollway_boxed(service), calls)
+        } else {
+            let (service, calls) = service(store(), Unsettled::Keep);
+            (tollway_boxed(service), calls)
+        };
+        let (response, call) = send(&mut service, &mut calls, llm(&[("x-max", "60")])).await;
+        call.usage.unwrap().add(10);
+        call.frames
+            .send(Bytes::from_static(b"token"))
+            .await
+            .unwrap();
+        let mut body = response.into_body();
+        assert!(body.frame().await.is_some());
+        // The client goes away.
+        drop(body);
+        // A store that answers later settles on a task of its own.
+        tokio::task::yield_now().await;
+        assert_eq!(
+            tokens_left(&mut service, &mut calls).await,
+            "90",
+            "later: {answers_later}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_unreported_call_keeps_or_refunds_its_reservation_by_the_rule() {
+    for (rule, left) in [(Unsettled::Keep, "50"), (Unsettled::Refund, "100")] {
+        let (mut service, mut calls) = service(store(), rule);
+        let (response, call) = send(&mut service, &mut calls, llm(&[("x-max", "50")])).await;
+        drop(call.frames);
+        response.into_body().collect().await.unwrap();
+        assert_eq!(
+            tokens_left(&mut service, &mut calls).await,
+            left,
+            "{rule:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_call_that_fails_or_whose_client_goes_away_is_settled_by_the_rule() {
+    for (rule, left) in [(Unsettled::Keep, "50"), (Unsettled::Refund, "100")] {
+        let (mut service, mut calls) = service(store(), rule);
+        let request = llm(&[("x-max", "50"), ("x-fail", "1")]);
+        let failed = service.ready().await.unwrap().call(request).await;
+        assert!(failed.is_err());
+        drop(calls.recv().await);
+        assert_eq!(
+            tokens_left(&mut service, &mut calls).await,
+            left,
+            "failed, {rule:?}"
+        );
+    }
+    // The client goes away before the response: the response future is dropped.
+    for (rule, left) in [(Unsettled::Keep, "50"), (Unsettled::Refund, "100")] {
+        let (mut service, mut calls) = service(store(), rule);
+        let request = llm(&[("x-max", "50"), ("x-hang", "1")]);
+        let mut future = Box::pin(service.ready().await.unwrap().call(request));
+        let polled = std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await;
+        assert!(polled.is_pending(), "the handler never answers");
+        drop(calls.recv().await);
+        drop(future);
+        assert_eq!(
+            tokens_left(&mut service, &mut calls).await,
+            left,
+            "gone, {rule:?}"
+        );
+    }
+}
