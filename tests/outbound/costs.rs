@@ -143,3 +143,62 @@ async fn a_token_budget_holds_fleet_wide_when_estimates_run_low() {
         );
     }
 }
+
+/// Two layers stacked, requests outside and tokens inside: a request the token limit
+/// refuses was never sent, so the request layer gives its charge back. Requests whose
+/// tokens fit go; the refused ones leave the request budget where it was.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_stacked_layer_gives_its_charge_back_when_an_inner_limit_refuses() {
+    let hits = Hits::default();
+    let (server, _) = upstream(1_000, &hits).await;
+    let store = paused_store();
+    let requests =
+        Policy::new("requests", Algorithm::Gcra, Quota::per_minute(10).unwrap()).unwrap();
+    let tokens = Policy::new(
+        "tokens",
+        Algorithm::TokenBucket,
+        Quota::per_minute(1_000).unwrap(),
+    )
+    .unwrap();
+    let inner = OutboundLayer::builder(store.clone(), tokens.clone())
+        .cost(|_, _, _| 400)
+        .fail_fast()
+        .build()
+        .unwrap();
+    let outer = OutboundLayer::builder(store.clone(), requests.clone())
+        .fail_fast()
+        .build()
+        .unwrap();
+    let mut client = outer.layer(inner.layer(http_client()));
+    let key = format!("upstream:{}", server.addr());
+    let left = |policy: Policy| {
+        let (store, key) = (store.clone(), key.clone());
+        async move {
+            let peek = store.operate(key.as_bytes(), &[&policy], Operation::Peek(0));
+            peek.await.unwrap()[0].remaining()
+        }
+    };
+    for _ in 0..2 {
+        send(&mut client, &server).await.unwrap();
+    }
+    assert_eq!(left(requests.clone()).await, 8);
+    // 200 tokens left: the next three are refused by the token limit, inside.
+    for _ in 0..3 {
+        let refused = send(&mut client, &server).await.unwrap_err();
+        assert!(matches!(
+            refused.downcast_ref::<OutboundError>(),
+            Some(OutboundError::Limited { .. })
+        ));
+    }
+    assert_eq!(
+        left(requests).await,
+        8,
+        "refused inside: no request unit kept"
+    );
+    assert_eq!(left(tokens).await, 200);
+    assert_eq!(
+        hits.get(),
+        2,
+        "the refused requests never reached the upstream"
+    );
+}

@@ -38,7 +38,9 @@ pin_project! {
     /// 7. `After`: the store told of a 429's pause, or of the real cost.
     /// 8. The response, or `Start` again with a copy of a refused request.
     ///
-    /// Or it ends in an [`OutboundError`].
+    /// Or it ends in an [`OutboundError`]. Or in the inner service's error: when that is
+    /// an outbound layer's refusal (a stacked layer's limit), nothing was sent, and this
+    /// layer first gives its charge back (`Refunding`).
     pub struct ResponseFuture<S, St, B, R>
     where
         S: Service<Request<B>>,
@@ -73,6 +75,9 @@ pin_project! {
         Calling { #[pin] call: F },
         // `again`: send the spare copy after the work, rather than answer the response.
         After { work: Work, response: Option<R>, again: bool },
+        // An outbound layer inside this one refused the request: this one's charge is
+        // given back, then its error answered.
+        Refunding { work: Work, error: Option<BoxError> },
         // Finished: polled again, it answers an error rather than resume what ended.
         Done,
     }
@@ -255,7 +260,18 @@ where
                 }
             }
             StateProj::Calling { call } => {
-                let mut response = ready!(call.poll(cx)).map_err(Into::into)?;
+                let mut response = match ready!(call.poll(cx)) {
+                    Ok(response) => response,
+                    Err(error) => {
+                        let error: BoxError = error.into();
+                        let Some(work) = unsent(this.shared, &this.keys.limits, *this.cost, &error)
+                        else {
+                            return Poll::Ready(Err(error));
+                        };
+                        let error = Some(error);
+                        return Poll::Ready(Ok(Step::Next(State::Refunding { work, error })));
+                    }
+                };
                 let Some(key) = this.keys.limits.as_ref() else {
                     return Poll::Ready(Ok(Step::Answer(response)));
                 };
@@ -303,12 +319,45 @@ where
                     _ => return Poll::Ready(Ok(Step::Answer(response))),
                 }
             }
+            StateProj::Refunding { work, error } => {
+                ready!(work.as_mut().poll(cx));
+                let error = error
+                    .take()
+                    .unwrap_or_else(|| "outbound refusal polled after it was handed on".into());
+                return Poll::Ready(Err(error));
+            }
             StateProj::Done => {
                 return Poll::Ready(Err("outbound future polled after it completed".into()));
             }
         };
         Poll::Ready(Ok(Step::Next(next)))
     }
+}
+
+/// The refund of this layer's charge for a request an outbound layer inside it refused
+/// with `error`: the request was never sent, so it used nothing here either. `None` when
+/// the error is another (the request may have gone), or nothing was charged.
+fn unsent<St: Store, R: Send + Sync + 'static>(
+    shared: &Arc<Shared<St, R>>,
+    key: &Option<Key>,
+    cost: u32,
+    error: &BoxError,
+) -> Option<Work> {
+    let key = key
+        .as_ref()
+        .filter(|_| cost > 0 && error.is::<OutboundError>())?;
+    let (shared, key) = (Arc::clone(shared), key.clone());
+    Some(Box::pin(async move {
+        let policies: SmallVec<[&Policy; 4]> = shared.policies.iter().collect();
+        let refund = Operation::Refund(cost);
+        if let Err(e) = shared
+            .store
+            .operate(key.as_bytes(), &policies, refund)
+            .await
+        {
+            tracing::warn!(error = %e, "outbound: the store failed to refund an unsent request");
+        }
+    }))
 }
 
 /// What a store's answer for an unkeyed request says: it is never asked one.

@@ -64,8 +64,9 @@
 //! algorithm forgets what its window could not hold. Take a bucket for tokens.
 //!
 //! A layer's cost applies to each of its limits. For requests a second and tokens a
-//! minute, stack two layers. A request admitted by the outer one keeps that charge if the
-//! inner one then refuses it.
+//! minute, stack two layers. A request admitted by the outer one and refused by the
+//! inner one was never sent: the outer one gives its charge back. (So does a layer
+//! around any outbound refusal, an [`OutboundError`], inside it.)
 //!
 //! # Told like the server side
 //!
