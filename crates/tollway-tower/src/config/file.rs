@@ -13,12 +13,13 @@ use toml::Spanned;
 
 use super::key::{Address, ConfigKey};
 use super::reload;
-use super::schema::{DEPTH, File, PolicySection};
+use super::schema::{CostSection, DEPTH, File, PolicySection, SettleSection};
 use crate::headers::HeaderStyle;
 use crate::key::{Key, parse_network};
 use crate::limits::RouteLimit;
 use crate::pipeline::{MissingKey, OnStoreError, Protocol};
 use crate::rate_limit::{RateLimitLayer, RateLimitLayerBuilder};
+use crate::settle::Unsettled;
 
 /// A limits file, read and validated: every policy, tier, route, list entry and setting
 /// in it is usable. See the [module docs](crate::config) for what it may say.
@@ -274,9 +275,27 @@ impl LimitsFile {
                 }
             });
         }
+        let mut settled: Option<&str> = None;
         for (name, section) in &file.policies {
-            if section.get_ref().shadow {
+            let section = section.get_ref();
+            if section.shadow {
                 builder = builder.shadow_policy(name.clone());
+            }
+            if let Some(cost) = &section.cost {
+                builder = self.cost(builder, name, cost.get_ref())?;
+            }
+            if let Some(settle) = &section.settle {
+                if let Some(first) = settled {
+                    return Err(self.at(
+                        Some(settle.span()),
+                        &format!(
+                            "policy {name:?} settles after responses, and so does {first:?}: \
+                             one policy of a layer is settled; keep settle on one of them"
+                        ),
+                    ));
+                }
+                settled = Some(name);
+                builder = self.settle(builder, name, settle.get_ref())?;
             }
         }
         let lists = &file.lists;
@@ -298,6 +317,69 @@ impl LimitsFile {
         Ok(builder)
     }
 
+    /// `builder` with policy `name` costing the number in `cost`'s request header.
+    fn cost<St: Store>(
+        &self,
+        builder: RateLimitLayerBuilder<St, ConfigKey>,
+        name: &str,
+        cost: &CostSection,
+    ) -> Result<RateLimitLayerBuilder<St, ConfigKey>, ConfigError> {
+        let header = self.header_name(&cost.header)?;
+        let default = match &cost.default {
+            None => 1,
+            Some(value) => u32::try_from(*value.get_ref()).map_err(|_| {
+                self.at(
+                    Some(value.span()),
+                    &format!(
+                        "policy {name:?}: cost default = {} is not a cost: write 0 to {}",
+                        value.get_ref(),
+                        u32::MAX
+                    ),
+                )
+            })?,
+        };
+        Ok(builder.policy_cost(name, move |_, _, headers, _| {
+            number(headers, &header).unwrap_or(default)
+        }))
+    }
+
+    /// `builder` settling policy `name` to what `settle`'s response header says.
+    fn settle<St: Store>(
+        &self,
+        builder: RateLimitLayerBuilder<St, ConfigKey>,
+        name: &str,
+        settle: &SettleSection,
+    ) -> Result<RateLimitLayerBuilder<St, ConfigKey>, ConfigError> {
+        let header = match &settle.header {
+            Some(header) => Some(self.header_name(header)?),
+            None => None,
+        };
+        let unsettled = match &settle.unsettled {
+            None => Unsettled::Keep,
+            Some(rule) => match rule.get_ref().as_str() {
+                "keep" => Unsettled::Keep,
+                "refund" => Unsettled::Refund,
+                _ => return Err(self.choice(rule, "unsettled", &["keep", "refund"])),
+            },
+        };
+        Ok(builder
+            .settle(name, move |_, headers, _| number(headers, header.as_ref()?))
+            .on_unsettled(unsettled))
+    }
+
+    /// A header name the file gives, checked.
+    fn header_name(&self, name: &Spanned<String>) -> Result<http::HeaderName, ConfigError> {
+        http::HeaderName::from_bytes(name.get_ref().as_bytes()).map_err(|_| {
+            self.at(
+                Some(name.span()),
+                &format!(
+                    "{:?} is not a header name: write one like \"x-max-tokens\"",
+                    name.get_ref()
+                ),
+            )
+        })
+    }
+
     /// The limits the file describes, a line each: what `tollway check` prints.
     #[must_use]
     pub fn summary(&self) -> String {
@@ -307,7 +389,7 @@ impl LimitsFile {
         let _ = writeln!(out, "{}: valid", self.name);
         for (name, policy) in &self.policies {
             let q = policy.quota();
-            let _ = writeln!(
+            let _ = write!(
                 out,
                 "  policy {name}: {} of {} per {:?}, burst {}{}{}",
                 policy.algorithm().name(),
@@ -325,6 +407,22 @@ impl LimitsFile {
                     ""
                 },
             );
+            let section = file.policies[name].get_ref();
+            if let Some(cost) = &section.cost {
+                let cost = cost.get_ref();
+                let default = cost.default.as_ref().map_or(1, |d| *d.get_ref());
+                let _ = write!(out, " (cost: {}, default {default})", cost.header.get_ref());
+            }
+            if let Some(settle) = &section.settle {
+                let settle = settle.get_ref();
+                let header = settle
+                    .header
+                    .as_ref()
+                    .map_or("the handler's Usage", |h| h.get_ref());
+                let rule = settle.unsettled.as_ref().map_or("keep", |r| r.get_ref());
+                let _ = write!(out, " (settled: {header}, unsettled {rule})");
+            }
+            let _ = writeln!(out);
         }
         for (key, tier) in &file.tiers {
             let key = redact(key.get_ref());
@@ -643,4 +741,9 @@ fn locate(name: &str, text: &str, span: Option<Range<usize>>, message: &str) -> 
     let line = before.matches('\n').count() + 1;
     let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
     ConfigError::new(format!("{name}:{line}:{column}: {message}"))
+}
+
+/// The whole number in header `name` of `headers`, if there is one.
+fn number(headers: &http::HeaderMap, name: &http::HeaderName) -> Option<u32> {
+    headers.get(name)?.to_str().ok()?.trim().parse().ok()
 }

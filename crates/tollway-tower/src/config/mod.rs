@@ -63,10 +63,28 @@
 //! method = "POST"               # optional: any method
 //! policy = "checkout"
 //!
+//! [policies.tokens]            # an LLM token budget beside the request rate
+//! algorithm = "token_bucket"
+//! limit = 100_000
+//! period = "1m"
+//! cost = { header = "x-max-tokens", default = 1_000 }  # reserved: a cost of its own
+//! settle = { header = "x-tokens-used", unsettled = "refund" }  # or "keep" (default)
+//!
+//! [[routes]]
+//! path = "/v1/completions"
+//! policy = "tokens"
+//!
 //! [lists]                       # optional
 //! allow_networks = ["10.0.0.0/8"]
 //! deny_keys = ["key:stolen-key"]
 //! ```
+//!
+//! A policy's `cost` is its own: the number in a request header, else its `default`.
+//! A request charges each of its policies its own cost, all or nothing. `settle`
+//! reserves that cost, then settles the policy to the number in a response header,
+//! or to what the handler reports through [`Usage`](crate::Usage). One policy of a
+//! layer is settled. See
+//! [`RateLimitLayerBuilder::settle`](crate::RateLimitLayerBuilder::settle).
 //!
 //! # Examples
 //!

@@ -111,6 +111,29 @@ pub(super) struct PolicySection {
     pub(super) burst: Option<Spanned<i64>>,
     #[serde(default)]
     pub(super) shadow: bool,
+    /// A cost of its own, read from a request header.
+    pub(super) cost: Option<Spanned<CostSection>>,
+    /// Reserve, then settle to what the call used.
+    pub(super) settle: Option<Spanned<SettleSection>>,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CostSection {
+    /// The request header whose number is the cost.
+    pub(super) header: Spanned<String>,
+    /// The cost when the header is missing or not a number (1 if unsaid).
+    pub(super) default: Option<Spanned<i64>>,
+}
+
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SettleSection {
+    /// The response header whose number is what the call used; without it, only the
+    /// handler reports (`Usage`).
+    pub(super) header: Option<Spanned<String>>,
+    /// `keep` (the default) or `refund`: what an unreported call's reservation becomes.
+    pub(super) unsettled: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize, PartialEq)]

@@ -169,3 +169,82 @@ fn an_over_deep_dotted_key_is_refused_at_its_line() {
     let text = file(&format!("\n[{}x]\n", "a.".repeat(85)));
     error(&text, 9, 1);
 }
+
+/// A token budget beside the request rate, said in the file: each call reserves the
+/// number in its `x-max-tokens` and is settled to the `x-tokens-used` of its response.
+const TOKENS: &str = "\n[policies.tokens]\nalgorithm = \"token_bucket\"\nlimit = 100\nperiod = \"1m\"\ncost = { header = \"x-max-tokens\", default = 50 }\nsettle = { header = \"x-tokens-used\", unsettled = \"refund\" }\n\n[[routes]]\npath = \"/llm\"\npolicy = \"tokens\"\n";
+
+#[tokio::test]
+async fn a_policy_reserves_from_a_request_header_and_settles_from_the_response() {
+    use http_body_util::BodyExt;
+    use tower::{Layer, Service, ServiceExt};
+
+    // A request rate that never says less than the tokens do.
+    let api = "algorithm = \"gcra\"\nlimit = 1000\nperiod = \"1s\"";
+    let limits = LimitsFile::parse("limits.toml", &super::tests::file(api, TOKENS)).unwrap();
+    let summary = limits.summary();
+    assert!(
+        summary.contains("policy tokens: token_bucket of 100 per 60s, burst 100 (cost: x-max-tokens, default 50) (settled: x-tokens-used, unsettled refund)"),
+        "{summary}"
+    );
+    let store = tollway_core::MemoryStore::builder()
+        .clock(tollway_core::ManualClock::new())
+        .build()
+        .unwrap();
+    let layer = limits.layer(store, limits.key().unwrap()).unwrap();
+    let mut service = layer.layer(tower::service_fn(|request: http::Request<()>| async move {
+        let mut response = http::Response::new(http_body_util::Full::new(bytes::Bytes::new()));
+        if let Some(used) = request.headers().get("x-reply-used") {
+            response.headers_mut().insert("x-tokens-used", used.clone());
+        }
+        Ok::<_, std::convert::Infallible>(response)
+    }));
+    let mut call = async |headers: &[(&'static str, &'static str)]| {
+        let mut request = http::Request::get("/llm").body(()).unwrap();
+        let peer: std::net::SocketAddr = "203.0.113.9:4000".parse().unwrap();
+        request.extensions_mut().insert(peer);
+        for &(name, value) in headers {
+            request.headers_mut().insert(name, value.parse().unwrap());
+        }
+        let response = service.ready().await.unwrap().call(request).await.unwrap();
+        let left = response.headers()["x-ratelimit-remaining"]
+            .to_str()
+            .unwrap()
+            .to_owned();
+        response.into_body().collect().await.unwrap();
+        left
+    };
+    // Reserves 60 (the headers say what is left then), settled to 20.
+    assert_eq!(
+        call(&[("x-max-tokens", "60"), ("x-reply-used", "20")]).await,
+        "40"
+    );
+    // No header: the default, 50; no usage reported: refunded.
+    assert_eq!(call(&[]).await, "30");
+    assert_eq!(call(&[("x-max-tokens", "0")]).await, "80");
+}
+
+#[test]
+fn costs_and_settlements_that_cannot_work_are_refused_where_they_are() {
+    let tokens = |cost: &str, settle: &str| {
+        format!(
+            "\n[policies.tokens]\nalgorithm = \"token_bucket\"\nlimit = 100\nperiod = \"1m\"\n{cost}\n{settle}\n\n[[routes]]\npath = \"/llm\"\npolicy = \"tokens\"\n"
+        )
+    };
+    let with = |cost: &str, settle: &str| file(&tokens(cost, settle));
+    let err = error(&with("cost = { header = \"x max\" }", ""), 13, 19);
+    assert!(err.contains("not a header name"), "{err}");
+    let err = error(
+        &with("cost = { header = \"x-max\", default = -1 }", ""),
+        13,
+        38,
+    );
+    assert!(err.contains("write 0 to"), "{err}");
+    let err = error(&with("", "settle = { unsettled = \"maybe\" }"), 14, 24);
+    assert!(err.contains("[\"keep\", \"refund\"]"), "{err}");
+    // Two settled policies: refused at the second, in the order the file is read.
+    let api = format!("{API}\nsettle = {{ header = \"x-used\" }}");
+    let two = super::tests::file(&api, &tokens("", "settle = { header = \"x-used\" }"));
+    let err = error(&two, 15, 10);
+    assert!(err.contains("one policy of a layer is settled"), "{err}");
+}
