@@ -191,7 +191,7 @@ fn run(algorithm: Algorithm, quota: Quota, pattern: &Pattern) -> Run {
 struct AlgorithmTable {
     quota: Quota,
     patterns: Vec<&'static str>,
-    /// Per algorithm (in [`Algorithm::ALL`] order), one run per pattern.
+    /// Per rate algorithm (in [`Algorithm::ALL`] order), one run per pattern.
     runs: Vec<(Algorithm, Vec<Run>)>,
 }
 
@@ -200,7 +200,7 @@ fn algorithm_table(quota: Quota) -> AlgorithmTable {
     AlgorithmTable {
         quota,
         patterns: patterns.iter().map(|p| p.name).collect(),
-        runs: Algorithm::ALL
+        runs: rate_algorithms()
             .into_iter()
             .map(|a| (a, patterns.iter().map(|p| run(a, quota, p)).collect()))
             .collect(),
@@ -225,7 +225,7 @@ impl AlgorithmTable {
     fn conclusions(&self) -> Vec<String> {
         let limit = self.quota.limit();
         let names = |pick: &dyn Fn(Algorithm) -> bool| {
-            let picked: Vec<&str> = Algorithm::ALL
+            let picked: Vec<&str> = rate_algorithms()
                 .into_iter()
                 .filter(|&a| pick(a))
                 .map(|a| a.name())
@@ -237,7 +237,7 @@ impl AlgorithmTable {
             }
         };
         let mut out = Vec::new();
-        let over: Vec<String> = Algorithm::ALL
+        let over: Vec<String> = rate_algorithms()
             .into_iter()
             .filter(|&a| self.max_in_period(a) > limit)
             .map(|a| {
@@ -258,7 +258,7 @@ impl AlgorithmTable {
             names(&|a| self.max_in_period(a) <= limit)
         ));
         let delays = |a: Algorithm| self.runs_of(a).iter().map(|r| r.max_delay_ms).max();
-        let delayed: Vec<String> = Algorithm::ALL
+        let delayed: Vec<String> = rate_algorithms()
             .into_iter()
             .filter_map(|a| delays(a).filter(|&d| d > 0).map(|d| (a, d)))
             .map(|(a, d)| format!("{} (up to {d} ms)", a.name()))
@@ -272,12 +272,12 @@ impl AlgorithmTable {
             }
         ));
         let peak = |a: Algorithm| self.runs_of(a).iter().map(|r| r.peak_state_bytes).max();
-        let smallest = Algorithm::ALL
+        let smallest = rate_algorithms()
             .into_iter()
             .filter_map(peak)
             .min()
             .unwrap_or(0);
-        let largest = Algorithm::ALL
+        let largest = rate_algorithms()
             .into_iter()
             .filter_map(peak)
             .max()
@@ -724,6 +724,15 @@ impl AccuracyTable {
         }
         s
     }
+}
+
+/// The rate algorithms: every algorithm but the limit on calls in flight, which
+/// counts calls held, not a rate.
+fn rate_algorithms() -> Vec<Algorithm> {
+    Algorithm::ALL
+        .into_iter()
+        .filter(|&a| a != Algorithm::Concurrency)
+        .collect()
 }
 
 #[cfg(test)]

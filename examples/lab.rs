@@ -44,6 +44,8 @@ const PAGE: &str = include_str!("lab.html");
 pub fn policies() -> Result<Vec<Policy>, ConfigError> {
     Algorithm::ALL
         .into_iter()
+        // Calls in flight are held by a request's whole life, not shown here.
+        .filter(|&algorithm| algorithm != Algorithm::Concurrency)
         .map(|algorithm| {
             let quota = if algorithm.uses_burst() {
                 Quota::per_second(2)?.with_burst(10)?

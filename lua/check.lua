@@ -19,7 +19,7 @@ end
 -- fell from 1.02x to 0.88x of the minimal script.)
 if n == 1 then
   local key, code, v = keys[1], argv[4], false
-  if code ~= '5' then v = call('GET', key) end
+  if code ~= '5' and code ~= '8' then v = call('GET', key) end
   local denial, remaining, reset, wait, x, y
   if code == '7' then
     denial, remaining, reset, wait, x, y = gcra(now, cost, argv[7] + 0, argv[8] + 0, v)
@@ -33,12 +33,21 @@ if n == 1 then
     denial, remaining, reset, wait, x, y = sliding_window_counter(now, cost, argv[5] + 0, argv[6] + 0, v)
   elseif code == '5' then
     denial, remaining, reset, wait, x, y = sliding_window_log(key, now, cost, argv[5] + 0, argv[6] + 0)
+  elseif code == '8' then
+    denial, remaining, reset, wait, x, y = concurrency(key, now, cost, argv[5] + 0, argv[6] + 0, argv[7])
   else
     return error('tollway: unknown algorithm code ' .. tostring(code))
   end
   if denial == 0 and commit then
     if code == '5' then
       if cost > 0 then sliding_window_log_admit(key, now, cost, argv[6] + 0, grace, x, y) end
+    elseif code == '8' then
+      if x > 0 then
+        concurrency_write(key, argv[7], x, y, grace)
+      elseif reset == 0 then
+        -- No slot held by anyone: a fresh key.
+        call('DEL', key)
+      end
     elseif y > now then
       if x ~= v then
         local ttl = (y - since) / 1000
@@ -65,7 +74,7 @@ for pass = 1, 2 do
       if each and pass == 1 then c = argv[3 + 5 * n + i] + 0 end
       if pass == 2 then
         v = held[3 * i - 2]
-      elseif code ~= '5' then
+      elseif code ~= '5' and code ~= '8' then
         v = call('GET', key)
       end
       local denial, remaining, reset, wait, x, y
@@ -84,6 +93,9 @@ for pass = 1, 2 do
       elseif code == '5' then
         denial, remaining, reset, wait, x, y =
           sliding_window_log(key, now, c, argv[j] + 0, argv[j + 1] + 0)
+      elseif code == '8' then
+        denial, remaining, reset, wait, x, y =
+          concurrency(key, now, c, argv[j] + 0, argv[j + 1] + 0, argv[j + 2])
       else
         return error('tollway: unknown algorithm code ' .. tostring(code))
       end
@@ -106,6 +118,12 @@ if commit and not denied then
       local c = cost
       if each then c = argv[3 + 5 * n + i] + 0 end
       if c > 0 then sliding_window_log_admit(key, now, c, argv[5 * i + 1] + 0, grace, x, y) end
+    elseif code == '8' then
+      if x > 0 then
+        concurrency_write(key, argv[5 * i + 2], x, y, grace)
+      elseif reply[4 * i - 1] == 0 then
+        call('DEL', key)
+      end
     elseif y > now then
       if x ~= v then
         local ttl = (y - since) / 1000

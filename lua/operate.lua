@@ -32,8 +32,40 @@ local function decide(i, cost, v)
     return sliding_window_counter(now, cost, limit, period, v)
   elseif code == '5' then
     return sliding_window_log(keys[i], now, cost, limit, period)
+  elseif code == '8' then
+    return concurrency(keys[i], now, cost, limit, period, argv[5 * i + 2])
   end
   return error('tollway: unknown algorithm code ' .. tostring(code))
+end
+
+-- Concurrency: this gateway's live slots, less the units; their expiry stays.
+local function concurrency_refund(i)
+  local key, gateway = keys[i], argv[5 * i + 2]
+  local own = call('HGET', key, gateway)
+  if not own then return end
+  local a, count = unpack('<dd', own)
+  if a <= now then count = 0 end
+  count = count - units
+  if count < 0 then count = 0 end
+  concurrency_write(key, gateway, count, a, grace)
+end
+
+-- Concurrency: a charge takes the free slots up to the units (a drain, those over the
+-- units), and renews the gateway's slots, as a check of that cost does.
+local function concurrency_charge(i, drain)
+  local _, limit, period = limit_of(i)
+  local key, gateway = keys[i], argv[5 * i + 2]
+  local _, left = concurrency(key, now, 0, limit, period, gateway)
+  local c = units
+  if drain then
+    c = left - units
+    if c < 0 then c = 0 end
+  elseif left < c then
+    c = left
+  end
+  local denial, _, _, _, x, a = concurrency(key, now, c, limit, period, gateway)
+  if denial ~= 0 then return error('tollway: a charge of what is left was refused') end
+  if x > 0 then concurrency_write(key, gateway, x, a, grace) end
 end
 
 -- Writes a fixed-size state `x`, fresh from `a` on, as check.lua does; returns what the
@@ -207,6 +239,9 @@ local function refund(i, v)
     if now >= period then call('ZREMRANGEBYSCORE', key, '-inf', now - period) end
     if units > 0 then call('ZPOPMAX', key, units) end
     return false
+  elseif code == '8' then
+    concurrency_refund(i)
+    return false
   elseif code == '1' or code == '2' then
     x, a = token_bucket_refund(limit, period, burst, v)
   elseif code == '7' or code == '3' then
@@ -260,6 +295,10 @@ end
 -- fit), and the buckets and GCRA owe the rest (see Operation::Charge); with `drain`, what
 -- it has left over the units instead. Returns what its key now holds.
 local function charge(i, v, drain)
+  if argv[5 * i - 1] == '8' then
+    concurrency_charge(i, drain)
+    return false
+  end
   local _, left = decide(i, 0, v)
   local c = units
   if drain then
@@ -301,8 +340,8 @@ if op == 'lend' then
   local cost, values, least = argv[5 + 5 * n] + 0, {}, -1
   for i = 1, n do
     local code = argv[5 * i - 1]
-    if code == '3' or code == '5' then
-      return error('tollway: the shaper and the sliding window log do not lend')
+    if code == '3' or code == '5' or code == '8' then
+      return error('tollway: the shaper, the sliding window log and concurrency do not lend')
     end
     local v = call('GET', keys[i])
     local _, left = decide(i, 0, v)
@@ -340,7 +379,8 @@ end
 local reply = {}
 for i = 1, n do
   local key, v = keys[i], false
-  if argv[5 * i - 1] ~= '5' then v = call('GET', key) end
+  local code = argv[5 * i - 1]
+  if code ~= '5' and code ~= '8' then v = call('GET', key) end
   if op == 'reset' then
     call('DEL', key)
     v = false

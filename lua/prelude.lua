@@ -2,7 +2,7 @@
 -- Composed, joined by "\n", in this order (crates/tollway-core/src/store/redis/mod.rs and
 -- crates/tollway-core/benches/redis_scripts.sh must agree):
 --   prelude.lua, token_bucket.lua, gcra.lua, leaky_bucket.lua, fixed_window.lua,
---   sliding_window_counter.lua, sliding_window_log.lua, check.lua
+--   sliding_window_counter.lua, sliding_window_log.lua, concurrency.lua, check.lua
 -- A second script, the same with operate.lua in place of check.lua, charges, refunds
 -- and resets (see operate.lua).
 --
@@ -16,8 +16,10 @@
 --       usual and write nothing
 --   then five per limit; limit i's are [b+1] .. [b+5] with b = 3 + 5 × (i − 1):
 --   [b+1] algorithm: 1 token bucket, 2 leaky bucket meter, 3 leaky bucket shaper,
---         4 fixed window, 5 sliding window log, 6 sliding window counter, 7 GCRA
+--         4 fixed window, 5 sliding window log, 6 sliding window counter, 7 GCRA,
+--         8 concurrency
 --   [b+2] limit   [b+3] period (µs)   [b+4] burst   [b+5] emission interval (µs) = ceil(period / limit)
+--   (concurrency: [b+4] the gateway's number, its field in the key's hash)
 -- Reply: four integers per limit, in KEYS order: { denial, remaining, reset_after_us, wait_us }
 --   (then the time read, when ARGV[1] is "TIME")
 --   denial 0: allowed, wait_us = the shaper's delay (0 for the others)

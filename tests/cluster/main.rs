@@ -83,3 +83,9 @@ async fn a_request_refused_by_its_token_limit_takes_no_request_unit() {
         .await;
     suites::a_refused_token_takes_no_request_unit(store, "cluster").await;
 }
+
+/// Calls in flight on the Cluster: one hash a caller, on its master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_share_slots_on_the_cluster() {
+    suites::concurrency_across_gateways(&cluster()).await;
+}

@@ -390,3 +390,10 @@ async fn a_limits_files_leases_decide_a_hot_caller_here() {
         "a cold caller, one call each"
     );
 }
+
+/// Calls in flight: three gateways count one caller's slots together; one that stops
+/// renewing loses its slots a period later, and the others keep theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_share_slots_and_a_silent_gateway_loses_its_own() {
+    suites::concurrency_across_gateways(&shared()).await;
+}

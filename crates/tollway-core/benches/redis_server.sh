@@ -41,7 +41,7 @@ cli ping >/dev/null
 compose() {
   local first=1 f
   for f in prelude token_bucket gcra leaky_bucket fixed_window sliding_window_counter \
-    sliding_window_log check; do
+    sliding_window_log concurrency check; do
     if [ $first = 0 ]; then printf '\n'; fi
     cat "$ROOT/lua/$f.lua"
     first=0

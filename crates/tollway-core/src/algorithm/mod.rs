@@ -1,4 +1,4 @@
-//! The six rate-limiting algorithms, as pure functions.
+//! The rate-limiting algorithms, and the limit on calls in flight, as pure functions.
 //!
 //! Each algorithm is plain integer arithmetic with the shape
 //! `(state, now, quota, cost) -> (decision, new state)`: no I/O, no clock, no floats.
@@ -15,6 +15,7 @@
 //! | [sliding window log](sliding_log) | limit in any window | 1 entry per unit | exact | up to 10,000 a period |
 //! | [sliding window counter](sliding_counter) | approximates the log | 2 counters + time | estimate | any |
 //! | [GCRA](gcra) | up to `burst` at once | 1 integer | rate rounded up to 1 µs | any |
+//! | [concurrency](concurrency) | `limit` calls in flight | 2 integers (Redis: a gateway) | exact | any |
 //!
 //! "Any" is any quota [`Quota`](crate::Quota) accepts: limit × period and burst ×
 //! period within 2^52 microseconds. A decision costs the same at any limit, in memory
@@ -23,6 +24,7 @@
 //!
 //! `cargo run --example compare` measures these claims on the same traffic.
 
+pub mod concurrency;
 pub mod fixed_window;
 pub mod gcra;
 pub mod leaky_bucket;
@@ -65,11 +67,15 @@ algorithms! {
     SlidingWindowCounter,
     /// [`gcra`]: a token bucket kept as one timestamp.
     Gcra,
+    /// [`concurrency`]: at most `limit` calls in flight, each holding its slots until it
+    /// ends; the quota's period is how long slots live unrenewed.
+    Concurrency,
 }
 
 impl Algorithm {
     /// A short stable name: `token_bucket`, `leaky_bucket`, `leaky_bucket_shaper`,
-    /// `fixed_window`, `sliding_window_log`, `sliding_window_counter`, `gcra`.
+    /// `fixed_window`, `sliding_window_log`, `sliding_window_counter`, `gcra`,
+    /// `concurrency`.
     #[must_use]
     pub const fn name(self) -> &'static str {
         match self {
@@ -80,6 +86,7 @@ impl Algorithm {
             Algorithm::SlidingWindowLog => "sliding_window_log",
             Algorithm::SlidingWindowCounter => "sliding_window_counter",
             Algorithm::Gcra => "gcra",
+            Algorithm::Concurrency => "concurrency",
         }
     }
 
@@ -89,6 +96,7 @@ impl Algorithm {
     /// The token bucket, the leaky bucket meter, GCRA and both windows lend. The sliding
     /// window log and the shaper decide each request where its state lives: the log
     /// remembers each admission's own instant, and the shaper gives each its own slot.
+    /// A slot of [`Concurrency`](Algorithm::Concurrency) is held by one call, not spent.
     #[must_use]
     pub const fn lends(self) -> bool {
         match self {
@@ -97,17 +105,23 @@ impl Algorithm {
             | Algorithm::FixedWindow
             | Algorithm::SlidingWindowCounter
             | Algorithm::Gcra => true,
-            Algorithm::LeakyBucketShaper | Algorithm::SlidingWindowLog => false,
+            Algorithm::LeakyBucketShaper | Algorithm::SlidingWindowLog | Algorithm::Concurrency => {
+                false
+            }
         }
     }
 
     /// Whether the algorithm uses the quota's burst as its capacity. The window
-    /// algorithms count `limit` per window and have no separate burst.
+    /// algorithms count `limit` per window and have no separate burst; concurrency
+    /// holds `limit` slots.
     #[must_use]
     pub const fn uses_burst(self) -> bool {
         !matches!(
             self,
-            Algorithm::FixedWindow | Algorithm::SlidingWindowLog | Algorithm::SlidingWindowCounter
+            Algorithm::FixedWindow
+                | Algorithm::SlidingWindowLog
+                | Algorithm::SlidingWindowCounter
+                | Algorithm::Concurrency
         )
     }
 }

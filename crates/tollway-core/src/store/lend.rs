@@ -127,6 +127,7 @@ pub(crate) fn window_end(policy: &Policy, decision: &Decision, at: u64) -> u64 {
         | Algorithm::LeakyBucket
         | Algorithm::LeakyBucketShaper
         | Algorithm::SlidingWindowLog
-        | Algorithm::Gcra => 0,
+        | Algorithm::Gcra
+        | Algorithm::Concurrency => 0,
     }
 }

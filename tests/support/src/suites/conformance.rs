@@ -140,7 +140,12 @@ pub async fn clock_skew(target: &Target) -> (Vec<(Algorithm, u64, u64)>, Vec<Str
     let quota = Quota::per_second(10).unwrap();
     let mut keys = Vec::new();
     let mut rows = Vec::new();
-    for algorithm in Algorithm::ALL {
+    // Concurrency keeps a field a gateway in Redis, so one state fed both clocks is not
+    // its model; its own suite covers several gateways.
+    let skewable = Algorithm::ALL
+        .into_iter()
+        .filter(|&a| a != Algorithm::Concurrency);
+    for algorithm in skewable {
         let policy = Policy::new(format!("skew-{algorithm:?}"), algorithm, quota).unwrap();
         let mut admitted = [0u64; 2];
         for (skewed, count) in [true, false].into_iter().zip(&mut admitted) {

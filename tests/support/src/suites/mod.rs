@@ -12,11 +12,13 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use tollway_core::{ManualClock, RedisStore, RedisStoreBuilder};
 
+mod concurrency;
 mod conformance;
 mod costs;
 mod lease;
 mod script;
 
+pub use concurrency::concurrency_across_gateways;
 pub use conformance::{clock_skew, conformance, conformance_multi, conformance_server_time};
 pub use costs::a_refused_token_takes_no_request_unit;
 pub use lease::{Counted, leased_atomicity, lend_conformance, lend_conformance_server_time};

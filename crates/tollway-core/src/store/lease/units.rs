@@ -71,7 +71,9 @@ impl Expiry {
             Algorithm::FixedWindow | Algorithm::SlidingWindowCounter => Some(Expiry::Until(
                 crate::store::lend::window_end(policy, decision, 0),
             )),
-            Algorithm::LeakyBucketShaper | Algorithm::SlidingWindowLog => None,
+            Algorithm::LeakyBucketShaper | Algorithm::SlidingWindowLog | Algorithm::Concurrency => {
+                None
+            }
         }
     }
 

@@ -7,7 +7,7 @@
 //! | form | state | algorithms | kept |
 //! |---|---|---|---|
 //! | [`Instant`] | one instant | GCRA, the leaky bucket shaper | in a cell |
-//! | [`Pair`] | two integers | the buckets, the windows | packed in a cell while they fit one word (see [`word`](super::word)), else in the shard's table |
+//! | [`Pair`] | two integers | the buckets, the windows, concurrency | packed in a cell while they fit one word (see [`word`](super::word)), else in the shard's table |
 //! | the log | entries | the sliding window log | in the shard's table |
 //!
 //! Every decision, refund, charge and packing the store makes goes through a [`Visit`].
@@ -16,7 +16,7 @@
 
 use super::word::Packs;
 use crate::algorithm::{
-    Algorithm, fixed_window, gcra, leaky_bucket, sliding_counter, token_bucket,
+    Algorithm, concurrency, fixed_window, gcra, leaky_bucket, sliding_counter, token_bucket,
 };
 use crate::{Decision, Quota};
 
@@ -71,6 +71,7 @@ pub(crate) fn visit<V: Visit>(algorithm: Algorithm, visit: V) -> V::Out {
         Algorithm::FixedWindow => visit.pair::<FixedWindow>(),
         Algorithm::SlidingWindowCounter => visit.pair::<SlidingCounter>(),
         Algorithm::SlidingWindowLog => visit.log(),
+        Algorithm::Concurrency => visit.pair::<Concurrency>(),
     }
 }
 
@@ -203,5 +204,30 @@ impl Pair for SlidingCounter {
 
     fn give_back(state: Self::State, now: u64, quota: &Quota, units: u32, end: u64) -> Self::State {
         sliding_counter::give_back(state, now, quota, units, end)
+    }
+}
+
+/// [`Algorithm::Concurrency`]: slots held, and when they expire.
+pub(crate) struct Concurrency;
+
+impl Pair for Concurrency {
+    type State = concurrency::State;
+
+    #[inline(always)]
+    fn check(state: Self::State, now: u64, quota: &Quota, cost: u32) -> (Decision, Self::State) {
+        concurrency::check(state, now, quota, cost)
+    }
+
+    fn refund(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
+        concurrency::refund(state, now, quota, units)
+    }
+
+    /// No slot past the limit: a charge takes what is free (and renews), as a window.
+    fn charge(state: Self::State, _: u64, _: &Quota, _: u32) -> Self::State {
+        state
+    }
+
+    fn give_back(state: Self::State, _: u64, _: &Quota, _: u32, _: u64) -> Self::State {
+        state
     }
 }

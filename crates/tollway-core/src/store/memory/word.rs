@@ -92,7 +92,7 @@
 //! its policy.
 
 use crate::Quota;
-use crate::algorithm::{SlotState, fixed_window, sliding_counter, token_bucket};
+use crate::algorithm::{SlotState, concurrency, fixed_window, sliding_counter, token_bucket};
 
 /// The key bit of a cell holding a packed pair.
 const PACKED: u64 = 1 << 63;
@@ -228,6 +228,24 @@ impl Packs for fixed_window::State {
     fn unpack(word: u64, _: &Quota, origin: u64) -> Self {
         let (end, count) = unpack_pair(word, origin);
         fixed_window::State { end, count }
+    }
+}
+
+impl Packs for concurrency::State {
+    #[inline]
+    fn may_pack(now: u64, quota: &Quota, origin: u64) -> bool {
+        pair_may_pack(now, count_bits(quota), origin)
+    }
+
+    #[inline]
+    fn pack(self, quota: &Quota, origin: u64) -> Option<u64> {
+        pack_pair(self.end, self.count, count_bits(quota), origin)
+    }
+
+    #[inline]
+    fn unpack(word: u64, _: &Quota, origin: u64) -> Self {
+        let (end, count) = unpack_pair(word, origin);
+        concurrency::State { end, count }
     }
 }
 

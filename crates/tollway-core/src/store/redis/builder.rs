@@ -256,6 +256,7 @@ impl RedisStoreBuilder {
                     DenyCache::new(self.deny_cache, clock)
                 }),
                 clock: self.clock,
+                gateway: gateway_number(),
             }),
         };
         if breaker.is_none() && fallback_share.is_none() {
@@ -458,4 +459,16 @@ fn tcp_settings() -> redis::io::tcp::TcpSettings {
 /// A setting the builder refused, as the error of a `connect`.
 fn config_error(e: ConfigError) -> StoreError {
     StoreError::with_source(StoreErrorKind::Other, e.to_string(), e)
+}
+
+/// A number no other gateway sharing Redis is likely to have: random, below 2^52 (exact
+/// in the scripts' doubles).
+fn gateway_number() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static MADE: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write_u64(MADE.fetch_add(1, Ordering::Relaxed));
+    hasher.finish() & ((1 << 52) - 1)
 }

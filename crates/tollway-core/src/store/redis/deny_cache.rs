@@ -76,7 +76,11 @@ impl DenyCache {
     /// The entry of a request — its key and every limit's policy (which covers its
     /// quota) — if it can have one: only unit-cost requests are remembered.
     pub(super) fn entry(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Option<DenyEntry> {
-        if cost != 1 {
+        // A slot frees when a call ends, which no retry time foresees: never cached.
+        let in_flight = policies
+            .iter()
+            .any(|p| p.algorithm() == crate::Algorithm::Concurrency);
+        if cost != 1 || in_flight {
             return None;
         }
         let caller = self.hasher.hash_one(key);

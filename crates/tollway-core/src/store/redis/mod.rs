@@ -23,6 +23,7 @@ use super::{
     BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Cost, GiveBackFuture, Grant, LendFuture,
     Operation, Store,
 };
+use crate::algorithm::Algorithm;
 use crate::clock::Clock;
 use crate::{Decisions, Policy, StoreError, StoreErrorKind};
 
@@ -124,6 +125,9 @@ struct Inner {
     clock: Option<Arc<dyn Clock>>,
     grace_ms: u64,
     deny_cache: Option<DenyCache>,
+    /// This store's number among the gateways sharing Redis: its field in a concurrency
+    /// limit's hash, so that its slots are its own to renew and to lose.
+    gateway: u64,
 }
 
 enum Backend {
@@ -660,11 +664,16 @@ impl Scripts {
                 .map(|p| {
                     let q = p.quota();
                     let code = code(p.algorithm());
+                    // Concurrency's third number names this gateway's field.
+                    let third = match p.algorithm() {
+                        Algorithm::Concurrency => self.inner.gateway,
+                        _ => q.burst(),
+                    };
                     [
                         code,
                         q.limit(),
                         q.period_micros(),
-                        q.burst(),
+                        third,
                         q.emission_micros(),
                     ]
                 })

@@ -25,6 +25,8 @@ macro_rules! lua_algorithms {
             include_str!("../../../../../lua/sliding_window_counter.lua"),
             "\n",
             include_str!("../../../../../lua/sliding_window_log.lua"),
+            "\n",
+            include_str!("../../../../../lua/concurrency.lua"),
         )
     };
 }
@@ -64,6 +66,7 @@ pub(super) fn code(algorithm: Algorithm) -> u64 {
         Algorithm::SlidingWindowLog => 5,
         Algorithm::SlidingWindowCounter => 6,
         Algorithm::Gcra => 7,
+        Algorithm::Concurrency => 8,
     }
 }
 

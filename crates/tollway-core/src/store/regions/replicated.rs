@@ -444,7 +444,16 @@ impl<S: Store + Clone> Store for ReplicatedStore<S> {
         }
     }
 
+    /// Not a limit on calls in flight: a slot is held and given back where the call
+    /// runs, and replicating the taking without the giving back would hold it everywhere.
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError> {
+        if policy.algorithm() == crate::Algorithm::Concurrency {
+            return Err(ConfigError::new(format!(
+                "policy {:?}: a ReplicatedStore cannot limit calls in flight: keep \
+                 concurrency limits on each region's own store",
+                policy.name()
+            )));
+        }
         self.inner.local.supports(policy)
     }
 }

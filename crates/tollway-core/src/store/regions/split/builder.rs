@@ -229,6 +229,7 @@ fn splittable(algorithm: Algorithm) -> bool {
         | Algorithm::LeakyBucketShaper
         | Algorithm::SlidingWindowLog
         | Algorithm::SlidingWindowCounter
-        | Algorithm::Gcra => false,
+        | Algorithm::Gcra
+        | Algorithm::Concurrency => false,
     }
 }

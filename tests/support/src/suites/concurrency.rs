@@ -1,0 +1,81 @@
+//! Calls in flight across gateways: each gateway's slots are its own field of one hash,
+//! counted together, renewed and lost apart.
+
+use std::time::Duration;
+
+use tollway_core::{Algorithm, Decision, ManualClock, Operation, Policy, Quota, RedisStore, Store};
+
+use super::{Target, builder};
+use crate::redis::unique_prefix;
+use crate::stores::EPOCH_US;
+
+/// Three gateways share 3 slots a caller, whose slots live 10 s unrenewed. Slots are
+/// counted across gateways and given back by the gateway that holds them. A gateway
+/// that stops renewing (as one that died would) loses its slots one period after its
+/// last renewal, while the others keep theirs by renewing. Returns the keys it used.
+///
+/// # Panics
+///
+/// When a decision is not the one the slots make.
+pub async fn concurrency_across_gateways(target: &Target) -> Vec<String> {
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let prefix = unique_prefix("inflight");
+    let connect = || target.connect(builder(&clock).prefix(prefix.clone()).deny_cache(0));
+    let (a, b, c) = (connect().await, connect().await, connect().await);
+    let streams = Policy::new(
+        "streams",
+        Algorithm::Concurrency,
+        Quota::with_period(3, Duration::from_secs(10)).unwrap(),
+    )
+    .unwrap();
+    let take = |store: &RedisStore| {
+        let (store, streams) = (store.clone(), streams.clone());
+        async move { store.check(b"team", &[&streams], 1).await.unwrap()[0] }
+    };
+    let operate = |store: &RedisStore, operation| {
+        let (store, streams) = (store.clone(), streams.clone());
+        async move {
+            store
+                .operate(b"team", &[&streams], operation)
+                .await
+                .unwrap()[0]
+        }
+    };
+    let allowed = |d: Decision| d.is_allowed();
+
+    assert!(allowed(take(&a).await) && allowed(take(&a).await));
+    let d = take(&b).await;
+    assert!(allowed(d) && d.remaining() == 0, "{d:?}");
+    let refused = take(&c).await;
+    assert!(!allowed(refused), "a fourth call while three are in flight");
+    assert_eq!(refused.retry_after(), Some(Duration::from_secs(1)));
+    // A gives one back: C's call fits.
+    assert_eq!(operate(&a, Operation::Refund(1)).await.remaining(), 1);
+    assert!(allowed(take(&c).await));
+    // A gives back what it does not hold: nobody else's slot.
+    operate(&a, Operation::Refund(5)).await;
+    operate(&a, Operation::Refund(5)).await;
+    assert_eq!(operate(&b, Operation::Peek(0)).await.remaining(), 1);
+    assert!(allowed(take(&a).await), "A holds one again");
+
+    // B and C renew at 6 s; A never does after 0 s, as a gateway that died.
+    clock.advance(Duration::from_secs(6));
+    for store in [&b, &c] {
+        operate(store, Operation::Charge(0)).await;
+    }
+    assert!(!allowed(take(&c).await), "all three still held at 6 s");
+    // At 10 s A's slot has expired; B's and C's live until 16 s.
+    clock.advance(Duration::from_secs(4));
+    assert!(
+        allowed(take(&c).await),
+        "A's slot freed one period after its renewal"
+    );
+    assert!(
+        !allowed(take(&b).await),
+        "B's and C's renewed slots still held"
+    );
+    clock.advance(Duration::from_secs(6));
+    // At 16 s B's slot has expired too; C's two, renewed at 10 s, hold until 20 s.
+    assert_eq!(operate(&a, Operation::Peek(0)).await.remaining(), 1);
+    vec![a.state_key(b"team", &streams)]
+}
