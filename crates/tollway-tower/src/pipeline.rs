@@ -21,7 +21,9 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use pin_project_lite::pin_project;
 use smallvec::SmallVec;
-use tollway_core::{Checked, Clock, Decisions, Policy, Store, StoreError, StoreErrorKind};
+use tollway_core::{
+    Algorithm, Checked, Clock, Decisions, Policy, Store, StoreError, StoreErrorKind,
+};
 
 use crate::access::{AccessLists, Listed};
 use crate::headers::{HeaderStyle, LimitValues, RateLimitHeaders};
@@ -30,7 +32,7 @@ use crate::limits::{Limits, Selected, sent_uri};
 use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, unknown_key};
 use crate::rejection::{Refusal, Rejection, RejectionHandler};
 use crate::report::{DecisionEvent, DecisionOutcome, Failures, Reporter};
-use crate::settle::{Reservation, Settle, Usage};
+use crate::settle::{Renewals, Reservation, Settle, Usage};
 use crate::shadow::Shadow;
 use crate::verdict::{Verdict, max_delay, most_restrictive, restriction};
 
@@ -155,6 +157,8 @@ pub(crate) struct Limiter<St> {
     /// Failures of the settlements after responses (`settle`).
     pub(crate) charge_failures: Failures,
     pub(crate) settle: Option<Settle>,
+    /// The slots of calls in flight, renewed until their calls end.
+    pub(crate) renewals: Renewals,
     pub(crate) lookups: Option<Lookups>,
 }
 
@@ -425,23 +429,38 @@ impl<St: Store> Limiter<St> {
         }
     }
 
-    /// The reservation to settle after the response to the request of `evaluation`, let
-    /// through: when the layer settles after responses and the settled policy is one of
-    /// the request's. A request the store failed to decide reserved nothing.
+    /// What the request of `evaluation`, let through, leaves for after its response:
+    /// the reservation to settle, when the layer settles a policy of the request's, and
+    /// the slots to give back, when it holds any. A request the store failed to decide
+    /// reserved nothing and holds nothing.
     #[inline]
     fn charge_for(&self, evaluation: Evaluation) -> Option<Reservation> {
-        let settle = self.settle.as_ref()?;
-        if evaluation.failed {
+        if (self.settle.is_none() && !self.renewals.any()) || evaluation.failed {
             return None;
         }
-        let at = evaluation
+        let cost_at = |at: usize| evaluation.each.get(at).copied().unwrap_or(evaluation.cost);
+        let reserved = self.settle.as_ref().and_then(|settle| {
+            let at = evaluation
+                .selected
+                .iter()
+                .position(|&i| i == settle.policy)?;
+            Some(cost_at(at))
+        });
+        let slots: SmallVec<[(usize, u32); 1]> = evaluation
             .selected
             .iter()
-            .position(|&i| i == settle.policy)?;
-        let reserved = evaluation.each.get(at).copied().unwrap_or(evaluation.cost);
+            .enumerate()
+            .filter(|&(_, &i)| self.limits.policy(i).algorithm() == Algorithm::Concurrency)
+            .map(|(at, &i)| (i, cost_at(at)))
+            .filter(|&(_, cost)| cost > 0)
+            .collect();
+        if reserved.is_none() && slots.is_empty() {
+            return None;
+        }
         Some(Reservation {
             key: evaluation.key,
             reserved,
+            slots,
             usage: Usage::new(),
         })
     }

@@ -1,20 +1,29 @@
+//! What a call leaves to do once its response has ended: settle what it reserved, and
+//! give back the slots it held.
+//!
 //! Reserve, then settle: a request reserves its cost from a policy when it is admitted,
-//! and the policy is settled to what the call used once the response has ended.
+//! and the policy is settled to what the call used once the response has ended. A
+//! request under a limit on calls in flight ([`Algorithm::Concurrency`]) holds its slots
+//! from admission to the end of its response, renewed meanwhile ([`Renewals`]).
 //!
 //! The work is done when the response body ends, or when the call stops short: the
 //! service fails, the client goes away before the response, or the body is dropped
 //! before its end. A [`Settlement`] does it, and it runs as a [`Finish`]: polled by the
 //! body at its end, or done on drop.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use http::{Extensions, HeaderMap, StatusCode};
-use tollway_core::{Checked, Operation, Store};
+use parking_lot::Mutex;
+use smallvec::SmallVec;
+use tollway_core::{Algorithm, Checked, Operation, Policy, Store};
 
 use crate::key::Key;
 use crate::pipeline::Limiter;
@@ -129,16 +138,20 @@ impl fmt::Debug for Usage {
     }
 }
 
-/// A reservation to settle: the caller's key, what its request reserved from the
-/// settled policy, and what the call reports using.
+/// What an admitted call leaves to do after its response: the caller's key, what its
+/// request reserved from the settled policy (if that is one of its), the slots it
+/// holds, and what the call reports using.
 #[derive(Debug)]
 pub(crate) struct Reservation {
     pub(crate) key: Key,
-    pub(crate) reserved: u32,
+    pub(crate) reserved: Option<u32>,
+    /// Each limit on calls in flight of the request: its index in the layer's limits,
+    /// and the slots it took.
+    pub(crate) slots: SmallVec<[(usize, u32); 1]>,
     pub(crate) usage: Usage,
 }
 
-/// The settling of one admitted call's reservation.
+/// The settling of one admitted call's reservation, and the giving back of its slots.
 pub(crate) struct Settlement<St: Store> {
     limiter: Arc<Limiter<St>>,
     reservation: Reservation,
@@ -148,14 +161,22 @@ pub(crate) struct Settlement<St: Store> {
 enum State<F> {
     /// Not started.
     Open,
-    /// The store is settling (boxed: a store that answers later does I/O anyway).
-    Sent(Pin<Box<F>>),
-    /// Settled, or nothing to settle.
+    /// Operations to send, in order; the store is answering the one before, if any
+    /// (boxed: a store that answers later does I/O anyway).
+    Sending(SmallVec<[(usize, Operation); 2]>, Option<Pin<Box<F>>>),
+    /// Done, or nothing to do.
     Done,
 }
 
 impl<St: Store> Settlement<St> {
+    /// The work after the response to a call admitted with `reservation`; its slots are
+    /// renewed until then.
     pub(crate) fn new(limiter: &Arc<Limiter<St>>, reservation: Reservation) -> Self {
+        if !reservation.slots.is_empty() {
+            limiter
+                .renewals
+                .hold(limiter, &reservation.key, &reservation.slots, 1);
+        }
         Settlement {
             limiter: Arc::clone(limiter),
             reservation,
@@ -163,9 +184,10 @@ impl<St: Store> Settlement<St> {
         }
     }
 
-    /// What the handler reports it used, for it to report into.
-    pub(crate) fn usage(&self) -> &Usage {
-        &self.reservation.usage
+    /// What the handler reports it used, for it to report into: only for a call that
+    /// is settled.
+    pub(crate) fn usage(&self) -> Option<&Usage> {
+        self.reservation.reserved.map(|_| &self.reservation.usage)
     }
 
     /// Reads what the response says the call used, if it says.
@@ -181,35 +203,52 @@ impl<St: Store> Settlement<St> {
 
     /// The operation that settles the reservation: the difference between what the
     /// call used and what it reserved, or the rule's answer when nothing reported.
-    fn operation(&self) -> Option<Operation> {
-        let reserved = self.reservation.reserved;
+    fn settling(&self) -> Option<(usize, Operation)> {
+        let reserved = self.reservation.reserved?;
+        let settle = self.limiter.settle.as_ref()?;
         let used = match self.reservation.usage.get() {
             Some(used) => used,
-            None => match self.limiter.settle.as_ref()?.unsettled {
+            None => match settle.unsettled {
                 Unsettled::Keep => return None,
                 Unsettled::Refund => 0,
             },
         };
-        match used.cmp(&reserved) {
-            std::cmp::Ordering::Greater => Some(Operation::Charge(used - reserved)),
-            std::cmp::Ordering::Less => Some(Operation::Refund(reserved - used)),
-            std::cmp::Ordering::Equal => None,
-        }
+        let operation = match used.cmp(&reserved) {
+            std::cmp::Ordering::Greater => Operation::Charge(used - reserved),
+            std::cmp::Ordering::Less => Operation::Refund(reserved - used),
+            std::cmp::Ordering::Equal => return None,
+        };
+        Some((settle.policy, operation))
     }
 
-    /// Sends the settling operation: done at once, or the store's future.
-    fn send(&mut self) -> Option<St::Future> {
-        let operation = self.operation()?;
-        let settle = self.limiter.settle.as_ref()?;
-        let policy = self.limiter.limits.policy(settle.policy);
-        let key = self.reservation.key.as_bytes();
-        match self.limiter.store.operate(key, &[policy], operation) {
-            Checked::Ready(answer) => {
-                self.limiter.charged(answer);
-                None
-            }
-            Checked::Pending(future) => Some(future),
+    /// Everything to send: the settlement, then the slots given back. The slots are no
+    /// longer renewed from here on.
+    fn operations(&self) -> SmallVec<[(usize, Operation); 2]> {
+        let slots = &self.reservation.slots;
+        if !slots.is_empty() {
+            let limiter = &self.limiter;
+            limiter
+                .renewals
+                .hold(limiter, &self.reservation.key, slots, -1);
         }
+        let mut operations: SmallVec<[(usize, Operation); 2]> =
+            self.settling().into_iter().collect();
+        operations.extend(slots.iter().map(|&(i, cost)| (i, Operation::Refund(cost))));
+        operations
+    }
+
+    /// Sends the operations left, in order, until one waits: `None` once all are done.
+    fn send(&self, operations: &mut SmallVec<[(usize, Operation); 2]>) -> Option<St::Future> {
+        while !operations.is_empty() {
+            let (policy, operation) = operations.remove(0);
+            let policy = self.limiter.limits.policy(policy);
+            let key = self.reservation.key.as_bytes();
+            match self.limiter.store.operate(key, &[policy], operation) {
+                Checked::Ready(answer) => self.limiter.charged(answer),
+                Checked::Pending(future) => return Some(future),
+            }
+        }
+        None
     }
 }
 
@@ -217,16 +256,17 @@ impl<St: Store> Finish for Settlement<St> {
     fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         loop {
             match &mut self.state {
-                State::Open => {
-                    self.state = match self.send() {
-                        Some(future) => State::Sent(Box::pin(future)),
-                        None => State::Done,
+                State::Open => self.state = State::Sending(self.operations(), None),
+                State::Sending(operations, waiting) => {
+                    if let Some(future) = waiting {
+                        let answer = ready!(future.as_mut().poll(cx));
+                        self.limiter.charged(answer);
                     }
-                }
-                State::Sent(future) => {
-                    let answer = ready!(future.as_mut().poll(cx));
-                    self.limiter.charged(answer);
-                    self.state = State::Done;
+                    let mut operations = std::mem::take(operations);
+                    self.state = match self.send(&mut operations) {
+                        Some(future) => State::Sending(operations, Some(Box::pin(future))),
+                        None => State::Done,
+                    };
                 }
                 State::Done => return Poll::Ready(()),
             }
@@ -235,26 +275,39 @@ impl<St: Store> Finish for Settlement<St> {
 }
 
 impl<St: Store> Drop for Settlement<St> {
-    /// The call stopped short, or its body was dropped: settles now, and lets a store
-    /// that answers later finish on its own task.
+    /// The call stopped short, or its body was dropped: settles and frees now, and lets
+    /// a store that answers later finish on its own task.
     fn drop(&mut self) {
-        let future = match std::mem::replace(&mut self.state, State::Done) {
+        let (mut operations, waiting) = match std::mem::replace(&mut self.state, State::Done) {
             State::Done => return,
-            State::Open => match self.send() {
-                Some(future) => Box::pin(future),
-                None => return,
-            },
-            State::Sent(future) => future,
+            State::Open => (self.operations(), None),
+            State::Sending(operations, waiting) => (operations, waiting),
+        };
+        if waiting.is_none() && operations.is_empty() {
+            return;
+        }
+        // What answers at once is done here; the rest waits on a task.
+        let first = match waiting {
+            Some(future) => Some(future),
+            None => self.send(&mut operations).map(Box::pin),
+        };
+        let Some(first) = first else {
+            return;
         };
         let limiter = Arc::clone(&self.limiter);
+        let key = self.reservation.key.clone();
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
-                    let answer = future.await;
-                    limiter.charged(answer);
+                    limiter.charged(first.await);
+                    for (policy, operation) in operations {
+                        let policy = limiter.limits.policy(policy);
+                        let answer = limiter.store.operate(key.as_bytes(), &[policy], operation);
+                        limiter.charged(answer.await);
+                    }
                 });
             }
-            // No runtime to finish on: the operation is dropped, and told as failed.
+            // No runtime to finish on: the operations are dropped, and told as failed.
             Err(_) => limiter.charged(Err(tollway_core::StoreError::new(
                 tollway_core::StoreErrorKind::Other,
                 "a response ended outside a tokio runtime: its settlement was dropped",
@@ -263,5 +316,96 @@ impl<St: Store> Drop for Settlement<St> {
     }
 }
 
+/// The slots of the calls in flight, renewed in the background until their calls end,
+/// so that a long call keeps them. One task a layer's limits, started by the first
+/// slot held; it stops with the limits.
+pub(crate) struct Renewals {
+    /// Slots held, by key and policy index.
+    held: Mutex<HashMap<(Key, usize), u64>>,
+    /// How often the slots are renewed: a third of the shortest lease, or `None` when
+    /// no policy limits calls in flight.
+    every: Option<Duration>,
+    started: AtomicBool,
+}
+
+impl Renewals {
+    /// The renewals of `policies`' slots.
+    pub(crate) fn new(policies: &[Policy]) -> Self {
+        let every = policies
+            .iter()
+            .filter(|p| p.algorithm() == Algorithm::Concurrency)
+            .map(|p| p.quota().period() / 3)
+            .min()
+            .map(|d| d.max(Duration::from_millis(1)));
+        Renewals {
+            held: Mutex::new(HashMap::new()),
+            every,
+            started: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether any policy limits calls in flight.
+    pub(crate) fn any(&self) -> bool {
+        self.every.is_some()
+    }
+
+    /// Counts `slots` of `key` as held (`by` 1) or given back (`by` −1).
+    fn hold<St: Store>(
+        &self,
+        limiter: &Arc<Limiter<St>>,
+        key: &Key,
+        slots: &[(usize, u32)],
+        by: i8,
+    ) {
+        {
+            let mut held = self.held.lock();
+            for &(policy, _) in slots {
+                let entry = (key.clone(), policy);
+                if by > 0 {
+                    *held.entry(entry).or_insert(0) += 1;
+                } else if let Some(count) = held.get_mut(&entry) {
+                    *count -= 1;
+                    if *count == 0 {
+                        held.remove(&entry);
+                    }
+                }
+            }
+        }
+        if by > 0 && !self.started.swap(true, Ordering::AcqRel) {
+            self.start(Arc::downgrade(limiter));
+        }
+    }
+
+    /// Renews every slot held, every `every`, while the limits live.
+    fn start<St: Store>(&self, limiter: Weak<Limiter<St>>) {
+        let (Some(every), Ok(runtime)) = (self.every, tokio::runtime::Handle::try_current()) else {
+            return;
+        };
+        runtime.spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks.tick().await;
+            loop {
+                ticks.tick().await;
+                let Some(limiter) = limiter.upgrade() else {
+                    return;
+                };
+                let held: Vec<(Key, usize)> =
+                    limiter.renewals.held.lock().keys().cloned().collect();
+                for (key, policy) in held {
+                    let policy = limiter.limits.policy(policy);
+                    let renewal =
+                        limiter
+                            .store
+                            .operate(key.as_bytes(), &[policy], Operation::Charge(0));
+                    limiter.charged(renewal.await);
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod in_flight;
 #[cfg(test)]
 mod tests;

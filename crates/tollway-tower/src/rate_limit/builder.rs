@@ -19,7 +19,7 @@ use crate::lookup::{LookupSettings, Lookups, OnLookupError, TierLookup};
 use crate::pipeline::{CostFn, Limiter, MissingKey, OnStoreError, PolicyCostFn, Protocol};
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 use crate::report::{DecisionListener, Failures, Reporter};
-use crate::settle::{Settle, Unsettled, UsedFn};
+use crate::settle::{Renewals, Settle, Unsettled, UsedFn};
 use crate::shadow::Shadow;
 
 use super::layer::RateLimitLayer;
@@ -566,6 +566,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         let charge_failures =
             Failures::new("post-response settlement", Arc::clone(&settings.wall_clock));
         let reporter = Reporter::new(settings.listener, limits.policies());
+        let renewals = Renewals::new(limits.policies());
         let limit_values = LimitValues::new(limits.policies());
         let lookups = match settings.lookup {
             Some(lookup) => {
@@ -598,6 +599,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 failures,
                 charge_failures,
                 settle,
+                renewals,
                 lookups,
             })),
             key: Arc::new(key),

@@ -101,8 +101,8 @@ pub(super) fn call<S, B, St: Store>(
 where
     S: Service<Request<B>>,
 {
-    if let Some(after) = after {
-        request.extensions_mut().insert(after.usage().clone());
+    if let Some(usage) = after.and_then(Settlement::usage) {
+        request.extensions_mut().insert(usage.clone());
     }
     service.call(request)
 }
