@@ -89,3 +89,9 @@ async fn a_request_refused_by_its_token_limit_takes_no_request_unit() {
 async fn gateways_share_slots_on_the_cluster() {
     suites::concurrency_across_gateways(&cluster()).await;
 }
+
+/// Three gateways on the Cluster, 3 × 64 callers at once: never more than the slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_gateways_on_the_cluster_never_have_more_calls_inside_than_the_slots() {
+    suites::in_flight_across_gateways(&cluster()).await;
+}

@@ -16,6 +16,7 @@
 mod answers;
 mod breaker;
 mod cluster;
+mod in_flight;
 mod leases;
 mod migration;
 mod outage;

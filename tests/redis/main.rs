@@ -397,3 +397,11 @@ async fn a_limits_files_leases_decide_a_hot_caller_here() {
 async fn gateways_share_slots_and_a_silent_gateway_loses_its_own() {
     suites::concurrency_across_gateways(&shared()).await;
 }
+
+/// Three gateways, 3 × 64 callers at once: never more than the 5 slots' calls inside
+/// the handler, counted by the handler itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_gateways_never_have_more_calls_inside_than_the_slots() {
+    let ((admitted, refused, most), _) = suites::in_flight_across_gateways(&shared()).await;
+    println!("admitted {admitted}, refused {refused}, at most {most} inside at once");
+}

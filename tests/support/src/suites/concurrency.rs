@@ -79,3 +79,96 @@ pub async fn concurrency_across_gateways(target: &Target) -> Vec<String> {
     assert_eq!(operate(&a, Operation::Peek(0)).await.remaining(), 1);
     vec![a.state_key(b"team", &streams)]
 }
+
+/// Three gateways (axum servers over real HTTP, each with its own `RedisStore` on the
+/// server's clock) share 5 slots for one caller, and 64 clients a gateway call them at
+/// once, 12 calls each. The handler counts the calls inside it: never more than 5 at
+/// once, and 5 at some point (the limit was reached). Returns (calls admitted, calls
+/// refused, the most inside at once) and the keys it used.
+///
+/// # Panics
+///
+/// When more than 5 calls are inside the handler at once, or an answer is neither a 200
+/// nor a 429.
+pub async fn in_flight_across_gateways(target: &Target) -> ((u64, u64, usize), Vec<String>) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+    use axum::Router;
+    use axum::routing::get;
+    use tollway_tower::{GlobalKey, RateLimitLayer};
+
+    const SLOTS: usize = 5;
+    let prefix = unique_prefix("inflight-http");
+    let streams = Policy::new(
+        "streams",
+        Algorithm::Concurrency,
+        Quota::with_period(SLOTS as u32, Duration::from_secs(30)).unwrap(),
+    )
+    .unwrap();
+    let inside = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let mut servers = Vec::new();
+    let mut key = String::new();
+    for _ in 0..3 {
+        let store = target
+            .connect(RedisStore::builder().prefix(prefix.clone()).deny_cache(0))
+            .await;
+        key = store.state_key(b"global:", &streams);
+        let layer = RateLimitLayer::builder(store, streams.clone())
+            .key(GlobalKey)
+            .build()
+            .unwrap();
+        let (inside, most) = (Arc::clone(&inside), Arc::clone(&most));
+        let app = Router::new()
+            .route(
+                "/work",
+                get(move || {
+                    let (inside, most) = (Arc::clone(&inside), Arc::clone(&most));
+                    async move {
+                        let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(now, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        "done"
+                    }
+                }),
+            )
+            .layer(layer);
+        servers.push(crate::http::Server::start(app).await);
+    }
+    let (admitted, refused) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut tasks = Vec::new();
+    for server in &servers {
+        for _ in 0..64 {
+            let client = server.client();
+            let (admitted, refused) = (Arc::clone(&admitted), Arc::clone(&refused));
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..12 {
+                    let reply = client.get("/work").await;
+                    match reply.status.as_u16() {
+                        200 => admitted.fetch_add(1, Ordering::Relaxed),
+                        429 => refused.fetch_add(1, Ordering::Relaxed),
+                        other => panic!("answered {other}: {}", reply.body),
+                    };
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let most = most.load(Ordering::SeqCst);
+    assert!(
+        most <= SLOTS,
+        "{most} calls inside at once, with {SLOTS} slots"
+    );
+    assert_eq!(most, SLOTS, "the slots were all taken at some point");
+    let counts = (
+        admitted.load(Ordering::Relaxed),
+        refused.load(Ordering::Relaxed),
+        most,
+    );
+    assert!(counts.0 > 0 && counts.1 > 0, "{counts:?}");
+    ((counts), vec![key])
+}

@@ -18,7 +18,7 @@ mod costs;
 mod lease;
 mod script;
 
-pub use concurrency::concurrency_across_gateways;
+pub use concurrency::{concurrency_across_gateways, in_flight_across_gateways};
 pub use conformance::{clock_skew, conformance, conformance_multi, conformance_server_time};
 pub use costs::a_refused_token_takes_no_request_unit;
 pub use lease::{Counted, leased_atomicity, lend_conformance, lend_conformance_server_time};
