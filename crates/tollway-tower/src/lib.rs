@@ -200,6 +200,42 @@
 //! # Ok::<(), tollway_tower::ConfigError>(())
 //! ```
 //!
+//! ## Calls in flight
+//!
+//! A policy of [`Algorithm::Concurrency`] limits how many of a caller's requests are
+//! in flight: from admission to the end of the response body. A streamed answer (SSE,
+//! chunked, a gRPC server stream) holds its slot until its last chunk. A dropped body
+//! or a cancelled request frees it. The quota's limit is the slots; its period is how
+//! long a slot lives unrenewed. The layer renews the slots it holds, so a long stream
+//! keeps its own. A gateway that dies frees its slots in Redis within one period.
+//!
+//! It is decided with the request's rate limits, all or nothing: a request refused by
+//! a rate takes no slot, and one refused for want of a slot charges no rate. Tiers and
+//! routes take it like any policy.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollway_tower::{Algorithm, GlobalKey, MemoryStore, Policy, Quota, RateLimitLayer};
+//!
+//! let requests = Policy::new("requests", Algorithm::Gcra, Quota::per_minute(60)?)?;
+//! // 4 streams at once; a slot nobody renews lives 30 s.
+//! let streams = Quota::with_period(4, Duration::from_secs(30))?;
+//! let streams = Policy::new("streams", Algorithm::Concurrency, streams)?;
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), requests)
+//!     .route(None, "/v1/chat/*", streams)
+//!     .build()?;
+//! # let _ = layer;
+//! # Ok::<(), tollway_tower::ConfigError>(())
+//! ```
+//!
+//! A refusal is a 429 (gRPC `RESOURCE_EXHAUSTED`) like a rate's. What its fields can
+//! say differs. `X-RateLimit-Limit` (`q`) is the slots and `Remaining` (`r`) the free
+//! ones. No store can foresee when a call ends, so `Retry-After` is a guess: 1 second
+//! (the period if shorter). The IETF fields describe a quota over a window, and calls in
+//! flight have none. Their `w` and `t`, and `X-RateLimit-Reset`, say when the slots held
+//! would expire unrenewed: the latest they can all be free, not when one will be. A
+//! client backs off by `Retry-After` and watches `r`.
+//!
 //! ## Operating it
 //!
 //! Everything here works for the memory store and Redis alike. `examples/axum_app.rs`

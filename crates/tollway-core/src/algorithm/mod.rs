@@ -15,7 +15,7 @@
 //! | [sliding window log](sliding_log) | limit in any window | 1 entry per unit | exact | up to 10,000 a period |
 //! | [sliding window counter](sliding_counter) | approximates the log | 2 counters + time | estimate | any |
 //! | [GCRA](gcra) | up to `burst` at once | 1 integer | rate rounded up to 1 µs | any |
-//! | [concurrency](concurrency) | `limit` calls in flight | 2 integers (Redis: a gateway) | exact | any |
+//! | [`concurrency`] | `limit` calls in flight | 2 integers (Redis: a gateway) | exact | any |
 //!
 //! "Any" is any quota [`Quota`](crate::Quota) accepts: limit × period and burst ×
 //! period within 2^52 microseconds. A decision costs the same at any limit, in memory
