@@ -22,7 +22,7 @@
 //! | `X-API-Key: demo-pro-key` (tier Pro)     | 10,000 / min |
 //! | no key, or a key we do not know          | 20 / min per IP |
 //! | `/api/v1/checkout` (GET or POST), anyone | also 5 / min per caller |
-//! | `POST /api/v1/completions?tokens=N`      | also 1,000 tokens / min per caller, charged after the response |
+//! | `POST /api/v1/completions?tokens=N`      | also 1,000 tokens / min per caller, settled after the response |
 //! | `X-API-Key: demo-partner-key`            | allow list: not limited |
 //! | `X-API-Key: demo-banned-key`             | deny list: 403 |
 //!

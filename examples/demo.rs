@@ -18,6 +18,7 @@ use tracing_subscriber::EnvFilter;
 pub mod axum_app;
 pub mod guard;
 pub mod lab;
+pub mod llm;
 
 /// The demo API keys and the tier each belongs to.
 pub const DEMO_KEYS: [(&str, &str); 2] = [("demo-free-key", "free"), ("demo-pro-key", "pro")];
