@@ -30,7 +30,7 @@
 //! let store = MemoryStore::builder().clock(clock.clone()).build()?;
 //!
 //! let report = Conformance::new(2_000).one_limit(&store, &clock).await;
-//! assert_eq!(report.events(), 2_000 * 7); // every algorithm
+//! assert_eq!(report.events(), 2_000 * 8); // every algorithm, and calls in flight
 //! Conformance::new(2_000).all_or_nothing(&store, &clock).await;
 //! # Ok(())
 //! # }
