@@ -114,17 +114,7 @@ async fn serve(
     println!("limits: {config} (watched: edit it and the next request sees the change)");
 
     print_usage(addr, doors);
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async {
-        // If the signal handler cannot be installed, serve until killed.
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    })
-    .await?;
+    demo::serve_until_ctrl_c(listener, app).await?;
     Ok(())
 }
 

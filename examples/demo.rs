@@ -69,6 +69,25 @@ pub async fn listen(default: u16) -> Result<(TcpListener, SocketAddr), Box<dyn E
     Ok((listener, addr))
 }
 
+/// Serves `app` on `listener` with each connection's address (`ConnectInfo`), until
+/// Ctrl-C (or until killed, where the signal cannot be caught).
+///
+/// # Errors
+///
+/// When the server fails.
+pub async fn serve_until_ctrl_c(listener: TcpListener, app: axum::Router) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    })
+    .await
+}
+
 /// The Redis store at `url`, or an error that says what to do.
 ///
 /// Its breaker and local fallback are the store's defaults: when Redis stalls or dies,

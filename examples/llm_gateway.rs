@@ -20,7 +20,7 @@
 //! stream holds its slot until its last event, or until the client goes away.
 
 use std::error::Error;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::Ipv4Addr;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -69,15 +69,6 @@ async fn run() -> Result<(), Box<dyn Error>> {
         "  curl -N -H 'X-API-Key: team-1-key' -d '{{\"max_tokens\": 200}}' localhost:{}/v1/completions",
         addr.port()
     );
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    })
-    .await?;
+    demo::serve_until_ctrl_c(listener, app).await?;
     Ok(())
 }

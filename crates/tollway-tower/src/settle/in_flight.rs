@@ -4,34 +4,18 @@
 //! and a request refused by one limit takes nothing from another.
 
 use std::convert::Infallible;
-use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
 use tower::{Layer, Service, ServiceExt};
 
+use super::tests::Frames;
 use crate::{GlobalKey, RateLimitLayer, ResponseBody, TokioClock};
-
-/// A body whose frames the test sends; it ends when the sender is dropped.
-struct Frames(mpsc::Receiver<Bytes>);
-
-impl Body for Frames {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
-    }
-}
 
 type Boxed = tower::util::BoxCloneService<Request<()>, Response<ResponseBody<Frames>>, Infallible>;
 

@@ -22,7 +22,7 @@ use super::*;
 use crate::{GlobalKey, RateLimitLayer, ResponseBody};
 
 /// A body whose frames the test sends; it ends when the sender is dropped.
-struct Frames(mpsc::Receiver<Bytes>);
+pub(super) struct Frames(pub(super) mpsc::Receiver<Bytes>);
 
 impl Body for Frames {
     type Data = Bytes;

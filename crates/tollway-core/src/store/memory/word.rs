@@ -213,41 +213,31 @@ fn count_bits(quota: &Quota) -> u32 {
     u64::BITS - quota.limit().leading_zeros()
 }
 
-impl Packs for fixed_window::State {
-    #[inline]
-    fn may_pack(now: u64, quota: &Quota, origin: u64) -> bool {
-        pair_may_pack(now, count_bits(quota), origin)
-    }
+/// `Packs` for a state of an instant (`end`) and a count up to the limit: the fixed
+/// window's, and the slots of calls in flight.
+macro_rules! packs_end_and_count {
+    ($($state:ty),+) => {$(
+        impl Packs for $state {
+            #[inline]
+            fn may_pack(now: u64, quota: &Quota, origin: u64) -> bool {
+                pair_may_pack(now, count_bits(quota), origin)
+            }
 
-    #[inline]
-    fn pack(self, quota: &Quota, origin: u64) -> Option<u64> {
-        pack_pair(self.end, self.count, count_bits(quota), origin)
-    }
+            #[inline]
+            fn pack(self, quota: &Quota, origin: u64) -> Option<u64> {
+                pack_pair(self.end, self.count, count_bits(quota), origin)
+            }
 
-    #[inline]
-    fn unpack(word: u64, _: &Quota, origin: u64) -> Self {
-        let (end, count) = unpack_pair(word, origin);
-        fixed_window::State { end, count }
-    }
+            #[inline]
+            fn unpack(word: u64, _: &Quota, origin: u64) -> Self {
+                let (end, count) = unpack_pair(word, origin);
+                Self { end, count }
+            }
+        }
+    )+};
 }
 
-impl Packs for concurrency::State {
-    #[inline]
-    fn may_pack(now: u64, quota: &Quota, origin: u64) -> bool {
-        pair_may_pack(now, count_bits(quota), origin)
-    }
-
-    #[inline]
-    fn pack(self, quota: &Quota, origin: u64) -> Option<u64> {
-        pack_pair(self.end, self.count, count_bits(quota), origin)
-    }
-
-    #[inline]
-    fn unpack(word: u64, _: &Quota, origin: u64) -> Self {
-        let (end, count) = unpack_pair(word, origin);
-        concurrency::State { end, count }
-    }
-}
+packs_end_and_count!(fixed_window::State, concurrency::State);
 
 /// The `b` of a sliding window counter's word, whose form is its own (see the module
 /// docs): no pair's (`b ≤ 27`) nor [`FRESH`]'s.
