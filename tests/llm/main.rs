@@ -80,6 +80,9 @@ struct Tally {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fleet_spends_its_token_budget_and_streams_no_more_than_allowed() {
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap();
     let streaming = Arc::new(llm::Streaming::default());
     let model = Server::start(llm::model(
         Duration::from_micros(500),
@@ -176,6 +179,35 @@ async fn the_fleet_spends_its_token_budget_and_streams_no_more_than_allowed() {
         "spent {used} of {budget:.0}: the budget was not used"
     );
     assert_eq!(most, STREAMS, "the streams' ceiling was reached and held");
+
+    // The metrics tell the settlements and the slots: none held once all have ended.
+    let scrape = metrics.render();
+    let value = |series: &str| {
+        scrape
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert_eq!(
+        value(r#"tollway_in_flight{policy="streams"}"#),
+        0.0,
+        "{scrape}"
+    );
+    let settled = |how: &str| {
+        value(&format!(
+            r#"tollway_settlements_total{{policy="tokens",settled="{how}"}}"#
+        ))
+    };
+    let admitted = tally.admitted.load(Ordering::Relaxed) as f64;
+    assert!(
+        settled("charged") > 0.0 && settled("refunded") > 0.0,
+        "{scrape}"
+    );
+    assert_eq!(
+        settled("charged") + settled("refunded") + settled("exact"),
+        admitted,
+        "{scrape}"
+    );
 }
 
 /// The `completion_tokens` of the usage event in a stream.

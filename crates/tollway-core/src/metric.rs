@@ -63,6 +63,23 @@ pub const DECISIONS: Metric = Metric {
     help: "Requests the rate limiter decided, by the policy it reported and the outcome",
 };
 
+/// Slots of calls in flight the layer holds, by policy (tower, `metrics`): see
+/// [`Algorithm::Concurrency`](crate::Algorithm::Concurrency).
+pub const IN_FLIGHT: Metric = Metric {
+    name: "tollway_in_flight",
+    kind: Kind::Gauge,
+    labels: &["policy"],
+    help: "Slots of calls in flight this layer holds (taken at admission, given back when the response ends)",
+};
+
+/// Calls settled after their responses, by how (tower, `metrics`).
+pub const SETTLEMENTS: Metric = Metric {
+    name: "tollway_settlements_total",
+    kind: Kind::Counter,
+    labels: &["policy", "settled"],
+    help: "Calls settled after their responses (settled: charged, used more than reserved; refunded, used less; exact; kept or given back, nothing reported)",
+};
+
 /// How long a call to a remote store took (core, `metrics` and `redis`).
 pub const STORE_DURATION: Metric = Metric {
     name: "tollway_store_duration_seconds",
@@ -138,6 +155,8 @@ pub const CONFIG_LOADED: Metric = Metric {
 /// Every metric, in the order above.
 pub const ALL: &[Metric] = &[
     DECISIONS,
+    IN_FLIGHT,
+    SETTLEMENTS,
     STORE_DURATION,
     DENY_CACHE_HITS,
     BREAKER_STATE,

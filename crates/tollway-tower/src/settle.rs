@@ -206,19 +206,27 @@ impl<St: Store> Settlement<St> {
     fn settling(&self) -> Option<(usize, Operation)> {
         let reserved = self.reservation.reserved?;
         let settle = self.limiter.settle.as_ref()?;
-        let used = match self.reservation.usage.get() {
-            Some(used) => used,
+        let (used, how) = match self.reservation.usage.get() {
+            Some(used) => (used, None),
             None => match settle.unsettled {
-                Unsettled::Keep => return None,
-                Unsettled::Refund => 0,
+                Unsettled::Keep => (reserved, Some("kept")),
+                Unsettled::Refund => (0, Some("given_back")),
             },
         };
-        let operation = match used.cmp(&reserved) {
-            std::cmp::Ordering::Greater => Operation::Charge(used - reserved),
-            std::cmp::Ordering::Less => Operation::Refund(reserved - used),
-            std::cmp::Ordering::Equal => return None,
+        let (operation, settled) = match used.cmp(&reserved) {
+            std::cmp::Ordering::Greater => (Some(Operation::Charge(used - reserved)), "charged"),
+            std::cmp::Ordering::Less => (Some(Operation::Refund(reserved - used)), "refunded"),
+            std::cmp::Ordering::Equal => (None, "exact"),
         };
-        Some((settle.policy, operation))
+        #[cfg(feature = "metrics")]
+        metrics::counter!(
+            tollway_core::metric::SETTLEMENTS.name,
+            "policy" => self.limiter.limits.policy(settle.policy).name().to_owned(),
+            "settled" => how.unwrap_or(settled),
+        )
+        .increment(1);
+        let _ = (how, settled);
+        Some((settle.policy, operation?))
     }
 
     /// Everything to send: the settlement, then the slots given back. The slots are no
@@ -357,6 +365,16 @@ impl Renewals {
         slots: &[(usize, u32)],
         by: i8,
     ) {
+        #[cfg(feature = "metrics")]
+        for &(policy, cost) in slots {
+            let name = limiter.limits.policy(policy).name().to_owned();
+            let gauge = metrics::gauge!(tollway_core::metric::IN_FLIGHT.name, "policy" => name);
+            if by > 0 {
+                gauge.increment(f64::from(cost));
+            } else {
+                gauge.decrement(f64::from(cost));
+            }
+        }
         {
             let mut held = self.held.lock();
             for &(policy, _) in slots {

@@ -142,6 +142,12 @@ fn ten_a_minute(name: &str) -> Policy {
     Policy::new(name, Algorithm::TokenBucket, Quota::per_minute(10).unwrap()).unwrap()
 }
 
+/// One call in flight; a slot lives 30 s unrenewed.
+fn one_in_flight(name: &str) -> Policy {
+    let quota = Quota::with_period(1, std::time::Duration::from_secs(30)).unwrap();
+    Policy::new(name, Algorithm::Concurrency, quota).unwrap()
+}
+
 fn hundred_a_minute(name: &str) -> Policy {
     Policy::new(
         name,
@@ -347,6 +353,32 @@ fn rows() -> Vec<Row> {
             told: &[DecisionOutcome::ShadowLimited, DecisionOutcome::Allowed],
             waits: 2,
             ..row("a policy in shadow refusing its own cost leaves the others at theirs")
+        },
+        Row {
+            layer: |b| b.route(None, "/api/*", one_in_flight("streams")),
+            path: "/api/x",
+            seen: allowed(Some("0")),
+            charged: true,
+            ..row("a request under a limit on calls in flight holds a slot to give back")
+        },
+        Row {
+            layer: |b| b.route(None, "/api/*", one_in_flight("streams")),
+            before: 1,
+            path: "/api/x",
+            seen: denied("streams"),
+            told: &[DecisionOutcome::Limited],
+            ..row("a request with no slot free is refused and holds none")
+        },
+        Row {
+            layer: |b| {
+                b.route(None, "/api/*", one_in_flight("streams"))
+                    .shadow_policy("streams")
+            },
+            before: 1,
+            path: "/api/x",
+            seen: allowed(Some("8")),
+            told: &[DecisionOutcome::ShadowLimited, DecisionOutcome::Allowed],
+            ..row("a limit on calls in flight in shadow refuses nothing and holds no slot")
         },
         Row {
             layer: charged_route,

@@ -1,15 +1,16 @@
 //! A cost per limit, through the layer over real HTTP: a request charges its request
-//! limit 1 and its token limit what it asks for, all or nothing, and the limit that
-//! refused is the one the 429 reports. Any store that decides each cost runs it.
+//! limit 1, its token limit what it asks for and its stream limit a slot, all or
+//! nothing, and the limit that refused is the one the 429 reports. Any store that
+//! decides each cost runs it.
 
 use axum::Router;
 use axum::routing::get;
 use tollway_core::{Algorithm, Policy, Quota, Store};
-use tollway_tower::{GlobalKey, RateLimitLayer};
+use tollway_tower::{GlobalKey, HeaderStyle, RateLimitLayer};
 
 use crate::http::Server;
 
-/// A request refused by its token limit takes no request unit.
+/// A request refused by its token limit takes no request unit and no slot.
 ///
 /// `store` must decide each cost ([`Store::check_each`]) and be on a clock that does not
 /// move during the suite: a bucket of 100 tokens a minute refills as it reads. `name`
@@ -31,9 +32,18 @@ pub async fn a_refused_token_takes_no_request_unit<St: Store>(store: St, name: &
         Quota::per_minute(100).unwrap(),
     )
     .unwrap();
+    // Two calls in flight; a slot nobody gives back would show on the next call.
+    let streams = Policy::new(
+        format!("{name}-streams"),
+        Algorithm::Concurrency,
+        Quota::with_period(2, std::time::Duration::from_secs(30)).unwrap(),
+    )
+    .unwrap();
     let layer = RateLimitLayer::builder(store, requests)
         .key(GlobalKey)
+        .headers(HeaderStyle::Both)
         .route(None, "/v1/complete", tokens)
+        .route(None, "/v1/complete", streams)
         .policy_cost(format!("{name}-tokens"), |_, _, headers, _| {
             headers
                 .get("x-tokens")
@@ -57,12 +67,13 @@ pub async fn a_refused_token_takes_no_request_unit<St: Store>(store: St, name: &
         }
     };
 
-    // 1 request and 60 tokens: both limits are charged; the headers report the one
-    // nearer its end (9 of 10 requests left against 40 of 100 tokens).
+    // 1 request, 60 tokens and a slot: all three are charged; the headers report the
+    // one nearest its end (1 of 2 slots left, against 9 of 10 requests and 40 of 100
+    // tokens).
     let reply = complete("60").await;
     assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-ratelimit-limit"), Some("10"));
-    assert_eq!(reply.header("x-ratelimit-remaining"), Some("9"));
+    assert_eq!(reply.header("x-ratelimit-limit"), Some("2"));
+    assert_eq!(reply.header("x-ratelimit-remaining"), Some("1"));
 
     // 60 tokens more do not fit: refused by the token limit, which the 429 reports.
     let reply = complete("60").await;
@@ -78,9 +89,15 @@ pub async fn a_refused_token_takes_no_request_unit<St: Store>(store: St, name: &
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-ratelimit-remaining"), Some("8"));
 
-    // What still fits passes: 40 tokens, the bucket's last.
+    // What still fits passes: 40 tokens, the bucket's last. It holds the one slot in
+    // use: the refused request left none behind, and the first gave its own back.
     let reply = complete("40").await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-ratelimit-remaining"), Some("0"));
     assert_eq!(reply.header("x-ratelimit-limit"), Some("100"));
+    let fields = reply.header("ratelimit").unwrap_or_default();
+    assert!(
+        fields.contains(&format!("\"{name}-streams\";r=1;")),
+        "{fields}"
+    );
 }
