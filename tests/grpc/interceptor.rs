@@ -135,7 +135,8 @@ fn the_interceptor_prices_a_call_as_a_post_to_its_method() {
 }
 
 /// An interceptor cannot hold a call, so a layer with a shaping policy (any tier, not
-/// only the default) refuses to make one, saying which policy and what to use instead.
+/// only the default) refuses to make one, saying which policy and what to use instead;
+/// and it never sees the response, so neither does a layer that holds slots or settles.
 #[test]
 fn an_interceptor_refuses_a_shaping_policy() {
     let clock = ManualClock::at_micros(EPOCH_US);
@@ -150,6 +151,28 @@ fn an_interceptor_refuses_a_shaping_policy() {
         error.to_string(),
         "policy \"shaped\" shapes requests by delaying them, which an interceptor cannot do: \
          use the layer (Server::builder().layer(..)) for shaping"
+    );
+
+    // Nor a limit on calls in flight, nor a settled one: it never sees the response.
+    let slots = Quota::with_period(2, std::time::Duration::from_secs(30)).unwrap();
+    let streams = Policy::new("streams", Algorithm::Concurrency, slots).unwrap();
+    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("per-ip", 10))
+        .grpc_method("/demo.Catalog/Export", streams)
+        .build()
+        .unwrap();
+    let error = layer.interceptor().unwrap_err().to_string();
+    assert!(
+        error.contains("\"streams\" limits calls in flight"),
+        "{error}"
+    );
+    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("per-ip", 10))
+        .settle("per-ip", |_, _, _| None)
+        .build()
+        .unwrap();
+    let error = layer.interceptor().unwrap_err().to_string();
+    assert!(
+        error.contains("settles a policy after responses"),
+        "{error}"
     );
 
     let rejecting = Policy::new("metered", Algorithm::LeakyBucket, quota).unwrap();

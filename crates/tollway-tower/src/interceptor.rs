@@ -50,6 +50,26 @@ impl<C, K> RateLimitInterceptor<C, K> {
                 p.name()
             )));
         }
+        // It never sees the response: a slot would never be given back, a reservation
+        // never settled.
+        if let Some(p) = limiter
+            .limits
+            .policies()
+            .iter()
+            .find(|p| p.algorithm() == Algorithm::Concurrency)
+        {
+            return Err(ConfigError::new(format!(
+                "policy {:?} limits calls in flight until their responses end, which an \
+                 interceptor never sees: use the layer (Server::builder().layer(..))",
+                p.name()
+            )));
+        }
+        if limiter.settle.is_some() {
+            return Err(ConfigError::new(
+                "the layer settles a policy after responses, which an interceptor never sees: \
+                 use the layer (Server::builder().layer(..))",
+            ));
+        }
         if limiter.lookups.is_some() {
             return Err(ConfigError::new(
                 "the layer looks tiers up, which takes a wait an interceptor cannot take: \

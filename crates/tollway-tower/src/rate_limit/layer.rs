@@ -286,7 +286,8 @@ impl<C: tollway_core::Clock, K> RateLimitLayer<tollway_core::MemoryStore<C>, K> 
     /// # Errors
     ///
     /// When one of the layer's policies shapes (delays) requests: an interceptor cannot
-    /// hold a request, so it would admit them undelayed.
+    /// hold a request, so it would admit them undelayed. When one limits calls in flight,
+    /// or the layer settles after responses: an interceptor never sees the response.
     pub fn interceptor(&self) -> Result<crate::RateLimitInterceptor<C, K>, ConfigError> {
         crate::RateLimitInterceptor::new(Arc::clone(&self.limiter), Arc::clone(&self.key))
     }
