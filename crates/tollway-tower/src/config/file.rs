@@ -389,13 +389,19 @@ impl LimitsFile {
         let _ = writeln!(out, "{}: valid", self.name);
         for (name, policy) in &self.policies {
             let q = policy.quota();
+            let quota = if policy.algorithm() == Algorithm::Concurrency {
+                format!(
+                    "{} at once, a slot living {:?} unrenewed",
+                    q.limit(),
+                    q.period()
+                )
+            } else {
+                format!("{} per {:?}, burst {}", q.limit(), q.period(), q.burst())
+            };
             let _ = write!(
                 out,
-                "  policy {name}: {} of {} per {:?}, burst {}{}{}",
+                "  policy {name}: {} of {quota}{}{}",
                 policy.algorithm().name(),
-                q.limit(),
-                q.period(),
-                q.burst(),
                 if *name == *file.layer.default.get_ref() {
                     " (default)"
                 } else {

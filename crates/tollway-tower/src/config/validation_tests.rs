@@ -248,3 +248,17 @@ fn costs_and_settlements_that_cannot_work_are_refused_where_they_are() {
     let err = error(&two, 15, 10);
     assert!(err.contains("one policy of a layer is settled"), "{err}");
 }
+
+/// A limit on calls in flight is said as what it is: slots at once, and how long one
+/// lives unrenewed.
+#[test]
+fn a_limit_on_calls_in_flight_is_summarised_as_slots() {
+    let streams = "\n[policies.streams]\nalgorithm = \"concurrency\"\nlimit = 4\nperiod = \"30s\"\n\n[[routes]]\npath = \"/llm\"\npolicy = \"streams\"\n";
+    let summary = LimitsFile::parse("limits.toml", &file(streams))
+        .unwrap()
+        .summary();
+    assert!(
+        summary.contains("policy streams: concurrency of 4 at once, a slot living 30s unrenewed\n"),
+        "{summary}"
+    );
+}
