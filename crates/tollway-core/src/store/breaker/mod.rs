@@ -461,10 +461,13 @@ where
     /// primary store, whatever the breaker says. Only the primary can look at or correct
     /// a caller's shared state. Asking it of a dead primary gets its error.
     ///
-    /// A charge or drain is part of serving a request, after its response. It goes to the
-    /// primary while the breaker is closed. While it is not, it goes to the local
-    /// fallback, if any. So an outage does not lift a settled budget. Without a
-    /// fallback, it fails at once. What the fallback charged stays local. It is not
+    /// A charge or drain is part of serving a request, after its response. So is a
+    /// refund of slots of calls in flight ([`Algorithm::Concurrency`](crate::Algorithm::Concurrency)
+    /// only): a call giving its slots back. These go to the primary while the breaker is
+    /// closed. While it is not, they go to the local fallback, if any. So an outage does
+    /// not lift a settled budget, and slots taken in the fallback are given back there.
+    /// (Slots the primary holds lapse there a lease after their last renewal.) Without a
+    /// fallback, they fail at once. What the fallback charged stays local. It is not
     /// replayed to the primary when it answers again.
     ///
     /// The outcome does not move the breaker.
@@ -474,9 +477,14 @@ where
         policies: &[&Policy],
         operation: Operation,
     ) -> Checked<Self::Future> {
-        if matches!(operation, Operation::Charge(_) | Operation::Drain(_))
-            && self.state() != BreakerState::Closed
-        {
+        let serving = match operation {
+            Operation::Charge(_) | Operation::Drain(_) => true,
+            Operation::Refund(_) => policies
+                .iter()
+                .all(|p| p.algorithm() == crate::Algorithm::Concurrency),
+            Operation::Peek(_) | Operation::Reset => false,
+        };
+        if serving && self.state() != BreakerState::Closed {
             return Checked::Ready(match &self.inner.fallback {
                 Some(fallback) => fallback.operate(key, policies, operation),
                 None => Err(StoreError::new(

@@ -280,6 +280,50 @@ fn charges_while_the_breaker_is_open_reach_the_fallback() {
     assert!(!next.is_allowed());
 }
 
+// A call that took its slot from the fallback during an outage gives it back there:
+// the slot is free again for the next call, while the store is still down.
+#[test]
+fn slots_taken_while_the_breaker_is_open_are_given_back_to_the_fallback() {
+    let flaky = Flaky::default();
+    let store = CircuitBreaker::builder(flaky.clone())
+        .threshold(1)
+        .local_fallback(1.0)
+        .clock(ManualClock::new())
+        .build()
+        .unwrap();
+    let slots = Quota::with_period(1, Duration::from_secs(30)).unwrap();
+    let streams = Policy::new("s", Algorithm::Concurrency, slots).unwrap();
+    flaky.down.store(true, Ordering::SeqCst);
+    assert!(
+        poll(store.check(b"k", &[&streams], 1).into_future())
+            .unwrap()
+            .is_allowed()
+    );
+    assert_eq!(store.state(), BreakerState::Open);
+    assert!(
+        !poll(store.check(b"k", &[&streams], 1).into_future())
+            .unwrap()
+            .is_allowed()
+    );
+    let calls = flaky.calls.load(Ordering::SeqCst);
+    let freed = store.operate(b"k", &[&streams], Operation::Refund(1));
+    assert_eq!(poll(freed.into_future()).unwrap()[0].remaining(), 1);
+    assert_eq!(
+        flaky.calls.load(Ordering::SeqCst),
+        calls,
+        "not sent to the store"
+    );
+    assert!(
+        poll(store.check(b"k", &[&streams], 1).into_future())
+            .unwrap()
+            .is_allowed()
+    );
+    // A refund of a rate is an administrator's: still the store's, and it is down.
+    let rate = Policy::new("r", Algorithm::Gcra, Quota::per_second(10).unwrap()).unwrap();
+    let refund = store.operate(b"k", &[&rate], Operation::Refund(1));
+    assert!(poll(refund.into_future()).is_err());
+}
+
 // Regression: a dead store logged an open/half-open pair every 350 ms for as long as
 // it was down. Now: one warning when it fails, one summary every 10 s while it stays
 // down, one line when it answers again, each naming the store.
