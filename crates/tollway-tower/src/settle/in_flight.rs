@@ -177,3 +177,84 @@ async fn a_request_refused_by_one_limit_takes_nothing_from_the_other() {
         "the tokens are spent"
     );
 }
+
+/// A gRPC server stream's body: messages, then trailers (`grpc-status`), then nothing.
+struct Streamed {
+    messages: mpsc::Receiver<Bytes>,
+    trailers: Option<http::HeaderMap>,
+}
+
+impl http_body::Body for Streamed {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        match std::task::ready!(self.messages.poll_recv(cx)) {
+            Some(message) => Poll::Ready(Some(Ok(http_body::Frame::data(message)))),
+            None => Poll::Ready(
+                self.trailers
+                    .take()
+                    .map(|t| Ok(http_body::Frame::trailers(t))),
+            ),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.trailers.is_none()
+    }
+}
+
+/// A server stream (messages, then trailers) holds its slot until its trailers are
+/// handed on, and they arrive whole.
+#[tokio::test(start_paused = true)]
+async fn a_server_stream_holds_its_slot_until_its_trailers() {
+    let one = Quota::with_period(1, Duration::from_secs(30)).unwrap();
+    let store = MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(
+        store,
+        Policy::new("streams", Algorithm::Concurrency, one).unwrap(),
+    )
+    .key(GlobalKey)
+    .build()
+    .unwrap();
+    let (calls, mut handed) = mpsc::unbounded_channel();
+    let service = layer.layer(tower::service_fn(move |_: Request<()>| {
+        let (messages, receiver) = mpsc::channel(8);
+        let _ = calls.send(messages);
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+        async move {
+            Ok::<_, Infallible>(Response::new(Streamed {
+                messages: receiver,
+                trailers: Some(trailers),
+            }))
+        }
+    }));
+    let call = || service.clone().oneshot(Request::new(()));
+    let mut body = call().await.unwrap().into_body();
+    let messages = handed.recv().await.unwrap();
+    messages.send(Bytes::from_static(b"message")).await.unwrap();
+    assert!(body.frame().await.unwrap().unwrap().is_data());
+    drop(messages);
+    assert_eq!(
+        call().await.unwrap().status(),
+        429,
+        "streaming: the slot is held"
+    );
+    let trailers = body
+        .frame()
+        .await
+        .unwrap()
+        .unwrap()
+        .into_trailers()
+        .unwrap();
+    assert_eq!(trailers["grpc-status"], "0");
+    assert!(body.frame().await.is_none());
+    assert_eq!(call().await.unwrap().status(), 200, "the trailers ended it");
+}
