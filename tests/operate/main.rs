@@ -26,9 +26,14 @@ const ADMIN: (&str, &str) = ("authorization", "Bearer test-admin");
 /// The axum example's application over `store`, served on a free loopback port (its
 /// metrics go to a recorder of its own, not installed: this binary does not read them).
 async fn example<St: Store + Clone>(store: St) -> (Server, Client) {
+    example_with(store, std::path::Path::new(demo::axum_app::DEFAULT_CONFIG)).await
+}
+
+/// The same, with its limits from the file at `config`.
+async fn example_with<St: Store + Clone>(store: St, config: &std::path::Path) -> (Server, Client) {
     let metrics = PrometheusBuilder::new().build_recorder().handle();
     let (app, _limits) = demo::axum_app::app(
-        std::path::Path::new(demo::axum_app::DEFAULT_CONFIG),
+        config,
         BoxStore::new(store),
         metrics,
         &demo::axum_app::Doors {
@@ -92,6 +97,47 @@ both_stores! {
         let names: Vec<&str> = all.as_array().unwrap().iter().map(|p| p["policy"].as_str().unwrap()).collect();
         assert_eq!(names, ["anonymous", "free", "pro", "checkout", "tokens"]);
         assert_eq!(all[0]["remaining"], 20);
+    }
+}
+
+both_stores! {
+    /// A limit on calls in flight, added to the example's file on completions: the admin
+    /// API peeks at its slots (none free while a call holds the one) and a reset frees
+    /// them, so the next completion goes through.
+    async fn the_admin_api_peeks_at_and_resets_slots_of_calls_in_flight(store, clock) {
+        let _ = &clock;
+        let mut text = std::fs::read_to_string(demo::axum_app::DEFAULT_CONFIG).unwrap();
+        text.push_str(
+            "\n[policies.streams]\nalgorithm = \"concurrency\"\nlimit = 1\nperiod = \"30s\"\n\n\
+             [[routes]]\npath = \"/api/v1/completions\"\npolicy = \"streams\"\n",
+        );
+        let dir = std::env::temp_dir().join(format!("tollway-streams-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join(format!("limits-{}.toml", support::unique_prefix("f")));
+        std::fs::write(&config, text).unwrap();
+        let (_server, client) = example_with(store.clone(), &config).await;
+        let path = "/admin/limits/streams/ip:127.0.0.1";
+        let completion = "/api/v1/completions?tokens=1";
+
+        assert_eq!(json(&client.get_with(path, &[ADMIN]).await.body)["remaining"], 1);
+        // A call in flight elsewhere holds the one slot.
+        let slots = tollway_core::Quota::with_period(1, Duration::from_secs(30)).unwrap();
+        let streams = tollway_core::Policy::new("streams", tollway_core::Algorithm::Concurrency, slots);
+        let held = store.check(b"ip:127.0.0.1", &[&streams.unwrap()], 1).await.unwrap();
+        assert!(held.is_allowed());
+        let peek = json(&client.get_with(path, &[ADMIN]).await.body);
+        assert_eq!(peek["remaining"], 0);
+        assert_eq!(peek["next_request_allowed"], false);
+        let refused = client.send(Method::POST, completion, &[]).await;
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused.header("x-ratelimit-limit"), Some("1"));
+
+        let reset = client.send(Method::DELETE, path, &[ADMIN]).await;
+        assert_eq!(json(&reset.body)["remaining"], 1);
+        assert_eq!(client.send(Method::POST, completion, &[]).await.status, StatusCode::OK);
+        // That call ended: its slot is free again.
+        assert_eq!(json(&client.get_with(path, &[ADMIN]).await.body)["remaining"], 1);
+        std::fs::remove_file(&config).unwrap();
     }
 }
 
