@@ -283,43 +283,41 @@ impl<St: Store> Finish for Settlement<St> {
 }
 
 impl<St: Store> Drop for Settlement<St> {
-    /// The call stopped short, or its body was dropped: settles and frees now, and lets
-    /// a store that answers later finish on its own task.
+    /// The call stopped short, or its body was dropped: settles and frees now what
+    /// answers at once, and lets a store that answers later finish on its own task.
     fn drop(&mut self) {
-        let (mut operations, waiting) = match std::mem::replace(&mut self.state, State::Done) {
+        let state = match std::mem::replace(&mut self.state, State::Done) {
             State::Done => return,
-            State::Open => (self.operations(), None),
-            State::Sending(operations, waiting) => (operations, waiting),
+            State::Open => State::Sending(self.operations(), None),
+            sending => sending,
         };
-        if waiting.is_none() && operations.is_empty() {
+        // The same work, moved out of `self` (its slots already counted as given back).
+        let mut rest = Settlement {
+            limiter: Arc::clone(&self.limiter),
+            reservation: Reservation {
+                key: self.reservation.key.clone(),
+                reserved: None,
+                slots: SmallVec::new(),
+                usage: Usage::new(),
+            },
+            state,
+        };
+        let mut at_once = Context::from_waker(std::task::Waker::noop());
+        if rest.poll_finish(&mut at_once).is_ready() {
             return;
         }
-        // What answers at once is done here; the rest waits on a task.
-        let first = match waiting {
-            Some(future) => Some(future),
-            None => self.send(&mut operations).map(Box::pin),
-        };
-        let Some(first) = first else {
-            return;
-        };
-        let limiter = Arc::clone(&self.limiter);
-        let key = self.reservation.key.clone();
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(async move {
-                    limiter.charged(first.await);
-                    for (policy, operation) in operations {
-                        let policy = limiter.limits.policy(policy);
-                        let answer = limiter.store.operate(key.as_bytes(), &[policy], operation);
-                        limiter.charged(answer.await);
-                    }
-                });
+                runtime.spawn(std::future::poll_fn(move |cx| rest.poll_finish(cx)));
             }
-            // No runtime to finish on: the operations are dropped, and told as failed.
-            Err(_) => limiter.charged(Err(tollway_core::StoreError::new(
-                tollway_core::StoreErrorKind::Other,
-                "a response ended outside a tokio runtime: its settlement was dropped",
-            ))),
+            // No runtime to finish on: what is left is dropped, and told as failed.
+            Err(_) => {
+                rest.state = State::Done;
+                rest.limiter.charged(Err(tollway_core::StoreError::new(
+                    tollway_core::StoreErrorKind::Other,
+                    "a response ended outside a tokio runtime: its settlement was dropped",
+                )));
+            }
         }
     }
 }
