@@ -1,9 +1,14 @@
 //! A gateway killed with calls in flight: its slots free themselves within one lease.
 //!
-//! The gateway is a process of its own: this test binary run again as
-//! `dead_gateway_child`, which serves three calls that never end through the tower
-//! layer over Redis, says so on its stdout, and is then killed (`SIGKILL`: nothing is
-//! given back). Its slots were renewed every third of the 2 s lease while it lived.
+//! The gateway is a process of its own: this test binary run again on this one test,
+//! with the Redis to use in its environment. There it is the gateway: it serves three
+//! calls that never end through the tower layer over Redis, says so on its stdout, and
+//! is then killed (`SIGKILL`: nothing is given back). Its slots were renewed every third
+//! of the 2 s lease while it lived.
+//!
+//! Real time passes here, as elsewhere in this binary: a killed process cannot share a
+//! manual clock, and Redis expires by its own `TIME`. The test waits for conditions
+//! (the first lease over on Redis's clock, the slots free), never a fixed time.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -27,55 +32,20 @@ fn streams() -> Policy {
     .unwrap()
 }
 
-/// The child: three calls in flight, held by a handler that never answers. Run only
-/// by the test below, through its environment.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the child process of a_killed_gateway_frees_its_slots_within_a_lease"]
-async fn dead_gateway_child() {
-    let (Ok(url), Ok(prefix)) = (
-        std::env::var("TOLLWAY_CHILD_REDIS"),
-        std::env::var("TOLLWAY_CHILD_PREFIX"),
-    ) else {
-        return;
-    };
-    let store = RedisStore::builder()
-        .prefix(prefix)
-        .connect(&url)
-        .await
-        .unwrap();
-    let layer = RateLimitLayer::builder(store, streams())
-        .key(GlobalKey)
-        .build()
-        .unwrap();
-    let entered = Arc::new(AtomicUsize::new(0));
-    let inside = Arc::clone(&entered);
-    let service = layer.layer(tower::service_fn(move |_: http::Request<()>| {
-        inside.fetch_add(1, Ordering::SeqCst);
-        std::future::pending::<Result<http::Response<String>, std::convert::Infallible>>()
-    }));
-    for _ in 0..3 {
-        let service = service.clone();
-        tokio::spawn(async move { service.oneshot(http::Request::new(())).await });
-    }
-    within("three calls inside", 10, async {
-        while entered.load(Ordering::SeqCst) < 3 {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
-    println!("held");
-    std::future::pending::<()>().await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_gateway_frees_its_slots_within_a_lease() {
+    if let (Ok(url), Ok(prefix)) = (
+        std::env::var("TOLLWAY_CHILD_REDIS"),
+        std::env::var("TOLLWAY_CHILD_PREFIX"),
+    ) {
+        return gateway_with_calls_in_flight(url, prefix).await;
+    }
     let server = RedisServer::start();
     let prefix = support::unique_prefix("dead");
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "in_flight::dead_gateway_child",
-            "--ignored",
+            "in_flight::a_killed_gateway_frees_its_slots_within_a_lease",
             "--nocapture",
         ])
         .env("TOLLWAY_CHILD_REDIS", server.url())
@@ -106,9 +76,16 @@ async fn a_killed_gateway_frees_its_slots_within_a_lease() {
             .unwrap()[0]
             .remaining()
     };
-    // Held, and kept past a lease by the child's renewals.
+    // Held, and kept past their first lease (on Redis's clock) by the child's renewals.
+    let mut node = server.connection().await;
+    let first_lease_ends = redis_now(&mut node).await + LEASE;
     assert_eq!(left().await, 2);
-    tokio::time::sleep(LEASE + Duration::from_millis(500)).await;
+    within("the first lease's end", 10, async {
+        while redis_now(&mut node).await <= first_lease_ends {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
     assert_eq!(left().await, 2, "the living gateway renews its slots");
 
     child.kill().unwrap();
@@ -116,7 +93,7 @@ async fn a_killed_gateway_frees_its_slots_within_a_lease() {
     let killed = Instant::now();
     within("the dead gateway's slots", 10, async {
         while left().await < 5 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::task::yield_now().await;
         }
     })
     .await;
@@ -128,4 +105,42 @@ async fn a_killed_gateway_frees_its_slots_within_a_lease() {
         freed >= LEASE * 2 / 3 - Duration::from_millis(100),
         "{freed:?}"
     );
+}
+
+/// The gateway, in the child process: three calls in flight, held by a handler that
+/// never answers, on the Redis at `url` under `prefix`.
+async fn gateway_with_calls_in_flight(url: String, prefix: String) {
+    let store = RedisStore::builder()
+        .prefix(prefix)
+        .connect(&url)
+        .await
+        .unwrap();
+    let layer = RateLimitLayer::builder(store, streams())
+        .key(GlobalKey)
+        .build()
+        .unwrap();
+    let entered = Arc::new(AtomicUsize::new(0));
+    let inside = Arc::clone(&entered);
+    let service = layer.layer(tower::service_fn(move |_: http::Request<()>| {
+        inside.fetch_add(1, Ordering::SeqCst);
+        std::future::pending::<Result<http::Response<String>, std::convert::Infallible>>()
+    }));
+    for _ in 0..3 {
+        let service = service.clone();
+        tokio::spawn(async move { service.oneshot(http::Request::new(())).await });
+    }
+    within("three calls inside", 10, async {
+        while entered.load(Ordering::SeqCst) < 3 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    println!("held");
+    std::future::pending::<()>().await;
+}
+
+/// Redis's own clock (`TIME`).
+async fn redis_now(node: &mut redis::aio::MultiplexedConnection) -> Duration {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(node).await.unwrap();
+    Duration::from_secs(s) + Duration::from_micros(us)
 }

@@ -4,19 +4,22 @@
 //! use. The fleet's token spend stays within the budget plus the debt a bucket may run
 //! (one capacity), and never more than the streams allowed are in flight.
 //!
-//! `cargo test -p tests --test llm -- --nocapture` prints the figures BENCHMARKS.md
-//! quotes.
+//! Time is tokio's, paused: the stores decide on it (caller time), the model streams on
+//! it, and the run lasts 6 s of it. `cargo test -p tests --test llm -- --nocapture`
+//! prints the figures BENCHMARKS.md quotes.
 
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use demo::llm;
 use support::http::Server;
-use support::{Rng, shared_server, unique_prefix};
+use support::{Rng, keep_time_moving, shared_server, unique_prefix};
+use tokio::time::Instant;
 use tollway_core::RedisStore;
+use tollway_tower::TokioClock;
 use tollway_tower::config::LimitsFile;
 
 /// The example's limits (`examples/llm_gateway.toml`) at a scale a short run fills:
@@ -78,8 +81,9 @@ struct Tally {
     refused_streams: AtomicU64,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn the_fleet_spends_its_token_budget_and_streams_no_more_than_allowed() {
+    let _time = keep_time_moving();
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
         .unwrap();
@@ -91,10 +95,17 @@ async fn the_fleet_spends_its_token_budget_and_streams_no_more_than_allowed() {
     .await;
     let file = LimitsFile::parse("llm.toml", LIMITS).unwrap();
     let prefix = unique_prefix("llm");
+    // One clock for the fleet, as Redis's TIME would be.
+    let clock = TokioClock::new();
     let mut gateways = Vec::new();
     for _ in 0..3 {
+        // An hour's timeout and grace: the paused clock moves while a reply is on its way,
+        // and Redis expires keys by its own clock.
         let store = RedisStore::builder()
             .prefix(prefix.clone())
+            .caller_time(clock.clone())
+            .timeout(Duration::from_secs(3_600))
+            .grace(Duration::from_secs(3_600))
             .connect(&shared_server().url())
             .await
             .unwrap();
