@@ -72,6 +72,32 @@ pub const IN_FLIGHT: Metric = Metric {
     help: "Slots of calls in flight this layer holds (taken at admission, given back when the response ends)",
 };
 
+/// The load shedder's limit on the service's calls in flight (tower, `metrics`): see
+/// tollway-tower's `shed` module.
+pub const SHED_LIMIT: Metric = Metric {
+    name: "tollway_shed_limit",
+    kind: Kind::Gauge,
+    labels: &[],
+    help: "The load shedder's adaptive limit on the service's calls in flight",
+};
+
+/// Calls in flight through the load shedder, by priority (tower, `metrics`).
+pub const SHED_IN_FLIGHT: Metric = Metric {
+    name: "tollway_shed_in_flight",
+    kind: Kind::Gauge,
+    labels: &["priority"],
+    help: "Calls the load shedder admitted whose responses have not come yet, by priority",
+};
+
+/// Requests the load shedder refused, or in shadow mode would have refused (tower,
+/// `metrics`).
+pub const SHED: Metric = Metric {
+    name: "tollway_shed_total",
+    kind: Kind::Counter,
+    labels: &["priority", "shadow"],
+    help: "Requests the load shedder refused with 503 (shadow=true: let through in shadow mode, would have been refused)",
+};
+
 /// Calls settled after their responses, by how (tower, `metrics`).
 pub const SETTLEMENTS: Metric = Metric {
     name: "tollway_settlements_total",
@@ -157,6 +183,9 @@ pub const ALL: &[Metric] = &[
     DECISIONS,
     IN_FLIGHT,
     SETTLEMENTS,
+    SHED_LIMIT,
+    SHED_IN_FLIGHT,
+    SHED,
     STORE_DURATION,
     DENY_CACHE_HITS,
     BREAKER_STATE,

@@ -82,5 +82,13 @@ pub(crate) fn refusal_status(refusal: Refusal) -> Status {
         StatusCode::SERVICE_UNAVAILABLE => Code::Unavailable,
         _ => Code::Unknown,
     };
-    Status::new(code, message)
+    let Some(secs) = refusal.retry_after() else {
+        return Status::new(code, message);
+    };
+    let details = ErrorDetails::with_retry_info(Some(std::time::Duration::from_secs(secs)));
+    let mut status = Status::with_error_details(code, message, details);
+    let metadata = status.metadata_mut();
+    metadata.insert("retry-after", secs.into());
+    metadata.insert(GRPC_RETRY_PUSHBACK_MS.as_str(), (secs * 1_000).into());
+    status
 }

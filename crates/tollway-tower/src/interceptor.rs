@@ -70,6 +70,12 @@ impl<C, K> RateLimitInterceptor<C, K> {
                  use the layer (Server::builder().layer(..))",
             ));
         }
+        if limiter.shed.is_some() {
+            return Err(ConfigError::new(
+                "the layer sheds load, counting calls until their responses, which an \
+                 interceptor never sees: use the layer (Server::builder().layer(..))",
+            ));
+        }
         if limiter.lookups.is_some() {
             return Err(ConfigError::new(
                 "the layer looks tiers up, which takes a wait an interceptor cannot take: \

@@ -482,6 +482,7 @@ mod rejection;
 mod report;
 mod settle;
 mod shadow;
+pub mod shed;
 mod verdict;
 
 pub use body::ResponseBody;

@@ -53,23 +53,48 @@ impl Tiers for HashMap<String, String> {
 /// An extra limit for the requests to one route: a method (or any) and a path pattern.
 #[derive(Clone)]
 pub(crate) struct RouteLimit {
-    method: Option<Method>,
-    /// The pattern without its `/*`.
-    path: String,
-    /// Whether every path below `path` is on the route too.
-    prefix: bool,
+    route: Route,
     policy: usize,
 }
 
 impl RouteLimit {
-    /// A limit by policy `policy` on `method` (`None`: any) and `pattern`: an exact path,
-    /// an axum route template (`/users/{id}`, `/files/{*path}`), or either followed by
-    /// `/*` for everything below.
+    /// A limit by policy `policy` on `method` (`None`: any) and `pattern` (see
+    /// [`Route::new`]).
     pub(crate) fn new(
         method: Option<Method>,
         pattern: &str,
         policy: usize,
     ) -> Result<Self, ConfigError> {
+        let route = Route::new(method, pattern)?;
+        Ok(RouteLimit { route, policy })
+    }
+
+    /// A limit on the gRPC method at `path` (see [`Route::grpc`]).
+    pub(crate) fn grpc(path: &str, policy: usize) -> Result<Self, ConfigError> {
+        let route = Route::grpc(path)?;
+        Ok(RouteLimit { route, policy })
+    }
+
+    fn matches(&self, method: &Method, paths: &RequestPaths<'_>) -> bool {
+        self.route.matches(method, paths)
+    }
+}
+
+/// A route: a method (or any) and a path pattern.
+#[derive(Clone, PartialEq)]
+pub(crate) struct Route {
+    method: Option<Method>,
+    /// The pattern without its `/*`.
+    path: String,
+    /// Whether every path below `path` is on the route too.
+    prefix: bool,
+}
+
+impl Route {
+    /// The route of `method` (`None`: any) and `pattern`: an exact path, an axum route
+    /// template (`/users/{id}`, `/files/{*path}`), or either followed by `/*` for
+    /// everything below.
+    pub(crate) fn new(method: Option<Method>, pattern: &str) -> Result<Self, ConfigError> {
         let bad = |why: &str| {
             Err(ConfigError::new(format!(
                 "route pattern {pattern:?}: {why}; write \"/api/v1/checkout\", \"/users/{{id}}\" \
@@ -100,17 +125,16 @@ impl RouteLimit {
                 None => {}
             }
         }
-        Ok(RouteLimit {
+        Ok(Route {
             method,
             path: path.to_owned(),
             prefix,
-            policy,
         })
     }
 
     /// A limit on the gRPC method at `path` (`/package.Service/Method`), whatever the
     /// request's HTTP method: gRPC calls are POSTs, but tonic serves any method.
-    pub(crate) fn grpc(path: &str, policy: usize) -> Result<Self, ConfigError> {
+    pub(crate) fn grpc(path: &str) -> Result<Self, ConfigError> {
         let parts: Vec<&str> = path.split('/').collect();
         let well_formed = parts.len() == 3
             && parts[0].is_empty()
@@ -123,7 +147,7 @@ impl RouteLimit {
                  \"/demo.Catalog/Export\""
             )));
         }
-        Self::new(None, path, policy)
+        Self::new(None, path)
     }
 
     /// Whether a request of `method` to one of `paths` is on this route. HEAD is GET:
@@ -225,7 +249,20 @@ impl<'r> RequestPaths<'r> {
     }
 }
 
+impl Route {
+    /// Whether `request` is on this route, by its method and the paths it is known by.
+    pub(crate) fn matches_request<B>(&self, request: &http::Request<B>) -> bool {
+        self.matches(request.method(), &RequestPaths::of(request))
+    }
+}
+
 impl fmt::Debug for RouteLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.route)
+    }
+}
+
+impl fmt::Debug for Route {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let method = self.method.as_ref().map_or("*", Method::as_str);
         let star = if self.prefix { "/*" } else { "" };

@@ -160,6 +160,8 @@ pub(crate) struct Limiter<St> {
     /// The slots of calls in flight, renewed until their calls end.
     pub(crate) renewals: Renewals,
     pub(crate) lookups: Option<Lookups>,
+    /// Load shedding before the limits.
+    pub(crate) shed: Option<crate::shed::Shed>,
 }
 
 /// Where a request stands: decided, or waiting for the store or its caller's tier.
@@ -265,6 +267,27 @@ pub(crate) enum Next {
     },
     /// Answers this instead.
     Answer(Response<Bytes>),
+}
+
+impl<St> Limiter<St> {
+    /// Asks the load shedder, if any, to admit `request`: its permit (to drop when the
+    /// service has answered), or the 503 that refuses it.
+    #[inline]
+    pub(crate) fn shed<B>(
+        &self,
+        request: &Request<B>,
+    ) -> Result<Option<crate::shed::Permit>, Response<Bytes>> {
+        let Some(shed) = &self.shed else {
+            return Ok(None);
+        };
+        match shed.admit(request) {
+            Ok(permit) => Ok(Some(permit)),
+            Err(overloaded) => Err(refuse(
+                Refusal::Overloaded(overloaded.retry_after),
+                self.protocol.grpc(request),
+            )),
+        }
+    }
 }
 
 impl<St: Store> Limiter<St> {
@@ -539,7 +562,7 @@ fn decided<F>(outcome: Outcome<'_>) -> Progress<'_, F> {
 }
 
 /// The answer to a refusal: JSON over HTTP, the matching status over gRPC.
-fn refuse(refusal: Refusal, grpc: bool) -> Response<Bytes> {
+pub(crate) fn refuse(refusal: Refusal, grpc: bool) -> Response<Bytes> {
     #[cfg(feature = "tonic")]
     if grpc {
         return crate::grpc::refusal_status(refusal).into_http();

@@ -1,5 +1,5 @@
 //! The bodies of the layer's own answers: a denial (429) and a refusal (a missing key, a
-//! failed store, a caller on the deny list).
+//! failed store, a caller on the deny list, a full service).
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
@@ -81,7 +81,13 @@ pub(crate) enum Refusal {
     Denied,
     /// The caller's tier lookup failed, and the layer refuses such requests.
     LookupFailed,
+    /// The load shedder refused it: the service is full. Retry after this many seconds.
+    Overloaded(u64),
 }
+
+/// The JSON body of [`Refusal::Overloaded`], which needs no allocation.
+const OVERLOADED: &str = "{\"error\":\"Service Unavailable\",\"message\":\"The service is \
+                          overloaded. Please retry later.\"}";
 
 impl Refusal {
     /// The HTTP status and the message the refusal is answered with.
@@ -103,13 +109,33 @@ impl Refusal {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "Rate limiting cannot tell this caller's tier now. Please retry later.",
             ),
+            Refusal::Overloaded(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "The service is overloaded. Please retry later.",
+            ),
+        }
+    }
+
+    /// Seconds the caller should wait, for `Retry-After`, when the refusal says.
+    pub(crate) fn retry_after(self) -> Option<u64> {
+        match self {
+            Refusal::Overloaded(secs) => Some(secs),
+            _ => None,
         }
     }
 
     /// The JSON response to the refusal.
     pub(crate) fn response(self) -> Response<Bytes> {
         let (status, message) = self.status_and_message();
-        json(status, &[message, "", ""])
+        let Some(secs) = self.retry_after() else {
+            return json(status, &[message, "", ""]);
+        };
+        let mut response = Response::new(Bytes::from_static(OVERLOADED.as_bytes()));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+        response
     }
 }
 

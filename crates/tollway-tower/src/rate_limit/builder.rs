@@ -21,6 +21,7 @@ use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 use crate::report::{DecisionListener, Failures, Reporter};
 use crate::settle::{Renewals, Settle, Unsettled, UsedFn};
 use crate::shadow::Shadow;
+use crate::shed::Shed;
 
 use super::layer::RateLimitLayer;
 
@@ -55,6 +56,7 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
                 lookup: None,
                 lookup_settings: LookupSettings::default(),
                 on_lookup_error: OnLookupError::Anonymous,
+                shed: None,
                 source: None,
             },
         }
@@ -94,6 +96,7 @@ struct Settings<St> {
     lookup: Option<Arc<dyn TierLookup>>,
     lookup_settings: LookupSettings,
     on_lookup_error: OnLookupError,
+    shed: Option<Shed>,
     /// The limits file the settings come from, which `build`'s errors name.
     source: Option<String>,
 }
@@ -495,6 +498,33 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         self
     }
 
+    /// Sheds load with `shed` before any limit is asked: an adaptive limit on the
+    /// service's calls in flight, with priorities (see [`shed`](crate::shed)).
+    ///
+    /// A request over it is refused at once with 503 and `Retry-After` (gRPC
+    /// `UNAVAILABLE`): no key, no store call. A request it admits is then decided by the
+    /// layer's limits, and counts as in flight until the service answers.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_tower::shed::{Match, Priority, Shed};
+    /// use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+    ///
+    /// let paying = Priority::new("paying", 0.5).when(Match::header(http::header::AUTHORIZATION));
+    /// let shed = Shed::builder().priority(paying).build()?;
+    /// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(10)?)?;
+    /// let layer = RateLimitLayer::builder(MemoryStore::new(), policy)
+    ///     .shed(shed)
+    ///     .build()?;
+    /// assert!(layer.shed().is_some());
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    pub fn shed(mut self, shed: Shed) -> Self {
+        self.settings.shed = Some(shed);
+        self
+    }
+
     /// Checks the settings and builds the layer.
     ///
     /// # Errors
@@ -601,6 +631,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 settle,
                 renewals,
                 lookups,
+                shed: settings.shed,
             })),
             key: Arc::new(key),
             switching: Arc::new(Mutex::new(())),

@@ -18,6 +18,7 @@ use crate::body::ResponseBody;
 use crate::headers::RateLimitHeaders;
 use crate::pipeline::{Answer, Decided, Limiter, Next, Progress, Resume, Wait};
 use crate::settle::Settlement;
+use crate::shed::Permit;
 
 pin_project! {
     /// The future of a [`RateLimit`](super::RateLimit) service's response.
@@ -44,6 +45,8 @@ pin_project! {
     {
         #[pin]
         state: State<St::Future, S::Future, S, B, St>,
+        // The load shedder's count of this call, until the service answers.
+        permit: Option<Permit>,
     }
 }
 
@@ -151,7 +154,16 @@ where
     }
 
     fn from(state: State<St::Future, S::Future, S, B, St>) -> Self {
-        ResponseFuture { state }
+        ResponseFuture {
+            state,
+            permit: None,
+        }
+    }
+
+    /// Holds the load shedder's `permit` until the service answers.
+    pub(super) fn holding(mut self, permit: Option<Permit>) -> Self {
+        self.permit = permit;
+        self
     }
 }
 
@@ -273,7 +285,8 @@ where
     type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut state = self.project().state;
+        let this = self.project();
+        let (mut state, permit) = (this.state, this.permit);
         loop {
             // Each state's pinned future is polled in place; once it is ready, the state's
             // other fields are moved out (leaving `Done`) into the next state.
@@ -302,7 +315,11 @@ where
                     after,
                 } => {
                     // A failed call drops `after`, which settles it short.
-                    let mut response = ready!(future.poll(cx))?;
+                    let answer = ready!(future.poll(cx));
+                    if let Some(permit) = permit.take() {
+                        permit.answered();
+                    }
+                    let mut response = answer?;
                     std::mem::take(headers).insert_into(response.headers_mut());
                     let after = after.take();
                     state.set(State::Done);
@@ -320,6 +337,8 @@ where
                     else {
                         unreachable!("the state was Answered")
                     };
+                    // Not the service's answer: no latency to learn from.
+                    *permit = None;
                     return Poll::Ready(Ok(response.map(ResponseBody::layer)));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after it completed"),

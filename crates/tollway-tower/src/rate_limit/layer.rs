@@ -103,6 +103,13 @@ impl<St, K> RateLimitLayer<St, K> {
         self.limiter.load().store.clone()
     }
 
+    /// The layer's load shedder, if it has one: see
+    /// [`RateLimitLayerBuilder::shed`](super::RateLimitLayerBuilder::shed).
+    #[must_use]
+    pub fn shed(&self) -> Option<crate::shed::Shed> {
+        self.limiter.load().shed.clone()
+    }
+
     /// The layer's policy named `name` (the default, a tier, or a route's).
     #[must_use]
     pub fn policy(&self, name: &str) -> Option<Policy> {
@@ -287,7 +294,8 @@ impl<C: tollway_core::Clock, K> RateLimitLayer<tollway_core::MemoryStore<C>, K> 
     ///
     /// When one of the layer's policies shapes (delays) requests: an interceptor cannot
     /// hold a request, so it would admit them undelayed. When one limits calls in flight,
-    /// or the layer settles after responses: an interceptor never sees the response.
+    /// the layer settles after responses, or it sheds load: an interceptor never sees the
+    /// response.
     pub fn interceptor(&self) -> Result<crate::RateLimitInterceptor<C, K>, ConfigError> {
         crate::RateLimitInterceptor::new(Arc::clone(&self.limiter), Arc::clone(&self.key))
     }

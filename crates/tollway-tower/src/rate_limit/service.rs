@@ -85,17 +85,22 @@ where
         // The limits current now decide this request, to its end.
         let current = self.limiter.load();
         let limiter: &Limiter<St> = &current;
+        // A full service refuses before any key or store is asked.
+        let permit = match limiter.shed(&request) {
+            Ok(permit) => permit,
+            Err(refused) => return ResponseFuture::answered(refused),
+        };
         let Decided { outcome, charge } = match limiter.decide(&*self.key, &request) {
             Progress::Decided(decided) => decided,
             Progress::Waiting(wait, at) => {
                 let limiter = Arc::clone(&current);
                 let service = take_ready(&mut self.inner);
                 let pending = Pending::new(limiter, at, service, request);
-                return ResponseFuture::waiting(wait, pending);
+                return ResponseFuture::waiting(wait, pending).holding(permit);
             }
         };
         // Decided without waiting: the ready service is called now, or not at all.
-        match limiter.next(outcome, &request) {
+        let future = match limiter.next(outcome, &request) {
             Next::Call { headers, delay } => {
                 let after = charge.map(|charge| Box::new(Settlement::new(&current, charge)));
                 match delay {
@@ -109,8 +114,10 @@ where
                     }
                 }
             }
-            Next::Answer(response) => ResponseFuture::answered(response),
-        }
+            // Refused by a limit: the shedder's count ends here.
+            Next::Answer(response) => return ResponseFuture::answered(response),
+        };
+        future.holding(permit)
     }
 }
 

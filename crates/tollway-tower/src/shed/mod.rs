@@ -1,0 +1,600 @@
+//! Load shedding: an adaptive limit on the service's own calls in flight, with
+//! priorities.
+//!
+//! Per-key limits stop a few callers who send too much. They do not stop 100,000
+//! addresses that each send a little, nor a rush of real users. A [`Shed`] guards the
+//! service itself. It counts the calls the service is answering and refuses the ones over
+//! its limit at once: no store call, no key, no allocation.
+//!
+//! The limit follows the service's latency (a gradient rule, below), between a floor and a
+//! ceiling. Requests are sorted into [`Priority`]s; each may count on its share of the
+//! limit. When the service is full, the least important requests over their share are
+//! refused first, and a priority within its share is never refused.
+//!
+//! A refused request gets `503 Service Unavailable` with `Retry-After` (over gRPC,
+//! `UNAVAILABLE`). That is not a caller's own `429`: it says the service is full, not that
+//! this caller sent too much.
+//!
+//! # The rule
+//!
+//! The limit moves once a window (a second by default, at least ten calls). The window's
+//! average latency is compared with a baseline: the lowest of the first ten windows, then
+//! a slow moving average. Within `tolerance` times the baseline, the limit grows by its
+//! square root; above it, it shrinks in proportion (at most by half). Changes are smoothed
+//! (a fifth a window), and a window in which the service was less than half busy leaves the
+//! limit alone. This is Netflix concurrency-limits' `Gradient2` rule. It was chosen over
+//! AIMD because it reacts to latency as it rises, before calls time out or fail; AIMD waits
+//! for drops, which come when the service is already lost.
+//!
+//! A call counts from its admission to its response (its headers). A long streamed body
+//! does not hold the service's limit: limit streams per caller with
+//! [`Algorithm::Concurrency`](tollway_core::Algorithm::Concurrency).
+//!
+//! The baseline is learnt, not measured unloaded: a service loaded from its first
+//! second learns that latency as its baseline.
+//!
+//! # Priorities
+//!
+//! With a limit of 100 and shares `checkout` 0.4 and `paying` 0.4 (`other`: 0.2):
+//!
+//! - 40 checkout calls are always admitted, and 40 paying ones.
+//! - Beyond its share, a request is admitted while the calls in flight, plus what the more
+//!   important priorities have not used of their shares, stay under the limit.
+//!
+//! So `other` borrows only what checkout and paying leave, and is refused first.
+//!
+//! # Examples
+//!
+//! ```
+//! use http::Method;
+//! use tollway_tower::shed::{Match, Priority, Shed};
+//! use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+//!
+//! let shed = Shed::builder()
+//!     .limits(20, 1_000)
+//!     .priority(
+//!         Priority::new("checkout", 0.5)
+//!             .when(Match::route(Some(Method::POST), "/api/v1/checkout")?),
+//!     )
+//!     .priority(Priority::new("paying", 0.3).when(Match::header(http::header::AUTHORIZATION)))
+//!     .build()?;
+//! let per_caller = Policy::new("api", Algorithm::Gcra, Quota::per_minute(600)?)?;
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), per_caller)
+//!     .shed(shed.clone())
+//!     .build()?;
+//! assert_eq!(shed.limit(), 20);
+//! # let _ = layer;
+//! # Ok::<(), tollway_core::ConfigError>(())
+//! ```
+
+mod gradient;
+mod priority;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use http::Request;
+use parking_lot::Mutex;
+use tollway_core::{Clock, ConfigError, MonotonicClock};
+
+use gradient::{Gradient, Settings};
+pub use priority::{Match, Priority};
+
+/// The name of the priority of requests that fit no other.
+pub const OTHER: &str = "other";
+
+/// Priorities a shedder may have, `other` included.
+const MAX_PRIORITIES: usize = 16;
+
+/// An adaptive limit on a service's calls in flight, with priorities: see the
+/// [module docs](self).
+///
+/// A handle: clones share one limit. Give it to
+/// [`RateLimitLayerBuilder::shed`](crate::RateLimitLayerBuilder::shed).
+#[derive(Clone)]
+pub struct Shed(Arc<Inner>);
+
+struct Inner {
+    settings: Settings,
+    /// The builder's priorities, then `other`.
+    priorities: Box<[Priority]>,
+    shadow: AtomicBool,
+    built_shadow: bool,
+    /// `Retry-After` of a refusal: the window, in whole seconds, at least 1.
+    retry_after: u64,
+    clock: Arc<dyn Clock>,
+    state: Mutex<State>,
+    #[cfg(feature = "metrics")]
+    metrics: metrics_impl::Metrics,
+}
+
+struct State {
+    gradient: Gradient,
+    in_flight: u32,
+    partitions: Box<[Partition]>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Partition {
+    in_flight: u32,
+    admitted: u64,
+    shed: u64,
+    would_shed: u64,
+}
+
+/// One priority as it stands: see [`Shed::priorities`].
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct PriorityState {
+    /// Its name.
+    pub name: String,
+    /// Its share of the limit.
+    pub share: f64,
+    /// Its calls in flight.
+    pub in_flight: u32,
+    /// Requests admitted, since the shedder was built.
+    pub admitted: u64,
+    /// Requests refused.
+    pub shed: u64,
+    /// Requests that shadow mode let through and would have refused.
+    pub would_shed: u64,
+}
+
+/// Builds a [`Shed`]; every setting is checked by [`build`](Self::build).
+#[must_use]
+pub struct ShedBuilder {
+    settings: Settings,
+    priorities: Vec<Priority>,
+    shadow: bool,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl Shed {
+    /// Starts a shedder: limit 20 at first, between 20 and 1,000, tolerance 1.5, windows
+    /// of one second, no priorities but `other`.
+    pub fn builder() -> ShedBuilder {
+        ShedBuilder {
+            settings: Settings {
+                initial: 20,
+                floor: 20,
+                ceiling: 1_000,
+                tolerance: 1.5,
+                window: 1_000_000,
+                min_samples: 10,
+                long_windows: 600,
+                smoothing: 0.2,
+            },
+            priorities: Vec::new(),
+            shadow: false,
+            clock: None,
+        }
+    }
+
+    /// The limit now, in calls at once.
+    #[must_use]
+    pub fn limit(&self) -> u32 {
+        self.0.state.lock().gradient.limit()
+    }
+
+    /// Calls in flight now.
+    #[must_use]
+    pub fn in_flight(&self) -> u32 {
+        self.0.state.lock().in_flight
+    }
+
+    /// Each priority as it stands, the most important first, `other` last.
+    #[must_use]
+    pub fn priorities(&self) -> Vec<PriorityState> {
+        let state = self.0.state.lock();
+        self.0
+            .priorities
+            .iter()
+            .zip(state.partitions.iter())
+            .map(|(priority, p)| PriorityState {
+                name: priority.name.clone(),
+                share: priority.share,
+                in_flight: p.in_flight,
+                admitted: p.admitted,
+                shed: p.shed,
+                would_shed: p.would_shed,
+            })
+            .collect()
+    }
+
+    /// Puts the shedder in shadow mode (it counts what it would refuse, and refuses
+    /// nothing), or takes it out.
+    pub fn set_shadow(&self, on: bool) {
+        self.0.shadow.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether it is in shadow mode.
+    #[must_use]
+    pub fn is_shadow(&self) -> bool {
+        self.0.shadow.load(Ordering::Relaxed)
+    }
+
+    /// Whether `other` was built with the same settings, priorities and shadow mode.
+    /// A [`Reloader`](crate::config::Reloader) keeps the running shedder then.
+    #[must_use]
+    pub fn same_settings(&self, other: &Shed) -> bool {
+        self.0.settings == other.0.settings
+            && self.0.built_shadow == other.0.built_shadow
+            && self.0.priorities.len() == other.0.priorities.len()
+            && self
+                .0
+                .priorities
+                .iter()
+                .zip(other.0.priorities.iter())
+                .all(|(a, b)| a.name == b.name && a.share == b.share && a.matches == b.matches)
+    }
+
+    /// Starts this shedder at `previous`'s limit and baseline, within its own floor and
+    /// ceiling: for a shedder that replaces another with new settings. Calls in flight
+    /// through `previous` are not counted here.
+    pub fn continue_from(&self, previous: &Shed) {
+        if Arc::ptr_eq(&self.0, &previous.0) {
+            return;
+        }
+        let (limit, learnt) = {
+            let state = previous.0.state.lock();
+            (state.gradient.limit(), state.gradient.clone())
+        };
+        let mut state = self.0.state.lock();
+        state.gradient = learnt;
+        state.gradient.set_limit(&self.0.settings, limit);
+    }
+
+    /// Admits `request`, or refuses it because the service is full.
+    pub(crate) fn admit<B>(&self, request: &Request<B>) -> Result<Permit, Overloaded> {
+        let inner = &*self.0;
+        let last = inner.priorities.len() - 1;
+        let priority = inner.priorities[..last]
+            .iter()
+            .position(|p| p.takes(request))
+            .unwrap_or(last);
+        let admitted = {
+            let mut state = inner.state.lock();
+            let admits = state.admits(priority, &inner.priorities);
+            let shadow = inner.shadow.load(Ordering::Relaxed);
+            let partition = &mut state.partitions[priority];
+            if admits || shadow {
+                partition.in_flight += 1;
+                partition.admitted += 1;
+                if !admits {
+                    partition.would_shed += 1;
+                }
+                state.in_flight += 1;
+                let in_flight = state.in_flight;
+                state.gradient.in_flight(in_flight);
+            } else {
+                partition.shed += 1;
+            }
+            (admits, shadow)
+        };
+        let name = &inner.priorities[priority].name;
+        match admitted {
+            (true, _) => {}
+            (false, shadow) => {
+                tracing::debug!(priority = %name, shadow, "load shed");
+                #[cfg(feature = "metrics")]
+                inner.metrics.shed(priority, shadow);
+                if !shadow {
+                    return Err(Overloaded {
+                        retry_after: inner.retry_after,
+                    });
+                }
+            }
+        }
+        #[cfg(feature = "metrics")]
+        inner.metrics.in_flight(priority, 1.0);
+        Ok(Permit {
+            shed: self.clone(),
+            priority,
+            start: inner.clock.now_micros(),
+            answered: false,
+        })
+    }
+
+    /// A call of `priority` that started at `start` has ended: answered (its latency is
+    /// a sample) or not.
+    fn release(&self, priority: usize, start: u64, answered: bool) {
+        let inner = &*self.0;
+        let now = answered.then(|| inner.clock.now_micros());
+        let changed = {
+            let mut state = inner.state.lock();
+            state.in_flight = state.in_flight.saturating_sub(1);
+            let partition = &mut state.partitions[priority];
+            partition.in_flight = partition.in_flight.saturating_sub(1);
+            let in_flight = state.in_flight;
+            now.and_then(|now| {
+                let latency = now.saturating_sub(start);
+                state
+                    .gradient
+                    .sample(&inner.settings, now, latency, in_flight)
+            })
+        };
+        #[cfg(feature = "metrics")]
+        inner.metrics.in_flight(priority, -1.0);
+        if let Some(limit) = changed {
+            tracing::debug!(limit, "load shedding limit");
+            #[cfg(feature = "metrics")]
+            inner.metrics.limit(limit);
+        }
+    }
+}
+
+impl State {
+    /// Whether a request of the priority at `p` may come in now.
+    fn admits(&self, p: usize, priorities: &[Priority]) -> bool {
+        let limit = self.gradient.limit();
+        // A hair over, so that 0.2 of 100 is 20 whatever the float sums came to.
+        let guaranteed = |q: usize| (priorities[q].share * f64::from(limit) + 1e-6) as u32;
+        if self.partitions[p].in_flight < guaranteed(p) {
+            return true;
+        }
+        // What the more important priorities may still count on is not lent.
+        let reserved: u32 = (0..p)
+            .map(|q| guaranteed(q).saturating_sub(self.partitions[q].in_flight))
+            .sum();
+        self.in_flight.saturating_add(reserved) < limit
+    }
+}
+
+impl ShedBuilder {
+    /// The limit's floor and ceiling, in calls at once (defaults 20 and 1,000). The
+    /// limit starts at the floor unless [`initial`](Self::initial) says otherwise.
+    pub fn limits(mut self, floor: u32, ceiling: u32) -> Self {
+        self.settings.floor = floor;
+        self.settings.ceiling = ceiling;
+        self.settings.initial = floor;
+        self
+    }
+
+    /// The limit to start at (default: the floor).
+    pub fn initial(mut self, initial: u32) -> Self {
+        self.settings.initial = initial;
+        self
+    }
+
+    /// How much slower than the baseline the service may answer before the limit
+    /// shrinks (default 1.5; at least 1).
+    pub fn tolerance(mut self, tolerance: f64) -> Self {
+        self.settings.tolerance = tolerance;
+        self
+    }
+
+    /// How often the limit moves (default: a second), and how many calls a window needs
+    /// before it counts (default 10).
+    pub fn window(mut self, window: Duration, min_calls: u32) -> Self {
+        self.settings.window = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
+        self.settings.min_samples = min_calls;
+        self
+    }
+
+    /// Adds a priority, less important than those added before it.
+    pub fn priority(mut self, priority: Priority) -> Self {
+        self.priorities.push(priority);
+        self
+    }
+
+    /// Starts in shadow mode: counts what it would refuse, refuses nothing.
+    pub fn shadow(mut self, on: bool) -> Self {
+        self.shadow = on;
+        self
+    }
+
+    /// Measures latency with `clock` (default: [`MonotonicClock`]). A test's manual clock
+    /// or [`TokioClock`](crate::TokioClock) under a paused runtime make it deterministic.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+
+    /// The shedder.
+    ///
+    /// # Errors
+    ///
+    /// When a floor is 0 or above the ceiling, the initial limit is outside them, the
+    /// tolerance is under 1, the window is empty, a share is outside 0..=1 or the shares
+    /// add up to more than 1, a name is empty, repeated or `other`, or there are more
+    /// than 15 priorities.
+    pub fn build(self) -> Result<Shed, ConfigError> {
+        let s = &self.settings;
+        let bad = |why: String| Err(ConfigError::new(format!("load shedding: {why}")));
+        if s.floor == 0 || s.floor > s.ceiling {
+            return bad(format!(
+                "the floor ({}) must be at least 1 and at most the ceiling ({})",
+                s.floor, s.ceiling
+            ));
+        }
+        if !(s.floor..=s.ceiling).contains(&s.initial) {
+            return bad(format!(
+                "the initial limit ({}) must be between the floor ({}) and the ceiling ({})",
+                s.initial, s.floor, s.ceiling
+            ));
+        }
+        if !s.tolerance.is_finite() || s.tolerance < 1.0 {
+            return bad(format!(
+                "the tolerance ({}) must be at least 1: write 1.5 for latency up to 1.5 \
+                 times the baseline",
+                s.tolerance
+            ));
+        }
+        if s.window == 0 || s.min_samples == 0 {
+            return bad("a window must last some time and need at least one call".to_owned());
+        }
+        if self.priorities.len() >= MAX_PRIORITIES {
+            return bad(format!("at most {} priorities", MAX_PRIORITIES - 1));
+        }
+        let mut total = 0.0;
+        for (i, p) in self.priorities.iter().enumerate() {
+            if p.name.is_empty() || p.name == OTHER {
+                return bad(format!(
+                    "a priority needs a name other than {OTHER:?} (requests that fit no \
+                     priority are {OTHER:?})"
+                ));
+            }
+            if self.priorities[..i].iter().any(|q| q.name == p.name) {
+                return bad(format!("priority {:?} is named twice", p.name));
+            }
+            if !(0.0..=1.0).contains(&p.share) {
+                return bad(format!(
+                    "priority {:?} has share {}: write a fraction of the limit, 0 to 1",
+                    p.name, p.share
+                ));
+            }
+            if p.matches.is_empty() {
+                return bad(format!(
+                    "priority {:?} matches no request: give it a route or a header",
+                    p.name
+                ));
+            }
+            total += p.share;
+        }
+        if total > 1.0 + 1e-9 {
+            return bad(format!(
+                "the shares add up to {total}: they are fractions of one limit, at most 1"
+            ));
+        }
+        let mut priorities = self.priorities;
+        priorities.push(Priority::new(OTHER, (1.0 - total).max(0.0)));
+        let clock = self
+            .clock
+            .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
+        let now = clock.now_micros();
+        let retry_after = s.window.div_ceil(1_000_000).max(1);
+        Ok(Shed(Arc::new(Inner {
+            state: Mutex::new(State {
+                gradient: Gradient::new(s.initial, now),
+                in_flight: 0,
+                partitions: vec![Partition::default(); priorities.len()].into(),
+            }),
+            #[cfg(feature = "metrics")]
+            metrics: metrics_impl::Metrics::new(&priorities, s.initial),
+            priorities: priorities.into(),
+            settings: self.settings,
+            shadow: AtomicBool::new(self.shadow),
+            built_shadow: self.shadow,
+            retry_after,
+            clock,
+        })))
+    }
+}
+
+impl fmt::Debug for Shed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shed")
+            .field("limit", &self.limit())
+            .field("settings", &self.0.settings)
+            .field("priorities", &self.0.priorities)
+            .field("shadow", &self.is_shadow())
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for ShedBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ShedBuilder")
+            .field("settings", &self.settings)
+            .field("priorities", &self.priorities)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A call admitted by a [`Shed`], counted until it is dropped.
+pub(crate) struct Permit {
+    shed: Shed,
+    priority: usize,
+    start: u64,
+    answered: bool,
+}
+
+impl Permit {
+    /// The service answered: the call's latency is a sample of the limit's rule.
+    pub(crate) fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.shed.release(self.priority, self.start, self.answered);
+    }
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field("priority", &self.shed.0.priorities[self.priority].name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A request refused because the service is full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Overloaded {
+    /// Seconds to wait, for `Retry-After`.
+    pub(crate) retry_after: u64,
+}
+
+#[cfg(feature = "metrics")]
+mod metrics_impl {
+    use std::sync::OnceLock;
+
+    use tollway_core::metric;
+
+    use super::Priority;
+
+    /// The shedder's gauges and counters, registered on first use and kept.
+    pub(super) struct Metrics {
+        names: Box<[String]>,
+        limit: OnceLock<metrics::Gauge>,
+        in_flight: Box<[OnceLock<metrics::Gauge>]>,
+        /// Refused, then would have been refused, a priority.
+        shed: Box<[[OnceLock<metrics::Counter>; 2]]>,
+    }
+
+    impl Metrics {
+        pub(super) fn new(priorities: &[Priority], initial: u32) -> Self {
+            metric::describe();
+            let metrics = Metrics {
+                names: priorities.iter().map(|p| p.name.clone()).collect(),
+                limit: OnceLock::new(),
+                in_flight: priorities.iter().map(|_| OnceLock::new()).collect(),
+                shed: priorities.iter().map(|_| Default::default()).collect(),
+            };
+            metrics.limit(initial);
+            metrics
+        }
+
+        pub(super) fn limit(&self, limit: u32) {
+            self.limit
+                .get_or_init(|| metrics::gauge!(metric::SHED_LIMIT.name))
+                .set(f64::from(limit));
+        }
+
+        pub(super) fn in_flight(&self, priority: usize, change: f64) {
+            let name = &self.names[priority];
+            self.in_flight[priority]
+                .get_or_init(|| metrics::gauge!(metric::SHED_IN_FLIGHT.name, "priority" => name.clone()))
+                .increment(change);
+        }
+
+        pub(super) fn shed(&self, priority: usize, shadow: bool) {
+            let name = &self.names[priority];
+            self.shed[priority][usize::from(shadow)]
+                .get_or_init(|| {
+                    metrics::counter!(
+                        metric::SHED.name,
+                        "priority" => name.clone(),
+                        "shadow" => if shadow { "true" } else { "false" }
+                    )
+                })
+                .increment(1);
+        }
+    }
+}
