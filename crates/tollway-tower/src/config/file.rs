@@ -20,6 +20,7 @@ use crate::limits::RouteLimit;
 use crate::pipeline::{MissingKey, OnStoreError, Protocol};
 use crate::rate_limit::{RateLimitLayer, RateLimitLayerBuilder};
 use crate::settle::Unsettled;
+use crate::shed::{self, Match, Priority, Shed};
 
 /// A limits file, read and validated: every policy, tier, route, list entry and setting
 /// in it is usable. See the [module docs](crate::config) for what it may say.
@@ -313,8 +314,101 @@ impl LimitsFile {
         for key in &lists.deny_keys {
             builder = builder.deny_key(self.listed_key(key)?);
         }
+        if let Some(shed) = self.shed()? {
+            builder = builder.shed(shed);
+        }
         self.check_store()?;
         Ok(builder)
+    }
+
+    /// The load shedder `[shed]` describes, if the file has one: a new one, learning
+    /// from scratch.
+    ///
+    /// # Errors
+    ///
+    /// When a setting is out of range or a priority is malformed, with its line and
+    /// column.
+    pub fn shed(&self) -> Result<Option<Shed>, ConfigError> {
+        let Some(section) = &self.file.shed else {
+            return Ok(None);
+        };
+        let whole = Some(section.span());
+        let section = section.get_ref();
+        let mut builder = Shed::builder();
+        let floor = section.floor.as_ref().map_or(shed::FLOOR, |f| *f.get_ref());
+        let ceiling = section
+            .ceiling
+            .as_ref()
+            .map_or(shed::CEILING, |c| *c.get_ref());
+        builder = builder.limits(floor, ceiling);
+        if let Some(initial) = &section.initial {
+            builder = builder.initial(*initial.get_ref());
+        }
+        if let Some(tolerance) = &section.tolerance {
+            builder = builder.tolerance(*tolerance.get_ref());
+        }
+        if let Some(window) = &section.window {
+            let Some(length) = parse_period(window.get_ref()) else {
+                return Err(self.at(
+                    Some(window.span()),
+                    "window is a duration: write window = \"1s\" or \"500ms\"",
+                ));
+            };
+            builder = builder.window(length, shed::MIN_CALLS);
+        }
+        for priority in &section.priorities {
+            let p = priority.get_ref();
+            let mut made = Priority::new(p.name.get_ref().clone(), *p.share.get_ref());
+            for route in &p.routes {
+                let text = route.get_ref();
+                let (method, path) = match text.split_once(' ') {
+                    Some((method, path)) => (Some(method), path),
+                    None => (None, text.as_str()),
+                };
+                let method = match method {
+                    None => None,
+                    Some(m) => match Method::from_bytes(m.as_bytes()) {
+                        Ok(method) if m.bytes().all(|b| !b.is_ascii_lowercase()) => Some(method),
+                        _ => {
+                            return Err(self.at(
+                                Some(route.span()),
+                                &format!(
+                                    "{m:?} is not an upper-case HTTP method: write \
+                                     \"POST /api/v1/checkout\", or \"/api/v1/checkout\" \
+                                     for any method"
+                                ),
+                            ));
+                        }
+                    },
+                };
+                let matched = Match::route(method, path).map_err(|e| {
+                    self.at(
+                        Some(route.span()),
+                        &format!("{e} (a priority's route is \"POST /path\" or \"/path\")"),
+                    )
+                })?;
+                made = made.when(matched);
+            }
+            for header in &p.headers {
+                made = made.when(Match::header(self.header_name(header)?));
+            }
+            if p.routes.is_empty() && p.headers.is_empty() {
+                return Err(self.at(
+                    Some(priority.span()),
+                    &format!(
+                        "priority {:?} matches no request: give it routes = [\"POST \
+                         /api/v1/checkout\"] or headers = [\"authorization\"]",
+                        p.name.get_ref()
+                    ),
+                ));
+            }
+            builder = builder.priority(made);
+        }
+        builder
+            .shadow(section.shadow)
+            .build()
+            .map(Some)
+            .map_err(|e| self.err(whole, e))
     }
 
     /// `builder` with policy `name` costing the number in `cost`'s request header.
@@ -459,6 +553,46 @@ impl LimitsFile {
                 };
                 let _ = writeln!(out, "  {what}: {shown}");
             }
+        }
+        if let Some(shed) = &file.shed {
+            let shed = shed.get_ref();
+            let floor = shed.floor.as_ref().map_or(shed::FLOOR, |f| *f.get_ref());
+            let ceiling = shed
+                .ceiling
+                .as_ref()
+                .map_or(shed::CEILING, |c| *c.get_ref());
+            let tolerance = shed.tolerance.as_ref().map_or(1.5, |t| *t.get_ref());
+            let window = shed.window.as_ref().map_or("1s", |w| w.get_ref());
+            let _ = writeln!(
+                out,
+                "  shed: calls in flight between {floor} and {ceiling}, latency tolerance \
+                 {tolerance}, window {window}{}",
+                if shed.shadow { " (shadow)" } else { "" }
+            );
+            let mut left = 1.0;
+            for priority in &shed.priorities {
+                let p = priority.get_ref();
+                let matches: Vec<String> = p
+                    .routes
+                    .iter()
+                    .map(|r| r.get_ref().clone())
+                    .chain(p.headers.iter().map(|h| format!("header {}", h.get_ref())))
+                    .collect();
+                left -= p.share.get_ref();
+                let _ = writeln!(
+                    out,
+                    "  shed priority {}: share {} ({})",
+                    p.name.get_ref(),
+                    p.share.get_ref(),
+                    matches.join(", ")
+                );
+            }
+            let _ = writeln!(
+                out,
+                "  shed priority {}: share {:.2} (the rest)",
+                shed::OTHER,
+                f64::max(left, 0.0)
+            );
         }
         out
     }

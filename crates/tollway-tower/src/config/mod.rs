@@ -14,7 +14,8 @@
 //! starts them afresh.
 //!
 //! What a reload can change: policies, tiers, routes, lists, shadow flags, headers, the
-//! protocol and what to do on a store failure or a missing key. The store and how keys
+//! protocol, what to do on a store failure or a missing key, and load shedding (an
+//! unchanged `[shed]` keeps its running shedder; a changed one starts from its limit). The store and how keys
 //! are found (`[store]`, `[key]`) take effect at the next start: a reload that changes
 //! them is refused.
 //!
@@ -77,6 +78,22 @@
 //! [lists]                       # optional
 //! allow_networks = ["10.0.0.0/8"]
 //! deny_keys = ["key:stolen-key"]
+//!
+//! [shed]                        # optional: load shedding, see the shed module
+//! floor = 20                    # calls in flight: the limit adapts between these
+//! ceiling = 1_000
+//! tolerance = 1.5               # latency up to 1.5 times the learnt baseline is fine
+//! window = "1s"
+//!
+//! [[shed.priorities]]           # the most important first
+//! name = "checkout"
+//! share = 0.4                   # of the limit, always theirs
+//! routes = ["POST /api/v1/checkout"]
+//!
+//! [[shed.priorities]]
+//! name = "paying"
+//! share = 0.4
+//! headers = ["x-api-key"]       # the rest are "other", with what is left (0.2)
 //! ```
 //!
 //! A policy's `cost` is its own: the number in a request header, else its `default`.
@@ -117,6 +134,8 @@ pub use key::ConfigKey;
 pub use reload::{LiveConfig, Reloaded, Reloader};
 pub use watch::Watcher;
 
+#[cfg(test)]
+mod shed_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

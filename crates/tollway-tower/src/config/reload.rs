@@ -417,7 +417,17 @@ impl<St: Store + Clone> Reloader<St> {
         let reloaded = read.and_then(|read| {
             let file = read.file?;
             current.same_foundations(&file)?;
-            let builder = file.builder(self.store.clone(), self.key.clone())?;
+            let mut builder = file.builder(self.store.clone(), self.key.clone())?;
+            // An unchanged [shed] keeps the running shedder, its calls and what it learnt;
+            // a changed one starts from the running limit.
+            if let (Some(running), Some(new)) = (self.layer.shed(), file.shed()?) {
+                if running.same_settings(&new) {
+                    builder = builder.shed(running);
+                } else {
+                    new.continue_from(&running);
+                    builder = builder.shed(new);
+                }
+            }
             let fresh = (self.extend)(builder).build()?;
             let reset = counts_reset(&self.layer.policies(), &fresh.policies());
             self.key.known.store(Arc::new(file.known_keys()));

@@ -20,6 +20,36 @@ pub(super) struct File {
     pub(super) routes: Vec<Spanned<RouteSection>>,
     #[serde(default)]
     pub(super) lists: ListsSection,
+    pub(super) shed: Option<Spanned<ShedSection>>,
+}
+
+/// Load shedding: an adaptive limit on the service's calls in flight.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ShedSection {
+    pub(super) floor: Option<Spanned<u32>>,
+    pub(super) ceiling: Option<Spanned<u32>>,
+    pub(super) initial: Option<Spanned<u32>>,
+    pub(super) tolerance: Option<Spanned<f64>>,
+    pub(super) window: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) shadow: bool,
+    #[serde(default)]
+    pub(super) priorities: Vec<Spanned<PrioritySection>>,
+}
+
+/// A priority of load shedding: its share, and the requests it takes.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PrioritySection {
+    pub(super) name: Spanned<String>,
+    pub(super) share: Spanned<f64>,
+    /// `"POST /api/v1/checkout"` or `"/api/*"`.
+    #[serde(default)]
+    pub(super) routes: Vec<Spanned<String>>,
+    /// Requests carrying one of these headers.
+    #[serde(default)]
+    pub(super) headers: Vec<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize, PartialEq)]

@@ -95,8 +95,7 @@ impl Gradient {
     ) -> Option<u32> {
         self.sum = self.sum.saturating_add(latency);
         self.count += 1;
-        if now.saturating_sub(self.started) < settings.window || self.count < settings.min_samples
-        {
+        if now.saturating_sub(self.started) < settings.window || self.count < settings.min_samples {
             return None;
         }
         // At least a microsecond: a manual clock may not move within a call.
@@ -133,7 +132,11 @@ impl Gradient {
                 let alpha = 2.0 / (f64::from(settings.long_windows) + 1.0);
                 let long = long + alpha * (short - long);
                 // Latency fell far below the baseline (a cold start, a fix): catch up.
-                if long > 2.0 * short { long * 0.95 } else { long }
+                if long > 2.0 * short {
+                    long * 0.95
+                } else {
+                    long
+                }
             }
         };
         self.seen = (self.seen + 1).min(WARM_UP);

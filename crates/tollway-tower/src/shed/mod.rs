@@ -87,6 +87,13 @@ pub use priority::{Match, Priority};
 /// The name of the priority of requests that fit no other.
 pub const OTHER: &str = "other";
 
+/// The limit's floor unless set.
+pub(crate) const FLOOR: u32 = 20;
+/// The limit's ceiling unless set.
+pub(crate) const CEILING: u32 = 1_000;
+/// Calls a window needs unless set.
+pub(crate) const MIN_CALLS: u32 = 10;
+
 /// Priorities a shedder may have, `other` included.
 const MAX_PRIORITIES: usize = 16;
 
@@ -159,12 +166,12 @@ impl Shed {
     pub fn builder() -> ShedBuilder {
         ShedBuilder {
             settings: Settings {
-                initial: 20,
-                floor: 20,
-                ceiling: 1_000,
+                initial: FLOOR,
+                floor: FLOOR,
+                ceiling: CEILING,
                 tolerance: 1.5,
                 window: 1_000_000,
-                min_samples: 10,
+                min_samples: MIN_CALLS,
                 long_windows: 600,
                 smoothing: 0.2,
             },
@@ -580,7 +587,9 @@ mod metrics_impl {
         pub(super) fn in_flight(&self, priority: usize, change: f64) {
             let name = &self.names[priority];
             self.in_flight[priority]
-                .get_or_init(|| metrics::gauge!(metric::SHED_IN_FLIGHT.name, "priority" => name.clone()))
+                .get_or_init(
+                    || metrics::gauge!(metric::SHED_IN_FLIGHT.name, "priority" => name.clone()),
+                )
                 .increment(change);
         }
 

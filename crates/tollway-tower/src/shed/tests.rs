@@ -115,7 +115,10 @@ fn shadow_mode_sheds_nothing_and_counts_what_it_would_have() {
     let (held, refused) = fill(&shed, 150, anonymous);
     assert_eq!((held.len(), refused), (150, 0));
     let other = &shed.priorities()[2];
-    assert_eq!((other.admitted, other.would_shed, other.shed), (150, 130, 0));
+    assert_eq!(
+        (other.admitted, other.would_shed, other.shed),
+        (150, 130, 0)
+    );
 }
 
 /// Runs a window of 20 calls on `clock`, `in_flight` at once, each taking `latency`.
@@ -170,9 +173,8 @@ fn bad_settings_fail_when_built() {
         Shed::builder().tolerance(0.5),
         Shed::builder().window(Duration::ZERO, 10),
         Shed::builder().priority(Priority::new("a", 0.5)),
-        Shed::builder().priority(Priority::new("other", 0.5).when(Match::header(
-            http::header::AUTHORIZATION,
-        ))),
+        Shed::builder()
+            .priority(Priority::new("other", 0.5).when(Match::header(http::header::AUTHORIZATION))),
         Shed::builder()
             .priority(Priority::new("a", 0.7).when(Match::header(http::header::AUTHORIZATION)))
             .priority(Priority::new("b", 0.7).when(Match::header(http::header::COOKIE))),
