@@ -15,6 +15,11 @@
 //! | `POST /admin/reload` | the limits file read again (it is also watched): what changed |
 //! | `GET /lab` | the live lab: the seven algorithms, each limiting `/lab/api/{algorithm}` (see `lab.rs`) |
 //!
+//! The API routes are behind the file's load shedder (`[shed]`): when the service is
+//! full, it answers 503 with `Retry-After` before any caller's limit is asked. Pro keys
+//! are refused last, then free keys, then guests' orders (`POST /api/v1/checkout`), and
+//! anonymous browsing first.
+//!
 //! `{key}` is the caller's key as the store sees it: `ip:203.0.113.9`, `key:demo-free-key`.
 //! The admin routes exist only when an admin token is given ([`Doors::admin_token`]);
 //! they want `Authorization: Bearer <token>` (none is 401, another is 403) and are

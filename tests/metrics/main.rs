@@ -139,6 +139,13 @@ async fn the_example_counts_every_decision_in_its_metrics() {
     // The memory store's own metric is there too.
     let scrape = client.get("/metrics").await.body;
     assert!(scrape.contains("tollway_memory_store_keys 2"), "{scrape}");
+    // The file's load shedder: its limit, and the calls in flight (none now) of the
+    // priorities the sequence used: free keys, and anonymous callers (other).
+    assert!(scrape.contains("tollway_shed_limit 20\n"), "{scrape}");
+    for priority in ["free", "other"] {
+        let line = format!("tollway_shed_in_flight{{priority=\"{priority}\"}} 0\n");
+        assert!(scrape.contains(&line), "{line} in {scrape}");
+    }
 
     // The same application on Redis: its calls are timed by store kind, and a flood of
     // refusals from one caller is answered by the deny cache, which counts its hits.

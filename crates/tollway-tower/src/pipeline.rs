@@ -271,22 +271,24 @@ pub(crate) enum Next {
 
 impl<St> Limiter<St> {
     /// Asks the load shedder, if any, to admit `request`: its permit (to drop when the
-    /// service has answered), or the 503 that refuses it.
+    /// service has answered), or the refusal to answer with [`refused`](Self::refused).
     #[inline]
     pub(crate) fn shed<B>(
         &self,
         request: &Request<B>,
-    ) -> Result<Option<crate::shed::Permit>, Response<Bytes>> {
+    ) -> Result<Option<crate::shed::Permit>, Refusal> {
         let Some(shed) = &self.shed else {
             return Ok(None);
         };
         match shed.admit(request) {
             Ok(permit) => Ok(Some(permit)),
-            Err(overloaded) => Err(refuse(
-                Refusal::Overloaded(overloaded.retry_after),
-                self.protocol.grpc(request),
-            )),
+            Err(overloaded) => Err(Refusal::Overloaded(overloaded.retry_after)),
         }
+    }
+
+    /// The answer to `request`, refused by the layer on its own.
+    pub(crate) fn refused<B>(&self, refusal: Refusal, request: &Request<B>) -> Response<Bytes> {
+        refuse(refusal, self.protocol.grpc(request))
     }
 }
 
@@ -562,7 +564,7 @@ fn decided<F>(outcome: Outcome<'_>) -> Progress<'_, F> {
 }
 
 /// The answer to a refusal: JSON over HTTP, the matching status over gRPC.
-pub(crate) fn refuse(refusal: Refusal, grpc: bool) -> Response<Bytes> {
+fn refuse(refusal: Refusal, grpc: bool) -> Response<Bytes> {
     #[cfg(feature = "tonic")]
     if grpc {
         return crate::grpc::refusal_status(refusal).into_http();

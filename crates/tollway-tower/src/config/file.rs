@@ -1,7 +1,7 @@
 //! A limits file read and validated: its policies, tiers, routes, lists and settings,
 //! each error at its `file:line:column`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::{self, Write as _};
 use std::ops::Range;
 use std::path::Path;
@@ -392,12 +392,16 @@ impl LimitsFile {
             for header in &p.headers {
                 made = made.when(Match::header(self.header_name(header)?));
             }
-            if p.routes.is_empty() && p.headers.is_empty() {
+            if !p.tiers.is_empty() {
+                made = made.when(self.tier_keys(&p.tiers)?);
+            }
+            if p.routes.is_empty() && p.headers.is_empty() && p.tiers.is_empty() {
                 return Err(self.at(
                     Some(priority.span()),
                     &format!(
                         "priority {:?} matches no request: give it routes = [\"POST \
-                         /api/v1/checkout\"] or headers = [\"authorization\"]",
+                         /api/v1/checkout\"], headers = [\"authorization\"] or tiers = \
+                         [\"pro\"]",
                         p.name.get_ref()
                     ),
                 ));
@@ -472,6 +476,51 @@ impl LimitsFile {
                 ),
             )
         })
+    }
+
+    /// Requests whose API key (`[key] api_key`) is in `[tiers]` under one of `tiers`.
+    fn tier_keys(&self, tiers: &[Spanned<String>]) -> Result<Match, ConfigError> {
+        let api_key = self
+            .file
+            .key
+            .as_ref()
+            .and_then(|k| k.get_ref().api_key.as_ref());
+        let Some(api_key) = api_key else {
+            return Err(self.at(
+                Some(tiers[0].span()),
+                "a priority by tier needs callers' API keys: add [key] api_key = { header = \
+                 \"x-api-key\" }",
+            ));
+        };
+        for tier in tiers {
+            if !self
+                .file
+                .tiers
+                .values()
+                .any(|t| t.get_ref() == tier.get_ref())
+            {
+                let known: BTreeSet<&str> = self
+                    .file
+                    .tiers
+                    .values()
+                    .map(|t| t.get_ref().as_str())
+                    .collect();
+                return Err(self.at(
+                    Some(tier.span()),
+                    &format!(
+                        "no key in [tiers] is of tier {:?}: write one of {known:?}",
+                        tier.get_ref()
+                    ),
+                ));
+            }
+        }
+        let keys = self
+            .file
+            .tiers
+            .iter()
+            .filter(|(_, tier)| tiers.iter().any(|t| t.get_ref() == tier.get_ref()))
+            .map(|(key, _)| key.get_ref().clone());
+        Ok(Match::header_in(self.header_name(&api_key.header)?, keys))
     }
 
     /// The limits the file describes, a line each: what `tollway check` prints.
@@ -577,6 +626,7 @@ impl LimitsFile {
                     .iter()
                     .map(|r| r.get_ref().clone())
                     .chain(p.headers.iter().map(|h| format!("header {}", h.get_ref())))
+                    .chain(p.tiers.iter().map(|t| format!("tier {}", t.get_ref())))
                     .collect();
                 left -= p.share.get_ref();
                 let _ = writeln!(
@@ -589,9 +639,9 @@ impl LimitsFile {
             }
             let _ = writeln!(
                 out,
-                "  shed priority {}: share {:.2} (the rest)",
+                "  shed priority {}: share {} (the rest)",
                 shed::OTHER,
-                f64::max(left, 0.0)
+                (f64::max(left, 0.0) * 1_000.0).round() / 1_000.0
             );
         }
         out

@@ -50,6 +50,9 @@ pub(super) struct PrioritySection {
     /// Requests carrying one of these headers.
     #[serde(default)]
     pub(super) headers: Vec<Spanned<String>>,
+    /// Requests whose API key is in `[tiers]` under one of these policies.
+    #[serde(default)]
+    pub(super) tiers: Vec<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize, PartialEq)]

@@ -40,7 +40,7 @@ fn a_shed_section_builds_a_shedder_and_is_summarised() {
         "  shed: calls in flight between 10 and 400, latency tolerance 2, window 500ms\n",
         "  shed priority checkout: share 0.5 (POST /api/v1/checkout)\n",
         "  shed priority paying: share 0.3 (header x-api-key)\n",
-        "  shed priority other: share 0.20 (the rest)\n",
+        "  shed priority other: share 0.2 (the rest)\n",
     ] {
         assert!(summary.contains(line), "{line:?} in\n{summary}");
     }
@@ -109,4 +109,31 @@ async fn a_reload_keeps_an_unchanged_shedder_and_carries_a_changed_ones_limit() 
         "the running limit, not its own initial 8"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// Pro before free, by the API keys the file gives each tier; a tier no key has is
+// refused where it is written.
+#[test]
+fn a_priority_by_tier_takes_that_tiers_api_keys() {
+    let text = "[layer]\ndefault = \"api\"\n\n[key]\napi_key = { header = \"x-api-key\" }\n\n[policies.api]\nalgorithm = \"gcra\"\nlimit = 10\nperiod = \"1s\"\n\n[policies.pro]\nalgorithm = \"gcra\"\nlimit = 100\nperiod = \"1s\"\n\n[tiers]\n\"pro-key\" = \"pro\"\n\n[shed]\n\n[[shed.priorities]]\nname = \"pro\"\nshare = 0.5\ntiers = [\"pro\"]\n";
+    let shed = LimitsFile::parse("limits.toml", text)
+        .unwrap()
+        .shed()
+        .unwrap()
+        .unwrap();
+    let request = |key: &str| {
+        http::Request::builder()
+            .header("x-api-key", key)
+            .body(())
+            .unwrap()
+    };
+    let _pro = shed.admit(&request("pro-key")).unwrap();
+    let _guess = shed.admit(&request("guessed-key")).unwrap();
+    let in_flight: Vec<_> = shed.priorities().iter().map(|p| p.in_flight).collect();
+    assert_eq!(in_flight, [1, 1], "a key not in the tier is other");
+    let err = error(&text.replace("[\"pro\"]\n", "[\"gold\"]\n"), 25, 10);
+    assert!(
+        err.contains("no key in [tiers] is of tier \"gold\""),
+        "{err}"
+    );
 }

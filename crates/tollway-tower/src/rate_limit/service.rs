@@ -88,7 +88,7 @@ where
         // A full service refuses before any key or store is asked.
         let permit = match limiter.shed(&request) {
             Ok(permit) => permit,
-            Err(refused) => return ResponseFuture::answered(refused),
+            Err(refusal) => return ResponseFuture::answered(limiter.refused(refusal, &request)),
         };
         let Decided { outcome, charge } = match limiter.decide(&*self.key, &request) {
             Progress::Decided(decided) => decided,

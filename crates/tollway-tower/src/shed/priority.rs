@@ -1,5 +1,6 @@
 //! Priorities: which requests a shedder keeps, and how much of its limit each may count on.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
@@ -93,6 +94,7 @@ enum Rule {
     Route(Route),
     Header(HeaderName),
     HeaderValue(HeaderName, HeaderValue),
+    HeaderIn(HeaderName, Arc<HashSet<String>>),
     Custom(MatchFn),
 }
 
@@ -122,6 +124,26 @@ impl Match {
         Match(Rule::HeaderValue(name, value))
     }
 
+    /// Requests whose header `name` is one of `values`: the API keys of a tier, say.
+    ///
+    /// ```
+    /// use tollway_tower::shed::Match;
+    ///
+    /// let pro = Match::header_in(
+    ///     http::HeaderName::from_static("x-api-key"),
+    ///     ["pro-key-1", "pro-key-2"],
+    /// );
+    /// # let _ = pro;
+    /// ```
+    pub fn header_in<I>(name: HeaderName, values: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        let values = values.into_iter().map(Into::into).collect();
+        Match(Rule::HeaderIn(name, Arc::new(values)))
+    }
+
     /// Requests for which `fits` says yes, from their method, URI, headers and
     /// extensions (where an auth layer puts who the caller is).
     ///
@@ -148,6 +170,11 @@ impl Match {
             Rule::Route(route) => route.matches_request(request),
             Rule::Header(name) => request.headers().contains_key(name),
             Rule::HeaderValue(name, value) => request.headers().get(name) == Some(value),
+            Rule::HeaderIn(name, values) => request
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| values.contains(v)),
             Rule::Custom(fits) => fits(
                 request.method(),
                 crate::limits::sent_uri(request),
@@ -164,6 +191,7 @@ impl PartialEq for Match {
             (Rule::Route(a), Rule::Route(b)) => a == b,
             (Rule::Header(a), Rule::Header(b)) => a == b,
             (Rule::HeaderValue(a, x), Rule::HeaderValue(b, y)) => a == b && x == y,
+            (Rule::HeaderIn(a, x), Rule::HeaderIn(b, y)) => a == b && x == y,
             (Rule::Custom(a), Rule::Custom(b)) => Arc::ptr_eq(a, b),
             _ => false,
         }
@@ -182,6 +210,8 @@ impl fmt::Debug for Match {
             Rule::Route(route) => write!(f, "route {route:?}"),
             Rule::Header(name) => write!(f, "header {name}"),
             Rule::HeaderValue(name, _) => write!(f, "header {name} with a value"),
+            // The values may be API keys: never printed.
+            Rule::HeaderIn(name, values) => write!(f, "header {name} in {} values", values.len()),
             Rule::Custom(_) => f.write_str("custom"),
         }
     }

@@ -199,3 +199,157 @@ fn a_shedder_with_new_settings_starts_from_the_old_limit() {
     new.continue_from(&old);
     assert_eq!(new.limit(), 50, "the old limit, under the new ceiling");
 }
+
+/// Through the layer: what a full service answers, and what it leaves untouched.
+mod layer {
+    use std::convert::Infallible;
+    use std::net::SocketAddr;
+
+    use http::{Response, StatusCode};
+    use http_body_util::BodyExt;
+    use tollway_core::{Algorithm, MemoryStore, Policy, Quota};
+    use tower::{Service, ServiceExt};
+
+    use super::*;
+    use crate::RateLimitLayer;
+
+    fn from(peer: u8, grpc: bool) -> Request<()> {
+        let mut request = anonymous();
+        if grpc {
+            *request.version_mut() = http::Version::HTTP_2;
+            request
+                .headers_mut()
+                .insert("content-type", "application/grpc".parse().unwrap());
+        }
+        let addr: SocketAddr = ([203, 0, 113, peer], 5000).into();
+        request.extensions_mut().insert(addr);
+        request
+    }
+
+    type Answer = std::future::Ready<Result<Response<String>, Infallible>>;
+
+    /// A layer shedding over one call at once, per caller 1 a minute, on `store`.
+    fn service(
+        store: MemoryStore,
+        shed: &Shed,
+    ) -> impl Service<
+        Request<()>,
+        Response = Response<crate::ResponseBody<String>>,
+        Error = Infallible,
+    > + Clone {
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_minute(1).unwrap()).unwrap();
+        let layer = RateLimitLayer::builder(store, policy)
+            .shed(shed.clone())
+            .build()
+            .unwrap();
+        let answer =
+            |_: Request<()>| -> Answer { std::future::ready(Ok(Response::new("ok".into()))) };
+        tower_layer::Layer::layer(&layer, tower::service_fn(answer))
+    }
+
+    #[tokio::test]
+    async fn a_full_service_answers_503_with_retry_after_and_asks_no_store() {
+        let store = MemoryStore::new();
+        let shed = Shed::builder().limits(1, 1).build().unwrap();
+        let mut service = service(store.clone(), &shed);
+        // Admitted and not yet answered: the one call the service may hold.
+        let held = service.ready().await.unwrap().call(from(1, false));
+        assert_eq!(shed.in_flight(), 1);
+        for peer in 2..12 {
+            let refused = service
+                .ready()
+                .await
+                .unwrap()
+                .call(from(peer, false))
+                .await
+                .unwrap();
+            assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(refused.headers()["retry-after"], "1");
+            assert!(refused.headers().get("x-ratelimit-limit").is_none());
+            let bytes = refused.into_body().collect().await.unwrap().to_bytes();
+            let text = std::str::from_utf8(&bytes).unwrap();
+            assert!(text.contains("\"error\":\"Service Unavailable\""), "{text}");
+        }
+        assert_eq!(
+            store.len(),
+            1,
+            "only the admitted caller's state: no refusal asked"
+        );
+        let answered = held.await.unwrap();
+        assert_eq!(answered.status(), StatusCode::OK);
+        assert_eq!(
+            shed.in_flight(),
+            0,
+            "its place is given back with the answer"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_grpc_call_over_the_limit_is_unavailable_with_a_retry_time() {
+        let shed = Shed::builder().limits(1, 1).build().unwrap();
+        let mut service = service(MemoryStore::new(), &shed);
+        let _held = service.ready().await.unwrap().call(from(1, true));
+        let refused = service
+            .ready()
+            .await
+            .unwrap()
+            .call(from(2, true))
+            .await
+            .unwrap();
+        assert_eq!(
+            refused.status(),
+            StatusCode::OK,
+            "a trailers-only gRPC answer"
+        );
+        assert_eq!(refused.headers()["grpc-status"], "14", "UNAVAILABLE");
+        assert_eq!(refused.headers()["retry-after"], "1");
+        assert_eq!(refused.headers()["grpc-retry-pushback-ms"], "1000");
+    }
+
+    #[tokio::test]
+    async fn a_call_its_own_limit_refuses_gives_its_place_back_at_once() {
+        let shed = Shed::builder().limits(1, 1).build().unwrap();
+        let mut service = service(MemoryStore::new(), &shed);
+        let first = service
+            .ready()
+            .await
+            .unwrap()
+            .call(from(1, false))
+            .await
+            .unwrap();
+        assert_eq!(first.status(), StatusCode::OK);
+        let second = service
+            .ready()
+            .await
+            .unwrap()
+            .call(from(1, false))
+            .await
+            .unwrap();
+        assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(shed.in_flight(), 0);
+        let other = service
+            .ready()
+            .await
+            .unwrap()
+            .call(from(2, false))
+            .await
+            .unwrap();
+        assert_eq!(other.status(), StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn in_shadow_mode_a_full_service_still_calls_and_counts() {
+        let shed = Shed::builder().limits(1, 1).shadow(true).build().unwrap();
+        let mut service = service(MemoryStore::new(), &shed);
+        let _held = service.ready().await.unwrap().call(from(1, false));
+        let passed = service
+            .ready()
+            .await
+            .unwrap()
+            .call(from(2, false))
+            .await
+            .unwrap();
+        assert_eq!(passed.status(), StatusCode::OK);
+        assert_eq!(shed.priorities()[0].would_shed, 1);
+    }
+}
