@@ -11,6 +11,8 @@
 //! | `GET /admin/limits/{policy}/{key}` | a caller's state under a policy (`all`: each), consuming nothing |
 //! | `DELETE /admin/limits/{policy}/{key}` | the caller back to fresh under that policy (`all`: every one) |
 //! | `PUT /admin/shadow/{policy}` (body `on` / `off`, or `file` to follow the file again; `all`: the whole layer) | shadow mode, kept over reloads |
+//! | `GET /admin/shed` | the load shedder: its limit, calls in flight, and by priority what it admitted, refused and (in shadow mode) would have refused |
+//! | `PUT /admin/shed/shadow` (body `on` / `off`) | the load shedder's shadow mode |
 //! | `GET /admin/config` | the live limits file (its SHA-256, when loaded), the reloads that worked and failed, each limit's shadow mode |
 //! | `POST /admin/reload` | the limits file read again (it is also watched): what changed |
 //! | `GET /lab` | the live lab: the seven algorithms, each limiting `/lab/api/{algorithm}` (see `lab.rs`) |
@@ -140,6 +142,8 @@ pub fn app(
                 get(peek_limit).delete(reset_limit),
             )
             .route("/admin/shadow/{policy}", put(set_shadow))
+            .route("/admin/shed", get(shed_state))
+            .route("/admin/shed/shadow", put(set_shed_shadow))
             .route("/admin/config", get(live_config))
             .route("/admin/reload", post(reload))
             .layer(limited);
@@ -376,6 +380,57 @@ async fn set_shadow(
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => error(StatusCode::NOT_FOUND, &e.to_string()),
     }
+}
+
+/// The load shedder as it stands; 404 when the file has no `[shed]`.
+async fn shed_state(State(admin): State<Arc<Admin>>, headers: HeaderMap) -> Response {
+    if let Some(refusal) = refuse(&admin, &headers) {
+        return refusal;
+    }
+    let Some(shed) = admin.limits.shed() else {
+        return error(StatusCode::NOT_FOUND, "the limits file has no [shed]");
+    };
+    let priorities: Vec<_> = shed
+        .priorities()
+        .iter()
+        .map(|p| {
+            json!({
+                "name": p.name,
+                "share": p.share,
+                "in_flight": p.in_flight,
+                "admitted": p.admitted,
+                "shed": p.shed,
+                "would_shed": p.would_shed,
+            })
+        })
+        .collect();
+    let state = json!({
+        "limit": shed.limit(),
+        "in_flight": shed.in_flight(),
+        "shadow": shed.is_shadow(),
+        "priorities": priorities,
+    });
+    json_response(StatusCode::OK, &state)
+}
+
+/// Puts the load shedder in shadow mode (`on`) or takes it out (`off`).
+async fn set_shed_shadow(
+    State(admin): State<Arc<Admin>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(refusal) = refuse(&admin, &headers) {
+        return refusal;
+    }
+    let Some(shed) = admin.limits.shed() else {
+        return error(StatusCode::NOT_FOUND, "the limits file has no [shed]");
+    };
+    match body.trim_ascii() {
+        b"on" => shed.set_shadow(true),
+        b"off" => shed.set_shadow(false),
+        _ => return error(StatusCode::BAD_REQUEST, "send `on` or `off`"),
+    }
+    StatusCode::NO_CONTENT.into_response()
 }
 
 /// The refusal of an admin request: 401 without a bearer token, 403 with another than

@@ -449,3 +449,56 @@ async fn the_admin_api_shows_the_live_config_and_keeps_switches_over_a_reload() 
     assert_eq!(free(&live)["on"], false);
     assert_eq!(free(&live)["switched"], false);
 }
+
+/// The example's load shedder, behind the admin token: its limit and priorities, what
+/// each admitted, and its shadow mode, which a reload of an unchanged `[shed]` keeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_shows_the_load_shedder_and_switches_its_shadow_mode() {
+    let clock = ManualClock::at_micros(support::stores::EPOCH_US);
+    let (_server, client) = example(support::stores::memory_store(&clock)).await;
+    assert_eq!(
+        client.get("/admin/shed").await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    for key in ["demo-pro-key", "demo-free-key"] {
+        let reply = client.get_with("/", &[("x-api-key", key)]).await;
+        assert_eq!(reply.status, StatusCode::OK);
+    }
+    let guest = client.send(Method::POST, "/api/v1/checkout", &[]).await;
+    assert_eq!(guest.status, StatusCode::OK);
+    let shed = json(&client.get_with("/admin/shed", &[ADMIN]).await.body);
+    assert_eq!(shed["limit"], 20);
+    assert_eq!(shed["in_flight"], 0);
+    assert_eq!(shed["shadow"], false);
+    let admitted: Vec<_> = shed["priorities"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_owned(),
+                p["admitted"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let expected = [("pro", 1), ("free", 1), ("checkout", 1), ("other", 0)];
+    let expected: Vec<_> = expected
+        .iter()
+        .map(|(n, a)| ((*n).to_owned(), *a))
+        .collect();
+    assert_eq!(admitted, expected);
+
+    let on = bytes::Bytes::from_static(b"on");
+    let put = client
+        .send_body(Method::PUT, "/admin/shed/shadow", &[ADMIN], on)
+        .await;
+    assert_eq!(put.status, StatusCode::NO_CONTENT);
+    let reload = client.send(Method::POST, "/admin/reload", &[ADMIN]).await;
+    assert_eq!(reload.status, StatusCode::OK);
+    let shed = json(&client.get_with("/admin/shed", &[ADMIN]).await.body);
+    assert_eq!(
+        shed["shadow"], true,
+        "the running shedder, kept over the reload"
+    );
+    assert_eq!(shed["priorities"][0]["admitted"], 1);
+}

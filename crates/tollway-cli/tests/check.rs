@@ -31,6 +31,10 @@ fn check_passes_a_valid_file_and_fails_a_broken_one_with_its_line() {
         out.contains("route: * /api/v1/checkout -> checkout"),
         "{out}"
     );
+    assert!(
+        out.contains("shed priority checkout: share 0.2 (POST /api/v1/checkout)"),
+        "{out}"
+    );
 
     let dir = std::env::temp_dir().join(format!("tollway-check-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -236,6 +236,30 @@
 //! would expire unrenewed: the latest they can all be free, not when one will be. A
 //! client backs off by `Retry-After` and watches `r`.
 //!
+//! ## Load shedding
+//!
+//! Per-key limits stop callers who send too much. A [`Shed`](shed::Shed) guards the
+//! service itself: a limit on its calls in flight that follows its latency. Requests are
+//! sorted into priorities, each with a share of the limit; the least important are
+//! refused first, with 503 before any key or store is asked. See [`shed`].
+//!
+//! ```
+//! use tollway_tower::shed::{Match, Priority, Shed};
+//! use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+//!
+//! let pro = Match::header_in(http::HeaderName::from_static("x-api-key"), ["pro-key"]);
+//! let shed = Shed::builder()
+//!     .limits(20, 1_000)
+//!     .priority(Priority::new("pro", 0.5).when(pro))
+//!     .build()?;
+//! let policy = Policy::new("api", Algorithm::Gcra, Quota::per_minute(600)?)?;
+//! let layer = RateLimitLayer::builder(MemoryStore::new(), policy)
+//!     .shed(shed)
+//!     .build()?;
+//! # let _ = layer;
+//! # Ok::<(), tollway_tower::ConfigError>(())
+//! ```
+//!
 //! ## Operating it
 //!
 //! Everything here works for the memory store and Redis alike. `examples/axum_app.rs`

@@ -299,6 +299,7 @@ where
                         unreachable!("the state was Waiting")
                     };
                     state.set(pending.resume(answer));
+                    restart_if_calling(&state, permit);
                 }
                 StateProj::Delaying { sleep, .. } => {
                     ready!(sleep.as_mut().poll(cx));
@@ -308,6 +309,7 @@ where
                         unreachable!("the state was Delaying")
                     };
                     state.set((*held).call());
+                    restart_if_calling(&state, permit);
                 }
                 StateProj::Calling {
                     future,
@@ -316,8 +318,11 @@ where
                 } => {
                     // A failed call drops `after`, which settles it short.
                     let answer = ready!(future.poll(cx));
-                    if let Some(permit) = permit.take() {
-                        permit.answered();
+                    match (permit.take(), &answer) {
+                        (Some(permit), Ok(_)) => permit.answered(),
+                        // A failure, often fast, says nothing of the service's latency.
+                        (Some(permit), Err(_)) => permit.discard(),
+                        (None, _) => {}
                     }
                     let mut response = answer?;
                     std::mem::take(headers).insert_into(response.headers_mut());
@@ -338,11 +343,24 @@ where
                         unreachable!("the state was Answered")
                     };
                     // Not the service's answer: no latency to learn from.
-                    *permit = None;
+                    if let Some(permit) = permit.take() {
+                        permit.discard();
+                    }
                     return Poll::Ready(Ok(response.map(ResponseBody::layer)));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after it completed"),
             }
         }
+    }
+}
+
+/// Starts the load shedder's clock for the call when `state` has just called the
+/// service: the wait before it was not the service's time.
+fn restart_if_calling<C, F, S, B, St: Store>(
+    state: &Pin<&mut State<C, F, S, B, St>>,
+    permit: &mut Option<Permit>,
+) {
+    if let (Some(permit), State::Calling { .. }) = (permit.as_mut(), state.as_ref().get_ref()) {
+        permit.calling();
     }
 }

@@ -114,8 +114,13 @@ where
                     }
                 }
             }
-            // Refused by a limit: the shedder's count ends here.
-            Next::Answer(response) => return ResponseFuture::answered(response),
+            // Refused by a limit: the shedder's count ends here, untimed.
+            Next::Answer(response) => {
+                if let Some(permit) = permit {
+                    permit.discard();
+                }
+                return ResponseFuture::answered(response);
+            }
         };
         future.holding(permit)
     }

@@ -94,7 +94,7 @@ impl Gradient {
         in_flight: u32,
     ) -> Option<u32> {
         self.sum = self.sum.saturating_add(latency);
-        self.count += 1;
+        self.count = self.count.saturating_add(1);
         if now.saturating_sub(self.started) < settings.window || self.count < settings.min_samples {
             return None;
         }
@@ -144,10 +144,18 @@ impl Gradient {
         baseline
     }
 
-    /// Starts again at `limit`, keeping what was learnt of latency.
-    pub(super) fn set_limit(&mut self, settings: &Settings, limit: u32) {
-        let limit = limit.clamp(settings.floor, settings.ceiling);
-        self.limit = f64::from(limit);
+    /// Takes `previous`'s limit (within `settings`) and what it learnt of latency, with
+    /// a window starting at `now`: `previous` may have counted on another clock.
+    pub(super) fn continue_from(&mut self, settings: &Settings, previous: &Gradient, now: u64) {
+        let limit = previous
+            .limit
+            .clamp(f64::from(settings.floor), f64::from(settings.ceiling));
+        *self = Gradient {
+            limit,
+            baseline: previous.baseline,
+            seen: previous.seen,
+            ..Gradient::new(settings.floor, now)
+        };
     }
 }
 

@@ -4,7 +4,7 @@
 //! Per-key limits stop a few callers who send too much. They do not stop 100,000
 //! addresses that each send a little, nor a rush of real users. A [`Shed`] guards the
 //! service itself. It counts the calls the service is answering and refuses the ones over
-//! its limit at once: no store call, no key, no allocation.
+//! its limit at once: no key, no store call, a body of static bytes.
 //!
 //! The limit follows the service's latency (a gradient rule, below), between a floor and a
 //! ceiling. Requests are sorted into [`Priority`]s; each may count on its share of the
@@ -26,9 +26,12 @@
 //! AIMD because it reacts to latency as it rises, before calls time out or fail; AIMD waits
 //! for drops, which come when the service is already lost.
 //!
-//! A call counts from its admission to its response (its headers). A long streamed body
-//! does not hold the service's limit: limit streams per caller with
-//! [`Algorithm::Concurrency`](tollway_core::Algorithm::Concurrency).
+//! A call is in flight from its admission to the service's answer (its headers). A long
+//! streamed body does not hold the service's limit: limit streams per caller with
+//! [`Algorithm::Concurrency`](tollway_core::Algorithm::Concurrency). A request waiting for
+//! the store, a tier lookup or a shaping delay holds its place, but its latency is timed
+//! from the call to the service. A call whose client gave up counts its time so far; a
+//! call a limit refused, or the service failed, counts none.
 //!
 //! The baseline is learnt, not measured unloaded: a service loaded from its first
 //! second learns that latency as its baseline.
@@ -41,7 +44,13 @@
 //! - Beyond its share, a request is admitted while the calls in flight, plus what the more
 //!   important priorities have not used of their shares, stay under the limit.
 //!
-//! So `other` borrows only what checkout and paying leave, and is refused first.
+//! So `other` borrows only what checkout and paying leave, and is refused first. Once
+//! every priority more important than it is over its share, priorities borrowing beyond
+//! their shares are admitted in the order they come.
+//!
+//! The limit is soft by what was lent. A priority that was idle while others borrowed its
+//! share gets it back at once: in flight may then pass the limit until the borrowed calls
+//! end (at most the limit times two less the first share).
 //!
 //! # Examples
 //!
@@ -246,13 +255,10 @@ impl Shed {
         if Arc::ptr_eq(&self.0, &previous.0) {
             return;
         }
-        let (limit, learnt) = {
-            let state = previous.0.state.lock();
-            (state.gradient.limit(), state.gradient.clone())
-        };
+        let learnt = previous.0.state.lock().gradient.clone();
+        let now = self.0.clock.now_micros();
         let mut state = self.0.state.lock();
-        state.gradient = learnt;
-        state.gradient.set_limit(&self.0.settings, limit);
+        state.gradient.continue_from(&self.0.settings, &learnt, now);
     }
 
     /// Admits `request`, or refuses it because the service is full.
@@ -297,20 +303,20 @@ impl Shed {
             }
         }
         #[cfg(feature = "metrics")]
-        inner.metrics.in_flight(priority, 1.0);
+        inner.metrics.in_flight(priority, 1.0, || self.limit());
         Ok(Permit {
             shed: self.clone(),
             priority,
             start: inner.clock.now_micros(),
-            answered: false,
+            timed: true,
         })
     }
 
-    /// A call of `priority` that started at `start` has ended: answered (its latency is
-    /// a sample) or not.
-    fn release(&self, priority: usize, start: u64, answered: bool) {
+    /// A call of `priority` that started at `start` has ended: timed (its latency, or
+    /// its time so far, is a sample) or not.
+    fn release(&self, priority: usize, start: u64, timed: bool) {
         let inner = &*self.0;
-        let now = answered.then(|| inner.clock.now_micros());
+        let now = timed.then(|| inner.clock.now_micros());
         let changed = {
             let mut state = inner.state.lock();
             state.in_flight = state.in_flight.saturating_sub(1);
@@ -325,7 +331,7 @@ impl Shed {
             })
         };
         #[cfg(feature = "metrics")]
-        inner.metrics.in_flight(priority, -1.0);
+        inner.metrics.in_flight(priority, -1.0, || self.limit());
         if let Some(limit) = changed {
             tracing::debug!(limit, "load shedding limit");
             #[cfg(feature = "metrics")]
@@ -481,7 +487,7 @@ impl ShedBuilder {
                 partitions: vec![Partition::default(); priorities.len()].into(),
             }),
             #[cfg(feature = "metrics")]
-            metrics: metrics_impl::Metrics::new(&priorities, s.initial),
+            metrics: metrics_impl::Metrics::new(&priorities),
             priorities: priorities.into(),
             settings: self.settings,
             shadow: AtomicBool::new(self.shadow),
@@ -513,23 +519,38 @@ impl fmt::Debug for ShedBuilder {
 }
 
 /// A call admitted by a [`Shed`], counted until it is dropped.
+///
+/// Dropped as it is, the call was given up (its client went away, a timeout): its time
+/// so far is a sample, at least what the service would have taken. A slow service whose
+/// callers all give up still lowers the limit.
 pub(crate) struct Permit {
     shed: Shed,
     priority: usize,
     start: u64,
-    answered: bool,
+    /// Whether its time is a sample of the service's latency.
+    timed: bool,
 }
 
 impl Permit {
+    /// The service is called now: its latency counts from here, not from admission
+    /// (a store's answer, a tier lookup or a shaping delay is not the service's time).
+    pub(crate) fn calling(&mut self) {
+        self.start = self.shed.0.clock.now_micros();
+    }
+
     /// The service answered: the call's latency is a sample of the limit's rule.
-    pub(crate) fn answered(mut self) {
-        self.answered = true;
+    pub(crate) fn answered(self) {}
+
+    /// The call ended without the service's answer (a limit refused it, or the service
+    /// failed): its time says nothing of the service's latency.
+    pub(crate) fn discard(mut self) {
+        self.timed = false;
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.shed.release(self.priority, self.start, self.answered);
+        self.shed.release(self.priority, self.start, self.timed);
     }
 }
 
@@ -566,25 +587,32 @@ mod metrics_impl {
     }
 
     impl Metrics {
-        pub(super) fn new(priorities: &[Priority], initial: u32) -> Self {
+        pub(super) fn new(priorities: &[Priority]) -> Self {
             metric::describe();
-            let metrics = Metrics {
+            Metrics {
                 names: priorities.iter().map(|p| p.name.clone()).collect(),
                 limit: OnceLock::new(),
                 in_flight: priorities.iter().map(|_| OnceLock::new()).collect(),
                 shed: priorities.iter().map(|_| Default::default()).collect(),
-            };
-            metrics.limit(initial);
-            metrics
+            }
+        }
+
+        /// The limit's gauge, set to `limit` when first used. A shedder that never
+        /// admits (one a reload built to compare) never sets it.
+        fn limit_gauge(&self, limit: impl FnOnce() -> u32) -> &metrics::Gauge {
+            self.limit.get_or_init(|| {
+                let gauge = metrics::gauge!(metric::SHED_LIMIT.name);
+                gauge.set(f64::from(limit()));
+                gauge
+            })
         }
 
         pub(super) fn limit(&self, limit: u32) {
-            self.limit
-                .get_or_init(|| metrics::gauge!(metric::SHED_LIMIT.name))
-                .set(f64::from(limit));
+            self.limit_gauge(|| limit).set(f64::from(limit));
         }
 
-        pub(super) fn in_flight(&self, priority: usize, change: f64) {
+        pub(super) fn in_flight(&self, priority: usize, change: f64, limit: impl FnOnce() -> u32) {
+            self.limit_gauge(limit);
             let name = &self.names[priority];
             self.in_flight[priority]
                 .get_or_init(

@@ -164,6 +164,106 @@ fn the_limit_rises_and_falls_with_the_services_latency() {
     assert_eq!(last, 10, "down to the floor");
 }
 
+/// A shedder of limit 50 (between 10 and 500) on `clock`, with a baseline of 10 ms
+/// learnt over ten busy windows.
+fn learnt(clock: &ManualClock) -> Shed {
+    let shed = Shed::builder()
+        .limits(10, 500)
+        .initial(50)
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    for _ in 0..10 {
+        window(&shed, clock, 50, Duration::from_millis(10));
+    }
+    shed
+}
+
+/// Admits `n` calls, waits `before` (a store, a delay), calls the service, waits
+/// `latency`, then answers them: `before` is not the service's time.
+fn called_after(shed: &Shed, clock: &ManualClock, n: usize, before: Duration, latency: Duration) {
+    let (mut permits, _) = fill(shed, n, paying);
+    clock.advance(before);
+    permits.iter_mut().for_each(Permit::calling);
+    clock.advance(latency);
+    permits.into_iter().for_each(Permit::answered);
+}
+
+#[test]
+fn latency_is_timed_from_the_call_to_the_service() {
+    let clock = ManualClock::new();
+    let shed = learnt(&clock);
+    let before = shed.limit();
+    for _ in 0..3 {
+        let limit = shed.limit() as usize;
+        called_after(
+            &shed,
+            &clock,
+            limit,
+            Duration::from_millis(500),
+            Duration::from_millis(10),
+        );
+        clock.advance(Duration::from_secs(1));
+        called_after(&shed, &clock, 1, Duration::ZERO, Duration::from_millis(10));
+    }
+    assert!(
+        shed.limit() > before,
+        "{} > {before}: the waits were not the service's",
+        shed.limit()
+    );
+}
+
+// Callers who give up on a hung service still teach the limit: their time so far is a
+// sample.
+#[test]
+fn calls_given_up_lower_the_limit() {
+    let clock = ManualClock::new();
+    let shed = learnt(&clock);
+    let before = shed.limit();
+    for _ in 0..5 {
+        let (permits, _) = fill(&shed, shed.limit() as usize, paying);
+        clock.advance(Duration::from_secs(1));
+        drop(permits);
+    }
+    assert!(shed.limit() < before, "{} < {before}", shed.limit());
+    // A call a limit refused counts no time at all.
+    let limit = shed.limit();
+    for _ in 0..5 {
+        let (permits, _) = fill(&shed, limit as usize, paying);
+        clock.advance(Duration::from_secs(2));
+        permits.into_iter().for_each(Permit::discard);
+    }
+    assert_eq!(shed.limit(), limit);
+}
+
+// A shedder replacing another takes its limit, whatever clock either counts on: its
+// windows start on its own clock and close as they should.
+#[test]
+fn a_shedder_continued_on_another_clock_still_adapts() {
+    let old_clock = ManualClock::new();
+    old_clock.advance(Duration::from_secs(1_000));
+    let old = Shed::builder()
+        .limits(10, 500)
+        .initial(100)
+        .clock(old_clock)
+        .build()
+        .unwrap();
+    let clock = ManualClock::new();
+    let new = Shed::builder()
+        .limits(10, 500)
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    new.continue_from(&old);
+    assert_eq!(new.limit(), 100);
+    window(&new, &clock, 100, Duration::from_millis(10));
+    assert!(
+        new.limit() > 100,
+        "{}: the window closed on the new clock",
+        new.limit()
+    );
+}
+
 #[test]
 fn bad_settings_fail_when_built() {
     let bad = [
@@ -351,5 +451,18 @@ mod layer {
             .unwrap();
         assert_eq!(passed.status(), StatusCode::OK);
         assert_eq!(shed.priorities()[0].would_shed, 1);
+    }
+
+    // An interceptor never sees the response, so it could never give a place back.
+    #[cfg(feature = "tonic")]
+    #[test]
+    fn a_shedding_layer_has_no_interceptor() {
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_minute(1).unwrap()).unwrap();
+        let layer = RateLimitLayer::builder(MemoryStore::new(), policy)
+            .shed(Shed::builder().build().unwrap())
+            .build()
+            .unwrap();
+        let error = layer.interceptor().unwrap_err().to_string();
+        assert!(error.contains("sheds load"), "{error}");
     }
 }
