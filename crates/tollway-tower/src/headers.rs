@@ -113,6 +113,44 @@ impl RateLimitHeaders {
     }
 }
 
+/// The rate-limit headers the layer writes for a request decided by `verdicts`, in
+/// `style`: the most restrictive verdict's, and `Retry-After` on a denial.
+/// `now_unix_micros` is the wall time `X-RateLimit-Reset` counts from.
+///
+/// For a service that answers for a proxy: tollway-server adds these to an Envoy
+/// response, as the layer would.
+///
+/// # Examples
+///
+/// ```
+/// use tollway_tower::{Algorithm, HeaderStyle, MemoryStore, Policy, Quota, Verdict};
+///
+/// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_minute(10)?)?;
+/// let decision = MemoryStore::new().check_sync(b"ip:203.0.113.9", &policy, 1);
+/// let verdicts = [Verdict { policy: &policy, decision }];
+/// let headers = tollway_tower::rate_limit_headers(HeaderStyle::Legacy, &verdicts, 0);
+/// assert_eq!(headers["x-ratelimit-limit"], "10");
+/// assert_eq!(headers["x-ratelimit-remaining"], "9");
+/// # Ok::<(), tollway_core::ConfigError>(())
+/// ```
+#[must_use]
+pub fn rate_limit_headers(
+    style: HeaderStyle,
+    verdicts: &[Verdict<'_>],
+    now_unix_micros: u64,
+) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    let Some(most) = crate::verdict::most_restrictive(verdicts) else {
+        return map;
+    };
+    let verdict = &verdicts[most];
+    let legacy = style
+        .legacy()
+        .then(|| (number(verdict.decision.limit()), now_unix_micros));
+    RateLimitHeaders::new(style, verdicts, verdict, legacy).insert_into(&mut map);
+    map
+}
+
 /// `X-RateLimit-Limit` of each of a layer's policies (its burst), made when the layer is
 /// built, by the policy's index among the layer's.
 #[derive(Debug)]

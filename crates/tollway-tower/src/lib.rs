@@ -513,7 +513,7 @@ pub use body::ResponseBody;
 pub use clock::TokioClock;
 pub use headers::{
     HeaderStyle, RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING,
-    X_RATELIMIT_RESET,
+    X_RATELIMIT_RESET, rate_limit_headers,
 };
 #[cfg(feature = "tonic")]
 pub use interceptor::RateLimitInterceptor;

@@ -224,6 +224,9 @@ impl LimitsFile {
                 }
             };
         }
+        // A policy a descriptor names limits an Envoy edge's requests (tollway-server).
+        self.descriptors()?;
+        used.extend(self.descriptor_policies());
         for (name, section) in &file.policies {
             if !used.contains(&name.as_str()) {
                 return Err(self.at(
@@ -236,17 +239,7 @@ impl LimitsFile {
                 ));
             }
         }
-        if let Some(style) = &layer.headers {
-            builder = builder.headers(match style.get_ref().as_str() {
-                "legacy" => HeaderStyle::Legacy,
-                "ietf" => HeaderStyle::Ietf,
-                "both" => HeaderStyle::Both,
-                "none" => HeaderStyle::None,
-                _ => {
-                    return Err(self.choice(style, "headers", &["legacy", "ietf", "both", "none"]));
-                }
-            });
-        }
+        builder = builder.headers(self.try_header_style()?);
         if let Some(protocol) = &layer.protocol {
             builder = builder.protocol(match protocol.get_ref().as_str() {
                 "detect" => Protocol::Detect,
@@ -255,13 +248,7 @@ impl LimitsFile {
                 _ => return Err(self.choice(protocol, "protocol", &["detect", "http", "grpc"])),
             });
         }
-        if let Some(on_error) = &layer.on_store_error {
-            builder = builder.on_store_error(match on_error.get_ref().as_str() {
-                "allow" => OnStoreError::Allow,
-                "reject" => OnStoreError::Reject,
-                _ => return Err(self.choice(on_error, "on_store_error", &["allow", "reject"])),
-            });
-        }
+        builder = builder.on_store_error(self.try_on_store_error()?);
         if let Some(missing) = &layer.missing_key {
             builder = builder.on_missing_key(match missing.get_ref().as_str() {
                 "shared" => MissingKey::Shared,
@@ -319,6 +306,61 @@ impl LimitsFile {
         }
         self.check_store()?;
         Ok(builder)
+    }
+
+    /// The names of the file's policies.
+    pub fn policy_names(&self) -> impl Iterator<Item = &str> {
+        self.policies.keys().map(String::as_str)
+    }
+
+    /// `[layer] headers`: which rate-limit headers responses carry (default legacy).
+    #[must_use]
+    pub fn header_style(&self) -> HeaderStyle {
+        self.try_header_style().unwrap_or(HeaderStyle::Legacy)
+    }
+
+    /// `[layer] on_store_error`: what to answer when the store cannot decide (default
+    /// allow).
+    #[must_use]
+    pub fn on_store_error(&self) -> OnStoreError {
+        self.try_on_store_error().unwrap_or(OnStoreError::Allow)
+    }
+
+    /// Whether the file puts the whole layer (`None`) or the named policy in shadow mode.
+    #[must_use]
+    pub fn is_shadow(&self, policy: Option<&str>) -> bool {
+        match policy {
+            None => self.file.layer.shadow,
+            Some(name) => self
+                .file
+                .policies
+                .get(name)
+                .is_some_and(|p| p.get_ref().shadow),
+        }
+    }
+
+    fn try_header_style(&self) -> Result<HeaderStyle, ConfigError> {
+        let Some(style) = &self.file.layer.headers else {
+            return Ok(HeaderStyle::Legacy);
+        };
+        Ok(match style.get_ref().as_str() {
+            "legacy" => HeaderStyle::Legacy,
+            "ietf" => HeaderStyle::Ietf,
+            "both" => HeaderStyle::Both,
+            "none" => HeaderStyle::None,
+            _ => return Err(self.choice(style, "headers", &["legacy", "ietf", "both", "none"])),
+        })
+    }
+
+    fn try_on_store_error(&self) -> Result<OnStoreError, ConfigError> {
+        let Some(on_error) = &self.file.layer.on_store_error else {
+            return Ok(OnStoreError::Allow);
+        };
+        Ok(match on_error.get_ref().as_str() {
+            "allow" => OnStoreError::Allow,
+            "reject" => OnStoreError::Reject,
+            _ => return Err(self.choice(on_error, "on_store_error", &["allow", "reject"])),
+        })
     }
 
     /// The load shedder `[shed]` describes, if the file has one: a new one, learning
@@ -603,6 +645,7 @@ impl LimitsFile {
                 let _ = writeln!(out, "  {what}: {shown}");
             }
         }
+        self.descriptor_summary(&mut out);
         if let Some(shed) = &file.shed {
             let shed = shed.get_ref();
             let floor = shed.floor.as_ref().map_or(shed::FLOOR, |f| *f.get_ref());
@@ -665,7 +708,7 @@ impl LimitsFile {
             .collect()
     }
 
-    fn policy_named(&self, name: &Spanned<String>) -> Result<&Policy, ConfigError> {
+    pub(super) fn policy_named(&self, name: &Spanned<String>) -> Result<&Policy, ConfigError> {
         self.policies.get(name.get_ref()).ok_or_else(|| {
             let known: Vec<&str> = self.policies.keys().map(String::as_str).collect();
             self.at(

@@ -122,6 +122,7 @@
 //! assert!(err.contains("limit"), "{err}");
 //! ```
 
+mod descriptors;
 mod file;
 mod key;
 mod reload;
@@ -129,6 +130,7 @@ mod schema;
 mod store;
 mod watch;
 
+pub use descriptors::{DescriptorRule, Descriptors, Matched};
 pub use file::LimitsFile;
 pub use key::ConfigKey;
 pub use reload::{LiveConfig, Reloaded, Reloader};

@@ -221,6 +221,14 @@ impl Default for Bounds {
 }
 
 impl<St: Store + Clone> Reloader<St> {
+    /// Runs `read` on the live limits file: the one the last good load or reload read.
+    ///
+    /// A service that reads more of the file than the layer (tollway-server's
+    /// descriptors) reads it here after each reload ([`subscribe`](Self::subscribe)).
+    pub fn with_file<R>(&self, read: impl FnOnce(&LimitsFile) -> R) -> R {
+        read(&self.current.lock())
+    }
+
     /// Reads the file at `path` (bounded as a reload is) and builds its layer over
     /// `store` (from [`LimitsFile::store`], or one of your own), ready to reload.
     ///

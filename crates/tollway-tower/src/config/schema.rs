@@ -21,6 +21,30 @@ pub(super) struct File {
     #[serde(default)]
     pub(super) lists: ListsSection,
     pub(super) shed: Option<Spanned<ShedSection>>,
+    /// Envoy rate limit descriptors, for tollway-server.
+    #[serde(default)]
+    pub(super) descriptors: Vec<Spanned<DescriptorSection>>,
+}
+
+/// A descriptor rule: a domain and entries, and the policy that limits them.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct DescriptorSection {
+    pub(super) domain: Spanned<String>,
+    pub(super) entries: Spanned<Vec<Spanned<EntrySection>>>,
+    pub(super) policy: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) unlimited: bool,
+    /// The namespace of the key the entries' values make (`ip`: the layer's peer keys).
+    pub(super) key: Option<Spanned<String>>,
+}
+
+/// One entry of a descriptor rule: a key, and a value, a pattern, or any value.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct EntrySection {
+    pub(super) key: Spanned<String>,
+    pub(super) value: Option<Spanned<String>>,
 }
 
 /// Load shedding: an adaptive limit on the service's calls in flight.

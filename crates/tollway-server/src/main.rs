@@ -1,0 +1,131 @@
+//! `tollway-server`: the Envoy rate limit service.
+//!
+//! ```text
+//! tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|text]
+//! ```
+//!
+//! Defaults suit a container: `--config /etc/tollway/limits.toml` (or `TOLLWAY_CONFIG`),
+//! gRPC on `0.0.0.0:8081`, `/metrics`, `/ready` and `/live` on `0.0.0.0:9090`, logs as
+//! JSON lines. The file is watched and reloaded when it changes, and on `SIGHUP`.
+//! `SIGTERM` or Ctrl-C stop it gracefully.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use metrics_exporter_prometheus::PrometheusBuilder;
+use tokio::net::TcpListener;
+
+const USAGE: &str =
+    "usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|text]";
+
+struct Args {
+    config: PathBuf,
+    grpc: SocketAddr,
+    http: SocketAddr,
+    json: bool,
+}
+
+fn args() -> Result<Args, String> {
+    let mut args = Args {
+        config: std::env::var_os("TOLLWAY_CONFIG")
+            .map_or_else(|| PathBuf::from("/etc/tollway/limits.toml"), PathBuf::from),
+        grpc: SocketAddr::from(([0, 0, 0, 0], 8081)),
+        http: SocketAddr::from(([0, 0, 0, 0], 9090)),
+        json: true,
+    };
+    let mut given = std::env::args().skip(1);
+    while let Some(flag) = given.next() {
+        let value = given
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let address = |v: &str| {
+            v.parse::<SocketAddr>()
+                .map_err(|_| format!("{flag} {v:?} is not an address like 0.0.0.0:8081"))
+        };
+        match flag.as_str() {
+            "--config" => args.config = PathBuf::from(value),
+            "--grpc" => args.grpc = address(&value)?,
+            "--http" => args.http = address(&value)?,
+            "--log" => {
+                args.json = match value.as_str() {
+                    "json" => true,
+                    "text" => false,
+                    _ => return Err(format!("--log is json or text\n{USAGE}")),
+                }
+            }
+            _ => return Err(format!("unknown argument {flag:?}\n{USAGE}")),
+        }
+    }
+    Ok(args)
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = match args() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("{message}");
+            return ExitCode::from(2);
+        }
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt().with_env_filter(filter);
+    if args.json {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!(%error, "tollway-server stopped");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let metrics = PrometheusBuilder::new().install_recorder()?;
+    let grpc = TcpListener::bind(args.grpc).await?;
+    let http = TcpListener::bind(args.http).await?;
+    tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, config = %args.config.display(), "serving");
+    let running = tollway_server::start(tollway_server::Options {
+        config: &args.config,
+        grpc,
+        http,
+        metrics,
+        watch: true,
+    })
+    .await?;
+    stopped(&running).await?;
+    tracing::info!("stopping: calls in progress finish");
+    running.stop().await;
+    Ok(())
+}
+
+/// Waits for `SIGTERM` or Ctrl-C, reloading on each `SIGHUP` meanwhile.
+#[cfg(unix)]
+async fn stopped(running: &tollway_server::Running) -> std::io::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut hangup = signal(SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => return Ok(()),
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = hangup.recv() => {
+                if let Err(error) = running.reload().await {
+                    tracing::warn!(%error, "not reloaded; the running limits stay");
+                }
+            }
+        }
+    }
+}
+
+/// Waits for Ctrl-C.
+#[cfg(not(unix))]
+async fn stopped(_: &tollway_server::Running) -> std::io::Result<()> {
+    tokio::signal::ctrl_c().await
+}

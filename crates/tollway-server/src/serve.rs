@@ -1,0 +1,233 @@
+//! Running the service: its gRPC port (the rate limit service and gRPC health), its
+//! HTTP port (`/metrics`, `/ready`, `/live`), readiness from the store, reloads, and a
+//! graceful stop.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tollway_core::{Algorithm, BoxStore, ConfigError, Operation, Policy, Quota, Store};
+use tollway_tower::config::{LimitsFile, Reloader, Watcher};
+use tonic::transport::server::TcpIncoming;
+
+use crate::service::{RateLimitService, Rules};
+
+/// How often readiness asks the store.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// The key readiness peeks at: it consumes nothing and writes nothing.
+const PROBE_KEY: &[u8] = b"tollway-server:ready";
+
+/// A running server: its service, its reloader, and the switch that stops it.
+#[derive(Debug)]
+pub struct Running {
+    service: RateLimitService,
+    reloader: Reloader<BoxStore>,
+    ready: Arc<AtomicBool>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    _watcher: Option<Watcher>,
+}
+
+/// Everything [`start`] needs.
+#[derive(Debug)]
+pub struct Options<'a> {
+    /// The limits file: policies, `[[descriptors]]`, `[store]`, `[layer]`.
+    pub config: &'a Path,
+    /// Where gRPC is served: the rate limit service and `grpc.health.v1.Health`.
+    pub grpc: TcpListener,
+    /// Where `/metrics`, `/ready` and `/live` are served.
+    pub http: TcpListener,
+    /// The Prometheus recorder's handle, which `/metrics` renders.
+    pub metrics: PrometheusHandle,
+    /// Whether to reload when the file changes (a reload can also be asked with
+    /// [`Running::reload`], or `SIGHUP` to the binary).
+    pub watch: bool,
+}
+
+/// Reads the limits file, connects its store, and serves until [`Running::stop`].
+///
+/// # Errors
+///
+/// When the file is not valid, or its store cannot be reached, or the file watcher
+/// cannot be set up.
+pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
+    let file = LimitsFile::read(options.config)?;
+    let store = file.store().await?;
+    let rules = Rules::from_file(&file)?;
+    let reloader = Reloader::from_file(options.config, file, store.clone())?;
+    let service = RateLimitService::new(store, rules);
+    let watcher = if options.watch {
+        Some(reloader.watch()?)
+    } else {
+        None
+    };
+    let (stop, stopped) = watch::channel(false);
+    let ready = Arc::new(AtomicBool::new(false));
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let mut tasks = Vec::new();
+
+    // Readiness: the store answers a peek, once a second.
+    let probe = Policy::new(
+        "tollway-server-ready",
+        Algorithm::Gcra,
+        Quota::per_second(1)?,
+    )?;
+    tasks.push(tokio::spawn({
+        let (store, ready, mut stopped) =
+            (service.store().clone(), Arc::clone(&ready), stopped.clone());
+        let health = health.clone();
+        async move {
+            let mut every = tokio::time::interval(PROBE_EVERY);
+            loop {
+                tokio::select! {
+                    _ = every.tick() => {}
+                    _ = stopped.changed() => break,
+                }
+                let answered = store
+                    .operate(PROBE_KEY, &[&probe], Operation::Peek(1))
+                    .await;
+                let now = answered.is_ok();
+                if ready.swap(now, Ordering::SeqCst) != now {
+                    tracing::info!(ready = now, "readiness changed");
+                }
+                if now {
+                    health
+                        .set_serving::<RateLimitServiceServer<RateLimitService>>()
+                        .await;
+                } else {
+                    health
+                        .set_not_serving::<RateLimitServiceServer<RateLimitService>>()
+                        .await;
+                }
+            }
+            health
+                .set_not_serving::<RateLimitServiceServer<RateLimitService>>()
+                .await;
+        }
+    }));
+
+    // Reloads: the rules follow the live file.
+    tasks.push(tokio::spawn({
+        let (reloader, service, mut stopped) = (reloader.clone(), service.clone(), stopped.clone());
+        let mut live = reloader.subscribe();
+        async move {
+            loop {
+                tokio::select! {
+                    changed = live.changed() => if changed.is_err() { break },
+                    _ = stopped.changed() => break,
+                }
+                match reloader.with_file(Rules::from_file) {
+                    Ok(rules) => service.set_rules(rules),
+                    Err(error) => tracing::warn!(%error, "descriptors not reloaded"),
+                }
+            }
+        }
+    }));
+
+    // gRPC.
+    tasks.push(tokio::spawn({
+        let service = RateLimitServiceServer::new(service.clone());
+        let mut stopped = stopped.clone();
+        let incoming = TcpIncoming::from(options.grpc);
+        async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(health_service)
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = stopped.changed().await;
+                })
+                .await;
+            if let Err(error) = served {
+                tracing::error!(%error, "the gRPC server failed");
+            }
+        }
+    }));
+
+    // HTTP: metrics and probes.
+    tasks.push(tokio::spawn({
+        let metrics = options.metrics;
+        let ready = Arc::clone(&ready);
+        let app = Router::new()
+            .route(
+                "/metrics",
+                get(move || std::future::ready(metrics.render())),
+            )
+            .route(
+                "/ready",
+                get(move || {
+                    let status = if ready.load(Ordering::SeqCst) {
+                        http::StatusCode::OK
+                    } else {
+                        http::StatusCode::SERVICE_UNAVAILABLE
+                    };
+                    std::future::ready(status)
+                }),
+            )
+            .route("/live", get(|| std::future::ready("live")));
+        let mut stopped = stopped;
+        let listener = options.http;
+        async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.changed().await;
+                })
+                .await;
+            if let Err(error) = served {
+                tracing::error!(%error, "the HTTP server failed");
+            }
+        }
+    }));
+
+    Ok(Running {
+        service,
+        reloader,
+        ready,
+        stop,
+        tasks,
+        _watcher: watcher,
+    })
+}
+
+impl Running {
+    /// The service, as it answers now.
+    #[must_use]
+    pub fn service(&self) -> &RateLimitService {
+        &self.service
+    }
+
+    /// Whether the store answered the last readiness probe.
+    #[must_use]
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    /// Reads the limits file again and puts it in force (what `SIGHUP` does).
+    ///
+    /// # Errors
+    ///
+    /// When the file is not valid: the running rules stay.
+    pub async fn reload(&self) -> Result<(), ConfigError> {
+        self.reloader.reload().await?;
+        let rules = self.reloader.with_file(Rules::from_file)?;
+        self.service.set_rules(rules);
+        Ok(())
+    }
+
+    /// Stops serving: health says not serving, new calls are refused, calls in progress
+    /// finish.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}

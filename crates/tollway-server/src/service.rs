@@ -1,0 +1,368 @@
+//! `ShouldRateLimit`: a request's descriptors, decided all or nothing by the file's
+//! policies, in the store the file names.
+
+use std::future::IntoFuture;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use futures_util::future::join_all;
+use tollway_core::{BoxStore, Decision, Operation, Policy, Store, StoreError};
+use tollway_tower::config::{Descriptors, LimitsFile};
+use tollway_tower::{HeaderStyle, OnStoreError, Verdict, rate_limit_headers};
+use tonic::{Request, Response, Status};
+
+/// What a file says the service does: its descriptors, headers, shadow modes and what to
+/// answer when the store fails. Swapped whole on a reload.
+#[derive(Debug)]
+pub struct Rules {
+    descriptors: Descriptors,
+    style: HeaderStyle,
+    on_error: OnStoreError,
+    /// The whole file in shadow mode.
+    shadow: bool,
+    /// Policies in shadow mode.
+    shadow_policies: Vec<String>,
+}
+
+impl Rules {
+    /// The rules of `file`.
+    ///
+    /// # Errors
+    ///
+    /// Never for a file that [`LimitsFile::parse`] accepted.
+    pub fn from_file(file: &LimitsFile) -> Result<Self, tollway_core::ConfigError> {
+        let descriptors = file.descriptors()?;
+        let shadow_policies = file
+            .policy_names()
+            .filter(|name| file.is_shadow(Some(name)))
+            .map(str::to_owned)
+            .collect();
+        Ok(Rules {
+            descriptors,
+            style: file.header_style(),
+            on_error: file.on_store_error(),
+            shadow: file.is_shadow(None),
+            shadow_policies,
+        })
+    }
+
+    fn in_shadow(&self, policy: &Policy) -> bool {
+        self.shadow || self.shadow_policies.iter().any(|p| p == policy.name())
+    }
+}
+
+/// The rate limit service: Envoy's `RateLimitService` over a store and the live rules.
+///
+/// Clones share the store and the rules.
+#[derive(Clone)]
+pub struct RateLimitService {
+    store: BoxStore,
+    rules: Arc<ArcSwap<Rules>>,
+}
+
+impl std::fmt::Debug for RateLimitService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimitService")
+            .field("rules", &self.rules.load())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One descriptor of a request: what limits it, under which key, at what cost.
+enum Plan<'r> {
+    /// No rule: allowed, unlimited, as envoyproxy/ratelimit answers.
+    Unknown,
+    Unlimited,
+    Limited {
+        policy: &'r Policy,
+        key: tollway_tower::Key,
+        cost: u32,
+    },
+}
+
+/// What the store said of one limited descriptor.
+enum Said {
+    Decided(Decision),
+    /// The store failed and the file fails open: allowed, no status.
+    Open,
+}
+
+impl RateLimitService {
+    /// A service deciding with `store` by `rules` (which [`rules`](Self::rules) swaps).
+    #[must_use]
+    pub fn new(store: BoxStore, rules: Rules) -> Self {
+        RateLimitService {
+            store,
+            rules: Arc::new(ArcSwap::from_pointee(rules)),
+        }
+    }
+
+    /// Puts `rules` in force for the next request (a reload).
+    pub fn set_rules(&self, rules: Rules) {
+        self.rules.store(Arc::new(rules));
+    }
+
+    /// The store, for a readiness probe.
+    #[must_use]
+    pub fn store(&self) -> &BoxStore {
+        &self.store
+    }
+
+    /// Decides `request`: every descriptor it carries, all or nothing.
+    ///
+    /// # Errors
+    ///
+    /// `INVALID_ARGUMENT` for a request without a domain or descriptors;
+    /// `UNAVAILABLE` when the store fails and the file says `on_store_error = "reject"`
+    /// (Envoy's `failure_mode_deny` then decides).
+    pub async fn decide(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        if request.domain.is_empty() {
+            return Err(Status::invalid_argument(
+                "a rate limit request names its domain",
+            ));
+        }
+        if request.descriptors.is_empty() {
+            return Err(Status::invalid_argument(
+                "a rate limit request carries at least one descriptor",
+            ));
+        }
+        let rules = self.rules.load();
+        let plans: Vec<Plan<'_>> = request
+            .descriptors
+            .iter()
+            .map(|d| plan(&rules.descriptors, &request.domain, d, request.hits_addend))
+            .collect();
+        let said = self.check(&plans).await;
+        let mut saids = Vec::with_capacity(said.len());
+        for said in said {
+            match said {
+                Ok(said) => saids.push(said),
+                Err(error) => match rules.on_error {
+                    OnStoreError::Reject => {
+                        tracing::warn!(%error, "the store failed; refusing as the file says");
+                        return Err(Status::unavailable("rate limiting is unavailable"));
+                    }
+                    _ => {
+                        tracing::warn!(%error, "the store failed; allowing as the file says");
+                        saids.push(Some(Said::Open));
+                    }
+                },
+            }
+        }
+        // Refused by a limit that enforces: every other descriptor's charge is given back.
+        let refused = plans
+            .iter()
+            .zip(&saids)
+            .any(|(plan, said)| match (plan, said) {
+                (Plan::Limited { policy, .. }, Some(Said::Decided(d))) => {
+                    !d.is_allowed() && !rules.in_shadow(policy)
+                }
+                _ => false,
+            });
+        if refused {
+            self.refund(&plans, &saids).await;
+        }
+        Ok(respond(&rules, &plans, &saids, refused))
+    }
+
+    /// Asks the store about every limited descriptor at once.
+    async fn check(&self, plans: &[Plan<'_>]) -> Vec<Result<Option<Said>, StoreError>> {
+        let checks = plans.iter().map(|plan| async move {
+            let Plan::Limited { policy, key, cost } = plan else {
+                return Ok(None);
+            };
+            let decisions = self.store.check(key.as_bytes(), &[policy], *cost).await?;
+            Ok(decisions.first().copied().map(Said::Decided))
+        });
+        join_all(checks).await
+    }
+
+    /// Gives back what the admitted descriptors were charged.
+    async fn refund(&self, plans: &[Plan<'_>], saids: &[Option<Said>]) {
+        let refunds = plans
+            .iter()
+            .zip(saids)
+            .filter_map(|(plan, said)| match (plan, said) {
+                (Plan::Limited { policy, key, cost }, Some(Said::Decided(d)))
+                    if d.is_allowed() && *cost > 0 =>
+                {
+                    let operation = Operation::Refund(*cost);
+                    Some(
+                        self.store
+                            .operate(key.as_bytes(), &[policy], operation)
+                            .into_future(),
+                    )
+                }
+                _ => None,
+            });
+        for refunded in join_all(refunds).await {
+            if let Err(error) = refunded {
+                tracing::warn!(%error, "a refund of an all-or-nothing refusal failed");
+            }
+        }
+    }
+}
+
+/// How `descriptor` of a request in `domain` is limited.
+fn plan<'r>(
+    descriptors: &'r Descriptors,
+    domain: &str,
+    descriptor: &RateLimitDescriptor,
+    request_hits: u32,
+) -> Plan<'r> {
+    let entries: Vec<(&str, &str)> = descriptor
+        .entries
+        .iter()
+        .map(|e| (e.key.as_str(), e.value.as_str()))
+        .collect();
+    let Some(matched) = descriptors.find(domain, &entries) else {
+        return Plan::Unknown;
+    };
+    let Some(policy) = matched.policy else {
+        return Plan::Unlimited;
+    };
+    // The descriptor's own hits win (0 is a look); else the request's, at least 1.
+    let cost = match &descriptor.hits_addend {
+        Some(hits) => u32::try_from(hits.value).unwrap_or(u32::MAX),
+        None => request_hits.max(1),
+    };
+    Plan::Limited {
+        policy,
+        key: matched.key,
+        cost,
+    }
+}
+
+/// The response: one status a descriptor, the overall code, and the headers the layer
+/// would write.
+fn respond(
+    rules: &Rules,
+    plans: &[Plan<'_>],
+    saids: &[Option<Said>],
+    refused: bool,
+) -> RateLimitResponse {
+    let mut verdicts = Vec::new();
+    let statuses = plans
+        .iter()
+        .zip(saids)
+        .map(|(plan, said)| match (plan, said) {
+            (Plan::Limited { policy, .. }, Some(Said::Decided(decision))) => {
+                let over = !decision.is_allowed() && !rules.in_shadow(policy);
+                if !decision.is_allowed() && !over {
+                    tracing::info!(policy = policy.name(), "shadow mode: would be over limit");
+                }
+                record(policy, decision, over);
+                verdicts.push(Verdict {
+                    policy,
+                    decision: *decision,
+                });
+                DescriptorStatus {
+                    code: if over { Code::OverLimit } else { Code::Ok } as i32,
+                    current_limit: Some(current_limit(policy)),
+                    limit_remaining: u32::try_from(decision.remaining()).unwrap_or(u32::MAX),
+                    duration_until_reset: Some(proto_duration(decision.reset_after())),
+                    ..Default::default()
+                }
+            }
+            (Plan::Unlimited, _) => DescriptorStatus {
+                code: Code::Ok as i32,
+                limit_remaining: u32::MAX,
+                ..Default::default()
+            },
+            _ => DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            },
+        })
+        .collect();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    let headers = rate_limit_headers(rules.style, &verdicts, now);
+    let response_headers_to_add = headers
+        .iter()
+        .filter_map(|(name, value)| {
+            Some(HeaderValue {
+                key: name.as_str().to_owned(),
+                value: value.to_str().ok()?.to_owned(),
+                ..Default::default()
+            })
+        })
+        .collect();
+    RateLimitResponse {
+        overall_code: if refused { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        response_headers_to_add,
+        ..Default::default()
+    }
+}
+
+/// `tollway_decisions_total{policy, outcome}`, as the layer counts.
+fn record(policy: &Policy, decision: &Decision, over: bool) {
+    let outcome = match (decision.is_allowed(), over) {
+        (true, _) => "allowed",
+        (false, true) => "limited",
+        (false, false) => "shadow_limited",
+    };
+    metrics::counter!(
+        tollway_core::metric::DECISIONS.name,
+        "policy" => policy.name().to_owned(),
+        "outcome" => outcome
+    )
+    .increment(1);
+}
+
+/// A policy's limit in Envoy's terms: so many a second, minute, hour, day, week, month or
+/// year, the period's own unit when it is one, else the next unit up, prorated.
+fn current_limit(policy: &Policy) -> RateLimit {
+    const UNITS: [(u64, Unit); 7] = [
+        (1, Unit::Second),
+        (60, Unit::Minute),
+        (3_600, Unit::Hour),
+        (86_400, Unit::Day),
+        (7 * 86_400, Unit::Week),
+        (30 * 86_400, Unit::Month),
+        (365 * 86_400, Unit::Year),
+    ];
+    let quota = policy.quota();
+    let period_us = quota.period_micros().max(1);
+    let (unit_s, unit) = UNITS
+        .iter()
+        .copied()
+        .find(|(secs, _)| secs * 1_000_000 >= period_us)
+        .unwrap_or(UNITS[6]);
+    let per_unit =
+        u128::from(quota.limit()) * u128::from(unit_s) * 1_000_000 / u128::from(period_us);
+    RateLimit {
+        name: policy.name().to_owned(),
+        requests_per_unit: u32::try_from(per_unit).unwrap_or(u32::MAX),
+        unit: unit as i32,
+    }
+}
+
+fn proto_duration(duration: Duration) -> ProtoDuration {
+    ProtoDuration {
+        seconds: i64::try_from(duration.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(duration.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+#[tonic::async_trait]
+impl rate_limit_service_server::RateLimitService for RateLimitService {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.decide(request.get_ref()).await.map(Response::new)
+    }
+}

@@ -1,0 +1,384 @@
+//! tollway-server end to end: a real gRPC client over Envoy's generated types, real
+//! listeners on 127.0.0.1:0, a real `redis-server` where the store is Redis.
+
+#![allow(clippy::unwrap_used)]
+
+mod shared;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use support::redis::RedisServer;
+use tokio::net::TcpListener;
+use tonic::transport::Channel;
+
+/// A limits file in a directory of its own, removed when dropped.
+struct File(PathBuf);
+
+impl File {
+    fn new(name: &str, text: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("tollway-rls-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("limits.toml");
+        std::fs::write(&path, text).unwrap();
+        File(path)
+    }
+
+    fn write(&self, text: &str) {
+        std::fs::write(&self.0, text).unwrap();
+    }
+}
+
+impl Drop for File {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// The binary's one recorder: every server of this binary renders it.
+fn metrics() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| PrometheusBuilder::new().install_recorder().unwrap())
+        .clone()
+}
+
+/// A server of `config` on free loopback ports, and a client of it.
+struct Served {
+    running: tollway_server::Running,
+    client: RateLimitServiceClient<Channel>,
+    grpc: std::net::SocketAddr,
+    http: std::net::SocketAddr,
+}
+
+async fn serve(config: &Path) -> Served {
+    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
+    let running = tollway_server::start(tollway_server::Options {
+        config,
+        grpc,
+        http,
+        metrics: metrics(),
+        watch: false,
+    })
+    .await
+    .unwrap();
+    let client = RateLimitServiceClient::connect(format!("http://{grpc_addr}"))
+        .await
+        .unwrap();
+    Served {
+        running,
+        client,
+        grpc: grpc_addr,
+        http: http_addr,
+    }
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: (*k).to_owned(),
+                value: (*v).to_owned(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn request(descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "edge".to_owned(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+async fn ask(
+    client: &mut RateLimitServiceClient<Channel>,
+    descriptors: Vec<RateLimitDescriptor>,
+) -> RateLimitResponse {
+    client
+        .should_rate_limit(request(descriptors))
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+fn header<'r>(response: &'r RateLimitResponse, name: &str) -> Option<&'r str> {
+    response
+        .response_headers_to_add
+        .iter()
+        .find(|h| h.key == name)
+        .map(|h| h.value.as_str())
+}
+
+const LIMITS: &str = r#"
+[layer]
+default = "per_address"
+
+[policies.per_address]
+algorithm = "gcra"
+limit = 3
+period = "1m"
+
+[policies.checkout]
+algorithm = "fixed_window"
+limit = 1
+period = "1h"
+
+[[descriptors]]
+domain = "edge"
+entries = [{ key = "remote_address" }]
+policy = "per_address"
+key = "ip"
+
+[[descriptors]]
+domain = "edge"
+entries = [{ key = "path", value = "/api/v1/checkout" }]
+policy = "checkout"
+
+[[descriptors]]
+domain = "edge"
+entries = [{ key = "api_key", value = "internal-*" }]
+unlimited = true
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_descriptor_is_allowed_to_its_limit_then_over_it() {
+    let file = File::new("limit", LIMITS);
+    let mut served = serve(&file.0).await;
+    let me = || vec![descriptor(&[("remote_address", "203.0.113.9")])];
+    for remaining in [2, 1, 0] {
+        let response = ask(&mut served.client, me()).await;
+        assert_eq!(response.overall_code, Code::Ok as i32);
+        let status = &response.statuses[0];
+        assert_eq!(status.code, Code::Ok as i32);
+        assert_eq!(status.limit_remaining, remaining);
+        let limit = status.current_limit.as_ref().unwrap();
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit),
+            (3, Unit::Minute as i32)
+        );
+        assert_eq!(limit.name, "per_address");
+        assert_eq!(
+            header(&response, "x-ratelimit-remaining"),
+            Some(&*remaining.to_string())
+        );
+    }
+    let over = ask(&mut served.client, me()).await;
+    assert_eq!(over.overall_code, Code::OverLimit as i32);
+    assert_eq!(over.statuses[0].code, Code::OverLimit as i32);
+    let reset = over.statuses[0].duration_until_reset.as_ref().unwrap();
+    assert!((1..=60).contains(&reset.seconds), "{reset:?}");
+    assert_eq!(header(&over, "retry-after"), Some("20"));
+    assert_eq!(header(&over, "x-ratelimit-limit"), Some("3"));
+    // Another address is its own count.
+    let other = ask(
+        &mut served.client,
+        vec![descriptor(&[("remote_address", "198.51.100.1")])],
+    )
+    .await;
+    assert_eq!(other.overall_code, Code::Ok as i32);
+    served.running.stop().await;
+}
+
+// One descriptor over its limit refuses the request, and the others' charges are given
+// back: the address's count is what its admitted requests took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_is_decided_all_or_nothing() {
+    let file = File::new("all-or-nothing", LIMITS);
+    let mut served = serve(&file.0).await;
+    let both = || {
+        vec![
+            descriptor(&[("remote_address", "203.0.113.7")]),
+            descriptor(&[("path", "/api/v1/checkout")]),
+        ]
+    };
+    let first = ask(&mut served.client, both()).await;
+    assert_eq!(first.overall_code, Code::Ok as i32);
+    let second = ask(&mut served.client, both()).await;
+    assert_eq!(second.overall_code, Code::OverLimit as i32);
+    assert_eq!(
+        second.statuses[0].code,
+        Code::Ok as i32,
+        "within its own limit"
+    );
+    assert_eq!(second.statuses[1].code, Code::OverLimit as i32);
+    // The address was charged once: two of three remain after this third look.
+    let address = ask(
+        &mut served.client,
+        vec![descriptor(&[("remote_address", "203.0.113.7")])],
+    )
+    .await;
+    assert_eq!(address.statuses[0].limit_remaining, 1);
+    // A descriptor's own hits: 0 looks without charging.
+    let mut look = descriptor(&[("remote_address", "203.0.113.7")]);
+    look.hits_addend = Some(UInt64Value { value: 0 });
+    let looked = ask(&mut served.client, vec![look]).await;
+    assert_eq!(looked.statuses[0].limit_remaining, 1);
+    served.running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_and_unlimited_descriptors_are_ok_without_a_limit() {
+    let file = File::new("unknown", LIMITS);
+    let mut served = serve(&file.0).await;
+    let response = ask(
+        &mut served.client,
+        vec![
+            descriptor(&[("user_agent", "curl")]),
+            descriptor(&[("api_key", "internal-batch")]),
+        ],
+    )
+    .await;
+    assert_eq!(response.overall_code, Code::Ok as i32);
+    assert!(response.statuses[0].current_limit.is_none());
+    assert_eq!(response.statuses[0].limit_remaining, 0);
+    assert_eq!(response.statuses[1].limit_remaining, u32::MAX);
+    assert!(response.response_headers_to_add.is_empty());
+    // Another domain: none of the rules.
+    let mut other = request(vec![descriptor(&[("remote_address", "203.0.113.9")])]);
+    other.domain = "internal".to_owned();
+    let response = served
+        .client
+        .should_rate_limit(other)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(response.statuses[0].current_limit.is_none());
+    // No domain, or no descriptor: the request is malformed.
+    let mut empty = request(vec![descriptor(&[("remote_address", "1.2.3.4")])]);
+    empty.domain.clear();
+    let refused = served.client.should_rate_limit(empty).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    let refused = served
+        .client
+        .should_rate_limit(request(vec![]))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    served.running.stop().await;
+}
+
+// A reload puts a new limit in force; a broken file keeps the running one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_changes_the_limits_and_a_broken_file_keeps_them() {
+    let file = File::new("reload", LIMITS);
+    let mut served = serve(&file.0).await;
+    let me = || vec![descriptor(&[("remote_address", "203.0.113.5")])];
+    assert_eq!(
+        ask(&mut served.client, me()).await.statuses[0].limit_remaining,
+        2
+    );
+    file.write(&LIMITS.replace("limit = 3", "limit = 30"));
+    served.running.reload().await.unwrap();
+    let raised = ask(&mut served.client, me()).await;
+    assert_eq!(
+        raised.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        30
+    );
+    file.write(&LIMITS.replace("limit = 3", "limit = 0"));
+    assert!(served.running.reload().await.is_err());
+    let kept = ask(&mut served.client, me()).await;
+    assert_eq!(
+        kept.statuses[0]
+            .current_limit
+            .as_ref()
+            .unwrap()
+            .requests_per_unit,
+        30
+    );
+    served.running.stop().await;
+}
+
+/// The limits on a Redis at `url`, whose failures the file answers by `on_error`.
+fn on_redis(url: &str, on_error: &str) -> String {
+    let store = format!(
+        "[store]\nkind = \"redis\"\nurl = \"{url}\"\ntimeout_ms = 100\nlocal_fallback = false\n"
+    );
+    let limits = LIMITS.replace(
+        "default = \"per_address\"",
+        &format!("default = \"per_address\"\non_store_error = \"{on_error}\""),
+    );
+    format!("{store}{limits}")
+}
+
+// A dead Redis: the file's failure policy answers, and readiness (gRPC health, /ready)
+// says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_redis_is_answered_by_the_files_failure_policy() {
+    let mut redis = RedisServer::start();
+    let open = File::new("open", &on_redis(&redis.url(), "allow"));
+    let closed = File::new("closed", &on_redis(&redis.url(), "reject"));
+    let mut allow = serve(&open.0).await;
+    let mut reject = serve(&closed.0).await;
+    let me = || vec![descriptor(&[("remote_address", "203.0.113.4")])];
+    assert_eq!(
+        ask(&mut allow.client, me()).await.statuses[0].limit_remaining,
+        2
+    );
+    shared::until("ready", || allow.running.is_ready()).await;
+    assert_eq!(shared::health(allow.grpc).await, "Serving");
+    assert_eq!(shared::get(allow.http, "/ready").await.0, 200);
+
+    redis.kill();
+    let open_answer = ask(&mut allow.client, me()).await;
+    assert_eq!(open_answer.overall_code, Code::Ok as i32);
+    assert!(
+        open_answer.statuses[0].current_limit.is_none(),
+        "no decision to report"
+    );
+    let refused = reject
+        .client
+        .should_rate_limit(request(me()))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable);
+    shared::until("not ready", || !allow.running.is_ready()).await;
+    assert_eq!(shared::health(allow.grpc).await, "NotServing");
+    assert_eq!(shared::get(allow.http, "/ready").await.0, 503);
+    allow.running.stop().await;
+    reject.running.stop().await;
+}
+
+// A policy in shadow mode answers OK where it would be over, and counts that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_in_shadow_mode_answers_ok_and_counts_what_it_would_refuse() {
+    let shadowed = LIMITS.replace(
+        "limit = 3\nperiod = \"1m\"",
+        "limit = 3\nperiod = \"1m\"\nshadow = true",
+    );
+    let file = File::new("shadow", &shadowed);
+    let mut served = serve(&file.0).await;
+    let me = || vec![descriptor(&[("remote_address", "203.0.113.3")])];
+    for _ in 0..5 {
+        let response = ask(&mut served.client, me()).await;
+        assert_eq!(response.overall_code, Code::Ok as i32);
+        assert_eq!(response.statuses[0].code, Code::Ok as i32);
+    }
+    let (_, scrape) = shared::get(served.http, "/metrics").await;
+    assert!(
+        scrape.contains(
+            "tollway_decisions_total{policy=\"per_address\",outcome=\"shadow_limited\"} 2"
+        ),
+        "{scrape}"
+    );
+    served.running.stop().await;
+}
