@@ -382,3 +382,22 @@ async fn a_policy_in_shadow_mode_answers_ok_and_counts_what_it_would_refuse() {
     );
     served.running.stop().await;
 }
+
+// The binary's default file is valid, and limits what it says.
+#[test]
+fn the_default_limits_file_is_valid() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crates/tollway-server/limits.toml"
+    );
+    let file = tollway_tower::config::LimitsFile::read(path).unwrap();
+    let summary = file.summary();
+    assert!(
+        summary.contains("descriptor: edge (remote_address=*) -> per_address"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("descriptor: edge (api_key=*) -> per_api_key"),
+        "{summary}"
+    );
+}

@@ -98,7 +98,7 @@ enum Said {
 }
 
 impl RateLimitService {
-    /// A service deciding with `store` by `rules` (which [`rules`](Self::rules) swaps).
+    /// A service deciding with `store` by `rules` (which [`set_rules`](Self::set_rules) swaps).
     #[must_use]
     pub fn new(store: BoxStore, rules: Rules) -> Self {
         RateLimitService {
