@@ -120,6 +120,46 @@ impl RateLimitService {
 
     /// Decides `request`: every descriptor it carries, all or nothing.
     ///
+    /// # Examples
+    ///
+    /// ```
+    /// use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    /// use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    /// use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    /// use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    /// use tollway_core::{BoxStore, MemoryStore};
+    /// use tollway_server::{RateLimitService, Rules};
+    /// use tollway_tower::config::LimitsFile;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let file = LimitsFile::parse("limits.toml", r#"
+    /// [layer]
+    /// default = "per_address"
+    ///
+    /// [policies.per_address]
+    /// algorithm = "fixed_window"
+    /// limit = 1
+    /// period = "1m"
+    ///
+    /// [[descriptors]]
+    /// domain = "edge"
+    /// entries = [{ key = "remote_address" }]
+    /// policy = "per_address"
+    /// "#)?;
+    /// let service = RateLimitService::new(BoxStore::new(MemoryStore::new()), Rules::from_file(&file)?);
+    /// let entry = Entry { key: "remote_address".into(), value: "203.0.113.9".into() };
+    /// let request = RateLimitRequest {
+    ///     domain: "edge".into(),
+    ///     descriptors: vec![RateLimitDescriptor { entries: vec![entry], ..Default::default() }],
+    ///     hits_addend: 1,
+    /// };
+    /// assert_eq!(service.decide(&request).await?.overall_code, Code::Ok as i32);
+    /// assert_eq!(service.decide(&request).await?.overall_code, Code::OverLimit as i32);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
     /// # Errors
     ///
     /// `INVALID_ARGUMENT` for a request without a domain or descriptors;
