@@ -20,6 +20,9 @@ use support::redis::RedisServer;
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
+/// The rate limit service's name, as gRPC health knows it.
+const RLS: &str = "envoy.service.ratelimit.v3.RateLimitService";
+
 /// A limits file in a directory of its own, removed when dropped.
 struct File(PathBuf);
 
@@ -335,7 +338,9 @@ async fn a_dead_redis_is_answered_by_the_files_failure_policy() {
         2
     );
     shared::until("ready", || allow.running.is_ready()).await;
-    assert_eq!(shared::health(allow.grpc).await, "Serving");
+    for service in [RLS, ""] {
+        assert_eq!(shared::health(allow.grpc, service).await, "Serving");
+    }
     assert_eq!(shared::get(allow.http, "/ready").await.0, 200);
 
     redis.kill();
@@ -352,7 +357,9 @@ async fn a_dead_redis_is_answered_by_the_files_failure_policy() {
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unavailable);
     shared::until("not ready", || !allow.running.is_ready()).await;
-    assert_eq!(shared::health(allow.grpc).await, "NotServing");
+    for service in [RLS, ""] {
+        assert_eq!(shared::health(allow.grpc, service).await, "NotServing");
+    }
     assert_eq!(shared::get(allow.http, "/ready").await.0, 503);
     allow.running.stop().await;
     reject.running.stop().await;

@@ -25,8 +25,8 @@ pub(crate) async fn until(what: &str, done: impl Fn() -> bool) {
     }
 }
 
-/// What gRPC health says of the rate limit service.
-pub(crate) async fn health(grpc: SocketAddr) -> String {
+/// What gRPC health says of `service` (`""`: the server as a whole).
+pub(crate) async fn health(grpc: SocketAddr, service: &str) -> String {
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
         .unwrap()
         .connect()
@@ -34,7 +34,7 @@ pub(crate) async fn health(grpc: SocketAddr) -> String {
         .unwrap();
     let mut client = HealthClient::new(channel);
     let request = HealthCheckRequest {
-        service: "envoy.service.ratelimit.v3.RateLimitService".to_owned(),
+        service: service.to_owned(),
     };
     let status = client.check(request).await.unwrap().into_inner().status();
     format!("{status:?}")

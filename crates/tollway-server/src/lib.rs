@@ -25,8 +25,11 @@
 //!
 //! What it answers:
 //!
-//! - Every descriptor of a request is decided, all or nothing: one over its limit, and
-//!   the charges of the others are given back. The overall code is `OVER_LIMIT` then.
+//! - Every descriptor of a request is decided, all or nothing. With several, the service
+//!   looks at each first (a peek, charging nothing): one that would be over refuses the
+//!   request and none is charged. Then each is charged; one refused then (another request
+//!   came between) has the others' charges given back. The overall code is `OVER_LIMIT`
+//!   when one enforcing limit refuses.
 //! - A descriptor's own `hits_addend` is its cost (0 looks without charging); else the
 //!   request's, at least 1.
 //! - Each status has the policy's limit (`current_limit`, in Envoy's units), what
@@ -36,7 +39,11 @@
 //! - A descriptor no rule matches is `OK`, with no limit: as envoyproxy/ratelimit answers.
 //!   An `unlimited = true` rule answers `OK` with `limit_remaining` at its maximum.
 //! - A policy in shadow mode (or the whole file) answers `OK` where it would be over,
-//!   and counts it (`outcome="shadow_limited"`).
+//!   and counts it (`outcome="shadow_limited"`); its headers are not sent.
+//! - A policy that shapes (`leaky_bucket_shaper`) or limits calls in flight
+//!   (`concurrency`) cannot be a descriptor's: the file is refused.
+//! - `key = "ip"` counts the one entry's address as the layer counts a peer. Values are
+//!   escaped in keys: no value passes for another entry.
 //! - When the store fails: `OK` by `[layer] on_store_error = "allow"` (the default),
 //!   `UNAVAILABLE` by `"reject"` (Envoy's `failure_mode_deny` then decides). The Redis
 //!   store's breaker and local fallback, from `[store]`, come first.
@@ -46,5 +53,5 @@
 mod serve;
 mod service;
 
-pub use serve::{Options, Running, start};
+pub use serve::{Options, Running, STOP_WITHIN, start};
 pub use service::{RateLimitService, Rules};

@@ -91,6 +91,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let grpc = TcpListener::bind(args.grpc).await?;
     let http = TcpListener::bind(args.http).await?;
     tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, config = %args.config.display(), "serving");
+    // The signals are ours before the store is connected: a SIGHUP meanwhile is no kill.
+    let signals = Signals::new()?;
     let running = tollway_server::start(tollway_server::Options {
         config: &args.config,
         grpc,
@@ -99,33 +101,56 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         watch: true,
     })
     .await?;
-    stopped(&running).await?;
+    signals.stopped(&running).await;
     tracing::info!("stopping: calls in progress finish");
     running.stop().await;
     Ok(())
 }
 
-/// Waits for `SIGTERM` or Ctrl-C, reloading on each `SIGHUP` meanwhile.
+/// The signals the server answers.
 #[cfg(unix)]
-async fn stopped(running: &tollway_server::Running) -> std::io::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut hangup = signal(SignalKind::hangup())?;
-    loop {
-        tokio::select! {
-            _ = term.recv() => return Ok(()),
-            _ = tokio::signal::ctrl_c() => return Ok(()),
-            _ = hangup.recv() => {
-                if let Err(error) = running.reload().await {
-                    tracing::warn!(%error, "not reloaded; the running limits stay");
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    hangup: tokio::signal::unix::Signal,
+}
+
+#[cfg(unix)]
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            hangup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// Waits for `SIGTERM` or Ctrl-C, reloading on each `SIGHUP` meanwhile.
+    async fn stopped(mut self, running: &tollway_server::Running) {
+        loop {
+            tokio::select! {
+                _ = self.term.recv() => return,
+                _ = tokio::signal::ctrl_c() => return,
+                _ = self.hangup.recv() => {
+                    if let Err(error) = running.reload().await {
+                        tracing::warn!(%error, "not reloaded; the running limits stay");
+                    }
                 }
             }
         }
     }
 }
 
-/// Waits for Ctrl-C.
+/// Ctrl-C alone.
 #[cfg(not(unix))]
-async fn stopped(_: &tollway_server::Running) -> std::io::Result<()> {
-    tokio::signal::ctrl_c().await
+struct Signals;
+
+#[cfg(not(unix))]
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        Ok(Signals)
+    }
+
+    async fn stopped(self, _: &tollway_server::Running) {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

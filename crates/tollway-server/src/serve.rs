@@ -17,11 +17,16 @@ use tokio::task::JoinHandle;
 use tollway_core::{Algorithm, BoxStore, ConfigError, Operation, Policy, Quota, Store};
 use tollway_tower::config::{LimitsFile, Reloader, Watcher};
 use tonic::transport::server::TcpIncoming;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
 
 use crate::service::{RateLimitService, Rules};
 
 /// How often readiness asks the store.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a stop waits for calls in progress (and health watchers) to finish.
+pub const STOP_WITHIN: Duration = Duration::from_secs(10);
 
 /// The key readiness peeks at: it consumes nothing and writes nothing.
 const PROBE_KEY: &[u8] = b"tollway-server:ready";
@@ -32,6 +37,7 @@ pub struct Running {
     service: RateLimitService,
     reloader: Reloader<BoxStore>,
     ready: Arc<AtomicBool>,
+    health: HealthReporter,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     _watcher: Option<Watcher>,
@@ -65,6 +71,8 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     let rules = Rules::from_file(&file)?;
     let reloader = Reloader::from_file(options.config, file, store.clone())?;
     let service = RateLimitService::new(store, rules);
+    // Subscribed before the watch starts: no change between them is missed.
+    let live = reloader.subscribe();
     let watcher = if options.watch {
         Some(reloader.watch()?)
     } else {
@@ -73,6 +81,7 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     let (stop, stopped) = watch::channel(false);
     let ready = Arc::new(AtomicBool::new(false));
     let (health, health_service) = tonic_health::server::health_reporter();
+    set_health(&health, ServingStatus::NotServing).await;
     let mut tasks = Vec::new();
 
     // Readiness: the store answers a peek, once a second.
@@ -99,36 +108,27 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
                 if ready.swap(now, Ordering::SeqCst) != now {
                     tracing::info!(ready = now, "readiness changed");
                 }
-                if now {
-                    health
-                        .set_serving::<RateLimitServiceServer<RateLimitService>>()
-                        .await;
+                let status = if now {
+                    ServingStatus::Serving
                 } else {
-                    health
-                        .set_not_serving::<RateLimitServiceServer<RateLimitService>>()
-                        .await;
-                }
+                    ServingStatus::NotServing
+                };
+                set_health(&health, status).await;
             }
-            health
-                .set_not_serving::<RateLimitServiceServer<RateLimitService>>()
-                .await;
         }
     }));
 
     // Reloads: the rules follow the live file.
     tasks.push(tokio::spawn({
         let (reloader, service, mut stopped) = (reloader.clone(), service.clone(), stopped.clone());
-        let mut live = reloader.subscribe();
+        let mut live = live;
         async move {
             loop {
                 tokio::select! {
                     changed = live.changed() => if changed.is_err() { break },
                     _ = stopped.changed() => break,
                 }
-                match reloader.with_file(Rules::from_file) {
-                    Ok(rules) => service.set_rules(rules),
-                    Err(error) => tracing::warn!(%error, "descriptors not reloaded"),
-                }
+                follow(&reloader, &service);
             }
         }
     }));
@@ -191,10 +191,28 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
         service,
         reloader,
         ready,
+        health,
         stop,
         tasks,
         _watcher: watcher,
     })
+}
+
+/// Puts the live file's rules in force, under the reloader's lock: a reload racing
+/// with this cannot leave older rules in force than the live file's.
+fn follow(reloader: &Reloader<BoxStore>, service: &RateLimitService) {
+    let followed = reloader.with_file(|file| Rules::from_file(file).map(|r| service.set_rules(r)));
+    if let Err(error) = followed {
+        tracing::warn!(%error, "descriptors not reloaded");
+    }
+}
+
+/// Says `status` for the rate limit service and for the server as a whole (`""`, what
+/// Envoy's and Kubernetes' gRPC probes ask by default).
+async fn set_health(health: &HealthReporter, status: ServingStatus) {
+    let name = <RateLimitServiceServer<RateLimitService> as tonic::server::NamedService>::NAME;
+    health.set_service_status(name, status).await;
+    health.set_service_status("", status).await;
 }
 
 impl Running {
@@ -217,17 +235,19 @@ impl Running {
     /// When the file is not valid: the running rules stay.
     pub async fn reload(&self) -> Result<(), ConfigError> {
         self.reloader.reload().await?;
-        let rules = self.reloader.with_file(Rules::from_file)?;
-        self.service.set_rules(rules);
+        follow(&self.reloader, &self.service);
         Ok(())
     }
 
-    /// Stops serving: health says not serving, new calls are refused, calls in progress
-    /// finish.
+    /// Stops serving: health says not serving first, then new calls are refused and
+    /// calls in progress finish, for up to [`STOP_WITHIN`]; what is left then is dropped.
     pub async fn stop(self) {
+        set_health(&self.health, ServingStatus::NotServing).await;
         let _ = self.stop.send(true);
-        for task in self.tasks {
-            let _ = task.await;
+        for mut task in self.tasks {
+            if tokio::time::timeout(STOP_WITHIN, &mut task).await.is_err() {
+                task.abort();
+            }
         }
     }
 }

@@ -93,8 +93,30 @@ enum Plan<'r> {
 /// What the store said of one limited descriptor.
 enum Said {
     Decided(Decision),
+    /// Admitted, then given back: another descriptor refused the request.
+    Refunded(Decision),
     /// The store failed and the file fails open: allowed, no status.
     Open,
+}
+
+/// Whether to look at the limits or decide them.
+#[derive(Clone, Copy)]
+enum Ask {
+    Look,
+    Check,
+}
+
+/// Whether a limit that enforces refuses the request.
+fn refuses(rules: &Rules, plans: &[Plan<'_>], saids: &[Option<Said>]) -> bool {
+    plans
+        .iter()
+        .zip(saids)
+        .any(|(plan, said)| match (plan, said) {
+            (Plan::Limited { policy, .. }, Some(Said::Decided(d))) => {
+                !d.is_allowed() && !rules.in_shadow(policy)
+            }
+            _ => false,
+        })
 }
 
 impl RateLimitService {
@@ -182,49 +204,75 @@ impl RateLimitService {
             .iter()
             .map(|d| plan(&rules.descriptors, &request.domain, d, request.hits_addend))
             .collect();
-        let said = self.check(&plans).await;
-        let mut saids = Vec::with_capacity(said.len());
+        let limited = plans
+            .iter()
+            .filter(|p| matches!(p, Plan::Limited { .. }))
+            .count();
+        // Several limits: look first, so that a refusal charges none of them. A store that
+        // cannot look now is asked to decide, and its failure answered there.
+        if limited > 1 {
+            let looked = self.ask(&plans, Ask::Look).await;
+            if looked.iter().all(Result::is_ok) {
+                let looked: Vec<Option<Said>> = looked.into_iter().flatten().collect();
+                if refuses(&rules, &plans, &looked) {
+                    return Ok(respond(&rules, &plans, &looked, true));
+                }
+            }
+        }
+        let said = self.ask(&plans, Ask::Check).await;
+        let mut failed = None;
+        let mut saids: Vec<Option<Said>> = Vec::with_capacity(said.len());
         for said in said {
             match said {
                 Ok(said) => saids.push(said),
-                Err(error) => match rules.on_error {
-                    OnStoreError::Reject => {
-                        tracing::warn!(%error, "the store failed; refusing as the file says");
-                        return Err(Status::unavailable("rate limiting is unavailable"));
-                    }
-                    _ => {
-                        tracing::warn!(%error, "the store failed; allowing as the file says");
-                        saids.push(Some(Said::Open));
-                    }
-                },
+                Err(error) => {
+                    failed.get_or_insert(error);
+                    saids.push(Some(Said::Open));
+                }
             }
         }
-        // Refused by a limit that enforces: every other descriptor's charge is given back.
-        let refused = plans
-            .iter()
-            .zip(&saids)
-            .any(|(plan, said)| match (plan, said) {
-                (Plan::Limited { policy, .. }, Some(Said::Decided(d))) => {
-                    !d.is_allowed() && !rules.in_shadow(policy)
-                }
-                _ => false,
-            });
+        if let Some(error) = failed {
+            if rules.on_error == OnStoreError::Reject {
+                tracing::warn!(%error, "the store failed; refusing as the file says");
+                self.refund(&plans, &saids).await;
+                return Err(Status::unavailable("rate limiting is unavailable"));
+            }
+            tracing::warn!(%error, "the store failed; allowing as the file says");
+        }
+        // Refused by a limit that enforces (a race with another request since the look):
+        // every other descriptor's charge is given back.
+        let refused = refuses(&rules, &plans, &saids);
         if refused {
             self.refund(&plans, &saids).await;
+            for said in &mut saids {
+                if let Some(Said::Decided(d)) = said
+                    && d.is_allowed()
+                {
+                    *said = Some(Said::Refunded(*d));
+                }
+            }
         }
         Ok(respond(&rules, &plans, &saids, refused))
     }
 
-    /// Asks the store about every limited descriptor at once.
-    async fn check(&self, plans: &[Plan<'_>]) -> Vec<Result<Option<Said>, StoreError>> {
-        let checks = plans.iter().map(|plan| async move {
+    /// Asks the store about every limited descriptor at once: to look, or to decide.
+    async fn ask(&self, plans: &[Plan<'_>], ask: Ask) -> Vec<Result<Option<Said>, StoreError>> {
+        let asks = plans.iter().map(|plan| async move {
             let Plan::Limited { policy, key, cost } = plan else {
                 return Ok(None);
             };
-            let decisions = self.store.check(key.as_bytes(), &[policy], *cost).await?;
+            let key = key.as_bytes();
+            let decisions = match ask {
+                Ask::Check => self.store.check(key, &[policy], *cost).await?,
+                Ask::Look => {
+                    self.store
+                        .operate(key, &[policy], Operation::Peek(*cost))
+                        .await?
+                }
+            };
             Ok(decisions.first().copied().map(Said::Decided))
         });
-        join_all(checks).await
+        join_all(asks).await
     }
 
     /// Gives back what the admitted descriptors were charged.
@@ -296,16 +344,23 @@ fn respond(
         .iter()
         .zip(saids)
         .map(|(plan, said)| match (plan, said) {
-            (Plan::Limited { policy, .. }, Some(Said::Decided(decision))) => {
-                let over = !decision.is_allowed() && !rules.in_shadow(policy);
-                if !decision.is_allowed() && !over {
+            (
+                Plan::Limited { policy, .. },
+                Some(Said::Decided(decision) | Said::Refunded(decision)),
+            ) => {
+                let shadow = rules.in_shadow(policy);
+                let over = !decision.is_allowed() && !shadow;
+                if !decision.is_allowed() && shadow {
                     tracing::info!(policy = policy.name(), "shadow mode: would be over limit");
                 }
                 record(policy, decision, over);
-                verdicts.push(Verdict {
-                    policy,
-                    decision: *decision,
-                });
+                // A limit in shadow mode says nothing to the client, as in the layer.
+                if !shadow {
+                    verdicts.push(Verdict {
+                        policy,
+                        decision: *decision,
+                    });
+                }
                 DescriptorStatus {
                     code: if over { Code::OverLimit } else { Code::Ok } as i32,
                     current_limit: Some(current_limit(policy)),

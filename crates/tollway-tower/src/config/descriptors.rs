@@ -26,7 +26,8 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use tollway_core::{ConfigError, Policy};
+use tollway_core::{Algorithm, ConfigError, Policy};
+use toml::Spanned;
 
 use super::LimitsFile;
 use super::schema::DescriptorSection;
@@ -48,7 +49,19 @@ pub struct DescriptorRule {
     entries: Vec<(String, Value)>,
     /// `None`: unlimited.
     policy: Option<Policy>,
-    namespace: Option<String>,
+    namespace: Namespace,
+}
+
+/// Where a rule's keys are counted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Namespace {
+    /// `rls:<domain>|<key>=<value>|...`, each part escaped.
+    Own,
+    /// `ip:<address>`, as the layer keys a peer: IPv4-mapped addresses as IPv4, IPv6
+    /// grouped by this prefix.
+    Ip(u8),
+    /// `<namespace>:<value>|<value>...`, each value escaped.
+    Named(String),
 }
 
 /// What an entry's value must be.
@@ -123,30 +136,54 @@ impl DescriptorRule {
             .collect()
     }
 
-    /// The key a descriptor of `entries` in `domain` is counted under.
+    /// The key a descriptor of `entries` in `domain` is counted under. Each part is
+    /// escaped, so that no value can pass for another part: `|`, `=` and `%` are
+    /// written `%7C`, `%3D` and `%25`.
     fn key(&self, domain: &str, entries: &[(&str, &str)]) -> Key {
         let mut value = String::new();
         match &self.namespace {
-            // A named namespace holds the values alone: `ip:203.0.113.9`.
-            Some(namespace) => {
+            Namespace::Ip(prefix) => {
+                // One entry: the rule is checked so.
+                let raw = entries.first().map_or("", |(_, v)| *v);
+                match raw.parse::<std::net::IpAddr>() {
+                    Ok(address) => Key::ip(address, *prefix),
+                    Err(_) => {
+                        escape(&mut value, raw);
+                        Key::new("ip", value)
+                    }
+                }
+            }
+            Namespace::Named(namespace) => {
                 for (i, (_, v)) in entries.iter().enumerate() {
                     if i > 0 {
                         value.push('|');
                     }
-                    value.push_str(v);
+                    escape(&mut value, v);
                 }
                 Key::new(namespace, value)
             }
-            None => {
-                value.push_str(domain);
+            Namespace::Own => {
+                escape(&mut value, domain);
                 for (k, v) in entries {
                     value.push('|');
-                    value.push_str(k);
+                    escape(&mut value, k);
                     value.push('=');
-                    value.push_str(v);
+                    escape(&mut value, v);
                 }
                 Key::new(NAMESPACE, value)
             }
+        }
+    }
+}
+
+/// Appends `part` to `out` with `%`, `|` and `=` escaped.
+fn escape(out: &mut String, part: &str) {
+    for c in part.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '|' => out.push_str("%7C"),
+            '=' => out.push_str("%3D"),
+            c => out.push(c),
         }
     }
 }
@@ -265,8 +302,38 @@ impl LimitsFile {
                 ));
             }
         };
+        if let Some(policy) = &policy {
+            // A slot would never be given back, a delay never waited: Envoy only asks.
+            if matches!(
+                policy.algorithm(),
+                Algorithm::Concurrency | Algorithm::LeakyBucketShaper
+            ) {
+                return Err(self.at(
+                    d.policy.as_ref().map(Spanned::span),
+                    &format!(
+                        "policy {:?} is {}, which a rate limit service cannot apply: Envoy \
+                         asks once and never says when a call ends, nor waits a delay; give \
+                         the descriptor a policy of another algorithm",
+                        policy.name(),
+                        policy.algorithm().name()
+                    ),
+                ));
+            }
+        }
         let namespace = match &d.key {
-            None => None,
+            None => Namespace::Own,
+            Some(ns) if ns.get_ref() == "ip" => {
+                let single_any = d.entries.get_ref().len() == 1
+                    && d.entries.get_ref()[0].get_ref().value.is_none();
+                if !single_any {
+                    return Err(self.at(
+                        Some(ns.span()),
+                        "key = \"ip\" counts one address: give the rule one entry without \
+                         a value, like entries = [{ key = \"remote_address\" }]",
+                    ));
+                }
+                Namespace::Ip(self.ipv6_prefix())
+            }
             Some(ns) => {
                 let good = !ns.get_ref().is_empty()
                     && ns.get_ref().len() <= 32
@@ -281,7 +348,7 @@ impl LimitsFile {
                          write key = \"ip\" to count as the layer counts peer addresses",
                     ));
                 }
-                Some(ns.get_ref().clone())
+                Namespace::Named(ns.get_ref().clone())
             }
         };
         Ok(DescriptorRule {
@@ -337,6 +404,50 @@ mod tests {
         assert!(glob("a*b*c", "a-x-b-y-c"));
         assert!(!glob("a*b*c", "a-x-c"));
         assert!(glob("*", ""));
+    }
+
+    // A value cannot pass for another entry, nor one value for two.
+    #[test]
+    fn values_are_escaped_so_that_no_two_descriptors_share_a_key() {
+        let own = DescriptorRule {
+            domain: "edge".to_owned(),
+            entries: vec![("path".to_owned(), Value::Any)],
+            policy: None,
+            namespace: Namespace::Own,
+        };
+        let forged = own.key("edge", &[("path", "/x|remote_address=1.2.3.4")]);
+        let two = DescriptorRule {
+            entries: vec![
+                ("path".to_owned(), Value::Any),
+                ("remote_address".to_owned(), Value::Any),
+            ],
+            ..own.clone()
+        };
+        let real = two.key("edge", &[("path", "/x"), ("remote_address", "1.2.3.4")]);
+        assert_ne!(forged, real);
+        let named = DescriptorRule {
+            namespace: Namespace::Named("t".to_owned()),
+            ..two
+        };
+        assert_ne!(
+            named.key("edge", &[("a", "a|b"), ("b", "c")]),
+            named.key("edge", &[("a", "a"), ("b", "b|c")])
+        );
+        // As the layer keys a peer: IPv4-mapped as IPv4, IPv6 by its /64.
+        let ip = DescriptorRule {
+            namespace: Namespace::Ip(64),
+            ..own
+        };
+        assert_eq!(
+            ip.key("edge", &[("remote_address", "::ffff:198.51.100.1")])
+                .as_bytes(),
+            b"ip:198.51.100.1"
+        );
+        assert_eq!(
+            ip.key("edge", &[("remote_address", "2001:db8:1:2::7")])
+                .as_bytes(),
+            b"ip:2001:db8:1:2::/64"
+        );
     }
 
     const FILE: &str = r#"
@@ -417,6 +528,11 @@ unlimited = true
         assert!(e.contains("not both"), "{e}");
         let e = err(&FILE.replace("key = \"ip\"", "key = \"i p\""));
         assert!(e.starts_with("limits.toml:19:7: "), "{e}");
+        let shaper = FILE.replace(
+            "algorithm = \"gcra\"\nlimit = 2",
+            "algorithm = \"leaky_bucket_shaper\"\nlimit = 2",
+        );
+        assert!(err(&shaper).contains("cannot apply"), "{}", err(&shaper));
         let twice = format!(
             "{FILE}\n[[descriptors]]\ndomain = \"edge\"\nentries = [{{ key = \"remote_address\" }}]\npolicy = \"api\"\n"
         );

@@ -308,6 +308,13 @@ impl LimitsFile {
         Ok(builder)
     }
 
+    /// `[key] ipv6_prefix`: how many bits of an IPv6 address make a caller (default 64).
+    pub(super) fn ipv6_prefix(&self) -> u8 {
+        let key = self.file.key.as_ref().map(Spanned::get_ref);
+        key.and_then(|k| k.ipv6_prefix.as_ref())
+            .map_or(64, |bits| *bits.get_ref())
+    }
+
     /// The names of the file's policies.
     pub fn policy_names(&self) -> impl Iterator<Item = &str> {
         self.policies.keys().map(String::as_str)
