@@ -25,10 +25,10 @@ use std::fmt::Write as _;
 use std::mem::size_of;
 use std::time::Duration;
 
-use support::Rng;
 use tollway_core::algorithm::{
     fixed_window, gcra, leaky_bucket, sliding_counter, sliding_log, token_bucket,
 };
+use tollway_core::testing::Rng;
 use tollway_core::{Algorithm, Clock, ConfigError, Decision, ManualClock, Quota};
 
 fn main() -> Result<(), ConfigError> {

@@ -16,6 +16,7 @@ use tollway_tower::{
 use tracing_subscriber::EnvFilter;
 
 pub mod axum_app;
+pub mod catalog;
 pub mod guard;
 pub mod lab;
 pub mod llm;

@@ -17,7 +17,7 @@ use std::error::Error;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use support::demo::{CatalogClient, ExportRequest, LookupRequest};
+use demo::catalog::{CatalogClient, ExportRequest, LookupRequest};
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Status};
 use tonic_types::StatusExt;

@@ -8,8 +8,8 @@
 //! cargo run --example tonic_client                                # in another terminal
 //! ```
 //!
-//! It serves `demo.Catalog` (the support crate's `demo`), written by hand so that no `protoc` is
-//! needed. Policies:
+//! It serves `demo.Catalog` from `examples/proto/catalog.proto`, compiled by
+//! `examples/build.rs` (protox and tonic-prost-build: no `protoc` to install). Policies:
 //!
 //! | caller                                    | limit                   |
 //! |-------------------------------------------|-------------------------|
@@ -28,7 +28,7 @@ use std::error::Error;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use support::demo::{Catalog, EXPORT};
+use demo::catalog::{Catalog, CatalogServer, EXPORT};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tollway_tower::{Algorithm, BoxStore, HeaderStyle, Policy, Protocol, Quota, RateLimitLayer};
@@ -73,7 +73,7 @@ async fn serve(
     print_usage(addr);
     Server::builder()
         .layer(limits)
-        .add_service(Catalog::new())
+        .add_service(CatalogServer::new(Catalog))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
             // If the signal handler cannot be installed, serve until killed.
             if tokio::signal::ctrl_c().await.is_err() {

@@ -32,7 +32,7 @@ impl Driver {
             .stderr(Stdio::null())
             .kill_on_drop(true)
             .spawn()
-            .expect("chromedriver is installed (apt-get install chromium chromium-driver)");
+            .expect("chromedriver is not installed: apt-get install -y redis-server chromium chromium-driver");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         support::within("chromedriver to start", 30, async {
             while let Some(line) = lines.next_line().await.unwrap() {

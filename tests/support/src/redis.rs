@@ -311,7 +311,8 @@ fn ensure_installed() {
     assert!(
         installed,
         "redis-server is not installed: the Redis tests start their own servers. \
-         Install it (apt-get install -y redis-server); .ci/run does so when it is missing."
+         Install it: apt-get install -y redis-server chromium chromium-driver (.ci/run does so \
+         when they are missing)."
     );
 }
 

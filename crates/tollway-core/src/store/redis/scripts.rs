@@ -14,19 +14,19 @@ use crate::{Decision, Decisions, Denial, Policy, StoreError, StoreErrorKind};
 macro_rules! lua_algorithms {
     () => {
         concat!(
-            include_str!("../../../../../lua/token_bucket.lua"),
+            include_str!("../../../lua/token_bucket.lua"),
             "\n",
-            include_str!("../../../../../lua/gcra.lua"),
+            include_str!("../../../lua/gcra.lua"),
             "\n",
-            include_str!("../../../../../lua/leaky_bucket.lua"),
+            include_str!("../../../lua/leaky_bucket.lua"),
             "\n",
-            include_str!("../../../../../lua/fixed_window.lua"),
+            include_str!("../../../lua/fixed_window.lua"),
             "\n",
-            include_str!("../../../../../lua/sliding_window_counter.lua"),
+            include_str!("../../../lua/sliding_window_counter.lua"),
             "\n",
-            include_str!("../../../../../lua/sliding_window_log.lua"),
+            include_str!("../../../lua/sliding_window_log.lua"),
             "\n",
-            include_str!("../../../../../lua/concurrency.lua"),
+            include_str!("../../../lua/concurrency.lua"),
         )
     };
 }
@@ -35,21 +35,21 @@ macro_rules! lua_algorithms {
 /// decides all of a request's limits (see `lua/prelude.lua` for its keys, arguments and
 /// reply).
 const SOURCE: &str = concat!(
-    include_str!("../../../../../lua/prelude.lua"),
+    include_str!("../../../lua/prelude.lua"),
     "\n",
     lua_algorithms!(),
     "\n",
-    include_str!("../../../../../lua/check.lua"),
+    include_str!("../../../lua/check.lua"),
 );
 
 /// The script that charges, refunds and resets: the same with `lua/operate.lua` as its
 /// entry.
 const OPERATE_SOURCE: &str = concat!(
-    include_str!("../../../../../lua/prelude.lua"),
+    include_str!("../../../lua/prelude.lua"),
     "\n",
     lua_algorithms!(),
     "\n",
-    include_str!("../../../../../lua/operate.lua"),
+    include_str!("../../../lua/operate.lua"),
 );
 
 /// The scripts with their SHA-1s, computed once.
