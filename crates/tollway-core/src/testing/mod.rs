@@ -2,7 +2,7 @@
 //!
 //! A [`Store`] of your own passes when it gives the decisions the [`MemoryStore`] gives,
 //! field by field. [`Conformance`] replays a seeded random trace through both. Both run
-//! on one [`ManualClock`], which your store must read. There are two suites:
+//! on one [`ManualClock`], which your store must read. There are three suites:
 //!
 //! - [`one_limit`](Conformance::one_limit): every algorithm, one limit a request, with
 //!   uneven rates, bursts, costs of 0 and over the capacity, and long idle stretches.

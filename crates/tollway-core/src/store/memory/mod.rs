@@ -339,9 +339,10 @@ impl<C: Clock> MemoryStore<C> {
             .unwrap_or(Decision::allow(0, 0, 0, 0))
     }
 
-    /// Which of the store's shards keeps `key`'s states: for benches that place keys
-    /// (`benches/scaling.rs`, pattern `apart`). Not a stable API.
-    #[doc(hidden)]
+    /// Which of the store's shards keeps `key`'s states: for benches and tests that place
+    /// keys (feature `testing`).
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     #[must_use]
     pub fn shard_of(&self, key: &[u8]) -> usize {
         self.locate(key).0

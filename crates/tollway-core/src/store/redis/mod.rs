@@ -23,9 +23,11 @@ use super::{
     BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Cost, GiveBackFuture, Grant, LendFuture,
     Operation, Store,
 };
+#[cfg(feature = "testing")]
+use crate::Decisions;
 use crate::algorithm::Algorithm;
 use crate::clock::Clock;
-use crate::{Decisions, Policy, StoreError, StoreErrorKind};
+use crate::{Policy, StoreError, StoreErrorKind};
 
 /// The longest user key stored as it is; longer (or unusual) keys are hashed.
 pub const MAX_LITERAL_KEY: usize = 96;
@@ -214,8 +216,9 @@ impl RedisStore {
     /// time the script read from `TIME` (µs since the Unix epoch) beside the decisions.
     ///
     /// For tests that compare the scripts with the Rust functions in server-time mode: the
-    /// function fed this time must decide the same. Not a stable API.
-    #[doc(hidden)]
+    /// function fed this time must decide the same (feature `testing`).
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub async fn check_telling_time(
         &self,
         key: &[u8],
@@ -235,8 +238,9 @@ impl RedisStore {
 
     /// Lends like [`Store::lend`] on the server's clock, whatever the builder chose, and
     /// returns the time the script read beside the grant: see
-    /// [`check_telling_time`](Self::check_telling_time). Not a stable API.
-    #[doc(hidden)]
+    /// [`check_telling_time`](Self::check_telling_time) (feature `testing`).
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub async fn lend_telling_time(
         &self,
         key: &[u8],

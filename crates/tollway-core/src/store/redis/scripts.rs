@@ -91,7 +91,8 @@ pub(super) enum Time {
     Caller(u64),
     /// The server's `TIME`.
     Server,
-    /// The server's `TIME`, replied after the decisions.
+    /// The server's `TIME`, replied after the decisions (the conformance suites').
+    #[cfg(feature = "testing")]
     ServerTold,
 }
 
@@ -157,6 +158,7 @@ impl Call {
         match self.time {
             Time::Caller(now) => cmd.arg(now),
             Time::Server => cmd.arg(""),
+            #[cfg(feature = "testing")]
             Time::ServerTold => cmd.arg("TIME"),
         };
         match self.kind {
