@@ -1,8 +1,8 @@
 //! The Redis store against one real `redis-server`: the store suites (the script decides
 //! exactly like the Rust functions, atomically across gateways, survives `SCRIPT FLUSH`;
 //! keys expire, include the quota, and cannot be steered), and what only one server shows
-//! (a restart, a deadpool pool, a request's script calls counted, the deny cache's
-//! savings, the kinds of failure).
+//! (a restart, a deadpool pool, a connection manager of your own, a request's script
+//! calls counted, the deny cache's savings, the kinds of failure).
 //!
 //! The suites share this binary's server, each under key prefixes of its own; the tests
 //! that count a server's calls, pause it or restart it start their own.
@@ -122,6 +122,33 @@ async fn a_request_with_three_limits_is_one_script_call() {
     let server = RedisServer::start();
     let mut node = server.connection().await;
     suites::one_round_trip(&Target::Server(server.url()), &mut node).await;
+}
+
+/// A redis-rs `ConnectionManager` of the application's own (one it already uses, say)
+/// carries the store's script calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_manager_of_your_own_is_accepted_and_decides() {
+    let client = redis::Client::open(shared_server().url()).unwrap();
+    let manager = redis::aio::ConnectionManager::new(client).await.unwrap();
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let store = RedisStore::builder()
+        .without_local_fallback()
+        .caller_time(clock.clone())
+        .prefix(support::unique_prefix("manager"))
+        .with_connection_manager(manager)
+        .unwrap();
+    let policy = Policy::new("manager", Algorithm::Gcra, Quota::per_minute(2).unwrap()).unwrap();
+    for _ in 0..2 {
+        assert!(
+            store
+                .check_one(b"k", &policy, 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    let third = store.check_one(b"k", &policy, 1).await.unwrap();
+    assert_eq!(third.retry_after(), Some(Duration::from_secs(30)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
