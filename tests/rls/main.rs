@@ -337,7 +337,7 @@ async fn a_dead_redis_is_answered_by_the_files_failure_policy() {
         ask(&mut allow.client, me()).await.statuses[0].limit_remaining,
         2
     );
-    shared::until("ready", || allow.running.is_ready()).await;
+    assert!(allow.running.probe().await, "the store answers");
     for service in [RLS, ""] {
         assert_eq!(shared::health(allow.grpc, service).await, "Serving");
     }
@@ -356,7 +356,8 @@ async fn a_dead_redis_is_answered_by_the_files_failure_policy() {
         .await
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unavailable);
-    shared::until("not ready", || !allow.running.is_ready()).await;
+    assert!(!allow.running.probe().await, "the store is gone");
+    assert!(!allow.running.is_ready());
     for service in [RLS, ""] {
         assert_eq!(shared::health(allow.grpc, service).await, "NotServing");
     }

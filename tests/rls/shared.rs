@@ -3,7 +3,6 @@
 //! up to it. And the helpers the tests share.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::routing::get as route_get;
@@ -15,15 +14,6 @@ use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 
 use super::{File, ask, descriptor, on_redis, serve};
-
-/// Waits, up to ten seconds, for `done`: a condition, never a fixed sleep.
-pub(crate) async fn until(what: &str, done: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !done() {
-        assert!(Instant::now() < deadline, "waited ten seconds for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 
 /// What gRPC health says of `service` (`""`: the server as a whole).
 pub(crate) async fn health(grpc: SocketAddr, service: &str) -> String {

@@ -2,26 +2,15 @@
 //! request never reaches Redis.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::routing::get;
 use support::http::Server;
 use support::redis::{RedisServer, script_calls};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, mpsc};
 use tollway_core::{Algorithm, Policy, Quota, RedisStore};
 use tollway_tower::RateLimitLayer;
 use tollway_tower::shed::{Match, Priority, Shed};
-
-/// Waits, up to ten seconds, for `done` to hold: a condition, never a fixed sleep.
-async fn until(what: &str, done: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !done() {
-        assert!(Instant::now() < deadline, "waited ten seconds for {what}");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_service_answers_503_and_a_refusal_never_reaches_redis() {
@@ -41,14 +30,15 @@ async fn a_full_service_answers_503_and_a_refusal_never_reaches_redis() {
         .shed(shed.clone())
         .build()
         .unwrap();
-    // Handlers that hold their calls until the test lets them go.
-    let (gate, inside) = (Arc::new(Semaphore::new(0)), Arc::new(AtomicUsize::new(0)));
+    // Handlers that say when a call is inside, and hold it until the test lets it go.
+    let gate = Arc::new(Semaphore::new(0));
+    let (entered, mut inside) = mpsc::unbounded_channel::<()>();
     let hold = {
-        let (gate, inside) = (Arc::clone(&gate), Arc::clone(&inside));
+        let gate = Arc::clone(&gate);
         move || {
-            let (gate, inside) = (Arc::clone(&gate), Arc::clone(&inside));
+            let (gate, entered) = (Arc::clone(&gate), entered.clone());
             async move {
-                inside.fetch_add(1, Ordering::SeqCst);
+                let _ = entered.send(());
                 gate.acquire().await.unwrap().forget();
                 "done"
             }
@@ -66,7 +56,7 @@ async fn a_full_service_answers_503_and_a_refusal_never_reaches_redis() {
         let client = client.clone();
         async move { client.get("/search").await }
     });
-    until("the search inside", || inside.load(Ordering::SeqCst) == 1).await;
+    inside.recv().await.unwrap();
     let mut node = redis.connection().await;
     let scripts = script_calls(&mut node).await;
     for _ in 0..20 {
@@ -90,7 +80,7 @@ async fn a_full_service_answers_503_and_a_refusal_never_reaches_redis() {
                 .await
         }
     });
-    until("the checkout inside", || inside.load(Ordering::SeqCst) == 2).await;
+    inside.recv().await.unwrap();
     assert_eq!(script_calls(&mut node).await, scripts + 1);
     gate.add_permits(2);
     for call in [search, checkout] {
@@ -98,7 +88,8 @@ async fn a_full_service_answers_503_and_a_refusal_never_reaches_redis() {
         assert_eq!(reply.status, http::StatusCode::OK);
         assert!(reply.header("x-ratelimit-remaining").is_some());
     }
-    until("both places given back", || shed.in_flight() == 0).await;
+    // Each place is given back when the service answers, before the answer is sent.
+    assert_eq!(shed.in_flight(), 0);
     let states = shed.priorities();
     assert_eq!((states[0].admitted, states[0].shed), (1, 0), "checkout");
     assert_eq!((states[1].admitted, states[1].shed), (1, 20), "other");

@@ -208,7 +208,6 @@ fn main() {
                 stop();
                 println!("round {round} {variant:>6}: {rate:>8.0} calls/s  p50 {p50:>5} µs  p99 {p99:>6} µs");
                 results.lock().unwrap().push((*variant, rate, p50, p99));
-                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
     });

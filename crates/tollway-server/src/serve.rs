@@ -36,8 +36,7 @@ const PROBE_KEY: &[u8] = b"tollway-server:ready";
 pub struct Running {
     service: RateLimitService,
     reloader: Reloader<BoxStore>,
-    ready: Arc<AtomicBool>,
-    health: HealthReporter,
+    readiness: Readiness,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     _watcher: Option<Watcher>,
@@ -79,21 +78,23 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
         None
     };
     let (stop, stopped) = watch::channel(false);
-    let ready = Arc::new(AtomicBool::new(false));
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::NotServing).await;
+    let readiness = Readiness {
+        store: service.store().clone(),
+        probe: Policy::new(
+            "tollway-server-ready",
+            Algorithm::Gcra,
+            Quota::per_second(1)?,
+        )?,
+        ready: Arc::new(AtomicBool::new(false)),
+        health,
+    };
     let mut tasks = Vec::new();
 
     // Readiness: the store answers a peek, once a second.
-    let probe = Policy::new(
-        "tollway-server-ready",
-        Algorithm::Gcra,
-        Quota::per_second(1)?,
-    )?;
     tasks.push(tokio::spawn({
-        let (store, ready, mut stopped) =
-            (service.store().clone(), Arc::clone(&ready), stopped.clone());
-        let health = health.clone();
+        let (readiness, mut stopped) = (readiness.clone(), stopped.clone());
         async move {
             let mut every = tokio::time::interval(PROBE_EVERY);
             loop {
@@ -101,19 +102,7 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
                     _ = every.tick() => {}
                     _ = stopped.changed() => break,
                 }
-                let answered = store
-                    .operate(PROBE_KEY, &[&probe], Operation::Peek(1))
-                    .await;
-                let now = answered.is_ok();
-                if ready.swap(now, Ordering::SeqCst) != now {
-                    tracing::info!(ready = now, "readiness changed");
-                }
-                let status = if now {
-                    ServingStatus::Serving
-                } else {
-                    ServingStatus::NotServing
-                };
-                set_health(&health, status).await;
+                readiness.probe().await;
             }
         }
     }));
@@ -155,7 +144,7 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     // HTTP: metrics and probes.
     tasks.push(tokio::spawn({
         let metrics = options.metrics;
-        let ready = Arc::clone(&ready);
+        let ready = Arc::clone(&readiness.ready);
         let app = Router::new()
             .route(
                 "/metrics",
@@ -190,12 +179,42 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     Ok(Running {
         service,
         reloader,
-        ready,
-        health,
+        readiness,
         stop,
         tasks,
         _watcher: watcher,
     })
+}
+
+/// Whether the store answers: the readiness that `/ready` and gRPC health say.
+#[derive(Clone, Debug)]
+struct Readiness {
+    store: BoxStore,
+    /// A policy to peek under: a peek consumes nothing and writes nothing.
+    probe: Policy,
+    ready: Arc<AtomicBool>,
+    health: HealthReporter,
+}
+
+impl Readiness {
+    /// Asks the store now, and says what it answered; returns whether it did.
+    async fn probe(&self) -> bool {
+        let answered = self
+            .store
+            .operate(PROBE_KEY, &[&self.probe], Operation::Peek(1))
+            .await;
+        let now = answered.is_ok();
+        if self.ready.swap(now, Ordering::SeqCst) != now {
+            tracing::info!(ready = now, "readiness changed");
+        }
+        let status = if now {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        set_health(&self.health, status).await;
+        now
+    }
 }
 
 /// Puts the live file's rules in force, under the reloader's lock: a reload racing
@@ -225,7 +244,13 @@ impl Running {
     /// Whether the store answered the last readiness probe.
     #[must_use]
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
+        self.readiness.ready.load(Ordering::SeqCst)
+    }
+
+    /// Asks the store now, rather than at the next probe (every second), and puts what it
+    /// answered in `/ready` and gRPC health; returns whether it answered.
+    pub async fn probe(&self) -> bool {
+        self.readiness.probe().await
     }
 
     /// Reads the limits file again and puts it in force (what `SIGHUP` does).
@@ -242,7 +267,7 @@ impl Running {
     /// Stops serving: health says not serving first, then new calls are refused and
     /// calls in progress finish, for up to [`STOP_WITHIN`]; what is left then is dropped.
     pub async fn stop(self) {
-        set_health(&self.health, ServingStatus::NotServing).await;
+        set_health(&self.readiness.health, ServingStatus::NotServing).await;
         let _ = self.stop.send(true);
         for mut task in self.tasks {
             if tokio::time::timeout(STOP_WITHIN, &mut task).await.is_err() {

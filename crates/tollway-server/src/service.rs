@@ -1,6 +1,7 @@
 //! `ShouldRateLimit`: a request's descriptors, decided all or nothing by the file's
 //! policies, in the store the file names.
 
+use std::collections::HashMap;
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -16,6 +17,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use futures_util::future::join_all;
+use metrics::Counter;
 use tollway_core::{BoxStore, Decision, Operation, Policy, Store, StoreError};
 use tollway_tower::config::{Descriptors, LimitsFile};
 use tollway_tower::{HeaderStyle, OnStoreError, Verdict, rate_limit_headers};
@@ -32,6 +34,9 @@ pub struct Rules {
     shadow: bool,
     /// Policies in shadow mode.
     shadow_policies: Vec<String>,
+    /// `tollway_decisions_total` of each policy: allowed, limited, shadow-limited.
+    /// Registered once, as the layer does: a decision costs an increment, not a lookup.
+    decisions: HashMap<String, [Counter; 3]>,
 }
 
 impl Rules {
@@ -47,7 +52,26 @@ impl Rules {
             .filter(|name| file.is_shadow(Some(name)))
             .map(str::to_owned)
             .collect();
+        let decisions = file
+            .policy_names()
+            .map(|name| {
+                let counter = |outcome: &'static str| {
+                    metrics::counter!(
+                        tollway_core::metric::DECISIONS.name,
+                        "policy" => name.to_owned(),
+                        "outcome" => outcome
+                    )
+                };
+                let counters = [
+                    counter("allowed"),
+                    counter("limited"),
+                    counter("shadow_limited"),
+                ];
+                (name.to_owned(), counters)
+            })
+            .collect();
         Ok(Rules {
+            decisions,
             descriptors,
             style: file.header_style(),
             on_error: file.on_store_error(),
@@ -58,6 +82,18 @@ impl Rules {
 
     fn in_shadow(&self, policy: &Policy) -> bool {
         self.shadow || self.shadow_policies.iter().any(|p| p == policy.name())
+    }
+
+    /// Counts `decision` of `policy` in `tollway_decisions_total{policy, outcome}`.
+    fn record(&self, policy: &Policy, decision: &Decision, over: bool) {
+        let outcome = match (decision.is_allowed(), over) {
+            (true, _) => 0,
+            (false, true) => 1,
+            (false, false) => 2,
+        };
+        if let Some(counters) = self.decisions.get(policy.name()) {
+            counters[outcome].increment(1);
+        }
     }
 }
 
@@ -353,7 +389,7 @@ fn respond(
                 if !decision.is_allowed() && shadow {
                     tracing::info!(policy = policy.name(), "shadow mode: would be over limit");
                 }
-                record(policy, decision, over);
+                rules.record(policy, decision, over);
                 // A limit in shadow mode says nothing to the client, as in the layer.
                 if !shadow {
                     verdicts.push(Verdict {
@@ -400,21 +436,6 @@ fn respond(
         response_headers_to_add,
         ..Default::default()
     }
-}
-
-/// `tollway_decisions_total{policy, outcome}`, as the layer counts.
-fn record(policy: &Policy, decision: &Decision, over: bool) {
-    let outcome = match (decision.is_allowed(), over) {
-        (true, _) => "allowed",
-        (false, true) => "limited",
-        (false, false) => "shadow_limited",
-    };
-    metrics::counter!(
-        tollway_core::metric::DECISIONS.name,
-        "policy" => policy.name().to_owned(),
-        "outcome" => outcome
-    )
-    .increment(1);
 }
 
 /// A policy's limit in Envoy's terms: so many a second, minute, hour, day, week, month or

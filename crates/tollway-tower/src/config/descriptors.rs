@@ -50,6 +50,8 @@ pub struct DescriptorRule {
     /// `None`: unlimited.
     policy: Option<Policy>,
     namespace: Namespace,
+    /// Its precedence, lower first, entry by entry: made once, compared per request.
+    rank: Vec<u8>,
 }
 
 /// Where a rule's keys are counted.
@@ -94,7 +96,7 @@ impl Descriptors {
             .rules
             .iter()
             .filter(|r| r.domain == domain && r.fits(entries))
-            .min_by_key(|r| r.rank())?;
+            .min_by_key(|r| &r.rank)?;
         Some(Matched {
             policy: rule.policy.as_ref(),
             key: rule.key(domain, entries),
@@ -122,18 +124,6 @@ impl DescriptorRule {
                 .iter()
                 .zip(entries)
                 .all(|((key, value), (k, v))| key == k && value.fits(v))
-    }
-
-    /// Its precedence: lower first, entry by entry.
-    fn rank(&self) -> Vec<u8> {
-        self.entries
-            .iter()
-            .map(|(_, value)| match value {
-                Value::Exact(_) => 0,
-                Value::Pattern(_) => 1,
-                Value::Any => 2,
-            })
-            .collect()
     }
 
     /// The key a descriptor of `entries` in `domain` is counted under. Each part is
@@ -351,11 +341,20 @@ impl LimitsFile {
                 Namespace::Named(ns.get_ref().clone())
             }
         };
+        let rank = entries
+            .iter()
+            .map(|(_, value)| match value {
+                Value::Exact(_) => 0,
+                Value::Pattern(_) => 1,
+                Value::Any => 2,
+            })
+            .collect();
         Ok(DescriptorRule {
             domain: domain.clone(),
             entries,
             policy,
             namespace,
+            rank,
         })
     }
 
@@ -414,6 +413,7 @@ mod tests {
             entries: vec![("path".to_owned(), Value::Any)],
             policy: None,
             namespace: Namespace::Own,
+            rank: vec![2],
         };
         let forged = own.key("edge", &[("path", "/x|remote_address=1.2.3.4")]);
         let two = DescriptorRule {

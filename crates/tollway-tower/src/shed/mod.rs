@@ -239,13 +239,7 @@ impl Shed {
     pub fn same_settings(&self, other: &Shed) -> bool {
         self.0.settings == other.0.settings
             && self.0.built_shadow == other.0.built_shadow
-            && self.0.priorities.len() == other.0.priorities.len()
-            && self
-                .0
-                .priorities
-                .iter()
-                .zip(other.0.priorities.iter())
-                .all(|(a, b)| a.name == b.name && a.share == b.share && a.matches == b.matches)
+            && self.0.priorities == other.0.priorities
     }
 
     /// Starts this shedder at `previous`'s limit and baseline, within its own floor and

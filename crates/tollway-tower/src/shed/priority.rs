@@ -29,7 +29,7 @@ use crate::limits::Route;
 /// # let _ = (checkout, paying);
 /// # Ok::<(), tollway_core::ConfigError>(())
 /// ```
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 pub struct Priority {
     pub(super) name: String,
     pub(super) share: f64,
