@@ -48,7 +48,54 @@
 //!   `UNAVAILABLE` by `"reject"` (Envoy's `failure_mode_deny` then decides). The Redis
 //!   store's breaker and local fallback, from `[store]`, come first.
 //!
-//! [`start`] serves it; the `tollway-server` binary runs [`start`] from its arguments.
+//! [`start`] serves it; the `tollway-server` binary runs [`start`] from its arguments:
+//! `tollway-server --config limits.toml --grpc 0.0.0.0:8081 --http 0.0.0.0:9090`.
+//!
+//! # Envoy
+//!
+//! Envoy points at it with the rate limit filter and a cluster, and a route's actions
+//! make the descriptors:
+//!
+//! ```yaml
+//! http_filters:
+//! - name: envoy.filters.http.ratelimit
+//!   typed_config:
+//!     "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+//!     domain: edge
+//!     failure_mode_deny: false   # tollway-server adds X-RateLimit-* itself ([layer] headers)
+//!     rate_limit_service:
+//!       grpc_service: { envoy_grpc: { cluster_name: tollway } }
+//!       transport_api_version: V3
+//! - name: envoy.filters.http.router
+//!   typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }
+//! # on a route:
+//! #   rate_limits:
+//! #   - actions: [{ remote_address: {} }]
+//! #   - actions: [{ request_headers: { header_name: x-api-key, descriptor_key: api_key } }]
+//! clusters:
+//! - name: tollway
+//!   type: STATIC
+//!   connect_timeout: 1s
+//!   typed_extension_protocol_options:
+//!     envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+//!       "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+//!       explicit_http_config: { http2_protocol_options: {} }
+//!   load_assignment:
+//!     cluster_name: tollway
+//!     endpoints: [{ lb_endpoints: [{ endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 8081 } } } }] }]
+//! ```
+//!
+//! It follows envoyproxy/ratelimit's example proxy configuration. It has not been
+//! checked against Envoy's schema: no Envoy binary or validator could be installed where
+//! tollway is built.
+//!
+//! Of envoyproxy/ratelimit's configuration it has domains, nested descriptors (a path of
+//! entries), exact values, a key without a value (each value counted apart), `*`
+//! patterns, `unlimited`, shadow mode, request and descriptor `hits_addend`, and any
+//! period and algorithm of tollway's but the shaper and calls in flight. It does not
+//! have `replaces`, `detailed_metric`, `value_to_metric`, `share_threshold`,
+//! `quota_mode`, a descriptor's own `limit` override, or `is_negative_hits`. The bench
+//! is in the repository's `BENCHMARKS.md`.
 
 mod serve;
 mod service;
