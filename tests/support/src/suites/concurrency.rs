@@ -83,10 +83,10 @@ pub async fn concurrency_across_gateways(target: &Target) -> Vec<String> {
 /// Three gateways (axum servers over real HTTP, each with its own `RedisStore` on the
 /// server's clock) share 5 slots for one caller, and 64 clients a gateway call them at
 /// once, 12 calls each. The handler counts the calls inside it: never more than 5 at
-/// once, and 5 at some point (the limit was reached). A call waits inside until a request
-/// is refused after it came in (or no caller is left to be refused), so the calls
-/// inside are held while others try to join them, not by luck of timing. Returns (calls admitted, calls
-/// refused, the most inside at once) and the keys it used.
+/// once, and 5 at some point (the limit was reached). A call waits inside until the
+/// handler has been full since it came in (or every caller left is inside), so the
+/// calls inside are held while others are refused, not by luck of timing. Returns
+/// (calls admitted, calls refused, the most inside at once) and the keys it used.
 ///
 /// # Panics
 ///
@@ -110,8 +110,8 @@ pub async fn in_flight_across_gateways(target: &Target) -> ((u64, u64, usize), V
     .unwrap();
     let inside = Arc::new(AtomicUsize::new(0));
     let most = Arc::new(AtomicUsize::new(0));
-    // (refusals so far, callers still calling): a call inside waits for the first to
-    // grow, or for the second to fall to the calls inside.
+    // (times the handler was full, callers still calling): a call inside waits for the
+    // first to grow, or for the second to fall to the calls inside.
     const CALLERS: usize = 3 * 64;
     let (told, seen) = tokio::sync::watch::channel((0u64, CALLERS));
     let told = Arc::new(told);
@@ -127,20 +127,23 @@ pub async fn in_flight_across_gateways(target: &Target) -> ((u64, u64, usize), V
             .build()
             .unwrap();
         let (inside, most) = (Arc::clone(&inside), Arc::clone(&most));
-        let seen = seen.clone();
+        let (seen, told) = (seen.clone(), Arc::clone(&told));
         let app = Router::new()
             .route(
                 "/work",
                 get(move || {
                     let (inside, most) = (Arc::clone(&inside), Arc::clone(&most));
-                    let mut seen = seen.clone();
+                    let (mut seen, told) = (seen.clone(), Arc::clone(&told));
                     async move {
-                        let refused = seen.borrow_and_update().0;
+                        let full = seen.borrow_and_update().0;
                         let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
                         most.fetch_max(now, Ordering::SeqCst);
+                        if now >= SLOTS {
+                            told.send_modify(|(f, _)| *f += 1);
+                        }
                         let waited = seen
-                            .wait_for(|&(r, calling)| {
-                                r > refused || calling <= inside.load(Ordering::SeqCst)
+                            .wait_for(|&(f, calling)| {
+                                f > full || calling <= inside.load(Ordering::SeqCst)
                             })
                             .await;
                         assert!(waited.is_ok(), "the sender lives as long as the test");
@@ -164,10 +167,7 @@ pub async fn in_flight_across_gateways(target: &Target) -> ((u64, u64, usize), V
                     let reply = client.get("/work").await;
                     match reply.status.as_u16() {
                         200 => admitted.fetch_add(1, Ordering::Relaxed),
-                        429 => {
-                            told.send_modify(|(r, _)| *r += 1);
-                            refused.fetch_add(1, Ordering::Relaxed)
-                        }
+                        429 => refused.fetch_add(1, Ordering::Relaxed),
                         other => panic!("answered {other}: {}", reply.body),
                     };
                 }
