@@ -341,7 +341,11 @@ impl RedisStoreBuilder {
             .tcp_settings(tcp_settings())
             .connection_timeout(self.timeout)
             .response_timeout(self.timeout)
-            .retries(6)
+            // redis-rs sends `ASKING` and the redirected call as two writes on a shared
+            // connection: another call between them takes the flag, and the importing
+            // node answers `MOVED` back. Each such round costs two retries; sixteen
+            // (redis-rs's default) let a reshard settle, and the timeout bounds them.
+            .retries(16)
             .min_retry_wait(10)
             .max_retry_wait(100);
         #[cfg(feature = "tls")]
