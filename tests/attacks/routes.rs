@@ -8,7 +8,7 @@ use axum::http::{Method, StatusCode};
 use axum::routing::{get, post};
 use bytes::{BufMut, BytesMut};
 use prost::Message;
-use support::demo::{Catalog, EXPORT, ExportRequest};
+use support::catalog::{Catalog, EXPORT, ExportRequest};
 use support::http::{Client, Hits, Reply, Server};
 use support::stores::{EPOCH_US, memory_store, per_minute};
 use tokio::net::TcpListener;

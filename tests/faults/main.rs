@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
+use support::catalog::Catalog;
 use support::cluster::RedisCluster;
-use support::demo::Catalog;
 use support::http as web;
 use support::http::Hits;
 use support::stores::{EPOCH_S, EPOCH_US, per_minute};

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use http::Method;
-use support::demo::{self, Catalog, EXPORT};
+use support::catalog::{self, Catalog, EXPORT};
 use support::grpc::{
     GrpcServer, assert_exhausted, assert_found, assert_limits, export, lookup, meta,
     per_minute_violation, request, serve,
@@ -28,7 +28,7 @@ async fn the_interceptor_denies_with_retry_info_and_shares_the_layers_limits() {
         .build()
         .unwrap();
     let interceptor = layer.interceptor().unwrap();
-    let intercepted = InterceptedService::new(catalog.clone(), interceptor);
+    let intercepted = InterceptedService::new(catalog.server(), interceptor);
     let server = GrpcServer::start(|incoming| {
         Server::builder()
             .add_service(intercepted)
@@ -106,7 +106,7 @@ fn the_interceptor_prices_a_call_as_a_post_to_its_method() {
         let mut request = request((), Some("k-1"));
         request
             .extensions_mut()
-            .insert(tonic::GrpcMethod::new(demo::SERVICE, method));
+            .insert(tonic::GrpcMethod::new(catalog::SERVICE, method));
         interceptor.call(request)
     };
 

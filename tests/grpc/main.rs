@@ -1,7 +1,7 @@
 //! The rate-limiting layer in front of a real tonic server on 127.0.0.1:0, called by a
 //! real tonic client over HTTP/2, on a manual clock so that every value is exact.
 //!
-//! The service is `demo.Catalog` from the support crate (written by hand: no `protoc`).
+//! The service is the tonic examples' `demo.Catalog`, counted by `support::catalog`.
 //! A denied call must end with `RESOURCE_EXHAUSTED` — never a bare 429, which a tonic
 //! client reports as `UNAVAILABLE` — carrying `google.rpc.RetryInfo` with the decision's
 //! exact wait, `google.rpc.QuotaFailure` naming the policy, and `retry-after`,
@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use support::both_stores;
-use support::demo::{Catalog, EXPORT};
+use support::catalog::{Catalog, EXPORT};
 use support::grpc::{
     assert_exhausted, assert_exported, assert_found, assert_limits, assert_no_limits, export,
     lookup, meta, per_minute_violation, serve,

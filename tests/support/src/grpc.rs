@@ -16,7 +16,9 @@ use tonic::transport::Server;
 use tonic::{Code, Status};
 use tonic_types::StatusExt;
 
-use crate::demo::{Catalog, CatalogClient, ExportReply, ExportRequest, LookupReply, LookupRequest};
+use crate::catalog::{
+    Catalog, CatalogClient, ExportReply, ExportRequest, LookupReply, LookupRequest,
+};
 use crate::within;
 
 /// What `QuotaFailure` says about a [`per_minute`](crate::stores::per_minute) policy of `n`.
@@ -86,7 +88,7 @@ where
     let router = Server::builder()
         .accept_http1(true)
         .layer(layer)
-        .add_service(catalog.clone());
+        .add_service(catalog.server());
     GrpcServer::start(|incoming| router.serve_with_incoming(incoming)).await
 }
 

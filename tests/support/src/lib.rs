@@ -4,7 +4,7 @@
 //! Redis Cluster of six of them ([`cluster`]), axum and tonic servers on `127.0.0.1:0`
 //! with real clients ([`http`], [`grpc`]), a loopback TCP proxy adding latency and
 //! partitions ([`proxy`]) and simulated regions made of servers and proxies
-//! ([`regions`]), the demo gRPC service ([`demo`]),
+//! ([`regions`]), the examples' gRPC service, counted ([`catalog`]),
 //! stores on a manual clock ([`stores`]), and the store suites — conformance with the
 //! Rust functions, atomicity across gateways, expiry, hostile keys — as functions of a
 //! [`suites::Target`], run against one server and against a cluster.
@@ -15,8 +15,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+pub mod catalog;
 pub mod cluster;
-pub mod demo;
 pub mod grpc;
 pub mod http;
 pub mod proxy;
