@@ -58,7 +58,8 @@
 //! | GCRA | as the token bucket | 1 integer | interval rounded up to 1 µs | any |
 //!
 //! How far the sliding counter strays from the log on API-like traffic: run
-//! `cargo run --release --example compare`, or read `BENCHMARKS.md`, section "Sliding
+//! `cargo run --release --example compare` in a clone of the repository, or read its
+//! `BENCHMARKS.md`, section "Sliding
 //! window counter vs the exact log".
 //!
 //! ## Quotas
@@ -151,14 +152,14 @@
 //! # }
 //! ```
 //!
-//! `Leased`'s docs give the rule that keeps it exact and what it costs. `BENCHMARKS.md`
-//! ("Leases") measures the store calls, the Redis CPU, the shares admitted and the
-//! latency (`cargo bench -p tollway-core --features redis,leases --bench leases`).
+//! `Leased`'s docs give the rule that keeps it exact and what it costs. The repository's
+//! `BENCHMARKS.md` ("Leases") measures the store calls, the Redis CPU, the shares
+//! admitted and the latency (`cargo bench -p tollway-core --features redis,leases --bench leases`).
 //!
 //! ## Regions
 //!
-//! Four ways hold one limit across regions. `BENCHMARKS.md` ("Multi-region") measures
-//! each on simulated regions
+//! Four ways hold one limit across regions. The repository's `BENCHMARKS.md`
+//! ("Multi-region") measures each on simulated regions
 //! (`cargo bench -p tollway-core --features redis,regions,leases --bench regions`).
 //!
 //! | | a decision costs | over the limit | under the limit | a region cut off |

@@ -262,8 +262,8 @@
 //!
 //! ## Operating it
 //!
-//! Everything here works for the memory store and Redis alike. `examples/axum_app.rs`
-//! wires all of it.
+//! Everything here works for the memory store and Redis alike. The repository's
+//! `examples/axum_app.rs` wires all of it.
 //!
 //! **Metrics** (feature `metrics`) go through the `metrics` facade. Install any
 //! exporter, such as `metrics-exporter-prometheus`, before serving.
@@ -369,17 +369,17 @@
 //! ## Limits from a file
 //!
 //! With feature `config`, limits live in a TOML file: policies, tiers, routes, keys,
-//! headers, the store, lists and shadow flags. `examples/tollway.toml` holds the axum
-//! example's, and the `config` module shows the format. The whole file is validated
-//! before anything uses it. A bad one is refused at its line and column, with what to
-//! write instead:
+//! headers, the store, lists and shadow flags. The [`config`] module shows the format.
+//! The whole file is validated before anything uses it. A bad one is refused at its
+//! line and column, with what to write instead. `tollway check` (the `tollway-cli`
+//! crate) says so before you deploy:
 //!
 //! ```text
-//! $ cargo run -p tollway-cli -- check examples/tollway.toml
-//! examples/tollway.toml: valid
+//! $ tollway check limits.toml
+//! limits.toml: valid
 //!   policy anonymous: token_bucket of 20 per 60s, burst 20 (default)
 //!   ...
-//! $ cargo run -p tollway-cli -- check broken.toml
+//! $ tollway check broken.toml
 //! broken.toml:6:9: policy "api": limit = 0 lets nothing through: write a limit of 1 to 4294967295 (units a period)
 //! ```
 //!
@@ -399,26 +399,38 @@
 //! reloads and failures. Any layer can take another's limits with
 //! [`swap_limits`](RateLimitLayer::swap_limits).
 //!
-//! ```no_run
+//! ```
 //! # #[tokio::main]
-//! # async fn main() -> Result<(), tollway_tower::ConfigError> {
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use tollway_tower::MemoryStore;
 //! use tollway_tower::config::Reloader;
 //!
-//! let reloader = Reloader::new("examples/tollway.toml", MemoryStore::new())?;
+//! let file = |limit: u32| {
+//!     format!(
+//!         "[layer]\ndefault = \"anonymous\"\n\n\
+//!          [policies.anonymous]\nalgorithm = \"token_bucket\"\nlimit = {limit}\nperiod = \"1m\"\n"
+//!     )
+//! };
+//! let path = std::env::temp_dir().join(format!("tollway-guide-{}.toml", std::process::id()));
+//! std::fs::write(&path, file(20))?;
+//! let reloader = Reloader::new(&path, MemoryStore::new())?;
 //! let layer = reloader.layer(); // put this on the router
-//! let _watcher = reloader.watch()?; // keep it: dropping it stops the watching
-//! reloader.reload().await?; // or reload on demand
+//!
+//! std::fs::write(&path, file(1_000))?;
+//! let reloaded = reloader.reload().await?; // or keep `reloader.watch()?` to follow the file
+//! assert_eq!(reloaded.reset_policies(), ["anonymous"]); // a changed quota starts afresh
+//!
+//! std::fs::write(&path, file(0))?;
+//! assert!(reloader.reload().await.is_err()); // refused: 1,000 a minute stays
+//! # std::fs::remove_file(&path)?;
 //! # let _ = layer;
 //! # Ok(())
 //! # }
 //! ```
 //!
-//! Try it. Run `cargo run --example axum_server`. While it runs, change `limit = 20`
-//! under `[policies.anonymous]` in `examples/tollway.toml` to `limit = 1000` and save.
-//! The next `curl -i localhost:3000/` says `x-ratelimit-limit: 1000`. Save `limit = 0`:
-//! the server logs the error with its line and keeps 1000. `TOLLWAY_CONFIG=other.toml`
-//! runs from another file.
+//! The repository's axum example (`cargo run --example axum_server` in a clone) serves
+//! its `examples/tollway.toml` and watches it: change a limit, save, and the next
+//! response's `x-ratelimit-limit` says the new one.
 //!
 //! ## Outbound limits
 //!
@@ -442,8 +454,8 @@
 //!   minute, stack two layers.
 //!
 //! Give the clients a capacity a little under the upstream's. The [`outbound`] module
-//! has the details and a reqwest adapter; `BENCHMARKS.md` ("Outbound limits") has the
-//! figures.
+//! has the details and a reqwest adapter; the repository's `BENCHMARKS.md` ("Outbound
+//! limits") has the figures.
 //!
 //! ```
 //! use std::convert::Infallible;

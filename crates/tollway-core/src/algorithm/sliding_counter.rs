@@ -11,7 +11,7 @@
 //! decide differently from the exact log. A caller whose traffic bunches at the end of a
 //! window can get up to nearly twice the limit in one period. To see how often that
 //! happens on API-like traffic, beside the fixed window and the exact log, run
-//! `cargo run --release --example compare`. `BENCHMARKS.md` has the figures ("Sliding
+//! `cargo run --release --example compare` in a clone of the repository. Its `BENCHMARKS.md` has the figures ("Sliding
 //! window counter vs the exact log").
 //!
 //! # Arithmetic

@@ -81,7 +81,7 @@
 //!
 //! Give the clients a burst a little under the upstream's. Requests reach it a little
 //! later and less evenly than they were admitted, and the difference absorbs that.
-//! `BENCHMARKS.md` ("Outbound limits") has the measured 429s. Likewise give a token
+//! The repository's `BENCHMARKS.md` ("Outbound limits") has the measured 429s. Likewise give a token
 //! capacity a little under the upstream's. The upstream counts a call's tokens a moment
 //! before its settlement reaches the store.
 //!

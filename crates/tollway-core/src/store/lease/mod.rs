@@ -87,8 +87,8 @@ use crate::{Clock, ConfigError, MonotonicClock, Policy, StoreError};
 ///
 /// The store lends at most half of what a limit has left, and a short store is asked
 /// only in the background. So near the limit the loans shrink to a unit, and a contested
-/// limit goes to whoever asks first. `BENCHMARKS.md` ("Leases") has the measured calls,
-/// shares and latencies: at twice a limit, over 99.8% of what one call a request admits.
+/// limit goes to whoever asks first. The repository's `BENCHMARKS.md` ("Leases") has the
+/// measured calls, shares and latencies.
 ///
 /// A full bucket lends units that go bad one a refill interval. So a loan of a bucket or
 /// GCRA holds at least a horizon's refill: below the limit it spends a share of its

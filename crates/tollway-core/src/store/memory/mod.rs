@@ -112,7 +112,7 @@ pub enum WhenFull {
 /// levels it uses. It costs more while the shard's neighbours have made a level it does
 /// not use. A two-word state in its table costs 24 bytes. A sliding window log costs
 /// about 200 bytes with one entry, and 16 to 32 more for each further entry.
-/// `BENCHMARKS.md` has the measured bytes per key.
+/// The repository's `BENCHMARKS.md` has the measured bytes per key.
 ///
 /// A shard takes about 400 bytes before any key. Its lock and tables take 128 bytes. Its
 /// first sixteen cells take 256, and are made with the store for every shard. So the

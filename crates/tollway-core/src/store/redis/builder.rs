@@ -86,8 +86,9 @@ impl RedisStoreBuilder {
     /// Every node must then count from the same origin. Use [`crate::SystemClock`], or a
     /// manual clock in tests. Skew between nodes moves their decisions.
     ///
-    /// `tests/redis` (`clock_skew_...`) measures this. Two gateways 500 ms apart send 600
-    /// requests over 3 s at 10 per second. They admit, against agreeing clocks:
+    /// The repository's `tests/redis` (`clock_skew_...`) measures this. Two gateways
+    /// 500 ms apart send 600 requests over 3 s at 10 per second. They admit, against
+    /// agreeing clocks:
     ///
     /// | algorithm | skewed | admitted, skewed for agreeing |
     /// |---|---|---|
@@ -454,7 +455,7 @@ fn ensure_crypto_provider() {
 /// Calls are small and pipelined on one connection. Nagle's algorithm is redis-rs's
 /// default. With it, a call made while another's reply is on its way waits for that
 /// reply's acknowledgement. On a network with delayed acknowledgements, that is tens of
-/// milliseconds. `BENCHMARKS.md` has the measured cost. Connections a user hands over
+/// milliseconds. The repository's `BENCHMARKS.md` has the measured cost. Connections a user hands over
 /// (`with_manager`, a pool) keep their own setting.
 fn tcp_settings() -> redis::io::tcp::TcpSettings {
     redis::io::tcp::TcpSettings::default().set_nodelay(true)
