@@ -2,8 +2,8 @@
 //! tower stack.
 //!
 //! Start at [`RateLimitLayer`]; the [`rate_limit`] module has a tour. The algorithms,
-//! quotas and stores come from [`tollway_core`]. The ones a layer needs are re-exported
-//! here, and so is the whole crate.
+//! quotas and stores come from [`tollway_core`](https://docs.rs/tollway-core). The ones
+//! a layer needs are re-exported here, and so is the whole crate.
 //!
 //! # Quick start
 //!
@@ -89,8 +89,8 @@
 //! # Ok::<(), tollway_tower::ConfigError>(())
 //! ```
 //!
-//! Which headers to believe, and what a caller cannot forge: the README's "Security
-//! model", [`ClientIp`], [`ApiKey::known`] and [`MissingKey`].
+//! Which headers to believe, and what a caller cannot forge: the repository README's
+//! "Security model", [`ClientIp`], [`ApiKey::known`] and [`MissingKey`].
 //!
 //! ## Tiers
 //!
