@@ -235,7 +235,7 @@ mod quota;
 mod store;
 #[cfg(test)]
 mod test_log;
-#[cfg(feature = "testing")]
+#[cfg(any(test, feature = "testing"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 

@@ -12,7 +12,6 @@
 mod builder;
 mod table;
 #[cfg(test)]
-#[cfg(feature = "testing")]
 mod tests;
 mod units;
 
