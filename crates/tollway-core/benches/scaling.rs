@@ -2,9 +2,9 @@
 //! baseline, and what a sweep does to the checks running beside it (issue 19).
 //!
 //! ```sh
-//! cargo bench -p tollway-core --bench scaling             # 10 rounds
-//! SCALING_ROUNDS=30 cargo bench -p tollway-core --bench scaling
-//! SCALING_PART=scaling cargo bench -p tollway-core --bench scaling   # or =sweep: one part
+//! cargo bench -p tollway-core --features testing --bench scaling             # 10 rounds
+//! SCALING_ROUNDS=30 cargo bench -p tollway-core --features testing --bench scaling
+//! SCALING_PART=scaling cargo bench -p tollway-core --features testing --bench scaling   # or =sweep: one part
 //! ```
 //!
 //! **Scaling.** Four patterns over 10,000 keys, at 1 and 2 threads (and at every

@@ -154,13 +154,13 @@
 //!
 //! `Leased`'s docs give the rule that keeps it exact and what it costs. The repository's
 //! `BENCHMARKS.md` ("Leases") measures the store calls, the Redis CPU, the shares
-//! admitted and the latency (`cargo bench -p tollway-core --features redis,leases --bench leases`).
+//! admitted and the latency (`cargo bench -p tests --bench leases`).
 //!
 //! ## Regions
 //!
 //! Four ways hold one limit across regions. The repository's `BENCHMARKS.md`
 //! ("Multi-region") measures each on simulated regions
-//! (`cargo bench -p tollway-core --features redis,regions,leases --bench regions`).
+//! (`cargo bench -p tests --bench regions`).
 //!
 //! | | a decision costs | over the limit | under the limit | a region cut off |
 //! |---|---|---|---|---|

@@ -114,7 +114,7 @@ pub(crate) fn all_lend(policies: &[&Policy]) -> bool {
 /// Where `policy`'s window ends after a grant's `decision` for it, at `at` on the
 /// store's clock; 0 for a bucket or GCRA, which has no window. The window's units go bad
 /// there, and a give-back names it. (Only what spends grants later asks.)
-#[cfg(any(feature = "leases", feature = "testing"))]
+#[cfg(any(test, feature = "leases", feature = "testing"))]
 pub(crate) fn window_end(policy: &Policy, decision: &Decision, at: u64) -> u64 {
     use crate::Algorithm;
     let reset = decision.reset_after_micros();

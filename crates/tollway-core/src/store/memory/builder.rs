@@ -94,9 +94,10 @@ impl<C: Clock> MemoryStoreBuilder<C> {
 
     /// The number of shards, a power of two from 1 to 1024 (default: one per 1,024 keys
     /// of `max_keys`, at most 1,024). A sweep for idle keys holds one shard's lock at a
-    /// time, so fewer keys a shard keep the checks that meet it waiting less
-    /// (`cargo bench -p tollway-core --bench scaling`). More shards make each shard's
-    /// share of `max_keys` smaller, so one shard fills before the store as a whole does.
+    /// time, so fewer keys a shard keep the checks that meet it waiting less (the
+    /// repository's `cargo bench -p tollway-core --features testing --bench scaling`).
+    /// More shards make each shard's share of `max_keys` smaller, so one shard fills
+    /// before the store as a whole does.
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = Some(shards);
         self

@@ -79,8 +79,8 @@ pub const MAX_LITERAL_KEY: usize = 96;
 ///
 /// By default one multiplexed connection pipelines every concurrent call. It is a
 /// redis-rs `ConnectionManager`, which reconnects by itself. It carries more calls a
-/// second than a pool that checks out a connection per call (`cargo bench -p
-/// tollway-core --features redis,deadpool --bench redis_store`). An existing
+/// second than a pool that checks out a connection per call (the repository's
+/// `cargo bench -p tests --bench redis_store`). An existing
 /// `deadpool_redis::Pool` (feature `deadpool`) or `ConnectionManager` is accepted too.
 ///
 /// # Examples

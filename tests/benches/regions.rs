@@ -3,7 +3,7 @@
 //! regional modes will be measured against).
 //!
 //! ```sh
-//! cargo bench -p tollway-core --features redis,regions,leases --bench regions
+//! cargo bench -p tests --bench regions
 //! ```
 //!
 //! Three simulated regions on loopback: region A holds the `redis-server`; the gateways

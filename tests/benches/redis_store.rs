@@ -2,7 +2,7 @@
 //! running `EVALSHA` of the same token bucket script against the same server.
 //!
 //! ```sh
-//! cargo bench -p tollway-core --features redis,deadpool --bench redis_store
+//! cargo bench -p tests --bench redis_store
 //! ```
 //!
 //! Starts its own `redis-server` on a free loopback port. Each round runs

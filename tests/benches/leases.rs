@@ -2,7 +2,7 @@
 //! three gateways (store instances) sharing it.
 //!
 //! ```sh
-//! cargo bench -p tollway-core --features redis,leases --bench leases
+//! cargo bench -p tests --bench leases
 //! ```
 //!
 //! Starts its own `redis-server` on a free loopback port. Two parts:
