@@ -138,17 +138,16 @@ async fn a_connection_manager_of_your_own_is_accepted_and_decides() {
         .with_connection_manager(manager)
         .unwrap();
     let policy = Policy::new("manager", Algorithm::Gcra, Quota::per_minute(2).unwrap()).unwrap();
+    admits_two_then_waits(&store, &policy, Duration::from_secs(30)).await;
+}
+
+/// `store` admits two calls of `policy` (2 a minute) and tells the third to wait `retry`.
+async fn admits_two_then_waits(store: &RedisStore, policy: &Policy, retry: Duration) {
     for _ in 0..2 {
-        assert!(
-            store
-                .check_one(b"k", &policy, 1)
-                .await
-                .unwrap()
-                .is_allowed()
-        );
+        assert!(store.check_one(b"k", policy, 1).await.unwrap().is_allowed());
     }
-    let third = store.check_one(b"k", &policy, 1).await.unwrap();
-    assert_eq!(third.retry_after(), Some(Duration::from_secs(30)));
+    let third = store.check_one(b"k", policy, 1).await.unwrap();
+    assert_eq!(third.retry_after(), Some(retry));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,22 +168,7 @@ async fn a_deadpool_pool_is_accepted_and_decides_the_same() {
         Quota::per_minute(2).unwrap(),
     )
     .unwrap();
-    assert!(
-        pooled
-            .check_one(b"k", &policy, 1)
-            .await
-            .unwrap()
-            .is_allowed()
-    );
-    assert!(
-        pooled
-            .check_one(b"k", &policy, 1)
-            .await
-            .unwrap()
-            .is_allowed()
-    );
-    let third = pooled.check_one(b"k", &policy, 1).await.unwrap();
-    assert_eq!(third.retry_after(), Some(Duration::from_secs(60)));
+    admits_two_then_waits(&pooled, &policy, Duration::from_secs(60)).await;
 }
 
 /// Restarts its server.
