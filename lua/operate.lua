@@ -82,31 +82,38 @@ local function store(key, v, x, a)
   return false
 end
 
--- How far a bucket's state may run past empty, `full` being its whole capacity (µs for
--- GCRA, ticks for the token bucket): as much again, within 2^52 in all (the twin of
--- `with_debt` in crates/tollway-core/src/quota.rs).
-local function owing(full)
-  local most = 2 * full
-  if most > 4503599627370496 then most = 4503599627370496 end
-  return most
+-- The most units a bucket may owe, `per_unit` being one unit in the algorithm's measure
+-- (the period in ticks for the token bucket, the emission interval in µs for GCRA): its
+-- state runs at most 2^52 past full (the twin of `most_owed` in
+-- crates/tollway-core/src/quota.rs).
+local MOST = 4503599627370496
+local function most_owed(per_unit)
+  local q = MOST / per_unit
+  return q - q % 1
+end
+
+-- A token bucket's deficit at now, read as token_bucket.lua reads it.
+local function token_bucket_deficit(limit, full_at, frac)
+  if now >= full_at then return 0 end
+  local ahead, fill = full_at - now, MOST / limit
+  fill = fill + (-fill) % 1
+  if ahead > fill then ahead = fill end
+  local deficit = ahead * limit - frac
+  if deficit < 0 then deficit = 0 elseif deficit > MOST then deficit = MOST end
+  return deficit
 end
 
 -- The refunds of the fixed-size states: each returns the new state and its `a` (false, 0
 -- for a fresh one).
 
 -- Token bucket (and the meter): the deficit read as token_bucket reads it, less the units.
-local function token_bucket_refund(limit, period, burst, v)
+local function token_bucket_refund(limit, period, v)
   if not v then return false, 0 end
   local full_at, frac = unpack('<dd', v)
   if now >= full_at then return false, 0 end
-  local cap, u = burst * period, units
-  local ahead, fill, most = full_at - now, cap / limit, owing(cap)
-  fill = fill + (-fill) % 1
-  if ahead > 2 * fill then ahead = 2 * fill end
-  local deficit = ahead * limit - frac
-  if deficit < 0 then deficit = 0 elseif deficit > most then deficit = most end
-  if u > 2 * burst then u = 2 * burst end
-  deficit = deficit - u * period
+  local u, most = units, most_owed(period)
+  if u > most then u = most end
+  local deficit = token_bucket_deficit(limit, full_at, frac) - u * period
   if deficit <= 0 then return false, 0 end
   local us = deficit / limit
   us = us + (-us) % 1
@@ -114,10 +121,10 @@ local function token_bucket_refund(limit, period, burst, v)
 end
 
 -- GCRA (and the shaper): the arrival time back by the units' intervals, not before now.
-local function gcra_refund(burst, emission, v)
+local function gcra_refund(emission, v)
   if not v then return false, 0 end
-  local u = units
-  if u > 2 * burst then u = 2 * burst end
+  local u, most = units, most_owed(emission)
+  if u > most then u = most end
   local tat = unpack('<d', v) - u * emission
   if tat <= now then return false, 0 end
   return pack('<d', tat), tat
@@ -232,7 +239,7 @@ end
 -- Gives the units back to limit i; returns what its key now holds.
 local function refund(i, v)
   local key = keys[i]
-  local code, limit, period, burst, emission = limit_of(i)
+  local code, limit, period, _, emission = limit_of(i)
   local x, a
   if code == '5' then
     -- The log: what slid out, then the newest units.
@@ -243,9 +250,9 @@ local function refund(i, v)
     concurrency_refund(i)
     return false
   elseif code == '1' or code == '2' then
-    x, a = token_bucket_refund(limit, period, burst, v)
+    x, a = token_bucket_refund(limit, period, v)
   elseif code == '7' or code == '3' then
-    x, a = gcra_refund(burst, emission, v)
+    x, a = gcra_refund(emission, v)
   elseif code == '4' then
     x, a = fixed_window_refund(period, v)
   elseif code == '6' then
@@ -257,37 +264,29 @@ local function refund(i, v)
 end
 
 -- The overdrafts of the buckets and GCRA: `owed` units past what fits in the state `x`
--- (which is not fresh: the units that fit were just taken), up to a capacity; each
--- returns the new state and its `a`.
+-- (which is not fresh: the units that fit were just taken), kept as a debt up to 2^52;
+-- each returns the new state and its `a`.
 
 -- Token bucket (and the meter): the deficit grows by the units' ticks.
-local function token_bucket_overdraw(limit, period, burst, x, owed)
+local function token_bucket_overdraw(limit, period, x, owed)
   local full_at, frac = unpack('<dd', x)
-  local cap, deficit = burst * period, 0
-  local most = owing(cap)
-  if now < full_at then
-    local ahead, fill = full_at - now, cap / limit
-    fill = fill + (-fill) % 1
-    if ahead > 2 * fill then ahead = 2 * fill end
-    deficit = ahead * limit - frac
-    if deficit < 0 then deficit = 0 elseif deficit > most then deficit = most end
-  end
-  if owed > 2 * burst then owed = 2 * burst end
-  deficit = deficit + owed * period
-  if deficit > most then deficit = most end
+  local most = most_owed(period)
+  if owed > most then owed = most end
+  local deficit = token_bucket_deficit(limit, full_at, frac) + owed * period
+  if deficit > MOST then deficit = MOST end
   local us = deficit / limit
   us = us + (-us) % 1
   return pack('<dd', now + us, us * limit - deficit), now + us
 end
 
 -- GCRA (and the shaper): the arrival time on by the units' intervals.
-local function gcra_overdraw(burst, emission, x, owed)
+local function gcra_overdraw(emission, x, owed)
   local ahead = unpack('<d', x) - now
-  if ahead < 0 then ahead = 0 end
-  if owed > 2 * burst then owed = 2 * burst end
+  if ahead < 0 then ahead = 0 elseif ahead > MOST then ahead = MOST end
+  local most = most_owed(emission)
+  if owed > most then owed = most end
   ahead = ahead + owed * emission
-  local most = owing(burst * emission)
-  if ahead > most then ahead = most end
+  if ahead > MOST then ahead = MOST end
   return pack('<d', now + ahead), now + ahead
 end
 
@@ -317,12 +316,12 @@ local function charge(i, v, drain)
       return false
     end
   end
-  local code, limit, period, burst, emission = limit_of(i)
+  local code, limit, period, _, emission = limit_of(i)
   if not drain and units > c and x then
     if code == '1' or code == '2' then
-      x, a = token_bucket_overdraw(limit, period, burst, x, units - c)
+      x, a = token_bucket_overdraw(limit, period, x, units - c)
     elseif code == '7' or code == '3' then
-      x, a = gcra_overdraw(burst, emission, x, units - c)
+      x, a = gcra_overdraw(emission, x, units - c)
     end
   end
   if c == 0 and x == v then return v end

@@ -10,15 +10,14 @@ if not only or only == '1' or only == '2' then
     if v then
       local full_at, frac = unpack('<dd', v)
       if now < full_at then
-        -- Up to the capacity owed past empty (charges that did not fit): twice the
-        -- capacity, at most 2^52 (`with_debt` in crates/tollway-core/src/quota.rs),
-        -- refilled within twice the time to fill. Inline: a function costs a closure.
-        local ahead, fill, most = full_at - now, cap / limit, 2 * cap
-        if most > 4503599627370496 then most = 4503599627370496 end
+        -- At most 2^52 ticks missing, a debt included (charges that did not fit: see
+        -- `most_owed` in crates/tollway-core/src/quota.rs), refilled within
+        -- ceil(2^52 / limit) µs. Inline: a function costs a closure.
+        local ahead, fill = full_at - now, 4503599627370496 / limit
         fill = fill + (-fill) % 1
-        if ahead > 2 * fill then ahead = 2 * fill end
+        if ahead > fill then ahead = fill end
         deficit = ahead * limit - frac
-        if deficit < 0 then deficit = 0 elseif deficit > most then deficit = most end
+        if deficit < 0 then deficit = 0 elseif deficit > 4503599627370496 then deficit = 4503599627370496 end
       end
     end
     local after = deficit + cost * period

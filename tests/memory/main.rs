@@ -167,8 +167,7 @@ fn charges_racing_checks_on_one_key_lose_no_unit() {
     const UNITS: u32 = 3;
     let clock = ManualClock::new();
     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    // 1,000 µs a unit; a burst of 1,000, so the charges' 150 units owed fit in the debt
-    // a capacity allows.
+    // 1,000 µs a unit; a burst of 1,000: the charges' 150 units are owed.
     let quota = Quota::per_second(1_000).unwrap().with_burst(1_000).unwrap();
     for algorithm in [Algorithm::Gcra, Algorithm::LeakyBucketShaper] {
         let policy = Policy::new(algorithm.name(), algorithm, quota).unwrap();

@@ -59,9 +59,9 @@ async fn costs_are_settled_with_what_the_response_reports() {
 /// store, 16 tasks each, for 10 s against an API whose calls use 50 to 150 tokens (100 on
 /// average) while the clients estimate 50. Each response settles the difference, and what
 /// an empty budget cannot take is owed (`Operation::Charge`), so the tokens the upstream
-/// reports used stay within the budget over the run — the refill, the capacity, and at
-/// most a capacity owed at the end — and every second after the first within the rate
-/// and one capacity; the fleet still uses at least 90% of the refill.
+/// reports used stay within the budget over the run — the refill, the capacity, and
+/// what is owed at the end (here under a capacity) — and every second after the first
+/// within the rate and one capacity; the fleet still uses at least 90% of the refill.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_token_budget_holds_fleet_wide_when_estimates_run_low() {
     use axum::response::IntoResponse;

@@ -14,13 +14,14 @@ use crate::error::ConfigError;
 /// headroom for the sums they form. So Rust and Lua never round differently.
 pub(crate) const MAX_EXACT: u64 = 1 << 52;
 
-/// How far a bucket's state may run past empty after charges that did not fit
-/// ([`Operation::Charge`](crate::Operation::Charge)): `full`, its whole capacity (in the
-/// algorithm's units: µs for GCRA, ticks for the token bucket), owed once more, within
-/// [`MAX_EXACT`] in all so Rust and Lua still compute it exactly.
-pub(crate) const fn with_debt(full: u64) -> u64 {
-    let most = full.saturating_mul(2);
-    if most < MAX_EXACT { most } else { MAX_EXACT }
+/// The most units a bucket may owe after charges that did not fit
+/// ([`Operation::Charge`](crate::Operation::Charge)), given `per_unit`, what one unit is
+/// in the algorithm's own measure (a token bucket's period in ticks, GCRA's emission
+/// interval in µs): its state then runs at most [`MAX_EXACT`] past full, so Rust and Lua
+/// still compute it exactly. That is far more than any capacity (75 million units for a
+/// minute's token bucket, 142 years of GCRA's intervals): a debt is kept, not forgiven.
+pub(crate) const fn most_owed(per_unit: u64) -> u64 {
+    MAX_EXACT / per_unit
 }
 
 /// The longest period, in microseconds (about 35.7 years).
@@ -71,6 +72,9 @@ pub struct Quota {
     emission_us: u64,
     /// Microseconds for an empty token bucket to refill: `ceil(burst × period / limit)`.
     fill_us: u64,
+    /// Microseconds in which a token bucket refills the most it can miss, 2^52 ticks:
+    /// `ceil(2^52 / limit)`.
+    owed_us: u64,
     /// The divisors of the hot path, reduced to a multiplication once: a hardware
     /// division costs more than the rest of a decision.
     by_limit: StrengthReducedU64,
@@ -182,6 +186,7 @@ impl Quota {
             burst: limit,
             emission_us,
             fill_us: period_us,
+            owed_us: MAX_EXACT.div_ceil(limit),
             by_limit: StrengthReducedU64::new(limit),
             by_period: StrengthReducedU64::new(period_us),
             by_emission: StrengthReducedU64::new(emission_us),
@@ -310,6 +315,12 @@ impl Quota {
     #[must_use]
     pub const fn fill_micros(&self) -> u64 {
         self.fill_us
+    }
+
+    /// How long a token bucket missing 2^52 ticks (its capacity and the most it may owe)
+    /// takes to refill, in microseconds: `ceil(2^52 / limit)`.
+    pub(crate) const fn owed_micros(&self) -> u64 {
+        self.owed_us
     }
 
     /// The spacing between units for GCRA and the shaper, in microseconds: the period

@@ -17,6 +17,7 @@
 //! `B·T` ahead of `now`.
 
 use super::{Slot, SlotState};
+use crate::quota::{MAX_EXACT, most_owed};
 use crate::{Decision, Denial, Quota};
 
 /// GCRA state for one key: the theoretical arrival time in microseconds. `Default` is a
@@ -73,9 +74,9 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 /// time moves back by their emission intervals, never before `now`.
 #[must_use]
 pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
-    // At most the capacity and as much owed, so the product stays within the quota's
-    // bounds.
-    let back = u64::from(units).min(2 * quota.burst()) * quota.emission_micros();
+    let t = quota.emission_micros();
+    // At most what a key can owe, so the product stays within 2^52.
+    let back = u64::from(units).min(most_owed(t)) * t;
     State {
         tat: state.tat.saturating_sub(back).max(now),
     }
@@ -83,15 +84,17 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
 
 /// Takes `units` at `now` whether or not they fit: a cost learnt after the fact.
 ///
-/// The arrival time moves on by their emission intervals, up to one capacity past
-/// empty. That is a debt the caller then waits out before anything fits again.
+/// The arrival time moves on by their emission intervals, past empty. That is a debt the
+/// caller then waits out before anything fits again. It is kept up to 2^52 µs ahead of
+/// `now` (142 years: see [`Operation::Charge`](crate::Operation::Charge)).
 #[must_use]
 pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
     let t = quota.emission_micros();
-    let most = crate::quota::with_debt(quota.burst() * t);
-    let ahead = state.tat.saturating_sub(now) + u64::from(units).min(2 * quota.burst()) * t;
+    // Both terms are within 2^52, so their sum is exact in Lua too.
+    let ahead =
+        state.tat.saturating_sub(now).min(MAX_EXACT) + u64::from(units).min(most_owed(t)) * t;
     State {
-        tat: now + ahead.min(most),
+        tat: now + ahead.min(MAX_EXACT),
     }
 }
 
@@ -103,7 +106,7 @@ mod tests {
     #[test]
     fn a_charge_past_empty_is_owed_and_waited_out() {
         // 10 a second, capacity 10: 15 charged at once leave 5 owed, so the next unit
-        // fits 0.6 s later (the 5 owed and its own), and 30 owe at most one capacity.
+        // fits 0.6 s later (the 5 owed and its own), and 300 owe 290: a debt is kept.
         let q = Quota::per_second(10).unwrap();
         let owed = charge(State::default(), 0, &q, 15);
         assert_eq!(owed.tat, 1_500_000);
@@ -112,7 +115,10 @@ mod tests {
         assert_eq!((d.remaining(), d.retry_after_micros()), (0, 600_000));
         let (d, _) = check(owed, 600_000, &q, 1);
         assert!(d.is_allowed());
-        assert_eq!(charge(State::default(), 0, &q, 30).tat, 2_000_000);
+        assert_eq!(charge(State::default(), 0, &q, 300).tat, 30_000_000);
+        // It is kept up to 2^52 µs ahead, whatever is charged.
+        let most = charge(State { tat: 1 << 53 }, 0, &q, u32::MAX);
+        assert_eq!(most.tat, 1 << 52);
         // A request of cost 0 passes an empty limit, not one that owes.
         assert!(
             check(charge(State::default(), 0, &q, 10), 0, &q, 0)

@@ -55,15 +55,15 @@ pub fn shape(state: ShaperState, now: u64, quota: &Quota, cost: u32) -> (Decisio
     (d, next)
 }
 
-/// Pours `units` into the meter's bucket at `now` whether or not they fit, overflowing
-/// by up to its capacity (the token bucket's charge).
+/// Pours `units` into the meter's bucket at `now` whether or not they fit: what
+/// overflows is owed (the token bucket's charge).
 #[must_use]
 pub fn meter_charge(state: MeterState, now: u64, quota: &Quota, units: u32) -> MeterState {
     token_bucket::charge(state, now, quota, units)
 }
 
-/// Queues `units` in the shaper at `now` whether or not they fit, past full by up to its
-/// capacity (GCRA's charge).
+/// Queues `units` in the shaper at `now` whether or not they fit: what is past full is
+/// owed (GCRA's charge).
 #[must_use]
 pub fn shape_charge(state: ShaperState, now: u64, quota: &Quota, units: u32) -> ShaperState {
     gcra::charge(state, now, quota, units)

@@ -111,6 +111,26 @@ impl Algorithm {
         }
     }
 
+    /// Whether a charge that does not fit ([`Operation::Charge`](crate::Operation::Charge))
+    /// is kept as a debt, waited out before anything fits again.
+    ///
+    /// The token bucket, both leaky buckets and GCRA keep it. The windows forget it when
+    /// their window ends, and a slot of [`Concurrency`](Algorithm::Concurrency) is not
+    /// spent. A budget settled after responses needs one that keeps it.
+    #[must_use]
+    pub const fn keeps_debt(self) -> bool {
+        match self {
+            Algorithm::TokenBucket
+            | Algorithm::LeakyBucket
+            | Algorithm::LeakyBucketShaper
+            | Algorithm::Gcra => true,
+            Algorithm::FixedWindow
+            | Algorithm::SlidingWindowLog
+            | Algorithm::SlidingWindowCounter
+            | Algorithm::Concurrency => false,
+        }
+    }
+
     /// Whether the algorithm uses the quota's burst as its capacity. The window
     /// algorithms count `limit` per window and have no separate burst; concurrency
     /// holds `limit` slots.

@@ -18,7 +18,7 @@
 //! (`0 <= frac < limit` ticks). The deficit at `now` is `(full_at - now) × limit - frac`.
 
 use super::{Slot, SlotState};
-use crate::quota::with_debt;
+use crate::quota::{MAX_EXACT, most_owed};
 use crate::{Decision, Denial, Quota};
 
 /// Token bucket state for one key. `Default` is a full bucket.
@@ -31,20 +31,19 @@ pub struct State {
 }
 
 impl State {
-    /// Ticks missing from a full bucket at `now` (at most the capacity and as much
-    /// again owed, see [`charge`]), and the microseconds until it is full again:
-    /// `ceil(ticks / limit)`, found without a division when it can be.
+    /// Ticks missing from a full bucket at `now` (at most 2^52: the capacity and a debt,
+    /// see [`charge`]), and the microseconds until it is full again: `ceil(ticks /
+    /// limit)`, found without a division when it can be.
     #[inline]
     fn deficit(self, now: u64, quota: &Quota) -> (u64, u64) {
         if now >= self.full_at {
             return (0, 0);
         }
-        let most = with_debt(quota.burst() * quota.period_micros());
-        // `fill_micros` is `ceil(cap / limit)`: twice it refills `most` or more.
-        let ahead = (self.full_at - now).min(2 * quota.fill_micros());
+        // That many microseconds refill the most a bucket can miss.
+        let ahead = (self.full_at - now).min(quota.owed_micros());
         let ticks = (ahead * quota.limit()).saturating_sub(self.frac);
-        if ticks >= most {
-            return (most, quota.per_limit_ceil(most));
+        if ticks >= MAX_EXACT {
+            return (MAX_EXACT, quota.owed_micros());
         }
         // Every state this module makes keeps `frac` below one microsecond's worth of
         // ticks (`limit`), so `ticks` needs all `ahead` microseconds to refill, no fewer.
@@ -111,27 +110,29 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 }
 
 /// Gives `units` back to the bucket at `now`, up to full: the state after a request of
-/// `units` is undone (it failed, or cost less than charged).
+/// `units` is undone (it failed, or cost less than charged). A debt is paid back first.
 #[must_use]
 pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
     let (deficit, _) = state.deficit(now, quota);
-    // At most what a bucket owing its capacity misses, so the product stays within the
-    // quota's bounds.
-    let back = u64::from(units).min(2 * quota.burst()) * quota.period_micros();
+    let period = quota.period_micros();
+    // At most what a bucket can miss, so the product stays within 2^52.
+    let back = u64::from(units).min(most_owed(period)) * period;
     State::with_deficit(now, deficit.saturating_sub(back), quota).0
 }
 
 /// Takes `units` at `now` whether or not they fit: a cost learnt after the fact.
 ///
-/// The bucket runs past empty by up to its capacity. That is a debt the caller then
-/// waits out before anything fits again. It refills at the usual rate.
+/// The bucket runs past empty. What did not fit is a debt the caller then waits out,
+/// at the usual refill rate, before anything fits again. It is kept up to 2^52 ticks
+/// missing in all ([`Operation::Charge`](crate::Operation::Charge)): 75 million units
+/// for a minute's period.
 #[must_use]
 pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
     let (deficit, _) = state.deficit(now, quota);
-    let most = with_debt(quota.burst() * quota.period_micros());
-    // At most twice the capacity, so the product stays within the quota's bounds.
-    let owed = u64::from(units).min(2 * quota.burst()) * quota.period_micros();
-    State::with_deficit(now, (deficit + owed).min(most), quota).0
+    let period = quota.period_micros();
+    // Both terms are within 2^52, so their sum is exact in Lua too.
+    let owed = u64::from(units).min(most_owed(period)) * period;
+    State::with_deficit(now, (deficit + owed).min(MAX_EXACT), quota).0
 }
 
 #[cfg(test)]
@@ -142,7 +143,7 @@ mod tests {
     #[test]
     fn a_charge_past_empty_is_owed_and_waited_out() {
         // 2 a second, capacity 4: 7 charged at once leave 3 owed, so one unit fits
-        // 2 s later (the 3 owed and its own), and 20 owe at most one capacity.
+        // 2 s later (the 3 owed and its own), and 20 owe 16, waited out for 8.5 s.
         let q = Quota::per_second(2).unwrap().with_burst(4).unwrap();
         let owed = charge(State::default(), 0, &q, 7);
         let (d, _) = check(owed, 0, &q, 1);
@@ -152,7 +153,8 @@ mod tests {
         assert_eq!(d.reset_after_micros(), 3_500_000);
         assert!(check(owed, 2_000_000, &q, 1).0.is_allowed());
         let most = charge(State::default(), 0, &q, 20);
-        assert_eq!(check(most, 0, &q, 0).0.reset_after_micros(), 4_000_000);
+        assert_eq!(check(most, 0, &q, 0).0.reset_after_micros(), 10_000_000);
+        assert_eq!(check(most, 0, &q, 1).0.retry_after_micros(), 8_500_000);
         // A refund pays the debt back first: 3 back leave the bucket empty, 4 a unit.
         assert!(!check(refund(owed, 0, &q, 3), 0, &q, 1).0.is_allowed());
         assert!(check(refund(owed, 0, &q, 4), 0, &q, 1).0.is_allowed());

@@ -293,11 +293,13 @@ pub enum Operation {
     /// Takes this many units from every policy after the fact, whether or not they fit:
     /// a cost the response reported.
     ///
-    /// Under the token bucket, both leaky buckets and GCRA, what does not fit is owed, up
-    /// to one capacity past empty. The caller waits it out before anything fits again:
-    /// at most two full refills. So usage beyond the budget is paid back rather than
-    /// lost. The window algorithms count at most their limit. Their window is spent
-    /// either way.
+    /// Under the token bucket, both leaky buckets and GCRA, what does not fit is owed.
+    /// The caller waits it out, at the refill rate, before anything fits again. So usage
+    /// beyond the budget is paid back rather than forgiven. The debt is kept up to 2^52
+    /// of the algorithm's own measure (ticks, µs), so Rust and Lua compute it exactly:
+    /// 75 million units for a minute's token bucket, far beyond any capacity. The window
+    /// algorithms count at most their limit. Their window is spent either way, and what
+    /// did not fit is forgiven when it ends.
     Charge(u32),
     /// Gives this many units back to every policy, up to full (paying back what is owed
     /// first): a request that failed, or cost less than it was charged.

@@ -245,8 +245,8 @@ impl Conformance {
             // One event in four looks at or corrects the state instead of checking.
             let operation = match rng.below(20) {
                 0 => Some((0, Operation::Peek(cost))),
-                1 => Some((1, Operation::Charge(1 + rng.below(12) as u32))),
-                2 => Some((2, Operation::Refund(1 + rng.below(12) as u32))),
+                1 => Some((1, Operation::Charge(units(&mut rng)))),
+                2 => Some((2, Operation::Refund(units(&mut rng)))),
                 3 => Some((3, Operation::Reset)),
                 4 => Some((4, Operation::Drain(rng.below(12) as u32))),
                 _ => None,
@@ -493,6 +493,16 @@ impl Conformance {
                 assert_eq!(g, e, "{}", context());
             }
         }
+    }
+}
+
+/// The units of a charge or refund: mostly a few, sometimes many capacities (a debt
+/// kept), sometimes the most there is (a debt at its bound).
+fn units(rng: &mut Rng) -> u32 {
+    match rng.below(8) {
+        0 => u32::MAX,
+        1 => 1 + rng.below(5_000) as u32,
+        _ => 1 + rng.below(12) as u32,
     }
 }
 

@@ -58,10 +58,11 @@
 //! what the fleet used.
 //!
 //! Responses may use more than their estimates, and the budget may run dry. Then a token
-//! bucket or GCRA owes the rest, up to its capacity (see
+//! bucket or GCRA owes the rest (see
 //! [`Operation::Charge`](tollway_core::Operation::Charge)). It admits nothing until it is
-//! paid back. So over a run, the fleet uses at most the budget and one capacity. A window
-//! algorithm forgets what its window could not hold. Take a bucket for tokens.
+//! paid back. So over a run, the fleet uses at most the budget and what its calls in
+//! flight used beyond it when it ran dry. A window algorithm forgets what its window
+//! could not hold. Take a bucket for tokens.
 //!
 //! A layer's cost applies to each of its limits. For requests a second and tokens a
 //! minute, stack two layers. A request admitted by the outer one and refused by the

@@ -42,8 +42,10 @@ use crate::{ConfigError, Decisions, Policy, StoreError};
 ///
 /// The same holds for every algorithm, since a charge is consumption arriving late:
 ///
-/// - The token bucket, leaky bucket and GCRA owe what their budget cannot take. They owe
-///   up to a capacity. A larger backlog, after a long partition, is cut there.
+/// - The token bucket, leaky bucket and GCRA owe what their budget cannot take. A
+///   replayed backlog is cut at two capacities (a key owes at most one for it): after a
+///   long partition, in which each region admitted up to its quota, a caller is not
+///   locked out for as long as the partition lasted.
 /// - A window algorithm counts up to its limit. A charge that arrives after its window
 ///   ended lands in the next one. So it refuses a little early, never late.
 /// - The sliding log takes late charges as entries made now. They expire later than they
@@ -227,7 +229,8 @@ impl<S: Store + Clone> Inner<S> {
         }
     }
 
-    /// Charges peer `i` what it is owed, every key at once; what fails stays owed.
+    /// Charges peer `i` what it is owed (see [`replayed_at_most`]), every key at once;
+    /// what fails stays owed.
     async fn sync(self: &Arc<Self>, i: usize) {
         let peer = &self.peers[i];
         let owed = std::mem::take(&mut *peer.owed.lock());
@@ -240,7 +243,8 @@ impl<S: Store + Clone> Inner<S> {
             charges.spawn(async move {
                 let failed = {
                     let policies: SmallVec<[&Policy; 2]> = owed.policies.iter().collect();
-                    let units = u32::try_from(owed.units).unwrap_or(u32::MAX);
+                    let units = owed.units.min(replayed_at_most(&policies));
+                    let units = u32::try_from(units).unwrap_or(u32::MAX);
                     let charge = store.operate(&key, &policies, Operation::Charge(units));
                     let done = tokio::time::timeout(timeout, charge.into_future()).await;
                     !matches!(done, Ok(Ok(_)))
@@ -498,4 +502,22 @@ impl<S: Store + Clone> Future for Recording<S> {
         }
         Poll::Ready(answer)
     }
+}
+
+/// The most units one replay charges a key under `policies`: two of the smallest
+/// capacity. What the regions admitted past that while they could not reach each other
+/// is not made a debt: each admitted at most its quota then.
+fn replayed_at_most(policies: &[&Policy]) -> u64 {
+    policies
+        .iter()
+        .map(|p| {
+            let q = p.quota();
+            2 * if p.algorithm().uses_burst() {
+                q.burst()
+            } else {
+                q.limit()
+            }
+        })
+        .min()
+        .unwrap_or(u64::MAX)
 }

@@ -54,8 +54,8 @@ fn instant_operate<A: Instant>(tat: u64, now: u64, quota: &Quota, operation: Ope
     .tat
 }
 
-/// A charge or drain on a state of two integers: the buckets owe what does not fit (up
-/// to a capacity), the windows do not count past their limit.
+/// A charge or drain on a state of two integers: the buckets owe what does not fit, the
+/// windows do not count past their limit.
 fn pair_operate<A: Pair>(
     state: A::State,
     now: u64,
