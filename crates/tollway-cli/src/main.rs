@@ -1,7 +1,9 @@
 //! `tollway check FILE...`: validates limits files and prints the limits each describes,
 //! for a CI pipeline to refuse a bad edit before it reaches a gateway. Exits 0 when every
 //! file is valid, 1 when one is not (its error on stderr: `file:line:column: what is
-//! wrong and what to write instead`), 2 on a usage error.
+//! wrong and what to write instead`), 2 on a usage error. A valid file may still get
+//! warnings on stderr (`warning: file:line:column: ...`): what it lets a client do that
+//! it may not mean to.
 
 use std::process::ExitCode;
 
@@ -24,7 +26,12 @@ fn check(files: &[String]) -> ExitCode {
     let mut valid = true;
     for path in files {
         match LimitsFile::read(path) {
-            Ok(file) => print!("{}", file.summary()),
+            Ok(file) => {
+                print!("{}", file.summary());
+                for warning in file.warnings() {
+                    eprintln!("warning: {warning}");
+                }
+            }
             Err(error) => {
                 eprintln!("{error}");
                 valid = false;

@@ -185,9 +185,11 @@
 //!     .route(None, "/exports/*", exports)
 //!     .route(None, "/api/v1/completions", tokens)
 //!     .cost(|method, _, _| if method == Method::DELETE { 5 } else { 1 })
-//!     // Reserve what the client allows, then settle to what was used.
+//!     // Reserve what the call may use (a header the gateway wrote from the body, within
+//!     // a floor and a ceiling), then settle to what was used.
 //!     .policy_cost("tokens", |_, _, headers, _| {
-//!         headers.get("x-max-tokens").and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(500)
+//!         let asked = headers.get("x-max-tokens").and_then(|v| v.to_str().ok()?.parse().ok());
+//!         asked.map_or(500, |n: u32| n.clamp(1, 4_096))
 //!     })
 //!     .settle("tokens", |status, headers, _| {
 //!         if !status.is_success() {
@@ -332,7 +334,7 @@
 //! - [`Operation::Peek`] decides, consuming nothing.
 //! - [`Operation::Reset`] makes the state fresh.
 //! - [`Operation::Charge`] takes units after the fact. What a bucket or GCRA cannot
-//!   take is owed, up to a capacity, and waited out.
+//!   take is owed, and waited out before anything fits again.
 //! - [`Operation::Refund`] gives units back, up to full.
 //! - [`Operation::Drain`] leaves at most so many, in one step (the outbound layer's
 //!   pause).

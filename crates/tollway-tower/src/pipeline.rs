@@ -113,6 +113,8 @@ pub(crate) type CostFn = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + S
 
 /// What a request of `method` to `uri` with `headers` costs by `cost` (1 without one),
 /// on the server side and the client side alike. `uri` is read only for a cost.
+///
+/// At least 1: a request that took nothing would pass an empty budget.
 #[inline]
 pub(crate) fn cost_of<'r>(
     cost: Option<&CostFn>,
@@ -120,7 +122,7 @@ pub(crate) fn cost_of<'r>(
     uri: impl FnOnce() -> &'r Uri,
     headers: &HeaderMap,
 ) -> u32 {
-    cost.map_or(1, |cost| cost(method, uri(), headers))
+    cost.map_or(1, |cost| cost(method, uri(), headers).max(1))
 }
 
 /// What a request costs one policy, from its method, URI, headers and extensions.
@@ -273,14 +275,15 @@ impl<St> Limiter<St> {
     /// Asks the load shedder, if any, to admit `request`: its permit (to drop when the
     /// service has answered), or the refusal to answer with [`refused`](Self::refused).
     #[inline]
-    pub(crate) fn shed<B>(
+    pub(crate) fn shed<B, K: KeyExtractor<B>>(
         &self,
+        extractor: &K,
         request: &Request<B>,
     ) -> Result<Option<crate::shed::Permit>, Refusal> {
         let Some(shed) = &self.shed else {
             return Ok(None);
         };
-        match shed.admit(request) {
+        match shed.admit(request, source(extractor, request)) {
             Ok(permit) => Ok(Some(permit)),
             Err(overloaded) => Err(Refusal::Overloaded(overloaded.retry_after)),
         }
@@ -411,12 +414,14 @@ impl<St: Store> Limiter<St> {
             Some(costs) => selected
                 .iter()
                 .map(|&index| match &costs[index] {
+                    // At least 1, as `cost_of`.
                     Some(of) => of(
                         request.method(),
                         uri(),
                         request.headers(),
                         request.extensions(),
-                    ),
+                    )
+                    .max(1),
                     None => cost,
                 })
                 .collect(),

@@ -49,10 +49,28 @@ pub(crate) struct Settle {
     pub(crate) unsettled: Unsettled,
 }
 
-/// What a settled call's reservation comes to when nothing reported what it used.
+/// What a settled call's reservation comes to when nothing reported what it used:
+/// neither the response nor the handler (through [`Usage`]) said.
 ///
-/// That is when the service failed, when the client went away before the response, and
-/// when neither the response nor the handler (through [`Usage`]) said.
+/// What was reported is charged either way, however the call ended: a stream cut by
+/// its client is charged what its handler reported so far.
+///
+/// | the call | [`Keep`](Self::Keep) | [`Refund`](Self::Refund) |
+/// |---|---|---|
+/// | reported what it used | charged that | charged that |
+/// | answered (status below 400), then nothing reported | the reservation | the reservation |
+/// | failed: the service's error, or a status of 400 or more | the reservation | given back |
+/// | never answered (the client left before the response) | the reservation | given back |
+///
+/// A response that started is never refunded because the client went away, nor because
+/// its body broke off. A client that read a whole stream and hung up before its usage
+/// event would otherwise get its reservation back, call after call. A refund is for a
+/// service that failed, not for a client that left.
+///
+/// A client can still make a call fail on purpose (a malformed request answered 400) or
+/// leave before the response's head. Under `Refund` those give the reservation back. An
+/// upstream that does its work before it answers (not streaming) was paid for all the
+/// same: take `Keep` there, or report what it used.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Unsettled {
@@ -60,7 +78,8 @@ pub enum Unsettled {
     /// default: a budget never counts less than it may have spent.
     #[default]
     Keep,
-    /// The reservation is given back: the call is taken to have used nothing.
+    /// The reservation of a call that failed or was never answered is given back: the
+    /// call is taken to have used nothing.
     Refund,
 }
 
@@ -70,8 +89,11 @@ pub enum Unsettled {
 /// The layer puts one in the request's extensions when the request is admitted under
 /// the settled policy (see
 /// [`RateLimitLayerBuilder::settle`](crate::RateLimitLayerBuilder::settle)). A handler
-/// that streams its answer reports as it goes, and the policy is settled to the total
-/// when the body ends, or when the client drops it.
+/// that streams its answer reports as it goes: one [`add`](Self::add) per token or
+/// event it hands on. The policy is settled to the total when the body ends, or when
+/// the client drops it. So a stream its client cuts short is charged what it delivered.
+/// A handler that reports only at the end (a model's final usage event) reports nothing
+/// for a stream cut before it: see [`Unsettled`] for what such a call is charged.
 ///
 /// # Examples
 ///
@@ -80,8 +102,14 @@ pub enum Unsettled {
 ///
 /// let usage = Usage::new();
 /// assert_eq!(usage.get(), None);
-/// usage.add(120);
-/// usage.add(30);
+/// // A token streamed, then another.
+/// usage.add(1);
+/// usage.add(1);
+/// assert_eq!(usage.get(), Some(2));
+/// // The model's usage event says 150 (its prompt's tokens too).
+/// usage.at_least(150);
+/// assert_eq!(usage.get(), Some(150));
+/// usage.at_least(90);
 /// assert_eq!(usage.get(), Some(150));
 /// usage.set(90);
 /// assert_eq!(usage.get(), Some(90));
@@ -113,6 +141,17 @@ impl Usage {
     /// Says the call used `units` in all.
     pub fn set(&self, units: u32) {
         self.0.store(u64::from(units), Ordering::Release);
+    }
+
+    /// Says the call used at least `units`: what was reported so far stands if it is
+    /// more. For a total reported at the end of a stream whose parts were counted.
+    pub fn at_least(&self, units: u32) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+                let base = if now == UNREPORTED { 0 } else { now };
+                Some(base.max(u64::from(units)))
+            });
     }
 
     /// What the call used, if anything reported it.
@@ -155,6 +194,8 @@ pub(crate) struct Reservation {
 pub(crate) struct Settlement<St: Store> {
     limiter: Arc<Limiter<St>>,
     reservation: Reservation,
+    /// The status the service answered with, once it answered.
+    answered: Option<StatusCode>,
     state: State<St::Future>,
 }
 
@@ -180,6 +221,7 @@ impl<St: Store> Settlement<St> {
         Settlement {
             limiter: Arc::clone(limiter),
             reservation,
+            answered: None,
             state: State::Open,
         }
     }
@@ -190,12 +232,14 @@ impl<St: Store> Settlement<St> {
         self.reservation.reserved.map(|_| &self.reservation.usage)
     }
 
-    /// Reads what the response says the call used, if it says.
-    pub(crate) fn read<R>(&self, response: &http::Response<R>) {
+    /// Notes that the service answered with `response`, and reads what it says the call
+    /// used, if it says.
+    pub(crate) fn read<R>(&mut self, response: &http::Response<R>) {
+        let (status, headers) = (response.status(), response.headers());
+        self.answered = Some(status);
         let Some(settle) = &self.limiter.settle else {
             return;
         };
-        let (status, headers) = (response.status(), response.headers());
         if let Some(used) = (settle.used)(status, headers, response.extensions()) {
             self.reservation.usage.set(used);
         }
@@ -206,12 +250,14 @@ impl<St: Store> Settlement<St> {
     fn settling(&self) -> Option<(usize, Operation)> {
         let reserved = self.reservation.reserved?;
         let settle = self.limiter.settle.as_ref()?;
-        let (used, how) = match self.reservation.usage.get() {
-            Some(used) => (used, None),
-            None => match settle.unsettled {
-                Unsettled::Keep => (reserved, Some("kept")),
-                Unsettled::Refund => (0, Some("given_back")),
-            },
+        // A call that failed, or that was never answered (its client left first).
+        let failed = self
+            .answered
+            .is_none_or(|status| status.is_client_error() || status.is_server_error());
+        let (used, how) = match (self.reservation.usage.get(), settle.unsettled) {
+            (Some(used), _) => (used, None),
+            (None, Unsettled::Refund) if failed => (0, Some("given_back")),
+            (None, Unsettled::Keep | Unsettled::Refund) => (reserved, Some("kept")),
         };
         let (operation, settled) = match used.cmp(&reserved) {
             std::cmp::Ordering::Greater => (Some(Operation::Charge(used - reserved)), "charged"),
@@ -300,6 +346,7 @@ impl<St: Store> Drop for Settlement<St> {
                 slots: SmallVec::new(),
                 usage: Usage::new(),
             },
+            answered: self.answered,
             state,
         };
         let mut at_once = Context::from_waker(std::task::Waker::noop());

@@ -283,7 +283,7 @@ impl LimitsFile {
                     ));
                 }
                 settled = Some(name);
-                builder = self.settle(builder, name, settle.get_ref())?;
+                builder = self.settle(builder, name, settle)?;
             }
         }
         let lists = &file.lists;
@@ -396,6 +396,9 @@ impl LimitsFile {
         if let Some(tolerance) = &section.tolerance {
             builder = builder.tolerance(*tolerance.get_ref());
         }
+        if let Some(part) = &section.per_address {
+            builder = builder.per_address(*part.get_ref());
+        }
         if let Some(window) = &section.window {
             let Some(length) = parse_period(window.get_ref()) else {
                 return Err(self.at(
@@ -438,19 +441,28 @@ impl LimitsFile {
                 })?;
                 made = made.when(matched);
             }
-            for header in &p.headers {
-                made = made.when(Match::header(self.header_name(header)?));
+            if let Some(headers) = &p.headers {
+                for matched in self.header_matches(p.name.get_ref(), headers)? {
+                    made = made.when(matched);
+                }
+            }
+            for header in &p.headers_present {
+                made = made.when(Match::header_present(self.header_name(header)?));
             }
             if !p.tiers.is_empty() {
                 made = made.when(self.tier_keys(&p.tiers)?);
             }
-            if p.routes.is_empty() && p.headers.is_empty() && p.tiers.is_empty() {
+            if p.routes.is_empty()
+                && p.headers.is_none()
+                && p.headers_present.is_empty()
+                && p.tiers.is_empty()
+            {
                 return Err(self.at(
                     Some(priority.span()),
                     &format!(
                         "priority {:?} matches no request: give it routes = [\"POST \
-                         /api/v1/checkout\"], headers = [\"authorization\"] or tiers = \
-                         [\"pro\"]",
+                         /api/v1/checkout\"], tiers = [\"pro\"] or headers = {{ x-plan = \
+                         [\"gold\"] }}",
                         p.name.get_ref()
                     ),
                 ));
@@ -464,7 +476,70 @@ impl LimitsFile {
             .map_err(|e| self.err(whole, e))
     }
 
-    /// `builder` with policy `name` costing the number in `cost`'s request header.
+    /// The matches of a priority's `headers`: each header's known values. A list of
+    /// names alone is refused: any client can send a header.
+    fn header_matches(
+        &self,
+        priority: &str,
+        headers: &Spanned<toml::Value>,
+    ) -> Result<Vec<Match>, ConfigError> {
+        let at = || Some(headers.span());
+        let shape = || {
+            self.at(
+                at(),
+                &format!(
+                    "priority {priority:?}: headers is a table of each header's values that \
+                     win it: write headers = {{ x-plan = [\"gold\", \"platinum\"] }}"
+                ),
+            )
+        };
+        let table = match headers.get_ref() {
+            toml::Value::Table(table) if !table.is_empty() => table,
+            toml::Value::Array(names) => {
+                let names: Vec<&str> = names.iter().filter_map(toml::Value::as_str).collect();
+                return Err(self.at(
+                    at(),
+                    &format!(
+                        "priority {priority:?}: headers = {names:?} would match any request \
+                         that carries them, and any client can send a header (made-up API \
+                         keys would win it): list the values that count, headers = {{ {} = \
+                         [\"...\"] }}, or tiers = [\"pro\"] for a tier's API keys; to match \
+                         presence knowingly, write headers_present = {names:?}",
+                        names.first().copied().unwrap_or("x-plan")
+                    ),
+                ));
+            }
+            _ => return Err(shape()),
+        };
+        table
+            .iter()
+            .map(|(name, values)| {
+                let name = http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                    self.at(
+                        at(),
+                        &format!("{name:?} is not a header name: write one like \"x-plan\""),
+                    )
+                })?;
+                let values: Vec<&str> = match values.as_array() {
+                    Some(values) => values.iter().filter_map(toml::Value::as_str).collect(),
+                    None => return Err(shape()),
+                };
+                if values.is_empty() {
+                    return Err(self.at(
+                        at(),
+                        &format!(
+                            "priority {priority:?}: header {name} lists no value: list the \
+                             values that win it"
+                        ),
+                    ));
+                }
+                Ok(Match::header_in(name, values))
+            })
+            .collect()
+    }
+
+    /// `builder` with policy `name` costing the number in `cost`'s request header, within
+    /// its `min` and `max`.
     fn cost<St: Store>(
         &self,
         builder: RateLimitLayerBuilder<St, ConfigKey>,
@@ -472,22 +547,55 @@ impl LimitsFile {
         cost: &CostSection,
     ) -> Result<RateLimitLayerBuilder<St, ConfigKey>, ConfigError> {
         let header = self.header_name(&cost.header)?;
-        let default = match &cost.default {
-            None => 1,
-            Some(value) => u32::try_from(*value.get_ref()).map_err(|_| {
-                self.at(
-                    Some(value.span()),
-                    &format!(
-                        "policy {name:?}: cost default = {} is not a cost: write 0 to {}",
-                        value.get_ref(),
-                        u32::MAX
-                    ),
-                )
-            })?,
-        };
+        let Bounds { min, max, default } = self.cost_bounds(name, cost)?;
         Ok(builder.policy_cost(name, move |_, _, headers, _| {
-            number(headers, &header).unwrap_or(default)
+            number(headers, &header).map_or(default, |n| n.clamp(min, max))
         }))
+    }
+
+    /// A cost's floor, ceiling and default, checked: `1 <= min <= default <= max`.
+    fn cost_bounds(&self, name: &str, cost: &CostSection) -> Result<Bounds, ConfigError> {
+        let read = |value: &Option<Spanned<i64>>, what: &str, unsaid: u32| match value {
+            None => Ok(unsaid),
+            Some(value) => u32::try_from(*value.get_ref())
+                .ok()
+                .filter(|&n| n >= 1)
+                .ok_or_else(|| {
+                    self.at(
+                        Some(value.span()),
+                        &format!(
+                            "policy {name:?}: cost {what} = {} is not a cost: write 1 to {} \
+                             (a request that cost nothing would pass an empty budget)",
+                            value.get_ref(),
+                            u32::MAX
+                        ),
+                    )
+                }),
+        };
+        let min = read(&cost.min, "min", 1)?;
+        let max = read(&cost.max, "max", u32::MAX)?;
+        let default = read(&cost.default, "default", min)?;
+        if let (Some(at), true) = (&cost.max, max < min) {
+            return Err(self.at(
+                Some(at.span()),
+                &format!("policy {name:?}: cost max = {max} is under min = {min}: raise it"),
+            ));
+        }
+        if let (Some(at), false) = (&cost.default, (min..=max).contains(&default)) {
+            return Err(self.at(
+                Some(at.span()),
+                &format!(
+                    "policy {name:?}: cost default = {default} is outside min = {min} and \
+                     max = {max}: write one between them"
+                ),
+            ));
+        }
+        if let Some(by) = &cost.written_by
+            && !matches!(by.get_ref().as_str(), "gateway" | "client")
+        {
+            return Err(self.choice(by, "written_by", &["gateway", "client"]));
+        }
+        Ok(Bounds { min, max, default })
     }
 
     /// `builder` settling policy `name` to what `settle`'s response header says.
@@ -495,8 +603,21 @@ impl LimitsFile {
         &self,
         builder: RateLimitLayerBuilder<St, ConfigKey>,
         name: &str,
-        settle: &SettleSection,
+        section: &Spanned<SettleSection>,
     ) -> Result<RateLimitLayerBuilder<St, ConfigKey>, ConfigError> {
+        let settle = section.get_ref();
+        let algorithm = self.policies[name].algorithm();
+        if !algorithm.keeps_debt() {
+            return Err(self.at(
+                Some(section.span()),
+                &format!(
+                    "policy {name:?} is settled after responses, but a {} forgets at the end \
+                     of its window what a call used beyond it: settle a token_bucket, \
+                     leaky_bucket or gcra, which keep it as a debt",
+                    algorithm.name()
+                ),
+            ));
+        }
         let header = match &settle.header {
             Some(header) => Some(self.header_name(header)?),
             None => None,
@@ -509,8 +630,18 @@ impl LimitsFile {
                 _ => return Err(self.choice(rule, "unsettled", &["keep", "refund"])),
             },
         };
+        // Strict: a number past u32 is no report, not the most there is.
+        let used = move |headers: &http::HeaderMap| -> Option<u32> {
+            headers
+                .get(header.as_ref()?)?
+                .to_str()
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
         Ok(builder
-            .settle(name, move |_, headers, _| number(headers, header.as_ref()?))
+            .settle(name, move |_, headers, _| used(headers))
             .on_unsettled(unsettled))
     }
 
@@ -572,6 +703,77 @@ impl LimitsFile {
         Ok(Match::header_in(self.header_name(&api_key.header)?, keys))
     }
 
+    /// What the file lets a client do that it may not mean to, a sentence each, at its
+    /// line and column: what `tollway check` prints as warnings. The file is valid
+    /// either way.
+    ///
+    /// Today: a cost read from a request header that nothing says the gateway writes.
+    /// A client can send any header, so it chooses its own cost, between `min` and
+    /// `max`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_tower::config::LimitsFile;
+    ///
+    /// let text = r#"
+    /// [layer]
+    /// default = "tokens"
+    ///
+    /// [policies.tokens]
+    /// algorithm = "token_bucket"
+    /// limit = 20_000
+    /// period = "1m"
+    /// cost = { header = "x-max-tokens", default = 1_000, max = 4_096 }
+    /// "#;
+    /// let file = LimitsFile::parse("limits.toml", text)?;
+    /// let warnings = file.warnings();
+    /// assert_eq!(warnings.len(), 1);
+    /// assert!(warnings[0].starts_with("limits.toml:9:19: "), "{}", warnings[0]);
+    /// assert!(warnings[0].contains("written_by = \"gateway\""), "{}", warnings[0]);
+    ///
+    /// let file = LimitsFile::parse("limits.toml", &text.replace("max = 4_096", "max = 4_096, written_by = \"gateway\""))?;
+    /// assert!(file.warnings().is_empty());
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    #[must_use]
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        for (name, policy) in &self.file.policies {
+            let Some(cost) = &policy.get_ref().cost else {
+                continue;
+            };
+            let cost = cost.get_ref();
+            if cost.written_by.is_some() {
+                continue;
+            }
+            let header = cost.header.get_ref();
+            let (min, max) = self
+                .cost_bounds(name, cost)
+                .map_or((1, u32::MAX), |b| (b.min, b.max));
+            let max = if max == u32::MAX {
+                "none, so up to the policy's capacity".to_owned()
+            } else {
+                max.to_string()
+            };
+            warnings.push(
+                self.at(
+                    Some(cost.header.span()),
+                    &format!(
+                        "policy {name:?} costs what request header {header} says, and any \
+                         client can send it: a client picks its own cost between min = {min} \
+                         and max = {max}. If a layer before tollway writes the header (as \
+                         examples/llm_gateway.rs does from the body), say so: written_by = \
+                         \"gateway\"; to take the client's number knowingly, written_by = \
+                         \"client\""
+                    ),
+                )
+                .to_string(),
+            );
+        }
+        warnings
+    }
+
     /// The limits the file describes, a line each: what `tollway check` prints.
     #[must_use]
     pub fn summary(&self) -> String {
@@ -608,8 +810,21 @@ impl LimitsFile {
             let section = file.policies[name].get_ref();
             if let Some(cost) = &section.cost {
                 let cost = cost.get_ref();
-                let default = cost.default.as_ref().map_or(1, |d| *d.get_ref());
-                let _ = write!(out, " (cost: {}, default {default})", cost.header.get_ref());
+                // Checked when the file was read.
+                let bounds = self.cost_bounds(name, cost).ok();
+                let (min, max, default) =
+                    bounds.map_or((1, u32::MAX, 1), |b| (b.min, b.max, b.default));
+                let max = if max == u32::MAX {
+                    "none".to_owned()
+                } else {
+                    max.to_string()
+                };
+                let by = cost.written_by.as_ref().map_or("unsaid", |b| b.get_ref());
+                let _ = write!(
+                    out,
+                    " (cost: {}, default {default}, min {min}, max {max}, written by {by})",
+                    cost.header.get_ref()
+                );
             }
             if let Some(settle) = &section.settle {
                 let settle = settle.get_ref();
@@ -662,10 +877,14 @@ impl LimitsFile {
                 .map_or(shed::CEILING, |c| *c.get_ref());
             let tolerance = shed.tolerance.as_ref().map_or(1.5, |t| *t.get_ref());
             let window = shed.window.as_ref().map_or("1s", |w| w.get_ref());
+            let part = shed
+                .per_address
+                .as_ref()
+                .map_or(shed::PER_ADDRESS, |p| *p.get_ref());
             let _ = writeln!(
                 out,
                 "  shed: calls in flight between {floor} and {ceiling}, latency tolerance \
-                 {tolerance}, window {window}{}",
+                 {tolerance}, window {window}, {part} of a share per address{}",
                 if shed.shadow { " (shadow)" } else { "" }
             );
             let mut left = 1.0;
@@ -675,7 +894,21 @@ impl LimitsFile {
                     .routes
                     .iter()
                     .map(|r| r.get_ref().clone())
-                    .chain(p.headers.iter().map(|h| format!("header {}", h.get_ref())))
+                    .chain(
+                        p.headers
+                            .iter()
+                            .filter_map(|h| h.get_ref().as_table())
+                            .flatten()
+                            .map(|(name, values)| {
+                                let n = values.as_array().map_or(0, Vec::len);
+                                format!("header {name} in {n} values")
+                            }),
+                    )
+                    .chain(
+                        p.headers_present
+                            .iter()
+                            .map(|h| format!("header {} present (claimable)", h.get_ref())),
+                    )
                     .chain(p.tiers.iter().map(|t| format!("tier {}", t.get_ref())))
                     .collect();
                 left -= p.share.get_ref();
@@ -983,7 +1216,18 @@ fn locate(name: &str, text: &str, span: Option<Range<usize>>, message: &str) -> 
     ConfigError::new(format!("{name}:{line}:{column}: {message}"))
 }
 
-/// The whole number in header `name` of `headers`, if there is one.
+/// The whole number in header `name` of `headers`, if there is one, at most `u32::MAX`:
+/// a cost past it costs the most there is.
 fn number(headers: &http::HeaderMap, name: &http::HeaderName) -> Option<u32> {
-    headers.get(name)?.to_str().ok()?.trim().parse().ok()
+    let n: u64 = headers.get(name)?.to_str().ok()?.trim().parse().ok()?;
+    Some(u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// A cost read from a request header: at least `min`, at most `max`, `default` when the
+/// header is missing or not a number.
+#[derive(Clone, Copy, Debug)]
+struct Bounds {
+    min: u32,
+    max: u32,
+    default: u32,
 }

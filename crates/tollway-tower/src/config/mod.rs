@@ -68,7 +68,8 @@
 //! algorithm = "token_bucket"
 //! limit = 100_000
 //! period = "1m"
-//! cost = { header = "x-max-tokens", default = 1_000 }  # reserved: a cost of its own
+//! # reserved: a cost of its own, from a header a layer before tollway writes
+//! cost = { header = "x-max-tokens", default = 1_000, max = 4_096, written_by = "gateway" }
 //! settle = { header = "x-tokens-used", unsettled = "refund" }  # or "keep" (default)
 //!
 //! [[routes]]
@@ -93,15 +94,30 @@
 //! [[shed.priorities]]
 //! name = "paying"
 //! share = 0.4
-//! headers = ["x-api-key"]       # the rest are "other", with what is left (0.2)
+//! headers = { x-plan = ["gold", "platinum"] }  # or tiers = ["pro"]: known values
+//! # the rest are "other", with what is left (0.2)
 //! ```
 //!
 //! A policy's `cost` is its own: the number in a request header, else its `default`.
 //! A request charges each of its policies its own cost, all or nothing. `settle`
 //! reserves that cost, then settles the policy to the number in a response header,
 //! or to what the handler reports through [`Usage`](crate::Usage). One policy of a
-//! layer is settled. See
+//! layer is settled, and it keeps a debt (a token bucket, a leaky bucket or GCRA). See
 //! [`RateLimitLayerBuilder::settle`](crate::RateLimitLayerBuilder::settle).
+//!
+//! A cost read from a request is the client's to choose, unless a layer before tollway
+//! writes the header (the LLM example writes it from the body's `max_tokens`). So it
+//! is kept between `min` (1 unless said: a request that cost nothing would pass an
+//! empty budget) and `max` (none unless said: a cost above the capacity is refused).
+//! A number above `max` costs `max`; a missing or malformed one costs `default`.
+//! `written_by = "gateway"` says a layer before tollway writes it; without it,
+//! `tollway check` warns ([`LimitsFile::warnings`]).
+//!
+//! A shedding priority's `headers` take a request by a header's known values. Any
+//! client can send any header: `headers_present = ["authorization"]` takes a request
+//! that merely carries one, and is claimable by anyone. `per_address` in `[shed]` is
+//! the part of a priority's share one address may hold (0.25 unless said): see
+//! [`shed`](crate::shed).
 //!
 //! # Examples
 //!

@@ -56,6 +56,8 @@ pub(super) struct ShedSection {
     pub(super) initial: Option<Spanned<u32>>,
     pub(super) tolerance: Option<Spanned<f64>>,
     pub(super) window: Option<Spanned<String>>,
+    /// The part of a priority's share one address may hold.
+    pub(super) per_address: Option<Spanned<f64>>,
     #[serde(default)]
     pub(super) shadow: bool,
     #[serde(default)]
@@ -71,9 +73,13 @@ pub(super) struct PrioritySection {
     /// `"POST /api/v1/checkout"` or `"/api/*"`.
     #[serde(default)]
     pub(super) routes: Vec<Spanned<String>>,
-    /// Requests carrying one of these headers.
+    /// Requests whose header (the key) has one of its values: `{ x-plan = ["gold"] }`.
+    /// Read as any value, so that a list of names alone (a header's presence, which is
+    /// claimable) is refused with a sentence that says what to write.
+    pub(super) headers: Option<Spanned<toml::Value>>,
+    /// Requests carrying one of these headers, whatever its value: claimable.
     #[serde(default)]
-    pub(super) headers: Vec<Spanned<String>>,
+    pub(super) headers_present: Vec<Spanned<String>>,
     /// Requests whose API key is in `[tiers]` under one of these policies.
     #[serde(default)]
     pub(super) tiers: Vec<Spanned<String>>,
@@ -179,8 +185,14 @@ pub(super) struct PolicySection {
 pub(super) struct CostSection {
     /// The request header whose number is the cost.
     pub(super) header: Spanned<String>,
-    /// The cost when the header is missing or not a number (1 if unsaid).
+    /// The cost when the header is missing or not a number (`min` if unsaid).
     pub(super) default: Option<Spanned<i64>>,
+    /// The least a request costs, whatever the header says (1 if unsaid).
+    pub(super) min: Option<Spanned<i64>>,
+    /// The most a request costs, whatever the header says (none if unsaid).
+    pub(super) max: Option<Spanned<i64>>,
+    /// `gateway` (a layer before tollway writes the header) or `client`.
+    pub(super) written_by: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize, PartialEq)]

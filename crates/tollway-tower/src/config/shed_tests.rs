@@ -21,7 +21,7 @@ routes = [\"POST /api/v1/checkout\"]
 [[shed.priorities]]
 name = \"paying\"
 share = 0.3
-headers = [\"x-api-key\"]
+headers = { x-plan = [\"gold\", \"platinum\"] }
 ";
 
 #[test]
@@ -37,9 +37,10 @@ fn a_shed_section_builds_a_shedder_and_is_summarised() {
     assert!(layer.shed().is_some());
     let summary = limits.summary();
     for line in [
-        "  shed: calls in flight between 10 and 400, latency tolerance 2, window 500ms\n",
+        "  shed: calls in flight between 10 and 400, latency tolerance 2, window 500ms, \
+         0.25 of a share per address\n",
         "  shed priority checkout: share 0.5 (POST /api/v1/checkout)\n",
-        "  shed priority paying: share 0.3 (header x-api-key)\n",
+        "  shed priority paying: share 0.3 (header x-plan in 2 values)\n",
         "  shed priority other: share 0.2 (the rest)\n",
     ] {
         assert!(summary.contains(line), "{line:?} in\n{summary}");
@@ -53,11 +54,42 @@ fn a_shed_setting_that_cannot_work_is_refused_where_it_is() {
     assert!(err.contains("not an upper-case HTTP method"), "{err}");
     let err = error(&with("/api/v1/checkout", "api/v1/checkout"), 18, 11);
     assert!(err.contains("must start with '/'"), "{err}");
-    let err = error(&with("[\"x-api-key\"]", "[\"x api\"]"), 23, 12);
+    let err = error(&with("x-plan", "\"x plan\""), 23, 11);
     assert!(err.contains("not a header name"), "{err}");
+    // A header's presence: claimable by any client, so refused unless asked for.
+    let names = "headers = [\"x-api-key\"]";
+    let err = error(
+        &with("headers = { x-plan = [\"gold\", \"platinum\"] }", names),
+        23,
+        11,
+    );
+    assert!(err.contains("any client can send a header"), "{err}");
+    assert!(err.contains("headers_present = [\"x-api-key\"]"), "{err}");
+    let present = with(
+        "headers = { x-plan = [\"gold\", \"platinum\"] }",
+        "headers_present = [\"x-api-key\"]",
+    );
+    let summary = LimitsFile::parse("limits.toml", &present)
+        .unwrap()
+        .summary();
+    assert!(
+        summary.contains("shed priority paying: share 0.3 (header x-api-key present (claimable))"),
+        "{summary}"
+    );
+    let err = LimitsFile::parse(
+        "limits.toml",
+        &with("floor = 10", "floor = 10\nper_address = 0.0"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("per_address (0)"), "{err}");
     let err = error(&with("window = \"500ms\"", "window = \"soon\""), 13, 10);
     assert!(err.contains("window = \"1s\""), "{err}");
-    let err = error(&with("headers = [\"x-api-key\"]", ""), 20, 1);
+    let err = error(
+        &with("headers = { x-plan = [\"gold\", \"platinum\"] }", ""),
+        20,
+        1,
+    );
     assert!(err.contains("matches no request"), "{err}");
     // Over the whole of the limit: refused at the section, with what to write.
     let err = LimitsFile::parse("limits.toml", &with("share = 0.3", "share = 0.7"))
@@ -127,8 +159,8 @@ fn a_priority_by_tier_takes_that_tiers_api_keys() {
             .body(())
             .unwrap()
     };
-    let _pro = shed.admit(&request("pro-key")).unwrap();
-    let _guess = shed.admit(&request("guessed-key")).unwrap();
+    let _pro = shed.admit(&request("pro-key"), None).unwrap();
+    let _guess = shed.admit(&request("guessed-key"), None).unwrap();
     let in_flight: Vec<_> = shed.priorities().iter().map(|p| p.in_flight).collect();
     assert_eq!(in_flight, [1, 1], "a key not in the tier is other");
     let err = error(&text.replace("[\"pro\"]\n", "[\"gold\"]\n"), 25, 10);

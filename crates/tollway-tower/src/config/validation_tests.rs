@@ -172,7 +172,7 @@ fn an_over_deep_dotted_key_is_refused_at_its_line() {
 
 /// A token budget beside the request rate, said in the file: each call reserves the
 /// number in its `x-max-tokens` and is settled to the `x-tokens-used` of its response.
-const TOKENS: &str = "\n[policies.tokens]\nalgorithm = \"token_bucket\"\nlimit = 100\nperiod = \"1m\"\ncost = { header = \"x-max-tokens\", default = 50 }\nsettle = { header = \"x-tokens-used\", unsettled = \"refund\" }\n\n[[routes]]\npath = \"/llm\"\npolicy = \"tokens\"\n";
+const TOKENS: &str = "\n[policies.tokens]\nalgorithm = \"token_bucket\"\nlimit = 100\nperiod = \"1m\"\ncost = { header = \"x-max-tokens\", default = 50, max = 60, written_by = \"gateway\" }\nsettle = { header = \"x-tokens-used\", unsettled = \"refund\" }\n\n[[routes]]\npath = \"/llm\"\npolicy = \"tokens\"\n";
 
 #[tokio::test]
 async fn a_policy_reserves_from_a_request_header_and_settles_from_the_response() {
@@ -184,7 +184,7 @@ async fn a_policy_reserves_from_a_request_header_and_settles_from_the_response()
     let limits = LimitsFile::parse("limits.toml", &super::tests::file(api, TOKENS)).unwrap();
     let summary = limits.summary();
     assert!(
-        summary.contains("policy tokens: token_bucket of 100 per 60s, burst 100 (cost: x-max-tokens, default 50) (settled: x-tokens-used, unsettled refund)"),
+        summary.contains("policy tokens: token_bucket of 100 per 60s, burst 100 (cost: x-max-tokens, default 50, min 1, max 60, written by gateway) (settled: x-tokens-used, unsettled refund)"),
         "{summary}"
     );
     let store = tollway_core::MemoryStore::builder()
@@ -219,9 +219,35 @@ async fn a_policy_reserves_from_a_request_header_and_settles_from_the_response()
         call(&[("x-max-tokens", "60"), ("x-reply-used", "20")]).await,
         "40"
     );
-    // No header: the default, 50; no usage reported: refunded.
+    // No header: the default, 50; no usage reported, and it answered: kept.
     assert_eq!(call(&[]).await, "30");
-    assert_eq!(call(&[("x-max-tokens", "0")]).await, "80");
+    // 0 costs the floor, 1; a number past the ceiling costs it, 60, which 29 cannot take.
+    assert_eq!(call(&[("x-max-tokens", "0")]).await, "29");
+    assert_eq!(call(&[("x-max-tokens", "99999999999")]).await, "29");
+    assert!(limits.warnings().is_empty(), "the gateway writes it");
+}
+
+// A cost from a header any client can send, that nothing says the gateway writes:
+// valid, and warned about at the header, with what to write.
+#[test]
+fn a_cost_from_a_header_a_client_can_send_is_warned_about() {
+    let text = TOKENS.replace(", written_by = \"gateway\"", "");
+    let limits = LimitsFile::parse("limits.toml", &file(&text)).unwrap();
+    let warnings = limits.warnings();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].starts_with("limits.toml:13:19: "),
+        "{}",
+        warnings[0]
+    );
+    assert!(
+        warnings[0].contains("between min = 1 and max = 60"),
+        "{}",
+        warnings[0]
+    );
+    let client = TOKENS.replace("written_by = \"gateway\"", "written_by = \"client\"");
+    let limits = LimitsFile::parse("limits.toml", &file(&client)).unwrap();
+    assert!(limits.warnings().is_empty());
 }
 
 #[test]
@@ -239,7 +265,39 @@ fn costs_and_settlements_that_cannot_work_are_refused_where_they_are() {
         13,
         38,
     );
-    assert!(err.contains("write 0 to"), "{err}");
+    assert!(err.contains("write 1 to"), "{err}");
+    // A floor of 0 would let a request pass an empty budget.
+    let err = error(&with("cost = { header = \"x-max\", min = 0 }", ""), 13, 34);
+    assert!(err.contains("cost nothing"), "{err}");
+    let err = error(
+        &with("cost = { header = \"x-max\", min = 5, max = 4 }", ""),
+        13,
+        43,
+    );
+    assert!(err.contains("under min = 5"), "{err}");
+    let err = error(
+        &with("cost = { header = \"x-max\", default = 50, max = 4 }", ""),
+        13,
+        38,
+    );
+    assert!(err.contains("outside min = 1 and max = 4"), "{err}");
+    let err = error(
+        &with("cost = { header = \"x-max\", written_by = \"proxy\" }", ""),
+        13,
+        41,
+    );
+    assert!(err.contains("[\"gateway\", \"client\"]"), "{err}");
+    // Settled on a window, which forgets a debt when it ends.
+    let window = tokens("", "settle = { header = \"x-used\" }")
+        .replace("\"token_bucket\"", "\"fixed_window\"");
+    let err = LimitsFile::parse("limits.toml", &file(&window))
+        .and_then(|f| {
+            f.layer(tollway_core::MemoryStore::new(), f.key()?)
+                .map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("keep it as a debt"), "{err}");
     let err = error(&with("", "settle = { unsettled = \"maybe\" }"), 14, 24);
     assert!(err.contains("[\"keep\", \"refund\"]"), "{err}");
     // Two settled policies: refused at the second, in the order the file is read.

@@ -152,7 +152,7 @@ impl<St: Store, K, P, R> OutboundLayerBuilder<St, K, P, R> {
         }
     }
 
-    /// How many units a request costs (default 1).
+    /// How many units a request costs (default 1; a cost of 0 counts as 1).
     pub fn cost(
         mut self,
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,

@@ -260,9 +260,10 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     ///
     /// The URI is the one the client sent, as route limits see it: inside a nested axum
     /// router, its prefix included. A cost above a limit's capacity is refused with a 429
-    /// that has no `Retry-After` (it can never pass). A cost of 0 takes nothing: it is
-    /// answered with the limit's headers, and refused only while the caller owes units
-    /// (charged past empty, see [`settle`](Self::settle)).
+    /// that has no `Retry-After` (it can never pass). A cost of 0 counts as 1: a request
+    /// that took nothing would pass an empty budget. A cost read from what the client
+    /// sends is the client's to choose: give it a floor and a ceiling, or write it in a
+    /// layer before this one (the limits file's `cost` has `min` and `max`).
     pub fn cost(
         mut self,
         cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
@@ -291,11 +292,11 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(100_000)?)?;
     /// let layer = RateLimitLayer::builder(MemoryStore::new(), requests)
     ///     .route(None, "/v1/completions", tokens)
+    ///     // A layer before this one read the body and wrote its max_tokens here, over
+    ///     // whatever the client sent: within 1 and 4,096, 1,000 when it said none.
     ///     .policy_cost("tokens", |_method, _uri, headers, _extensions| {
-    ///         headers
-    ///             .get("x-max-tokens")
-    ///             .and_then(|v| v.to_str().ok()?.parse().ok())
-    ///             .unwrap_or(1_000)
+    ///         let asked = headers.get("x-max-tokens").and_then(|v| v.to_str().ok()?.parse().ok());
+    ///         asked.map_or(1_000, |n: u32| n.clamp(1, 4_096))
     ///     })
     ///     .build()?;
     /// # let _ = layer;
@@ -442,17 +443,23 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// read from the response's status, headers and extensions. Or the handler reports
     /// it through the [`Usage`](crate::Usage) the layer puts in the request's extensions,
     /// as it streams. More than reserved is charged: what the budget cannot take is owed
-    /// by a bucket or GCRA and waited out; a window counts up to its limit. Less is
-    /// refunded. Only requests that `policy` applies to are settled: usually a route's
-    /// token budget beside the caller's request rate.
+    /// and waited out before the caller is admitted again (see
+    /// [`Operation::Charge`](tollway_core::Operation::Charge)). Less is refunded. Only
+    /// requests that `policy` applies to are settled: usually a route's token budget
+    /// beside the caller's request rate.
     ///
     /// The settlement is made when the response body ends, before its last frame is
     /// handed on: at once in memory, a round trip in Redis. So a client that read the
     /// answer finds the budget settled. A call that stops short (the service fails, the
     /// client goes away, the body is dropped) is settled at once to what was reported,
-    /// else by [`on_unsettled`](Self::on_unsettled). A settlement the store fails is
-    /// dropped, and told like a store failure. A name the layer does not know fails
-    /// [`build`](Self::build).
+    /// else by [`on_unsettled`](Self::on_unsettled). A response that started is never
+    /// refunded because its client left: see [`Unsettled`](crate::Unsettled). A
+    /// settlement the store fails is dropped, and told like a store failure.
+    ///
+    /// A name the layer does not know fails [`build`](Self::build). So does a policy
+    /// whose algorithm forgets a debt
+    /// ([`Algorithm::keeps_debt`](tollway_core::Algorithm::keeps_debt)): a window would
+    /// let go of a call's usage beyond it when the window ends.
     ///
     /// # Examples
     ///
@@ -463,18 +470,13 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// let tokens = Policy::new("tokens", Algorithm::TokenBucket, Quota::per_minute(100_000)?)?;
     /// let layer = RateLimitLayer::builder(MemoryStore::new(), requests)
     ///     .route(None, "/v1/completions", tokens)
-    ///     // Reserve the most a call may use...
+    ///     // Reserve the most a call may use (the gateway wrote it, within 1 and 4,096)...
     ///     .policy_cost("tokens", |_, _, headers, _| {
-    ///         headers
-    ///             .get("x-max-tokens")
-    ///             .and_then(|v| v.to_str().ok()?.parse().ok())
-    ///             .unwrap_or(1_000)
+    ///         let asked = headers.get("x-max-tokens").and_then(|v| v.to_str().ok()?.parse().ok());
+    ///         asked.map_or(1_000, |n: u32| n.clamp(1, 4_096))
     ///     })
     ///     // ...then settle to what it used, or give it all back if the call failed.
-    ///     .settle("tokens", |status, headers, _extensions| {
-    ///         if status.is_server_error() {
-    ///             return None;
-    ///         }
+    ///     .settle("tokens", |_status, headers, _extensions| {
     ///         headers.get("x-tokens-used")?.to_str().ok()?.parse().ok()
     ///     })
     ///     .on_unsettled(Unsettled::Refund)
@@ -511,7 +513,8 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// use tollway_tower::shed::{Match, Priority, Shed};
     /// use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
     ///
-    /// let paying = Priority::new("paying", 0.5).when(Match::header(http::header::AUTHORIZATION));
+    /// let key = http::HeaderName::from_static("x-api-key");
+    /// let paying = Priority::new("paying", 0.5).when(Match::header_in(key, ["pro-key"]));
     /// let shed = Shed::builder().priority(paying).build()?;
     /// let policy = Policy::new("api", Algorithm::Gcra, Quota::per_second(10)?)?;
     /// let layer = RateLimitLayer::builder(MemoryStore::new(), policy)
@@ -585,11 +588,23 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             Some(costs.into_boxed_slice())
         };
         let settle = match settings.settle {
-            Some((name, used)) => Some(Settle {
-                policy: limits.index_of(&name)?,
-                used,
-                unsettled: settings.unsettled,
-            }),
+            Some((name, used)) => {
+                let policy = limits.index_of(&name)?;
+                let algorithm = limits.policy(policy).algorithm();
+                if !algorithm.keeps_debt() {
+                    return Err(ConfigError::new(format!(
+                        "policy {name:?} is settled after responses, but a {} forgets at the \
+                         end of its window what a call used beyond it: settle a token_bucket, \
+                         leaky_bucket or gcra, which keep it as a debt",
+                        algorithm.name()
+                    )));
+                }
+                Some(Settle {
+                    policy,
+                    used,
+                    unsettled: settings.unsettled,
+                })
+            }
             None => None,
         };
         let failures = Failures::new("rate limit store", Arc::clone(&settings.wall_clock));

@@ -330,7 +330,7 @@ where
                     state.set(State::Done);
                     return Poll::Ready(Ok(match after {
                         None => response.map(ResponseBody::service),
-                        Some(after) => {
+                        Some(mut after) => {
                             after.read(&response);
                             response.map(|body| ResponseBody::finishing(body, after))
                         }

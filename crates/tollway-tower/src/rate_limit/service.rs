@@ -86,7 +86,7 @@ where
         let current = self.limiter.load();
         let limiter: &Limiter<St> = &current;
         // A full service refuses before any key or store is asked.
-        let permit = match limiter.shed(&request) {
+        let permit = match limiter.shed(&*self.key, &request) {
             Ok(permit) => permit,
             Err(refusal) => return ResponseFuture::answered(limiter.refused(refusal, &request)),
         };

@@ -1,6 +1,7 @@
 //! Reserve, then settle, through the tower service: a call reserves its estimate, and
 //! the budget is settled to what it used when its body ends, or by the rule when it
-//! stops short. The budget is read by a request of cost 0, whose headers report it.
+//! stops short. The budget is read by a request of cost 1 that reports using nothing:
+//! its headers report what is left after its own unit.
 
 use std::convert::Infallible;
 use std::future::{Future, Ready};
@@ -121,6 +122,8 @@ fn service<St: Store>(
         let failed = request.headers().contains_key("x-fail");
         let hang = request.headers().contains_key("x-hang");
         let used = request.headers().get("x-reply-used").cloned();
+        let status = number(request.headers(), "x-status")
+            .and_then(|s| http::StatusCode::from_u16(u16::try_from(s).ok()?).ok());
         async move {
             if hang {
                 std::future::pending::<()>().await;
@@ -129,6 +132,9 @@ fn service<St: Store>(
                 return Err(std::io::Error::other("the handler failed"));
             }
             let mut response = Response::new(Frames(body));
+            if let Some(status) = status {
+                *response.status_mut() = status;
+            }
             if let Some(used) = used {
                 response.headers_mut().insert("x-used", used);
             }
@@ -153,7 +159,8 @@ fn llm(headers: &[(&str, &str)]) -> Request<()> {
     request
 }
 
-/// The tokens left: a request that reserves none reports them, and settles nothing.
+/// The tokens left: a request that reserves 1 and reports using none reports them (its
+/// own unit aside), and is settled back to where it found the budget.
 async fn tokens_left<S>(service: &mut S, calls: &mut mpsc::UnboundedReceiver<Call>) -> String
 where
     S: Service<Request<()>, Response = Response<ResponseBody<Frames>>, Error = std::io::Error>,
@@ -162,16 +169,13 @@ where
         .ready()
         .await
         .unwrap()
-        .call(llm(&[("x-max", "0")]))
+        .call(llm(&[("x-max", "1"), ("x-reply-used", "0")]))
         .await
         .unwrap();
     drop(calls.recv().await);
-    let left = response.headers()["x-ratelimit-remaining"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let left: u32 = number(response.headers(), "x-ratelimit-remaining").unwrap();
     response.into_body().collect().await.unwrap();
-    left
+    (left + 1).to_string()
 }
 
 fn store() -> MemoryStore<ManualClock> {
@@ -197,13 +201,7 @@ where
 #[tokio::test]
 async fn a_call_reserves_its_estimate_and_is_settled_to_what_it_used_at_its_end() {
     for answers_later in [false, true] {
-        let (mut service, mut calls) = if answers_later {
-            let (service, calls) = service(Later(store()), Unsettled::Keep);
-            (tollway_boxed(service), calls)
-        } else {
-            let (service, calls) = service(store(), Unsettled::Keep);
-            (tollway_boxed(service), calls)
-        };
+        let (mut service, mut calls) = either(answers_later, Unsettled::Keep);
         // Used less than reserved: the rest comes back when the body ends.
         let request = llm(&[("x-max", "50"), ("x-reply-used", "20")]);
         let (response, call) = send(&mut service, &mut calls, request).await;
@@ -239,10 +237,24 @@ async fn a_call_reserves_its_estimate_and_is_settled_to_what_it_used_at_its_end(
     }
 }
 
+/// [`service`] on a memory store that answers at once, or (`answers_later`) through
+/// its future, as Redis does: one type for both.
+fn either(answers_later: bool, unsettled: Unsettled) -> (Boxed, mpsc::UnboundedReceiver<Call>) {
+    if answers_later {
+        let (service, calls) = service(Later(store()), unsettled);
+        (tollway_boxed(service), calls)
+    } else {
+        let (service, calls) = service(store(), unsettled);
+        (tollway_boxed(service), calls)
+    }
+}
+
+/// The service, boxed.
+type Boxed =
+    tower::util::BoxCloneService<Request<()>, Response<ResponseBody<Frames>>, std::io::Error>;
+
 /// The service boxed, so that the two stores' services are one type.
-fn tollway_boxed<S>(
-    service: S,
-) -> tower::util::BoxCloneService<Request<()>, Response<ResponseBody<Frames>>, std::io::Error>
+fn tollway_boxed<S>(service: S) -> Boxed
 where
     S: Service<Request<()>, Response = Response<ResponseBody<Frames>>, Error = std::io::Error>
         + Clone
@@ -277,13 +289,7 @@ async fn a_streamed_answer_is_settled_to_what_its_handler_reported_when_it_ends(
 #[tokio::test]
 async fn a_body_dropped_mid_stream_is_settled_to_what_was_reported() {
     for answers_later in [false, true] {
-        let (mut service, mut calls) = if answers_later {
-            let (service, calls) = service(Later(store()), Unsettled::Keep);
-            (tollway_boxed(service), calls)
-        } else {
-            let (service, calls) = service(store(), Unsettled::Keep);
-            (tollway_boxed(service), calls)
-        };
+        let (mut service, mut calls) = either(answers_later, Unsettled::Keep);
         let (response, call) = send(&mut service, &mut calls, llm(&[("x-max", "60")])).await;
         call.usage.unwrap().add(10);
         call.frames
@@ -305,17 +311,65 @@ async fn a_body_dropped_mid_stream_is_settled_to_what_was_reported() {
 }
 
 #[tokio::test]
-async fn an_unreported_call_keeps_or_refunds_its_reservation_by_the_rule() {
-    for (rule, left) in [(Unsettled::Keep, "50"), (Unsettled::Refund, "100")] {
+async fn an_unreported_call_keeps_its_reservation_unless_it_failed_and_the_rule_refunds() {
+    for (rule, status, left) in [
+        (Unsettled::Keep, "200", "50"),
+        (Unsettled::Keep, "503", "50"),
+        // Answered: a response that started is not refunded.
+        (Unsettled::Refund, "200", "50"),
+        // Failed: an error status.
+        (Unsettled::Refund, "503", "100"),
+        (Unsettled::Refund, "400", "100"),
+    ] {
         let (mut service, mut calls) = service(store(), rule);
-        let (response, call) = send(&mut service, &mut calls, llm(&[("x-max", "50")])).await;
+        let request = llm(&[("x-max", "50"), ("x-status", status)]);
+        let (response, call) = send(&mut service, &mut calls, request).await;
         drop(call.frames);
         response.into_body().collect().await.unwrap();
         assert_eq!(
             tokens_left(&mut service, &mut calls).await,
             left,
-            "{rule:?}"
+            "{rule:?}, {status}"
         );
+    }
+}
+
+// The attack this rule stops: a client read every token, then hung up before the
+// model's usage event. Refunded, it streamed for free, call after call.
+#[tokio::test]
+async fn a_stream_its_client_cut_is_charged_what_it_delivered_under_either_rule() {
+    for rule in [Unsettled::Keep, Unsettled::Refund] {
+        for answers_later in [false, true] {
+            let (mut service, mut calls) = either(answers_later, rule);
+            // Counted as it streams: 3 of 50 tokens delivered, then the client leaves.
+            let (response, call) = send(&mut service, &mut calls, llm(&[("x-max", "50")])).await;
+            let usage = call.usage.unwrap();
+            let mut body = response.into_body();
+            for _ in 0..3 {
+                usage.add(1);
+                call.frames.send(Bytes::from_static(b"tok")).await.unwrap();
+                assert!(body.frame().await.is_some());
+            }
+            drop(body);
+            tokio::task::yield_now().await;
+            assert_eq!(
+                tokens_left(&mut service, &mut calls).await,
+                "97",
+                "{rule:?}, later: {answers_later}"
+            );
+            // Nothing counted, the usage event never reached: the reservation stands.
+            let (response, call) = send(&mut service, &mut calls, llm(&[("x-max", "50")])).await;
+            call.frames.send(Bytes::from_static(b"tok")).await.unwrap();
+            let mut body = response.into_body();
+            assert!(body.frame().await.is_some());
+            drop(body);
+            tokio::task::yield_now().await;
+            assert_eq!(
+                tokens_left(&mut service, &mut calls).await,
+                "47",
+                "{rule:?}, later: {answers_later}"
+            );
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! The adaptive limit's rule: a gradient of latency, one window at a time.
 //!
-//! Each window of calls gives a short latency, their average. A long baseline follows the
+//! Each window of calls gives a short latency, their median. A long baseline follows the
 //! short one slowly: the lowest of the first ten windows, then an exponential moving
 //! average. Their ratio is the gradient:
 //!
@@ -9,6 +9,11 @@
 //! new      = limit × gradient + (gradient == 1 ? √limit : 0)
 //! limit    = limit × (1 − smoothing) + new × smoothing, within [floor, ceiling]
 //! ```
+//!
+//! The median, not the average: a call's time includes its client's (a request body
+//! sent slowly, a response read slowly). A few slow clients would move an average as far
+//! as they like, and hold the limit at its floor. They cannot move the median; a service
+//! that slows for most of its calls does.
 //!
 //! Latency within `tolerance` of the baseline lets the limit grow by its square root.
 //! Latency above it shrinks the limit in proportion, at most by half a window before
@@ -19,6 +24,10 @@
 
 /// Windows whose lowest latency starts the baseline.
 const WARM_UP: u32 = 10;
+
+/// The latencies a window keeps for its median: a uniform sample of them when it has
+/// more (reservoir sampling), so that no stretch of the window can choose it.
+const KEPT: usize = 512;
 
 /// Settings of the rule, checked by the builder.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,8 +51,8 @@ pub(super) struct Gradient {
     limit: f64,
     /// When the current window started, in microseconds.
     started: u64,
-    /// Latencies of the window's calls, summed, in microseconds.
-    sum: u64,
+    /// Latencies of the window's calls, in microseconds: [`KEPT`] of them at most.
+    kept: Vec<u64>,
     count: u32,
     /// The most calls in flight at once in the window.
     peak: u32,
@@ -59,7 +68,7 @@ impl Gradient {
         Gradient {
             limit: f64::from(initial),
             started: now,
-            sum: 0,
+            kept: Vec::new(),
             count: 0,
             peak: 0,
             baseline: None,
@@ -93,16 +102,31 @@ impl Gradient {
         latency: u64,
         in_flight: u32,
     ) -> Option<u32> {
-        self.sum = self.sum.saturating_add(latency);
+        if self.kept.len() < KEPT {
+            self.kept.push(latency);
+        } else {
+            // Reservoir sampling: the n-th call replaces a kept one with chance KEPT / n.
+            // Its index comes from a hash of the window and the call's number: the same
+            // on every run, and no caller chooses it.
+            let n = u64::from(self.count) + 1;
+            let at = mix(self.started ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) % n;
+            if let Ok(at) = usize::try_from(at)
+                && at < KEPT
+            {
+                self.kept[at] = latency;
+            }
+        }
         self.count = self.count.saturating_add(1);
         if now.saturating_sub(self.started) < settings.window || self.count < settings.min_samples {
             return None;
         }
+        let middle = self.kept.len() / 2;
+        let (_, &mut median, _) = self.kept.select_nth_unstable(middle);
         // At least a microsecond: a manual clock may not move within a call.
-        let short = (self.sum as f64 / f64::from(self.count)).max(1.0);
+        let short = (median as f64).max(1.0);
         let peak = self.peak;
         self.started = now;
-        self.sum = 0;
+        self.kept.clear();
         self.count = 0;
         self.peak = in_flight;
         let baseline = self.learn(settings, short);
@@ -157,6 +181,13 @@ impl Gradient {
             ..Gradient::new(settings.floor, now)
         };
     }
+}
+
+/// splitmix64's finaliser: a well-spread number from `z`.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 #[cfg(test)]
@@ -234,6 +265,48 @@ mod tests {
             assert_eq!(g.sample(&s, 2_000_000 + u64::from(i), 5_000, 20), None);
         }
         assert!(g.sample(&s, 2_000_100, 5_000, 20).is_some());
+    }
+
+    // A slow client's call lasts as long as it likes. An average of one 10 s call among
+    // a window's 10 ms ones took the limit to the floor; the median does not move.
+    #[test]
+    fn a_few_slow_calls_do_not_move_the_limit() {
+        let s = settings();
+        let (mut g, mut now) = (Gradient::new(100, 0), 0);
+        window(&mut g, &mut now, 100, 10_000, 60);
+        let before = g.limit();
+        for _ in 0..20 {
+            for i in 0..100 {
+                now += 10_000;
+                let latency = if i % 25 == 0 { 10_000_000 } else { 10_000 };
+                g.in_flight(60);
+                g.sample(&s, now, latency, 60);
+            }
+        }
+        assert!(g.limit() >= before, "{} >= {before}", g.limit());
+    }
+
+    // 2,000 calls a window, the slow ones in the middle: the first 512 or the last 512
+    // would be mostly fast, a sample of the whole is mostly slow.
+    #[test]
+    fn a_window_of_many_calls_is_sampled_whole() {
+        let s = settings();
+        let (mut g, mut now) = (Gradient::new(100, 0), 0);
+        window(&mut g, &mut now, 100, 10_000, 60);
+        let before = g.limit();
+        for _ in 0..10 {
+            for i in 0..2_000 {
+                now += 500;
+                let latency = if (300..1_700).contains(&i) {
+                    40_000
+                } else {
+                    10_000
+                };
+                g.in_flight(60);
+                g.sample(&s, now, latency, 60);
+            }
+        }
+        assert!(g.limit() < before, "{} < {before}", g.limit());
     }
 
     #[test]

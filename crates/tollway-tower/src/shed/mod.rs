@@ -9,7 +9,8 @@
 //! The limit follows the service's latency (a gradient rule, below), between a floor and a
 //! ceiling. Requests are sorted into [`Priority`]s; each may count on its share of the
 //! limit. When the service is full, the least important requests over their share are
-//! refused first, and a priority within its share is never refused.
+//! refused first, and a priority within its share is never refused. One address takes
+//! at most a part of a priority's share (below), so one caller cannot hold it.
 //!
 //! A refused request gets `503 Service Unavailable` with `Retry-After` (over gRPC,
 //! `UNAVAILABLE`). That is not a caller's own `429`: it says the service is full, not that
@@ -18,13 +19,14 @@
 //! # The rule
 //!
 //! The limit moves once a window (a second by default, at least ten calls). The window's
-//! average latency is compared with a baseline: the lowest of the first ten windows, then
+//! median latency is compared with a baseline: the lowest of the first ten windows, then
 //! a slow moving average. Within `tolerance` times the baseline, the limit grows by its
 //! square root; above it, it shrinks in proportion (at most by half). Changes are smoothed
 //! (a fifth a window), and a window in which the service was less than half busy leaves the
-//! limit alone. This is Netflix concurrency-limits' `Gradient2` rule. It was chosen over
-//! AIMD because it reacts to latency as it rises, before calls time out or fail; AIMD waits
-//! for drops, which come when the service is already lost.
+//! limit alone. This is Netflix concurrency-limits' `Gradient2` rule, on the median
+//! where `Gradient2` takes the average: a few slow clients cannot move a median. It was
+//! chosen over AIMD because it reacts to latency as it rises, before calls time out or
+//! fail; AIMD waits for drops, which come when the service is already lost.
 //!
 //! A call is in flight from its admission to the service's answer (its headers). A long
 //! streamed body does not hold the service's limit: limit streams per caller with
@@ -50,7 +52,33 @@
 //!
 //! The limit is soft by what was lent. A priority that was idle while others borrowed its
 //! share gets it back at once: in flight may then pass the limit until the borrowed calls
-//! end (at most the limit times two less the first share).
+//! end (at most twice the limit).
+//!
+//! # What a client can do to it
+//!
+//! A call holds its place from admission to the service's answer. A handler that reads
+//! the request's body waits for the client to send it: a client that sends its body
+//! slowly, or never, holds its place that long.
+//!
+//! - **One address holds at most a part of a priority's share**: a quarter by default
+//!   ([`ShedBuilder::per_address`]), at least one call. Its calls beyond that borrow like
+//!   any call over its share, from what the more important shares leave, and hold no
+//!   place in the share. So slow bodies from one address leave the rest of the share to
+//!   everyone else. The address is the one the layer's key extractor knows the caller by
+//!   (the client behind trusted proxies), else the peer, IPv6 grouped by /64. Behind a
+//!   proxy the layer does not trust, every client is the proxy: its calls past the part
+//!   borrow too. A request with no address known has no part.
+//! - **Its time does not move the limit**: the rule takes each window's median, which a
+//!   few slow calls cannot move.
+//! - **A body timeout bounds the wait.** Put one beside the shedder, so that a body
+//!   never sent ends the call (tower-http's `RequestBodyTimeoutLayer`, below).
+//! - **A priority is won by a known value.** [`Match::header_value`] and
+//!   [`Match::header_in`] (a tier's API keys) take a request by what it carries. A
+//!   header's presence alone ([`Match::header_present`]) is claimable: any client can send
+//!   it. Match one only when a layer before this one checked it.
+//!
+//! Many addresses (a botnet) can each hold their part. The body timeout and a limit on
+//! connections before the service bound that; the shedder alone does not.
 //!
 //! # Examples
 //!
@@ -65,7 +93,10 @@
 //!         Priority::new("checkout", 0.5)
 //!             .when(Match::route(Some(Method::POST), "/api/v1/checkout")?),
 //!     )
-//!     .priority(Priority::new("paying", 0.3).when(Match::header(http::header::AUTHORIZATION)))
+//!     .priority(Priority::new("paying", 0.3).when(Match::header_in(
+//!         http::HeaderName::from_static("x-api-key"),
+//!         ["pro-key-1", "pro-key-2"],
+//!     )))
 //!     .build()?;
 //! let per_caller = Policy::new("api", Algorithm::Gcra, Quota::per_minute(600)?)?;
 //! let layer = RateLimitLayer::builder(MemoryStore::new(), per_caller)
@@ -75,12 +106,36 @@
 //! # let _ = layer;
 //! # Ok::<(), tollway_core::ConfigError>(())
 //! ```
+//!
+//! With a body timeout beside it, in an axum router: a body not sent within 10 s ends
+//! the call, and its place in the shedder.
+//!
+//! ```
+//! use std::time::Duration;
+//!
+//! use axum::{Router, routing::post};
+//! use tower_http::timeout::RequestBodyTimeoutLayer;
+//! use tollway_tower::shed::Shed;
+//! use tollway_tower::{Algorithm, MemoryStore, Policy, Quota, RateLimitLayer};
+//!
+//! let per_caller = Policy::new("api", Algorithm::Gcra, Quota::per_minute(600)?)?;
+//! let limits = RateLimitLayer::builder(MemoryStore::new(), per_caller)
+//!     .shed(Shed::builder().build()?)
+//!     .build()?;
+//! let app: Router = Router::new()
+//!     .route("/api/v1/checkout", post(|body: String| async move { body.len().to_string() }))
+//!     .layer(limits)
+//!     .layer(RequestBodyTimeoutLayer::new(Duration::from_secs(10)));
+//! # let _ = app;
+//! # Ok::<(), tollway_core::ConfigError>(())
+//! ```
 
 mod gradient;
 mod priority;
 #[cfg(test)]
 mod tests;
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -90,6 +145,7 @@ use http::Request;
 use parking_lot::Mutex;
 use tollway_core::{Clock, ConfigError, MonotonicClock};
 
+use crate::key::Key;
 use gradient::{Gradient, Settings};
 pub use priority::{Match, Priority};
 
@@ -106,6 +162,9 @@ pub(crate) const MIN_CALLS: u32 = 10;
 /// Priorities a shedder may have, `other` included.
 const MAX_PRIORITIES: usize = 16;
 
+/// The part of a priority's share one address holds unless set.
+pub(crate) const PER_ADDRESS: f64 = 0.25;
+
 /// An adaptive limit on a service's calls in flight, with priorities: see the
 /// [module docs](self).
 ///
@@ -116,6 +175,8 @@ pub struct Shed(Arc<Inner>);
 
 struct Inner {
     settings: Settings,
+    /// The part of a priority's share one address may hold.
+    per_address: f64,
     /// The builder's priorities, then `other`.
     priorities: Box<[Priority]>,
     shadow: AtomicBool,
@@ -132,14 +193,27 @@ struct State {
     gradient: Gradient,
     in_flight: u32,
     partitions: Box<[Partition]>,
+    /// Calls holding a place in a priority's share, by priority and address.
+    held: HashMap<(usize, Key), u32>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Partition {
+    /// Every call of the priority in flight.
     in_flight: u32,
+    /// Those holding a place in its share; the others borrow.
+    sharing: u32,
     admitted: u64,
     shed: u64,
     would_shed: u64,
+}
+
+/// How a call is let in: within its priority's share, or borrowing beyond it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Admission {
+    Sharing,
+    Borrowing,
+    Refused,
 }
 
 /// One priority as it stands: see [`Shed::priorities`].
@@ -164,6 +238,7 @@ pub struct PriorityState {
 #[must_use]
 pub struct ShedBuilder {
     settings: Settings,
+    per_address: f64,
     priorities: Vec<Priority>,
     shadow: bool,
     clock: Option<Arc<dyn Clock>>,
@@ -184,6 +259,7 @@ impl Shed {
                 long_windows: 600,
                 smoothing: 0.2,
             },
+            per_address: PER_ADDRESS,
             priorities: Vec::new(),
             shadow: false,
             clock: None,
@@ -238,6 +314,7 @@ impl Shed {
     #[must_use]
     pub fn same_settings(&self, other: &Shed) -> bool {
         self.0.settings == other.0.settings
+            && self.0.per_address == other.0.per_address
             && self.0.built_shadow == other.0.built_shadow
             && self.0.priorities == other.0.priorities
     }
@@ -255,45 +332,60 @@ impl Shed {
         state.gradient.continue_from(&self.0.settings, &learnt, now);
     }
 
-    /// Admits `request`, or refuses it because the service is full.
-    pub(crate) fn admit<B>(&self, request: &Request<B>) -> Result<Permit, Overloaded> {
+    /// Admits `request`, from `address` (when it is known), or refuses it because the
+    /// service is full.
+    pub(crate) fn admit<B>(
+        &self,
+        request: &Request<B>,
+        address: Option<Key>,
+    ) -> Result<Permit, Overloaded> {
         let inner = &*self.0;
         let last = inner.priorities.len() - 1;
         let priority = inner.priorities[..last]
             .iter()
             .position(|p| p.takes(request))
             .unwrap_or(last);
-        let admitted = {
+        let (admission, shadow) = {
             let mut state = inner.state.lock();
-            let admits = state.admits(priority, &inner.priorities);
+            let admission = state.admits(priority, address.as_ref(), inner);
             let shadow = inner.shadow.load(Ordering::Relaxed);
             let partition = &mut state.partitions[priority];
-            if admits || shadow {
+            // Shadow mode lets a refused request in, borrowing.
+            let how = match admission {
+                Admission::Refused if !shadow => {
+                    partition.shed += 1;
+                    None
+                }
+                Admission::Refused => {
+                    partition.would_shed += 1;
+                    Some(Admission::Borrowing)
+                }
+                admitted => Some(admitted),
+            };
+            if let Some(how) = how {
                 partition.in_flight += 1;
                 partition.admitted += 1;
-                if !admits {
-                    partition.would_shed += 1;
+                if how == Admission::Sharing {
+                    partition.sharing += 1;
+                    if let Some(address) = &address {
+                        *state.held.entry((priority, address.clone())).or_insert(0) += 1;
+                    }
                 }
                 state.in_flight += 1;
                 let in_flight = state.in_flight;
                 state.gradient.in_flight(in_flight);
-            } else {
-                partition.shed += 1;
             }
-            (admits, shadow)
+            (admission, shadow)
         };
-        let name = &inner.priorities[priority].name;
-        match admitted {
-            (true, _) => {}
-            (false, shadow) => {
-                tracing::debug!(priority = %name, shadow, "load shed");
-                #[cfg(feature = "metrics")]
-                inner.metrics.shed(priority, shadow);
-                if !shadow {
-                    return Err(Overloaded {
-                        retry_after: inner.retry_after,
-                    });
-                }
+        if admission == Admission::Refused {
+            let name = &inner.priorities[priority].name;
+            tracing::debug!(priority = %name, shadow, "load shed");
+            #[cfg(feature = "metrics")]
+            inner.metrics.shed(priority, shadow);
+            if !shadow {
+                return Err(Overloaded {
+                    retry_after: inner.retry_after,
+                });
             }
         }
         #[cfg(feature = "metrics")]
@@ -301,14 +393,16 @@ impl Shed {
         Ok(Permit {
             shed: self.clone(),
             priority,
+            sharing: (admission == Admission::Sharing).then_some(address),
             start: inner.clock.now_micros(),
             timed: true,
         })
     }
 
     /// A call of `priority` that started at `start` has ended: timed (its latency, or
-    /// its time so far, is a sample) or not.
-    fn release(&self, priority: usize, start: u64, timed: bool) {
+    /// its time so far, is a sample) or not. `sharing` is its address when it held a
+    /// place in its priority's share.
+    fn release(&self, priority: usize, sharing: Option<Option<Key>>, start: u64, timed: bool) {
         let inner = &*self.0;
         let now = timed.then(|| inner.clock.now_micros());
         let changed = {
@@ -316,6 +410,18 @@ impl Shed {
             state.in_flight = state.in_flight.saturating_sub(1);
             let partition = &mut state.partitions[priority];
             partition.in_flight = partition.in_flight.saturating_sub(1);
+            if let Some(address) = sharing {
+                partition.sharing = partition.sharing.saturating_sub(1);
+                if let Some(address) = address {
+                    let entry = (priority, address);
+                    if let Some(held) = state.held.get_mut(&entry) {
+                        *held -= 1;
+                        if *held == 0 {
+                            state.held.remove(&entry);
+                        }
+                    }
+                }
+            }
             let in_flight = state.in_flight;
             now.and_then(|now| {
                 let latency = now.saturating_sub(start);
@@ -335,19 +441,33 @@ impl Shed {
 }
 
 impl State {
-    /// Whether a request of the priority at `p` may come in now.
-    fn admits(&self, p: usize, priorities: &[Priority]) -> bool {
+    /// How a request of the priority at `p`, from `address`, may come in now.
+    fn admits(&self, p: usize, address: Option<&Key>, inner: &Inner) -> Admission {
+        let priorities = &inner.priorities;
         let limit = self.gradient.limit();
         // A hair over, so that 0.2 of 100 is 20 whatever the float sums came to.
         let guaranteed = |q: usize| (priorities[q].share * f64::from(limit) + 1e-6) as u32;
-        if self.partitions[p].in_flight < guaranteed(p) {
-            return true;
+        // One address holds at most its part of the share, at least one call.
+        let within_part = address.is_none_or(|address| {
+            let part = ((f64::from(guaranteed(p)) * inner.per_address + 1e-6) as u32).max(1);
+            self.held
+                .get(&(p, address.clone()))
+                .is_none_or(|&held| held < part)
+        });
+        if within_part && self.partitions[p].sharing < guaranteed(p) {
+            return Admission::Sharing;
         }
-        // What the more important priorities may still count on is not lent.
+        // What the more important priorities may still count on is not lent. A call
+        // borrows beyond its share, or beyond its address's part of it, from the rest;
+        // it holds no place in the share, which stays its priority's.
         let reserved: u32 = (0..p)
-            .map(|q| guaranteed(q).saturating_sub(self.partitions[q].in_flight))
+            .map(|q| guaranteed(q).saturating_sub(self.partitions[q].sharing))
             .sum();
-        self.in_flight.saturating_add(reserved) < limit
+        if self.in_flight.saturating_add(reserved) < limit {
+            Admission::Borrowing
+        } else {
+            Admission::Refused
+        }
     }
 }
 
@@ -382,6 +502,16 @@ impl ShedBuilder {
         self
     }
 
+    /// The part of a priority's share one address may hold (default a quarter; at
+    /// least one call, whatever the part). Its calls beyond it borrow like any call
+    /// over its share, and hold no place in the share. So a client holding calls open
+    /// (a body sent slowly) leaves the rest of the share to everyone else. 1 lets one
+    /// address take a whole share.
+    pub fn per_address(mut self, part: f64) -> Self {
+        self.per_address = part;
+        self
+    }
+
     /// Adds a priority, less important than those added before it.
     pub fn priority(mut self, priority: Priority) -> Self {
         self.priorities.push(priority);
@@ -406,9 +536,9 @@ impl ShedBuilder {
     /// # Errors
     ///
     /// When a floor is 0 or above the ceiling, the initial limit is outside them, the
-    /// tolerance is under 1, the window is empty, a share is outside 0..=1 or the shares
-    /// add up to more than 1, a name is empty, repeated or `other`, or there are more
-    /// than 15 priorities.
+    /// tolerance is under 1, the window is empty, the part per address is outside
+    /// (0, 1], a share is outside 0..=1 or the shares add up to more than 1, a name is
+    /// empty, repeated or `other`, or there are more than 15 priorities.
     pub fn build(self) -> Result<Shed, ConfigError> {
         let s = &self.settings;
         let bad = |why: String| Err(ConfigError::new(format!("load shedding: {why}")));
@@ -429,6 +559,13 @@ impl ShedBuilder {
                 "the tolerance ({}) must be at least 1: write 1.5 for latency up to 1.5 \
                  times the baseline",
                 s.tolerance
+            ));
+        }
+        if !(self.per_address > 0.0 && self.per_address <= 1.0) {
+            return bad(format!(
+                "per_address ({}) is the part of a priority's share one address may hold: \
+                 write a fraction above 0, at most 1 (0.25 by default)",
+                self.per_address
             ));
         }
         if s.window == 0 || s.min_samples == 0 {
@@ -479,11 +616,13 @@ impl ShedBuilder {
                 gradient: Gradient::new(s.initial, now),
                 in_flight: 0,
                 partitions: vec![Partition::default(); priorities.len()].into(),
+                held: HashMap::new(),
             }),
             #[cfg(feature = "metrics")]
             metrics: metrics_impl::Metrics::new(&priorities),
             priorities: priorities.into(),
             settings: self.settings,
+            per_address: self.per_address,
             shadow: AtomicBool::new(self.shadow),
             built_shadow: self.shadow,
             retry_after,
@@ -497,6 +636,7 @@ impl fmt::Debug for Shed {
         f.debug_struct("Shed")
             .field("limit", &self.limit())
             .field("settings", &self.0.settings)
+            .field("per_address", &self.0.per_address)
             .field("priorities", &self.0.priorities)
             .field("shadow", &self.is_shadow())
             .finish_non_exhaustive()
@@ -520,6 +660,9 @@ impl fmt::Debug for ShedBuilder {
 pub(crate) struct Permit {
     shed: Shed,
     priority: usize,
+    /// Its address when it holds a place in its priority's share (the address itself
+    /// may be unknown); `None` when it borrows.
+    sharing: Option<Option<Key>>,
     start: u64,
     /// Whether its time is a sample of the service's latency.
     timed: bool,
@@ -544,7 +687,8 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.shed.release(self.priority, self.start, self.timed);
+        self.shed
+            .release(self.priority, self.sharing.take(), self.start, self.timed);
     }
 }
 

@@ -25,7 +25,10 @@ use crate::limits::Route;
 ///
 /// let checkout = Priority::new("checkout", 0.4)
 ///     .when(Match::route(Some(Method::POST), "/api/v1/checkout")?);
-/// let paying = Priority::new("paying", 0.4).when(Match::header(http::header::AUTHORIZATION));
+/// let paying = Priority::new("paying", 0.4).when(Match::header_in(
+///     http::HeaderName::from_static("x-api-key"),
+///     ["pro-key-1", "pro-key-2"],
+/// ));
 /// # let _ = (checkout, paying);
 /// # Ok::<(), tollway_core::ConfigError>(())
 /// ```
@@ -83,6 +86,11 @@ impl fmt::Debug for Priority {
 }
 
 /// What a request must be for a [`Priority`] to take it.
+///
+/// Everything a request carries is the client's to choose. A match on a route or on a
+/// header's known value (an API key of a tier) is won only by a request that has it. A
+/// header's presence alone ([`header_present`](Self::header_present)) is won by any
+/// client that sends it.
 #[derive(Clone)]
 pub struct Match(Rule);
 
@@ -109,12 +117,14 @@ impl Match {
         Ok(Match(Rule::Route(Route::new(method, pattern)?)))
     }
 
-    /// Requests that carry the header `name`, whatever its value.
+    /// Requests that carry the header `name`, whatever its value: **claimable**.
     ///
-    /// A header proves nothing by itself: match one that a layer before this one checked
-    /// (a session, an API key), or that your proxy sets.
+    /// Any client can send any header, so any client can win this priority: bots that
+    /// send a made-up `x-api-key` fill it as well as customers do. Match a header's
+    /// values instead ([`header_in`](Self::header_in): a tier's API keys), or a header
+    /// that a layer before this one checked or your proxy overwrites.
     #[must_use]
-    pub fn header(name: HeaderName) -> Self {
+    pub fn header_present(name: HeaderName) -> Self {
         Match(Rule::Header(name))
     }
 
@@ -198,17 +208,11 @@ impl PartialEq for Match {
     }
 }
 
-impl From<HeaderName> for Match {
-    fn from(name: HeaderName) -> Self {
-        Match::header(name)
-    }
-}
-
 impl fmt::Debug for Match {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.0 {
             Rule::Route(route) => write!(f, "route {route:?}"),
-            Rule::Header(name) => write!(f, "header {name}"),
+            Rule::Header(name) => write!(f, "header {name} present"),
             Rule::HeaderValue(name, _) => write!(f, "header {name} with a value"),
             // The values may be API keys: never printed.
             Rule::HeaderIn(name, values) => write!(f, "header {name} in {} values", values.len()),

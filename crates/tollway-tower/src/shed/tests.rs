@@ -33,7 +33,9 @@ fn fixed(limit: u32) -> Shed {
             Priority::new("checkout", 0.5)
                 .when(Match::route(Some(Method::POST), "/api/v1/checkout").unwrap()),
         )
-        .priority(Priority::new("paying", 0.3).when(Match::header(http::header::AUTHORIZATION)))
+        .priority(
+            Priority::new("paying", 0.3).when(Match::header_present(http::header::AUTHORIZATION)),
+        )
         .build()
         .unwrap()
 }
@@ -42,7 +44,7 @@ fn fixed(limit: u32) -> Shed {
 fn fill(shed: &Shed, n: usize, make: fn() -> Request<()>) -> (Vec<Permit>, usize) {
     let (mut permits, mut refused) = (Vec::new(), 0);
     for _ in 0..n {
-        match shed.admit(&make()) {
+        match shed.admit(&make(), None) {
             Ok(permit) => permits.push(permit),
             Err(overloaded) => {
                 assert_eq!(overloaded.retry_after, 1);
@@ -56,7 +58,7 @@ fn fill(shed: &Shed, n: usize, make: fn() -> Request<()>) -> (Vec<Permit>, usize
 #[test]
 fn requests_are_sorted_into_the_first_priority_they_fit() {
     let shed = fixed(100);
-    let _held = [checkout(), paying(), anonymous(), anonymous()].map(|r| shed.admit(&r));
+    let _held = [checkout(), paying(), anonymous(), anonymous()].map(|r| shed.admit(&r, None));
     let states = shed.priorities();
     let names: Vec<_> = states.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(names, ["checkout", "paying", "other"]);
@@ -96,6 +98,98 @@ fn a_priority_within_its_share_is_never_shed() {
     let (_other, refused) = fill(&shed, 30, anonymous);
     assert_eq!(refused, 10, "other's share of 20 is kept even at the limit");
     assert_eq!(shed.in_flight(), 120);
+}
+
+fn address(n: u8) -> Option<crate::key::Key> {
+    Some(crate::key::Key::ip(
+        std::net::IpAddr::from([198, 51, 100, n]),
+        64,
+    ))
+}
+
+// The attack: requests whose bodies never come, from one address, held every place of
+// a priority's share, and every other caller of it got 503. One address now holds a
+// quarter of the share; its other calls borrow, and the rest of the share is everyone
+// else's.
+#[test]
+fn one_address_holds_at_most_its_part_of_a_share() {
+    let shed = fixed(20);
+    // Other's share: 4 of 20. The slow address takes 1 of them, then borrows what
+    // checkout's and paying's shares leave (20 − 10 − 6): 3 more.
+    let slow: Vec<_> = (0..10)
+        .filter_map(|_| shed.admit(&anonymous(), address(1)).ok())
+        .collect();
+    assert_eq!(slow.len(), 4);
+    // Everyone else still has the other three places of the share, over the limit.
+    let others: Vec<_> = (2..5)
+        .map(|n| shed.admit(&anonymous(), address(n)))
+        .collect();
+    assert!(others.iter().all(Result::is_ok), "the rest of the share");
+    assert_eq!(shed.in_flight(), 7);
+    assert!(shed.admit(&anonymous(), address(9)).is_err(), "and no more");
+    // Its calls gone, its place in the share is free again: one more caller gets it.
+    drop(slow);
+    assert_eq!(shed.in_flight(), 3);
+    let later: Vec<_> = (10..14)
+        .map(|n| shed.admit(&anonymous(), address(n)))
+        .collect();
+    assert_eq!(later.iter().filter(|l| l.is_ok()).count(), 1);
+}
+
+// An idle service: one address past its part still borrows all that no share needs.
+#[test]
+fn an_address_past_its_part_borrows_what_no_share_needs() {
+    let shed = Shed::builder().limits(100, 100).build().unwrap();
+    // Other's share is the whole limit: 25 held by one address, then 75 borrowed.
+    let one: Vec<_> = (0..120)
+        .map(|_| shed.admit(&anonymous(), address(1)))
+        .collect();
+    assert_eq!(one.iter().filter(|r| r.is_ok()).count(), 100);
+    // What it borrowed is not the share's: 75 places of it are still everyone else's.
+    let others: Vec<_> = (2..80)
+        .map(|n| shed.admit(&anonymous(), address(n)))
+        .collect();
+    assert_eq!(others.iter().filter(|r| r.is_ok()).count(), 75);
+    // With a part of 1, one address may take the whole share.
+    let whole = Shed::builder()
+        .limits(100, 100)
+        .per_address(1.0)
+        .build()
+        .unwrap();
+    let all: Vec<_> = (0..100)
+        .map(|_| whole.admit(&anonymous(), address(1)))
+        .collect();
+    assert!(all.iter().all(Result::is_ok));
+    assert!(whole.admit(&anonymous(), address(2)).is_err());
+}
+
+// Made-up API keys: a header's presence is won by anyone who sends it, its known
+// values only by those who have one.
+#[test]
+fn a_made_up_header_value_does_not_win_a_priority() {
+    let key = http::HeaderName::from_static("x-api-key");
+    let shed = Shed::builder()
+        .limits(10, 10)
+        .priority(Priority::new("pro", 0.5).when(Match::header_in(key.clone(), ["pro-key"])))
+        .build()
+        .unwrap();
+    let with_key = |value: &str| {
+        Request::builder()
+            .header(key.clone(), value)
+            .body(())
+            .unwrap()
+    };
+    let bots: Vec<_> = (0..12)
+        .map(|n| shed.admit(&with_key(&format!("bot-{n}")), address(n)))
+        .collect();
+    let admitted = bots.iter().filter(|b| b.is_ok()).count();
+    assert_eq!(admitted, 5, "bots take other's share only");
+    let pro: Vec<_> = (0..5)
+        .map(|n| shed.admit(&with_key("pro-key"), address(100 + n)))
+        .collect();
+    assert!(pro.iter().all(Result::is_ok));
+    let state = &shed.priorities()[0];
+    assert_eq!((state.in_flight, state.shed), (5, 0));
 }
 
 #[test]
@@ -273,11 +367,14 @@ fn bad_settings_fail_when_built() {
         Shed::builder().tolerance(0.5),
         Shed::builder().window(Duration::ZERO, 10),
         Shed::builder().priority(Priority::new("a", 0.5)),
+        Shed::builder().priority(
+            Priority::new("other", 0.5).when(Match::header_present(http::header::AUTHORIZATION)),
+        ),
         Shed::builder()
-            .priority(Priority::new("other", 0.5).when(Match::header(http::header::AUTHORIZATION))),
-        Shed::builder()
-            .priority(Priority::new("a", 0.7).when(Match::header(http::header::AUTHORIZATION)))
-            .priority(Priority::new("b", 0.7).when(Match::header(http::header::COOKIE))),
+            .priority(
+                Priority::new("a", 0.7).when(Match::header_present(http::header::AUTHORIZATION)),
+            )
+            .priority(Priority::new("b", 0.7).when(Match::header_present(http::header::COOKIE))),
     ];
     for builder in bad {
         let error = builder.build().unwrap_err().to_string();
