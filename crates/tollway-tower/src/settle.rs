@@ -355,16 +355,42 @@ impl<St: Store> Drop for Settlement<St> {
         }
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(std::future::poll_fn(move |cx| rest.poll_finish(cx)));
+                runtime.spawn(Orphan(rest));
             }
             // No runtime to finish on: what is left is dropped, and told as failed.
-            Err(_) => {
-                rest.state = State::Done;
-                rest.limiter.charged(Err(tollway_core::StoreError::new(
-                    tollway_core::StoreErrorKind::Other,
-                    "a response ended outside a tokio runtime: its settlement was dropped",
-                )));
-            }
+            Err(_) => rest.abandon("a response ended outside a tokio runtime"),
+        }
+    }
+}
+
+impl<St: Store> Settlement<St> {
+    /// Drops what is left to send, told as failed: `why`.
+    fn abandon(&mut self, why: &str) {
+        self.state = State::Done;
+        self.limiter.charged(Err(tollway_core::StoreError::new(
+            tollway_core::StoreErrorKind::Other,
+            format!("{why}: its settlement was dropped"),
+        )));
+    }
+}
+
+/// The rest of a settlement, finishing on a task of its own. Dropped before it is done
+/// (its runtime shutting down), it is abandoned, not handed to yet another task: a
+/// runtime that is shutting down drops a task as it is spawned.
+struct Orphan<St: Store>(Settlement<St>);
+
+impl<St: Store> Future for Orphan<St> {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.0.poll_finish(cx)
+    }
+}
+
+impl<St: Store> Drop for Orphan<St> {
+    fn drop(&mut self) {
+        if !matches!(self.0.state, State::Done) {
+            self.0.abandon("a settlement's task ended before it did");
         }
     }
 }

@@ -403,3 +403,61 @@ async fn a_call_that_fails_or_whose_client_goes_away_is_settled_by_the_rule() {
         );
     }
 }
+
+/// A memory store whose charges and refunds never answer.
+#[derive(Clone)]
+struct Stalled(MemoryStore<ManualClock>);
+
+type Never = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>;
+
+impl Store for Stalled {
+    type Future = Never;
+
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Never> {
+        Checked::Ready(self.0.check(key, policies, cost).into_ready())
+    }
+
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Never> {
+        Checked::Ready(self.0.check_each(key, policies, costs).into_ready())
+    }
+
+    fn operate(&self, _: &[u8], _: &[&Policy], _: Operation) -> Checked<Never> {
+        Checked::Pending(Box::pin(std::future::pending()))
+    }
+
+    fn supports_each_cost(&self) -> Result<(), tollway_core::ConfigError> {
+        Ok(())
+    }
+}
+
+trait IntoReady {
+    fn into_ready(self) -> Result<Decisions, StoreError>;
+}
+
+impl<F> IntoReady for Checked<F> {
+    fn into_ready(self) -> Result<Decisions, StoreError> {
+        match self {
+            Checked::Ready(answer) => answer,
+            Checked::Pending(_) => panic!("the memory store answers at once"),
+        }
+    }
+}
+
+// A settlement still waiting on its store when the runtime shut down: the runtime drops
+// its task as it spawns one, and each drop spawned the rest anew, until the stack
+// overflowed. It is abandoned now, and told as failed.
+#[test]
+fn a_settlement_waiting_when_its_runtime_shuts_down_is_abandoned() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let (mut service, mut calls) = service(Stalled(store()), Unsettled::Keep);
+        let (response, call) = send(&mut service, &mut calls, llm(&[("x-max", "60")])).await;
+        call.usage.unwrap().add(10);
+        // The client goes away: the settlement waits on a task of its own.
+        drop(response);
+        drop(call.frames);
+    });
+    drop(runtime);
+}
