@@ -32,6 +32,7 @@
 //! list (403).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -46,12 +47,17 @@ use tollway_tower::{
     Algorithm, BoxStore, ConfigError, MemoryStore, Operation, PeerIp, Policy, Quota,
     RateLimitLayer, ShadowState, Store, StoreError,
 };
+use tower_http::timeout::RequestBodyTimeoutLayer;
 
 /// The example's layer: limits from its file, keys by API key, else the peer address.
 pub type Limits = RateLimitLayer<BoxStore, ConfigKey>;
 
 /// The header a completion reports the tokens it used in.
 pub const TOKENS_USED: &str = "x-tokens-used";
+
+/// How long a request body may take to arrive: a call waiting longer for its client
+/// ends, and gives its place in the load shedder back.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How many admin requests an address may make a minute (a token bucket): a guess at
 /// the token costs one.
@@ -109,7 +115,9 @@ pub fn app(
         .route("/", get(hello))
         .route("/api/v1/checkout", get(checkout_status).post(place_order))
         .route("/api/v1/completions", post(complete))
-        .layer(limits.clone());
+        .layer(limits.clone())
+        // A body not sent within 10 s ends its call, and its place in the load shedder.
+        .layer(RequestBodyTimeoutLayer::new(BODY_TIMEOUT));
     let admin = Arc::new(Admin {
         limits,
         reloader: reloader.clone(),

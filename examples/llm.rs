@@ -33,13 +33,19 @@ pub const MAX_BODY: usize = 64 * 1024;
 /// The header the gateway puts a call's `max_tokens` in, for the limits file's `cost`.
 pub const MAX_TOKENS: &str = "x-max-tokens";
 
+/// The most `max_tokens` a call may ask for: the limits file's `max` for its cost. A
+/// call asking more is refused, so that what it reserves is what the model may stream.
+pub const MOST_TOKENS: u32 = 4_096;
+
 /// A completion call, as the model and the gateway read it.
 #[derive(Debug, Deserialize)]
 pub struct Completion {
     /// The most tokens the call may use: the gateway reserves this many.
     pub max_tokens: u32,
-    /// How many tokens the stand-in streams; half of `max_tokens` when unsaid. (A real
-    /// model decides this itself; the bench chooses it to set the estimate's error.)
+    /// How many tokens the call uses; half of `max_tokens` when unsaid. The stand-in
+    /// streams at most `max_tokens` of them, as a model does, and counts the rest as its
+    /// prompt's in its usage event. (A real model decides this itself; the tests and
+    /// benches choose it to set the estimate's error.)
     #[serde(default)]
     pub simulate_tokens: Option<u32>,
 }
@@ -85,7 +91,8 @@ impl Drop for StreamGuard {
 
 /// The stand-in model API: `POST /v1/completions` with a JSON [`Completion`] streams
 /// server-sent events, one a token (`data: {"token":"tok"}`), one token every `every`,
-/// then `data: {"usage":{"completion_tokens":N}}` and `data: [DONE]`.
+/// at most `max_tokens` of them, then `data: {"usage":{"completion_tokens":N}}` with all
+/// it used, and `data: [DONE]`.
 pub fn model(every: Duration, streaming: Arc<Streaming>) -> Router {
     Router::new().route(
         "/v1/completions",
@@ -106,7 +113,8 @@ async fn stream_tokens(request: Request, every: Duration, streaming: Arc<Streami
     let Ok(call) = serde_json::from_slice::<Completion>(&body) else {
         return (StatusCode::BAD_REQUEST, "a JSON body with max_tokens").into_response();
     };
-    let tokens = call.simulate_tokens.unwrap_or(call.max_tokens / 2);
+    let used = call.simulate_tokens.unwrap_or(call.max_tokens / 2);
+    let tokens = used.min(call.max_tokens);
     let guard = streaming.start(key);
     let events =
         futures_util::stream::unfold((0u32, Some(guard)), move |(sent, guard)| async move {
@@ -118,7 +126,7 @@ async fn stream_tokens(request: Request, every: Duration, streaming: Arc<Streami
                 Bytes::from_static(b"data: {\"token\":\"tok\"}\n\n")
             } else if sent == tokens {
                 Bytes::from(format!(
-                    "data: {{\"usage\":{{\"completion_tokens\":{tokens}}}}}\n\n"
+                    "data: {{\"usage\":{{\"completion_tokens\":{used}}}}}\n\n"
                 ))
             } else if sent == tokens + 1 {
                 Bytes::from_static(b"data: [DONE]\n\n")
@@ -167,7 +175,9 @@ struct Upstream {
 
 /// A layer's middleware, outside the limits: reads the call's JSON body (at most
 /// [`MAX_BODY`]) and puts its `max_tokens` in [`MAX_TOKENS`], so that the limits file
-/// reserves it. A body that is too large or not a completion is refused here.
+/// reserves it. It replaces whatever the client sent in that header: the gateway writes
+/// it (`written_by = "gateway"` in the file). A body that is too large, not a completion,
+/// or asking more than [`MOST_TOKENS`] is refused here.
 pub async fn read_max_tokens(request: Request, next: Next) -> Response {
     let (mut parts, body) = request.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, MAX_BODY).await else {
@@ -176,6 +186,9 @@ pub async fn read_max_tokens(request: Request, next: Next) -> Response {
     let Ok(call) = serde_json::from_slice::<Completion>(&bytes) else {
         return (StatusCode::BAD_REQUEST, "a JSON body with max_tokens").into_response();
     };
+    if call.max_tokens > MOST_TOKENS {
+        return (StatusCode::BAD_REQUEST, "max_tokens is at most 4096").into_response();
+    }
     parts
         .headers
         .insert(MAX_TOKENS, HeaderValue::from(call.max_tokens));
@@ -183,8 +196,8 @@ pub async fn read_max_tokens(request: Request, next: Next) -> Response {
         .await
 }
 
-/// Forwards a call to the model and streams its answer back, reporting the usage the
-/// model's last event gives to the call's [`Usage`], which settles its tokens.
+/// Forwards a call to the model and streams its answer back, counting its tokens as
+/// they pass into the call's [`Usage`], which settles its tokens.
 async fn forward(State(upstream): State<Upstream>, request: Request) -> Response {
     let usage = request.extensions().get::<Usage>().cloned();
     let key = request.headers().get("x-api-key").cloned();
@@ -212,8 +225,9 @@ async fn forward(State(upstream): State<Upstream>, request: Request) -> Response
     }
 }
 
-/// The model's stream, read as it passes: the usage event's `completion_tokens` goes to
-/// the call's [`Usage`].
+/// The model's stream, read as it passes: each token event adds one to the call's
+/// [`Usage`], and the usage event's `completion_tokens` raises it to that (a model
+/// counts its prompt too). A client that cuts the stream is charged what it got.
 struct Metered<B> {
     inner: B,
     usage: Option<Usage>,
@@ -252,10 +266,13 @@ impl<B> Metered<B> {
         self.line.extend_from_slice(data);
         while let Some(end) = self.line.windows(2).position(|w| w == b"\n\n") {
             let event: Vec<u8> = self.line.drain(..end + 2).collect();
-            if let Some(used) = usage_of(&event)
-                && let Some(usage) = &self.usage
-            {
-                usage.set(used);
+            let Some(usage) = &self.usage else {
+                continue;
+            };
+            match read_event(&event) {
+                Some(Event::Token) => usage.add(1),
+                Some(Event::Usage(used)) => usage.at_least(used),
+                None => {}
             }
         }
         // A line that never ends is not an event: keep memory bounded.
@@ -265,13 +282,24 @@ impl<B> Metered<B> {
     }
 }
 
-/// The `completion_tokens` of a usage event.
-fn usage_of(event: &[u8]) -> Option<u32> {
+/// What a server-sent event of the model says.
+enum Event {
+    /// A token.
+    Token,
+    /// The call's usage: its `completion_tokens`.
+    Usage(u32),
+}
+
+/// Reads a model's event: a token, its usage, or neither (`[DONE]`).
+fn read_event(event: &[u8]) -> Option<Event> {
     let json = std::str::from_utf8(event)
         .ok()?
         .trim()
         .strip_prefix("data:")?;
     let value: serde_json::Value = serde_json::from_str(json.trim()).ok()?;
+    if value.get("token").is_some() {
+        return Some(Event::Token);
+    }
     let used = value.get("usage")?.get("completion_tokens")?.as_u64()?;
-    u32::try_from(used).ok()
+    Some(Event::Usage(u32::try_from(used).unwrap_or(u32::MAX)))
 }

@@ -14,10 +14,13 @@
 //! | anyone else | 10 requests / min |
 //! | everyone, on `/v1/completions` | also 20,000 tokens / min and 4 streams at once |
 //!
-//! A call reserves its JSON body's `max_tokens` when it is admitted. The stand-in model
-//! streams one server-sent event a token, then its usage; the gateway settles the
-//! reservation to that usage when the stream ends (a failed call gives it all back). A
-//! stream holds its slot until its last event, or until the client goes away.
+//! A call reserves its JSON body's `max_tokens` when it is admitted: the gateway writes
+//! it in `x-max-tokens`, between 1 and 4,096 (a client's own header is overwritten). The
+//! stand-in model streams one server-sent event a token, then its usage; the gateway
+//! counts the tokens as they pass and settles the reservation to them when the stream
+//! ends. A stream its client cuts is charged what it delivered; a call the model failed
+//! gives its reservation back. A stream holds its slot until its last event, or until
+//! the client goes away.
 
 use std::error::Error;
 use std::net::Ipv4Addr;

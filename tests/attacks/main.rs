@@ -11,6 +11,7 @@
 
 mod headers;
 mod identity;
+mod llm;
 mod memory;
 mod redis;
 mod routes;

@@ -1,8 +1,9 @@
 //! The LLM gateway example under load: three gateways (`demo::llm`, real HTTP) share one
 //! Redis and a stand-in model that streams tokens, and callers of one API key send
 //! calls whose estimates (`max_tokens`) are off by −50 % to +100 % of what the calls
-//! use. The fleet's token spend stays within the budget plus the debt a bucket may run
-//! (one capacity), and never more than the streams allowed are in flight.
+//! use. The fleet's token spend stays within the budget plus what the calls in flight
+//! used past it when it ran dry (well under a capacity here), and never more than the
+//! streams allowed are in flight. The hostile client is in `tests/attacks/llm.rs`.
 //!
 //! Time is tokio's, paused: the stores decide on it (caller time), the model streams on
 //! it, and the run lasts 6 s of it. `cargo test -p tests --test llm -- --nocapture`

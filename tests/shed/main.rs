@@ -175,7 +175,9 @@ fn service(setup: Setup, model: Arc<Model>) -> (Service, Option<Shed>) {
                 .initial(20)
                 .clock(TokioClock::new());
             if setup == Setup::Adaptive {
-                let paying = Match::header(::http::header::AUTHORIZATION);
+                // The customers' sessions, as an auth layer would know them.
+                let sessions = (0..PAYING).map(|n| format!("Bearer customer-{n}"));
+                let paying = Match::header_in(::http::header::AUTHORIZATION, sessions);
                 shed = shed.priority(Priority::new("paying", 0.5).when(paying));
             }
             let shed = shed.build().unwrap();

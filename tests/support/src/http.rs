@@ -281,3 +281,48 @@ pub fn assert_no_limit_headers(reply: &Reply) {
         assert_eq!(reply.header(name), None, "{name} in {reply:#?}");
     }
 }
+
+/// An LLM completion call through a gateway at `addr` (`POST /v1/completions`, the
+/// `demo::llm` example's): its status, and the token events it read (`"token"` in
+/// server-sent events). With `cut_after`, the client goes away once it has read that
+/// many or more (events may share a frame): its connection closes with the stream half
+/// read.
+///
+/// # Panics
+///
+/// When the gateway cannot be reached, or answers what is not UTF-8.
+pub async fn completion(
+    addr: SocketAddr,
+    headers: &[(&str, &str)],
+    body: &str,
+    cut_after: Option<u64>,
+) -> (StatusCode, u64) {
+    let client: HyperClient<_, Full<Bytes>> =
+        HyperClient::builder(TokioExecutor::new()).build_http();
+    let mut request = Request::post(format!("http://{addr}/v1/completions"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .expect("a well-formed request");
+    let response = client.request(request).await.expect("the gateway answers");
+    let status = response.status();
+    let mut body = response.into_body();
+    let (mut tokens, mut read) = (0, Vec::new());
+    while let Some(Ok(frame)) = body.frame().await {
+        if let Some(data) = frame.data_ref() {
+            read.extend_from_slice(data);
+        }
+        // Whole events only: one may be split across frames.
+        while let Some(end) = read.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = read.drain(..end + 2).collect();
+            let text = std::str::from_utf8(&event).expect("server-sent events are UTF-8");
+            tokens += text.matches("\"token\"").count() as u64;
+        }
+        if cut_after.is_some_and(|cut| tokens >= cut) {
+            break;
+        }
+    }
+    (status, tokens)
+}
