@@ -182,3 +182,51 @@ fn an_interceptor_refuses_a_shaping_policy() {
         .unwrap();
     assert!(layer.interceptor().is_ok());
 }
+
+// An interceptor checked its limits only when it was made: limits swapped in later with
+// a limit on calls in flight took slots it never gave back, and a later [shed] was
+// ignored. A swap it cannot apply is refused now, and the running limits stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_an_interceptor_cannot_apply_are_not_swapped_in_under_it() {
+    use tollway_tower::config::Reloader;
+    use tonic::service::Interceptor;
+
+    let dir = std::env::temp_dir().join(format!("tollway-intercepted-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("limits.toml");
+    let file = |extra: &str, limit: u32| {
+        format!(
+            "[layer]\ndefault = \"api\"\n\n[policies.api]\nalgorithm = \"gcra\"\nlimit = {limit}\n\
+             period = \"1m\"\n{extra}"
+        )
+    };
+    std::fs::write(&path, file("", 2)).unwrap();
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let reloader = Reloader::new(&path, memory_store(&clock)).unwrap();
+    let mut interceptor = reloader.layer().interceptor().unwrap();
+    let mut calls = |n: usize| {
+        (0..n)
+            .filter(|_| interceptor.call(request((), None)).is_ok())
+            .count()
+    };
+    assert_eq!(calls(3), 2, "2 a minute");
+
+    let streams = "\n[policies.streams]\nalgorithm = \"concurrency\"\nlimit = 4\nperiod = \"30s\"\n\n\
+                   [[routes]]\npath = \"/demo.Catalog/Export\"\npolicy = \"streams\"\n";
+    let shed = "\n[shed]\nfloor = 10\nceiling = 10\n";
+    for (added, why) in [(streams, "limits calls in flight"), (shed, "sheds load")] {
+        std::fs::write(&path, file(added, 100)).unwrap();
+        let error = reloader.reload().await.unwrap_err().to_string();
+        assert!(
+            error.contains("interceptor") && error.contains(why),
+            "{error}"
+        );
+        assert_eq!(calls(1), 0, "the running limits stay: 2 a minute, spent");
+    }
+    // What it can apply is swapped in: a raise, which the interceptor applies at once
+    // (a changed quota starts each caller afresh).
+    std::fs::write(&path, file("", 5)).unwrap();
+    reloader.reload().await.unwrap();
+    assert_eq!(calls(6), 5, "5 a minute");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -10,8 +10,6 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use pin_project_lite::pin_project;
 
-use crate::settle::Finish;
-
 pin_project! {
     /// The body of a [`RateLimit`](crate::RateLimit) service's response.
     ///
@@ -38,6 +36,13 @@ pin_project! {
         Service { #[pin] body: B },
         Layer { body: Full<Bytes> },
     }
+}
+
+/// Work left when a response ends: settling a reservation, say. The body polls it to
+/// the end before it ends. Dropped before its end, it does what it can at once.
+pub(crate) trait Finish: Send {
+    /// Does the work; `Ready` once it is done.
+    fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<()>;
 }
 
 /// Work to finish at the body's end, and the last frame, held while it runs.

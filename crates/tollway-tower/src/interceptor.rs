@@ -3,13 +3,13 @@
 use std::fmt;
 use std::sync::Arc;
 
-use tollway_core::{Algorithm, Clock, ConfigError, MemoryStore};
+use tollway_core::{Clock, ConfigError, MemoryStore};
 use tonic::Status;
 use tonic::metadata::MetadataMap;
 
-use crate::grpc::{denial_status, refusal_status};
+use crate::grpc::refusal_status;
 use crate::key::KeyExtractor;
-use crate::pipeline::{Answer, Current, Decided, Limiter, Outcome, Progress, Wait};
+use crate::pipeline::{Action, Current, Limiter, Wait, Waited};
 use crate::rejection::Refusal;
 
 /// A synchronous tonic `Interceptor` that applies a layer's limits.
@@ -23,9 +23,11 @@ use crate::rejection::Refusal;
 /// An interceptor sees the request's metadata and extensions, but not its path. So route
 /// (per-method) limits apply only where a `tonic::GrpcMethod` extension names the method.
 /// It cannot add headers to responses, or hold a request. So shaping policies and tier
-/// lookups are refused when it is made. Limits swapped in later are applied, and a
-/// shaping policy among them admits without its delay. It charges nothing after
-/// responses.
+/// lookups are refused when it is made, and so is whatever needs the response (calls in
+/// flight, settling, load shedding). Limits swapped in later
+/// ([`RateLimitLayer::swap_limits`](crate::RateLimitLayer::swap_limits), a reload) are
+/// checked the same way: a swap the interceptor cannot apply is refused, and the running
+/// limits stay.
 ///
 /// Denials are [`rejection_status`](crate::grpc::rejection_status):
 /// `RESOURCE_EXHAUSTED` with `RetryInfo`, `QuotaFailure`, `retry-after` and
@@ -36,53 +38,10 @@ pub struct RateLimitInterceptor<C, K> {
 }
 
 impl<C, K> RateLimitInterceptor<C, K> {
+    /// An interceptor deciding by `current`, whose limits it checks first (and every
+    /// later swap of them: see [`Limiter::interceptable`]).
     pub(crate) fn new(current: Current<MemoryStore<C>>, key: Arc<K>) -> Result<Self, ConfigError> {
-        let limiter = current.load();
-        if let Some(p) = limiter
-            .limits
-            .policies()
-            .iter()
-            .find(|p| p.algorithm() == Algorithm::LeakyBucketShaper)
-        {
-            return Err(ConfigError::new(format!(
-                "policy {:?} shapes requests by delaying them, which an interceptor cannot do: \
-                 use the layer (Server::builder().layer(..)) for shaping",
-                p.name()
-            )));
-        }
-        // It never sees the response: a slot would never be given back, a reservation
-        // never settled.
-        if let Some(p) = limiter
-            .limits
-            .policies()
-            .iter()
-            .find(|p| p.algorithm() == Algorithm::Concurrency)
-        {
-            return Err(ConfigError::new(format!(
-                "policy {:?} limits calls in flight until their responses end, which an \
-                 interceptor never sees: use the layer (Server::builder().layer(..))",
-                p.name()
-            )));
-        }
-        if limiter.settle.is_some() {
-            return Err(ConfigError::new(
-                "the layer settles a policy after responses, which an interceptor never sees: \
-                 use the layer (Server::builder().layer(..))",
-            ));
-        }
-        if limiter.shed.is_some() {
-            return Err(ConfigError::new(
-                "the layer sheds load, counting calls until their responses, which an \
-                 interceptor never sees: use the layer (Server::builder().layer(..))",
-            ));
-        }
-        if limiter.lookups.is_some() {
-            return Err(ConfigError::new(
-                "the layer looks tiers up, which takes a wait an interceptor cannot take: \
-                 use the layer (Server::builder().layer(..)), or tiers() with a map",
-            ));
-        }
-        drop(limiter);
+        current.load().interceptable()?;
         Ok(RateLimitInterceptor {
             limiter: current,
             key,
@@ -131,31 +90,29 @@ where
         *http.headers_mut() = metadata.into_headers();
         *http.extensions_mut() = extensions;
 
-        let mut progress = limiter.decide(&*self.key, &http);
-        let Decided { outcome, .. } = loop {
-            progress = match progress {
-                Progress::Decided(decided) => break decided,
+        // Answered in gRPC's terms whatever the request looks like: it is a gRPC call.
+        let mut action = limiter.decide_in(&*self.key, &http, true);
+        loop {
+            action = match action {
+                // Nothing to finish after the response: the limits were checked for it.
+                Action::Call(_) => {
+                    let (parts, ()) = http.into_parts();
+                    return Ok(tonic::Request::from_parts(
+                        MetadataMap::from_headers(parts.headers),
+                        parts.extensions,
+                        (),
+                    ));
+                }
+                Action::Answer(reply) => return Err(reply.into_status()),
                 // The memory store answers at once: its future is a ready value.
-                Progress::Waiting(Wait::Check { future }, at) => {
-                    limiter.resume(at, Answer::Checked(future.into_inner()), &http)
+                Action::Wait(Wait::Check { future }, resume) => {
+                    limiter.resume(resume, Waited::Checked(future.into_inner()), &http)
                 }
                 // Refused when the interceptor is made: it cannot wait for a lookup.
-                Progress::Waiting(Wait::Lookup { .. }, _) => {
+                Action::Wait(Wait::Lookup { .. }, _) => {
                     return Err(refusal_status(Refusal::LookupFailed));
                 }
             };
-        };
-        match outcome {
-            Outcome::Allow { .. } => {
-                let (parts, ()) = http.into_parts();
-                Ok(tonic::Request::from_parts(
-                    MetadataMap::from_headers(parts.headers),
-                    parts.extensions,
-                    (),
-                ))
-            }
-            Outcome::Deny { verdict, headers } => Err(denial_status(&verdict, headers)),
-            Outcome::Refuse(refusal) => Err(refusal_status(refusal)),
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 
 use http::Method;
 use smallvec::SmallVec;
@@ -277,7 +278,7 @@ pub(crate) type Selected = SmallVec<[usize; 4]>;
 /// Every policy a layer knows, and how a request picks its own.
 pub(crate) struct Limits {
     /// Index 0 is the default policy; tiers and routes follow.
-    policies: Vec<Policy>,
+    policies: Arc<[Policy]>,
     tier_names: Vec<(String, usize)>,
     tiers: Option<Box<dyn Tiers>>,
     routes: Vec<RouteLimit>,
@@ -292,7 +293,7 @@ impl Limits {
         routes: Vec<RouteLimit>,
     ) -> Self {
         Limits {
-            policies,
+            policies: policies.into(),
             tier_names,
             tiers,
             routes,
@@ -305,6 +306,11 @@ impl Limits {
     }
 
     /// Every policy.
+    /// The policies, shared: what a settlement settles, by the same index.
+    pub(crate) fn shared_policies(&self) -> Arc<[Policy]> {
+        Arc::clone(&self.policies)
+    }
+
     pub(crate) fn policies(&self) -> &[Policy] {
         &self.policies
     }

@@ -29,6 +29,9 @@ pub enum DecisionOutcome {
     ShadowLimited,
     /// The store failed; the request was answered per [`OnStoreError`](crate::OnStoreError).
     StoreError,
+    /// The caller's tier lookup failed, and [`OnLookupError::Reject`](crate::OnLookupError::Reject)
+    /// refused it with 503.
+    LookupFailed,
     /// The caller is on the allow list: not limited.
     AllowListed,
     /// The caller is on the deny list: refused with 403 / `PERMISSION_DENIED`.
@@ -40,8 +43,8 @@ pub enum DecisionOutcome {
 
 impl DecisionOutcome {
     /// The outcome as a metric label: `allowed`, `limited`, `cost_exceeds_capacity`,
-    /// `store_full`, `shadow_limited`, `store_error`, `allow_listed`, `deny_listed`,
-    /// `no_key`.
+    /// `store_full`, `shadow_limited`, `store_error`, `lookup_failed`, `allow_listed`,
+    /// `deny_listed`, `no_key`.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -51,6 +54,7 @@ impl DecisionOutcome {
             DecisionOutcome::StoreFull => "store_full",
             DecisionOutcome::ShadowLimited => "shadow_limited",
             DecisionOutcome::StoreError => "store_error",
+            DecisionOutcome::LookupFailed => "lookup_failed",
             DecisionOutcome::AllowListed => "allow_listed",
             DecisionOutcome::DenyListed => "deny_listed",
             DecisionOutcome::NoKey => "no_key",

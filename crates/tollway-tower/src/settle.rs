@@ -25,14 +25,75 @@ use parking_lot::Mutex;
 use smallvec::SmallVec;
 use tollway_core::{Algorithm, Checked, Operation, Policy, Store};
 
+use crate::body::Finish;
 use crate::key::Key;
-use crate::pipeline::Limiter;
+use crate::report::Failures;
 
-/// Work left when a response ends: settling a reservation, say. The body polls it to
-/// the end before it ends. Dropped before its end, it does what it can at once.
-pub(crate) trait Finish: Send {
-    /// Does the work; `Ready` once it is done.
-    fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<()>;
+/// What settles calls after their responses: the store, the layer's policies, how its
+/// settled policy is settled, the slots held, and how failed settlements are told.
+///
+/// The limiter holds one, and so does each settlement: a settlement never holds the
+/// limiter.
+pub(crate) struct Ledger<St> {
+    pub(crate) store: St,
+    /// The layer's policies, by the index the limits give them.
+    policies: Arc<[Policy]>,
+    pub(crate) settle: Option<Settle>,
+    /// The slots of calls in flight, renewed until their calls end.
+    pub(crate) renewals: Renewals,
+    /// Failures of settlements and renewals (apart from the decisions': those may go on
+    /// from a fallback while settlements fail).
+    failures: Failures,
+}
+
+impl<St> Ledger<St> {
+    /// The ledger of a layer deciding with `store` over `policies`.
+    pub(crate) fn new(
+        store: St,
+        policies: Arc<[Policy]>,
+        settle: Option<Settle>,
+        failures: Failures,
+    ) -> Self {
+        Ledger {
+            renewals: Renewals::new(&policies),
+            store,
+            policies,
+            settle,
+            failures,
+        }
+    }
+
+    /// The policy at `index` in the layer's limits.
+    fn policy(&self, index: usize) -> &Policy {
+        &self.policies[index]
+    }
+
+    /// Whether calls leave anything for after their responses: a settled policy, or a
+    /// limit on calls in flight.
+    pub(crate) fn keeps_books(&self) -> bool {
+        self.settle.is_some() || self.renewals.any()
+    }
+
+    /// Tells a failed settlement or renewal the way a failed decision is told.
+    fn charged(&self, answer: Result<tollway_core::Decisions, tollway_core::StoreError>) {
+        match answer {
+            Ok(_) => self.failures.succeeded(),
+            Err(error) => self
+                .failures
+                .failed(&error, "responses go unsettled for what they used"),
+        }
+    }
+}
+
+/// The operation that settles a call that reserved `reserved` units and used `used`:
+/// the difference charged or refunded, or `None` when they are the same. The one rule of
+/// the layer's settlements and the outbound layer's.
+pub(crate) fn difference(used: u32, reserved: u32) -> Option<Operation> {
+    match used.cmp(&reserved) {
+        std::cmp::Ordering::Greater => Some(Operation::Charge(used - reserved)),
+        std::cmp::Ordering::Less => Some(Operation::Refund(reserved - used)),
+        std::cmp::Ordering::Equal => None,
+    }
 }
 
 /// What a settled call reports it used, from its response's status, headers and
@@ -192,7 +253,7 @@ pub(crate) struct Reservation {
 
 /// The settling of one admitted call's reservation, and the giving back of its slots.
 pub(crate) struct Settlement<St: Store> {
-    limiter: Arc<Limiter<St>>,
+    ledger: Arc<Ledger<St>>,
     reservation: Reservation,
     /// The status the service answered with, once it answered.
     answered: Option<StatusCode>,
@@ -212,14 +273,14 @@ enum State<F> {
 impl<St: Store> Settlement<St> {
     /// The work after the response to a call admitted with `reservation`; its slots are
     /// renewed until then.
-    pub(crate) fn new(limiter: &Arc<Limiter<St>>, reservation: Reservation) -> Self {
+    pub(crate) fn new(ledger: &Arc<Ledger<St>>, reservation: Reservation) -> Self {
         if !reservation.slots.is_empty() {
-            limiter
+            ledger
                 .renewals
-                .hold(limiter, &reservation.key, &reservation.slots, 1);
+                .hold(ledger, &reservation.key, &reservation.slots, 1);
         }
         Settlement {
-            limiter: Arc::clone(limiter),
+            ledger: Arc::clone(ledger),
             reservation,
             answered: None,
             state: State::Open,
@@ -237,7 +298,7 @@ impl<St: Store> Settlement<St> {
     pub(crate) fn read<R>(&mut self, response: &http::Response<R>) {
         let (status, headers) = (response.status(), response.headers());
         self.answered = Some(status);
-        let Some(settle) = &self.limiter.settle else {
+        let Some(settle) = &self.ledger.settle else {
             return;
         };
         if let Some(used) = (settle.used)(status, headers, response.extensions()) {
@@ -249,7 +310,7 @@ impl<St: Store> Settlement<St> {
     /// call used and what it reserved, or the rule's answer when nothing reported.
     fn settling(&self) -> Option<(usize, Operation)> {
         let reserved = self.reservation.reserved?;
-        let settle = self.limiter.settle.as_ref()?;
+        let settle = self.ledger.settle.as_ref()?;
         // A call that failed, or that was never answered (its client left first).
         let failed = self
             .answered
@@ -259,15 +320,16 @@ impl<St: Store> Settlement<St> {
             (None, Unsettled::Refund) if failed => (0, Some("given_back")),
             (None, Unsettled::Keep | Unsettled::Refund) => (reserved, Some("kept")),
         };
-        let (operation, settled) = match used.cmp(&reserved) {
-            std::cmp::Ordering::Greater => (Some(Operation::Charge(used - reserved)), "charged"),
-            std::cmp::Ordering::Less => (Some(Operation::Refund(reserved - used)), "refunded"),
-            std::cmp::Ordering::Equal => (None, "exact"),
+        let operation = difference(used, reserved);
+        let settled = match operation {
+            Some(Operation::Charge(_)) => "charged",
+            Some(_) => "refunded",
+            None => "exact",
         };
         #[cfg(feature = "metrics")]
         metrics::counter!(
             tollway_core::metric::SETTLEMENTS.name,
-            "policy" => self.limiter.limits.policy(settle.policy).name().to_owned(),
+            "policy" => self.ledger.policy(settle.policy).name().to_owned(),
             "settled" => how.unwrap_or(settled),
         )
         .increment(1);
@@ -280,10 +342,10 @@ impl<St: Store> Settlement<St> {
     fn operations(&self) -> SmallVec<[(usize, Operation); 2]> {
         let slots = &self.reservation.slots;
         if !slots.is_empty() {
-            let limiter = &self.limiter;
-            limiter
+            let ledger = &self.ledger;
+            ledger
                 .renewals
-                .hold(limiter, &self.reservation.key, slots, -1);
+                .hold(ledger, &self.reservation.key, slots, -1);
         }
         let mut operations: SmallVec<[(usize, Operation); 2]> =
             self.settling().into_iter().collect();
@@ -295,10 +357,10 @@ impl<St: Store> Settlement<St> {
     fn send(&self, operations: &mut SmallVec<[(usize, Operation); 2]>) -> Option<St::Future> {
         while !operations.is_empty() {
             let (policy, operation) = operations.remove(0);
-            let policy = self.limiter.limits.policy(policy);
+            let policy = self.ledger.policy(policy);
             let key = self.reservation.key.as_bytes();
-            match self.limiter.store.operate(key, &[policy], operation) {
-                Checked::Ready(answer) => self.limiter.charged(answer),
+            match self.ledger.store.operate(key, &[policy], operation) {
+                Checked::Ready(answer) => self.ledger.charged(answer),
                 Checked::Pending(future) => return Some(future),
             }
         }
@@ -314,7 +376,7 @@ impl<St: Store> Finish for Settlement<St> {
                 State::Sending(operations, waiting) => {
                     if let Some(future) = waiting {
                         let answer = ready!(future.as_mut().poll(cx));
-                        self.limiter.charged(answer);
+                        self.ledger.charged(answer);
                     }
                     let mut operations = std::mem::take(operations);
                     self.state = match self.send(&mut operations) {
@@ -339,7 +401,7 @@ impl<St: Store> Drop for Settlement<St> {
         };
         // The same work, moved out of `self` (its slots already counted as given back).
         let mut rest = Settlement {
-            limiter: Arc::clone(&self.limiter),
+            ledger: Arc::clone(&self.ledger),
             reservation: Reservation {
                 key: self.reservation.key.clone(),
                 reserved: None,
@@ -367,7 +429,7 @@ impl<St: Store> Settlement<St> {
     /// Drops what is left to send, told as failed: `why`.
     fn abandon(&mut self, why: &str) {
         self.state = State::Done;
-        self.limiter.charged(Err(tollway_core::StoreError::new(
+        self.ledger.charged(Err(tollway_core::StoreError::new(
             tollway_core::StoreErrorKind::Other,
             format!("{why}: its settlement was dropped"),
         )));
@@ -409,7 +471,7 @@ pub(crate) struct Renewals {
 
 impl Renewals {
     /// The renewals of `policies`' slots.
-    pub(crate) fn new(policies: &[Policy]) -> Self {
+    fn new(policies: &[Policy]) -> Self {
         let every = policies
             .iter()
             .filter(|p| p.algorithm() == Algorithm::Concurrency)
@@ -424,21 +486,15 @@ impl Renewals {
     }
 
     /// Whether any policy limits calls in flight.
-    pub(crate) fn any(&self) -> bool {
+    fn any(&self) -> bool {
         self.every.is_some()
     }
 
     /// Counts `slots` of `key` as held (`by` 1) or given back (`by` −1).
-    fn hold<St: Store>(
-        &self,
-        limiter: &Arc<Limiter<St>>,
-        key: &Key,
-        slots: &[(usize, u32)],
-        by: i8,
-    ) {
+    fn hold<St: Store>(&self, ledger: &Arc<Ledger<St>>, key: &Key, slots: &[(usize, u32)], by: i8) {
         #[cfg(feature = "metrics")]
         for &(policy, cost) in slots {
-            let name = limiter.limits.policy(policy).name().to_owned();
+            let name = ledger.policy(policy).name().to_owned();
             let gauge = metrics::gauge!(tollway_core::metric::IN_FLIGHT.name, "policy" => name);
             if by > 0 {
                 gauge.increment(f64::from(cost));
@@ -461,12 +517,12 @@ impl Renewals {
             }
         }
         if by > 0 && !self.started.swap(true, Ordering::AcqRel) {
-            self.start(Arc::downgrade(limiter));
+            self.start(Arc::downgrade(ledger));
         }
     }
 
     /// Renews every slot held, every `every`, while the limits live.
-    fn start<St: Store>(&self, limiter: Weak<Limiter<St>>) {
+    fn start<St: Store>(&self, ledger: Weak<Ledger<St>>) {
         let (Some(every), Ok(runtime)) = (self.every, tokio::runtime::Handle::try_current()) else {
             return;
         };
@@ -476,18 +532,17 @@ impl Renewals {
             ticks.tick().await;
             loop {
                 ticks.tick().await;
-                let Some(limiter) = limiter.upgrade() else {
+                let Some(ledger) = ledger.upgrade() else {
                     return;
                 };
-                let held: Vec<(Key, usize)> =
-                    limiter.renewals.held.lock().keys().cloned().collect();
+                let held: Vec<(Key, usize)> = ledger.renewals.held.lock().keys().cloned().collect();
                 for (key, policy) in held {
-                    let policy = limiter.limits.policy(policy);
+                    let policy = ledger.policy(policy);
                     let renewal =
-                        limiter
+                        ledger
                             .store
                             .operate(key.as_bytes(), &[policy], Operation::Charge(0));
-                    limiter.charged(renewal.await);
+                    ledger.charged(renewal.await);
                 }
             }
         });

@@ -438,8 +438,8 @@ impl<St: Store + Clone> Reloader<St> {
             }
             let fresh = (self.extend)(builder).build()?;
             let reset = counts_reset(&self.layer.policies(), &fresh.policies());
+            let kept = self.layer.swap_limits(fresh)?;
             self.key.known.store(Arc::new(file.known_keys()));
-            let kept = self.layer.swap_limits(fresh);
             *current = file;
             Ok(Reloaded {
                 version: read.version,

@@ -540,12 +540,7 @@ fn told<St: Store, R: Send + Sync + 'static, RB>(
                 tracing::warn!(error = %e, "outbound: the store failed to record a pause");
             }
         }
-        if let Some(used) = used {
-            let operation = if used > cost {
-                Operation::Charge(used - cost)
-            } else {
-                Operation::Refund(cost - used)
-            };
+        if let Some(operation) = used.and_then(|used| crate::settle::difference(used, cost)) {
             let policies: SmallVec<[&Policy; 4]> = shared.policies.iter().collect();
             if let Err(e) = store.operate(key.as_bytes(), &policies, operation).await {
                 tracing::warn!(error = %e, "outbound: the store failed to settle a cost");

@@ -167,14 +167,14 @@ fn request(path: &str) -> Request<()> {
 /// Drives `request` through the pipeline as the service and its future do: decide, then
 /// wait and resume until decided. With the number of waits.
 async fn drive<'l>(limiter: &'l Limiter<Scripted>, request: &Request<()>) -> (Decided<'l>, usize) {
-    let mut progress = limiter.decide(&PeerIp::new(), request);
+    let mut progress = limiter.decision(&PeerIp::new(), request);
     let mut waits = 0;
     loop {
         match progress {
             Progress::Decided(decided) => return (decided, waits),
             Progress::Waiting(wait, at) => {
                 waits += 1;
-                progress = limiter.resume(at, wait.await, request);
+                progress = limiter.waited(at, wait.await, request);
             }
         }
     }
@@ -325,7 +325,8 @@ fn rows() -> Vec<Row> {
                 .on_tier_lookup_error(OnLookupError::Reject)
             },
             seen: Seen::Refused(503),
-            told: &[DecisionOutcome::StoreError],
+            // Its own outcome: the store did not fail.
+            told: &[DecisionOutcome::LookupFailed],
             waits: 1,
             ..row("a failed tier lookup refuses when told to")
         },

@@ -3,6 +3,7 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -19,7 +20,7 @@ use crate::lookup::{LookupSettings, Lookups, OnLookupError, TierLookup};
 use crate::pipeline::{CostFn, Limiter, MissingKey, OnStoreError, PolicyCostFn, Protocol};
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 use crate::report::{DecisionListener, Failures, Reporter};
-use crate::settle::{Renewals, Settle, Unsettled, UsedFn};
+use crate::settle::{Ledger, Settle, Unsettled, UsedFn};
 use crate::shadow::Shadow;
 use crate::shed::Shed;
 
@@ -607,11 +608,25 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             }
             None => None,
         };
+        // Without tonic there is no gRPC status to answer with: a layer told to answer
+        // only in gRPC's terms would answer in HTTP's, silently.
+        #[cfg(not(feature = "tonic"))]
+        if settings.protocol == Protocol::Grpc {
+            return Err(ConfigError::new(
+                "Protocol::Grpc answers with gRPC statuses, which need tollway-tower's feature \
+                 \"tonic\": turn it on, or use Protocol::Detect",
+            ));
+        }
         let failures = Failures::new("rate limit store", Arc::clone(&settings.wall_clock));
         let charge_failures =
             Failures::new("post-response settlement", Arc::clone(&settings.wall_clock));
         let reporter = Reporter::new(settings.listener, limits.policies());
-        let renewals = Renewals::new(limits.policies());
+        let ledger = Ledger::new(
+            settings.store,
+            limits.shared_policies(),
+            settle,
+            charge_failures,
+        );
         let limit_values = LimitValues::new(limits.policies());
         let lookups = match settings.lookup {
             Some(lookup) => {
@@ -627,7 +642,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
         };
         Ok(RateLimitLayer {
             limiter: Arc::new(ArcSwap::from_pointee(Limiter {
-                store: settings.store,
+                ledger: Arc::new(ledger),
                 limits,
                 cost: settings.cost,
                 policy_costs,
@@ -642,14 +657,12 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
                 shadow: Shadow::new(settings.shadow, in_shadow.into_iter()),
                 reporter,
                 failures,
-                charge_failures,
-                settle,
-                renewals,
                 lookups,
                 shed: settings.shed,
             })),
             key: Arc::new(key),
             switching: Arc::new(Mutex::new(())),
+            intercepted: Arc::new(AtomicBool::new(false)),
         })
     }
 }

@@ -16,7 +16,7 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::headers::RateLimitHeaders;
-use crate::pipeline::{Answer, Decided, Limiter, Next, Progress, Resume, Wait};
+use crate::pipeline::{Action, Call, Limiter, Resume, Wait};
 use crate::settle::Settlement;
 use crate::shed::Permit;
 
@@ -81,10 +81,13 @@ pin_project! {
 /// and the ready service to call if its limits let it through.
 pub(super) struct Pending<S, B, St> {
     limiter: Arc<Limiter<St>>,
-    at: Resume,
+    resume: Resume,
     service: S,
     request: Request<B>,
 }
+
+/// The state a request goes on to.
+type Next<S, B, St> = State<<St as Store>::Future, <S as Service<Request<B>>>::Future, S, B, St>;
 
 /// An admitted request and the ready service it will be handed to.
 pub(super) struct Held<S, B, St: Store> {
@@ -94,77 +97,65 @@ pub(super) struct Held<S, B, St: Store> {
     after: Option<Box<Settlement<St>>>,
 }
 
-/// Calls `service` with `request`, into which a settled call's [`Usage`](crate::Usage)
-/// goes for its handler to report into.
-pub(super) fn call<S, B, St: Store>(
-    service: &mut S,
-    mut request: Request<B>,
-    after: Option<&Settlement<St>>,
-) -> S::Future
-where
-    S: Service<Request<B>>,
-{
-    if let Some(usage) = after.and_then(Settlement::usage) {
-        request.extensions_mut().insert(usage.clone());
-    }
-    service.call(request)
-}
-
 impl<S, B, St> ResponseFuture<S, B, St>
 where
-    S: Service<Request<B>>,
+    S: Service<Request<B>> + Clone,
     St: Store,
 {
-    /// Waits for `wait`, then goes on with `pending`.
-    pub(super) fn waiting(wait: Wait<St::Future>, pending: Pending<S, B, St>) -> Self {
-        Self::from(State::Waiting {
-            wait,
-            pending: Box::new(pending),
-        })
-    }
-
-    /// Holds `request` for `delay`, then calls `service` with it.
-    pub(super) fn delaying(
-        delay: Duration,
-        service: S,
+    /// What `action` says to do with `request`, for the ready `service`: call it now or
+    /// after a delay, answer in its place, or wait for the store or a lookup. A service
+    /// that will be called later is taken, a clone left in its place.
+    pub(super) fn new(
+        limiter: &Arc<Limiter<St>>,
+        action: Action<St>,
+        service: &mut S,
         request: Request<B>,
-        headers: RateLimitHeaders,
-        after: Option<Box<Settlement<St>>>,
     ) -> Self {
-        Self::from(State::delaying(delay, service, request, headers, after))
+        let (state, permit) = match action {
+            Action::Call(Call {
+                headers,
+                delay,
+                after,
+                permit,
+            }) => {
+                let state = match delay {
+                    None => State::calling(service, request, headers, after),
+                    Some(delay) => {
+                        State::delaying(delay, take_ready(service), request, headers, after)
+                    }
+                };
+                (state, permit)
+            }
+            Action::Answer(reply) => (
+                State::Answered {
+                    response: reply.into_response(),
+                },
+                None,
+            ),
+            Action::Wait(wait, resume) => {
+                let pending = Pending {
+                    limiter: Arc::clone(limiter),
+                    resume,
+                    service: take_ready(service),
+                    request,
+                };
+                let state = State::Waiting {
+                    wait,
+                    pending: Box::new(pending),
+                };
+                (state, None)
+            }
+        };
+        ResponseFuture { state, permit }
     }
+}
 
-    /// Waits for the service's `future`, then adds `headers` to its response and
-    /// charges what it used (`after`).
-    pub(super) fn calling(
-        future: S::Future,
-        headers: RateLimitHeaders,
-        after: Option<Box<Settlement<St>>>,
-    ) -> Self {
-        Self::from(State::Calling {
-            future,
-            headers,
-            after,
-        })
-    }
-
-    /// Answers `response` without calling the service.
-    pub(super) fn answered(response: Response<Bytes>) -> Self {
-        Self::from(State::Answered { response })
-    }
-
-    fn from(state: State<St::Future, S::Future, S, B, St>) -> Self {
-        ResponseFuture {
-            state,
-            permit: None,
-        }
-    }
-
-    /// Holds the load shedder's `permit` until the service answers.
-    pub(super) fn holding(mut self, permit: Option<Permit>) -> Self {
-        self.permit = permit;
-        self
-    }
+/// The ready service, for a request that will call it later; a clone takes its place and
+/// waits for the next `poll_ready` (tower-service's "be careful when cloning inner
+/// services").
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
 }
 
 impl<C, F, S, B, St: Store> State<C, F, S, B, St> {
@@ -187,19 +178,26 @@ impl<C, F, S, B, St: Store> State<C, F, S, B, St> {
     }
 }
 
-impl<S, B, St> Pending<S, B, St> {
-    /// `request`, waiting at `at`, to be handed to the ready `service`.
-    pub(super) fn new(
-        limiter: Arc<Limiter<St>>,
-        at: Resume,
-        service: S,
-        request: Request<B>,
+impl<C, S, B, St> State<C, S::Future, S, B, St>
+where
+    S: Service<Request<B>>,
+    St: Store,
+{
+    /// Calls `service` with `request`, into which a settled call's
+    /// [`Usage`](crate::Usage) goes for its handler to report into.
+    fn calling(
+        service: &mut S,
+        mut request: Request<B>,
+        headers: RateLimitHeaders,
+        after: Option<Box<Settlement<St>>>,
     ) -> Self {
-        Pending {
-            limiter,
-            at,
-            service,
-            request,
+        if let Some(usage) = after.as_deref().and_then(Settlement::usage) {
+            request.extensions_mut().insert(usage.clone());
+        }
+        State::Calling {
+            future: service.call(request),
+            headers,
+            after,
         }
     }
 }
@@ -209,49 +207,42 @@ where
     S: Service<Request<B>>,
     St: Store,
 {
-    /// The next state once the wait came to `answer`: perhaps another wait (the store,
-    /// after a tier lookup; the limits that enforce, after one in shadow mode denied).
-    fn resume(mut self: Box<Self>, answer: Answer) -> State<St::Future, S::Future, S, B, St> {
-        let at = self.at;
-        let Decided { outcome, charge } = match self.limiter.resume(at, answer, &self.request) {
-            Progress::Decided(decided) => decided,
-            Progress::Waiting(wait, at) => {
-                self.at = at;
-                return State::Waiting {
-                    wait,
-                    pending: self,
+    /// The next state once the wait came to `waited`, and the shedder's permit when the
+    /// service is called: perhaps another wait (the store, after a tier lookup; the
+    /// limits that enforce, after one in shadow mode denied).
+    fn resume(self, waited: crate::pipeline::Waited) -> (Next<S, B, St>, Option<Permit>) {
+        let Pending {
+            limiter,
+            resume,
+            mut service,
+            request,
+        } = self;
+        match limiter.resume(resume, waited, &request) {
+            Action::Call(Call {
+                headers,
+                delay,
+                after,
+                permit,
+            }) => {
+                let state = match delay {
+                    None => State::calling(&mut service, request, headers, after),
+                    Some(delay) => State::delaying(delay, service, request, headers, after),
                 };
+                (state, permit)
             }
-        };
-        let next = self.limiter.next(outcome, &self.request);
-        let after = charge.map(|charge| Box::new(Settlement::new(&self.limiter, charge)));
-        State::next(next, after, self.service, self.request)
-    }
-}
-
-impl<C, S, B, St> State<C, S::Future, S, B, St>
-where
-    S: Service<Request<B>>,
-    St: Store,
-{
-    /// The state that does what `next` says: call the service (after a delay), or
-    /// answer in its place.
-    fn next(
-        next: Next,
-        after: Option<Box<Settlement<St>>>,
-        mut service: S,
-        request: Request<B>,
-    ) -> Self {
-        match next {
-            Next::Call { headers, delay } => match delay {
-                None => State::Calling {
-                    future: call(&mut service, request, after.as_deref()),
-                    headers,
-                    after,
-                },
-                Some(delay) => State::delaying(delay, service, request, headers, after),
-            },
-            Next::Answer(response) => State::Answered { response },
+            Action::Answer(reply) => {
+                let response = reply.into_response();
+                (State::Answered { response }, None)
+            }
+            Action::Wait(wait, resume) => {
+                let pending = Box::new(Pending {
+                    limiter,
+                    resume,
+                    service,
+                    request,
+                });
+                (State::Waiting { wait, pending }, None)
+            }
         }
     }
 }
@@ -269,11 +260,7 @@ where
             headers,
             after,
         } = self;
-        State::Calling {
-            future: call(&mut service, request, after.as_deref()),
-            headers,
-            after,
-        }
+        State::calling(&mut service, request, headers, after)
     }
 }
 
@@ -292,13 +279,17 @@ where
             // other fields are moved out (leaving `Done`) into the next state.
             match state.as_mut().project() {
                 StateProj::Waiting { wait, .. } => {
-                    let answer = ready!(wait.poll(cx));
+                    let waited = ready!(wait.poll(cx));
                     let StateOwned::Waiting { pending, .. } =
                         state.as_mut().project_replace(State::Done)
                     else {
                         unreachable!("the state was Waiting")
                     };
-                    state.set(pending.resume(answer));
+                    let (next, admitted) = (*pending).resume(waited);
+                    if admitted.is_some() {
+                        *permit = admitted;
+                    }
+                    state.set(next);
                     restart_if_calling(&state, permit);
                 }
                 StateProj::Delaying { sleep, .. } => {
@@ -342,10 +333,6 @@ where
                     else {
                         unreachable!("the state was Answered")
                     };
-                    // Not the service's answer: no latency to learn from.
-                    if let Some(permit) = permit.take() {
-                        permit.discard();
-                    }
                     return Poll::Ready(Ok(response.map(ResponseBody::layer)));
                 }
                 StateProj::Done => panic!("ResponseFuture polled after it completed"),

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 use tollway_core::{ConfigError, Policy};
@@ -21,6 +22,9 @@ pub struct RateLimitLayer<St, K = PeerIp> {
     /// Taken by run-time shadow switches and swaps of limits, so that neither loses the
     /// other.
     pub(super) switching: Arc<Mutex<()>>,
+    /// Whether an interceptor was made from the layer: then every swap of limits must
+    /// be one it can apply.
+    pub(super) intercepted: Arc<AtomicBool>,
 }
 
 impl<St, K> Clone for RateLimitLayer<St, K> {
@@ -29,6 +33,7 @@ impl<St, K> Clone for RateLimitLayer<St, K> {
             limiter: Arc::clone(&self.limiter),
             key: Arc::clone(&self.key),
             switching: Arc::clone(&self.switching),
+            intercepted: Arc::clone(&self.intercepted),
         }
     }
 }
@@ -100,7 +105,7 @@ impl<St, K> RateLimitLayer<St, K> {
     where
         St: Clone,
     {
-        self.limiter.load().store.clone()
+        self.limiter.load().ledger.store.clone()
     }
 
     /// The layer's load shedder, if it has one: see
@@ -145,7 +150,7 @@ impl<St, K> RateLimitLayer<St, K> {
     ///
     /// // A customer's raise, without a restart.
     /// let thousand = Policy::new("api", Algorithm::Gcra, Quota::per_minute(1_000)?)?;
-    /// layer.swap_limits(RateLimitLayer::builder(store, thousand).build()?);
+    /// layer.swap_limits(RateLimitLayer::builder(store, thousand).build()?)?;
     /// assert_eq!(layer.policy("api").map(|p| p.quota().limit()), Some(1_000));
     /// # Ok::<(), tollway_core::ConfigError>(())
     /// ```
@@ -156,9 +161,26 @@ impl<St, K> RateLimitLayer<St, K> {
     /// agrees with is done: the limit follows its builder again. A switch whose policy
     /// `other` lacks is dropped, at warn. [`reset_shadow`](Self::reset_shadow) drops them
     /// all.
-    pub fn swap_limits<K2>(&self, other: RateLimitLayer<St, K2>) -> Vec<ShadowState> {
+    ///
+    /// # Errors
+    ///
+    /// When an interceptor was made from this layer ([`interceptor`](Self::interceptor))
+    /// and cannot apply `other` (a limit on calls in flight, say: it never sees a
+    /// response). The running limits stay.
+    pub fn swap_limits<K2>(
+        &self,
+        other: RateLimitLayer<St, K2>,
+    ) -> Result<Vec<ShadowState>, ConfigError> {
         let _switching = self.switching.lock();
         let (old, new) = (self.limiter.load(), other.limiter.load_full());
+        if self.intercepted.load(Ordering::Acquire) {
+            new.interceptable().map_err(|e| {
+                ConfigError::new(format!(
+                    "a tonic interceptor made from this layer cannot apply the new limits, \
+                     which are not swapped in: {e}"
+                ))
+            })?;
+        }
         let mut kept = Vec::new();
         for was in shadow_states(&old).into_iter().filter(|s| s.switched) {
             let (what, now) = (was.what(), ShadowState::mode(was.on));
@@ -189,7 +211,7 @@ impl<St, K> RateLimitLayer<St, K> {
             }
         }
         self.limiter.store(new);
-        kept
+        Ok(kept)
     }
 
     /// Puts the whole layer in shadow mode, or takes it out: see
@@ -297,7 +319,13 @@ impl<C: tollway_core::Clock, K> RateLimitLayer<tollway_core::MemoryStore<C>, K> 
     /// the layer settles after responses, or it sheds load: an interceptor never sees the
     /// response.
     pub fn interceptor(&self) -> Result<crate::RateLimitInterceptor<C, K>, ConfigError> {
-        crate::RateLimitInterceptor::new(Arc::clone(&self.limiter), Arc::clone(&self.key))
+        let _switching = self.switching.lock();
+        let made =
+            crate::RateLimitInterceptor::new(Arc::clone(&self.limiter), Arc::clone(&self.key));
+        if made.is_ok() {
+            self.intercepted.store(true, Ordering::Release);
+        }
+        made
     }
 }
 

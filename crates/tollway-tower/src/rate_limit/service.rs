@@ -9,11 +9,9 @@ use tollway_core::Store;
 use tower_service::Service;
 
 use super::ResponseFuture;
-use super::future::{Pending, call};
 use crate::body::ResponseBody;
 use crate::key::{KeyExtractor, PeerIp};
-use crate::pipeline::{Current, Decided, Limiter, Next, Progress};
-use crate::settle::Settlement;
+use crate::pipeline::Current;
 
 /// Rate limits the requests to `S`. Built by [`RateLimitLayer`](super::RateLimitLayer);
 /// clones share their limits.
@@ -84,54 +82,9 @@ where
     fn call(&mut self, request: Request<B>) -> Self::Future {
         // The limits current now decide this request, to its end.
         let current = self.limiter.load();
-        let limiter: &Limiter<St> = &current;
-        // A full service refuses before any key or store is asked.
-        let permit = match limiter.shed(&*self.key, &request) {
-            Ok(permit) => permit,
-            Err(refusal) => return ResponseFuture::answered(limiter.refused(refusal, &request)),
-        };
-        let Decided { outcome, charge } = match limiter.decide(&*self.key, &request) {
-            Progress::Decided(decided) => decided,
-            Progress::Waiting(wait, at) => {
-                let limiter = Arc::clone(&current);
-                let service = take_ready(&mut self.inner);
-                let pending = Pending::new(limiter, at, service, request);
-                return ResponseFuture::waiting(wait, pending).holding(permit);
-            }
-        };
-        // Decided without waiting: the ready service is called now, or not at all.
-        let future = match limiter.next(outcome, &request) {
-            Next::Call { headers, delay } => {
-                let after = charge.map(|charge| Box::new(Settlement::new(&current, charge)));
-                match delay {
-                    None => {
-                        let future = call(&mut self.inner, request, after.as_deref());
-                        ResponseFuture::calling(future, headers, after)
-                    }
-                    Some(delay) => {
-                        let service = take_ready(&mut self.inner);
-                        ResponseFuture::delaying(delay, service, request, headers, after)
-                    }
-                }
-            }
-            // Refused by a limit: the shedder's count ends here, untimed.
-            Next::Answer(response) => {
-                if let Some(permit) = permit {
-                    permit.discard();
-                }
-                return ResponseFuture::answered(response);
-            }
-        };
-        future.holding(permit)
+        let action = current.decide(&*self.key, &request);
+        ResponseFuture::new(&current, action, &mut self.inner, request)
     }
-}
-
-/// The ready service, for a request that will call it later; a clone takes its place and
-/// waits for the next `poll_ready` (tower-service's "be careful when cloning inner
-/// services").
-fn take_ready<S: Clone>(inner: &mut S) -> S {
-    let clone = inner.clone();
-    std::mem::replace(inner, clone)
 }
 
 #[cfg(test)]
