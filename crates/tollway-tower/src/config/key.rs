@@ -11,7 +11,8 @@ use toml::Spanned;
 
 use super::LimitsFile;
 use crate::key::{
-    ApiKey, ClientIp, ForwardedHeader, Key, KeyExtractor, KnownKeys, PeerIp, parse_network,
+    ApiKey, ClientIp, Fallback, ForwardedHeader, Key, KeyExtractor, KnownKeys, Or, PeerIp,
+    parse_network,
 };
 
 impl LimitsFile {
@@ -76,18 +77,23 @@ impl LimitsFile {
                 )
             }
         };
-        let api_key = match section.and_then(|k| k.api_key.as_ref()) {
-            None => None,
-            Some(api) => Some(Known {
-                header: ApiKey::header(api.header.get_ref())
-                    .map_err(|e| self.err(Some(api.header.span()), e))?,
-                only_known: api.only_known,
-            }),
+        let known = Arc::new(ArcSwap::from_pointee(self.known_keys()));
+        let chain = match section.and_then(|k| k.api_key.as_ref()) {
+            None => Chain::Address(address.clone()),
+            Some(api) => {
+                let header = ApiKey::header(api.header.get_ref())
+                    .map_err(|e| self.err(Some(api.header.span()), e))?;
+                let keys = FileKeys {
+                    only_known: api.only_known,
+                    known: Arc::clone(&known),
+                };
+                Chain::ApiKey(header.known(keys).or(address.clone()))
+            }
         };
         Ok(ConfigKey {
-            api_key,
+            chain,
             address,
-            known: Arc::new(ArcSwap::from_pointee(self.known_keys())),
+            known,
         })
     }
 }
@@ -95,63 +101,78 @@ impl LimitsFile {
 /// How a config file finds a caller's key.
 ///
 /// It is an API key: by default only the keys in `[tiers]`, read afresh on every reload.
-/// Else it is the client's address: the peer's, or the one behind trusted proxies.
+/// Else it is the client's address: the peer's, or the one behind trusted proxies. That
+/// is `ApiKey::header(..).known(..).or(address)`, built from the file.
 #[derive(Clone)]
 pub struct ConfigKey {
-    api_key: Option<Known>,
+    chain: Chain,
+    /// The address part, for the lists' networks.
     pub(super) address: Address,
     /// The API keys the file names — in `[tiers]` and on the lists — swapped on reload.
     pub(super) known: Arc<ArcSwap<HashSet<String>>>,
 }
 
+/// The extractors a file chains: an API key, then the address; or the address alone.
 #[derive(Clone)]
-struct Known {
-    header: ApiKey,
-    only_known: bool,
+enum Chain {
+    ApiKey(Or<ApiKey<FileKeys>, Address>),
+    Address(Address),
 }
 
+/// The API keys a file accepts: those it names, or with `only_known = false` any.
+#[derive(Clone)]
+struct FileKeys {
+    only_known: bool,
+    known: Arc<ArcSwap<HashSet<String>>>,
+}
+
+impl KnownKeys for FileKeys {
+    fn is_known(&self, value: &[u8]) -> bool {
+        !self.only_known || self.known.load().is_known(value)
+    }
+}
+
+/// The caller's address: the peer's, or the client's behind trusted proxies.
 #[derive(Clone)]
 pub(super) enum Address {
     Peer(PeerIp),
     Client(ClientIp),
 }
 
-impl fmt::Debug for ConfigKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ConfigKey")
-            .field(
-                "api_key",
-                &self.api_key.as_ref().map(|k| k.header.header_name()),
-            )
-            .finish_non_exhaustive()
-    }
-}
-
-impl ConfigKey {
-    /// The caller's API key, when the file reads one and the caller sent one it accepts.
-    fn api_key<B>(&self, request: &Request<B>) -> Option<Key> {
-        let api = self.api_key.as_ref()?;
-        let key = api.header.extract(request)?;
-        (!api.only_known || self.known.load().is_known(key.value())).then_some(key)
-    }
-
-    /// The caller's address key.
-    fn address<B>(&self, request: &Request<B>) -> Option<Key> {
-        match &self.address {
+impl<B> KeyExtractor<B> for Address {
+    fn extract(&self, request: &Request<B>) -> Option<Key> {
+        match self {
             Address::Peer(peer) => KeyExtractor::<B>::extract(peer, request),
             Address::Client(client) => KeyExtractor::<B>::extract(client, request),
         }
     }
 }
 
+impl fmt::Debug for ConfigKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let api_key = match &self.chain {
+            Chain::ApiKey(_) => "an API key, then the address",
+            Chain::Address(_) => "the address",
+        };
+        f.debug_struct("ConfigKey")
+            .field("keys_by", &api_key)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<B> KeyExtractor<B> for ConfigKey {
     fn extract(&self, request: &Request<B>) -> Option<Key> {
-        self.api_key(request).or_else(|| self.address(request))
+        match &self.chain {
+            Chain::ApiKey(chain) => chain.extract(request),
+            Chain::Address(address) => address.extract(request),
+        }
     }
 
     /// The API key and the address, both: the lists match either.
     fn identities(&self, request: &Request<B>, found: &mut dyn FnMut(Key)) {
-        self.api_key(request).into_iter().for_each(&mut *found);
-        self.address(request).into_iter().for_each(found);
+        match &self.chain {
+            Chain::ApiKey(chain) => chain.identities(request, found),
+            Chain::Address(address) => address.identities(request, found),
+        }
     }
 }

@@ -138,12 +138,14 @@
 //! assert!(err.contains("limit"), "{err}");
 //! ```
 
+mod build;
 mod descriptors;
 mod file;
 mod key;
 mod reload;
 mod schema;
 mod store;
+mod summary;
 mod watch;
 
 pub use descriptors::{DescriptorRule, Descriptors, Matched};
