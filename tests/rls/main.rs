@@ -308,6 +308,20 @@ async fn a_reload_changes_the_limits_and_a_broken_file_keeps_them() {
             .requests_per_unit,
         30
     );
+    // One follower of the file: a new store is refused by the limits, and the
+    // descriptors that came with it are not put in force either.
+    let moved = LIMITS
+        .replace("limit = 3", "limit = 30")
+        .replace("key = \"ip\"\n", "key = \"ip\"\n\n[[descriptors]]\ndomain = \"edge\"\nentries = [{ key = \"user\" }]\npolicy = \"checkout\"\n")
+        + "\n[store]\nkind = \"memory\"\nmax_keys = 10\n";
+    file.write(&moved);
+    let error = served.running.reload().await.unwrap_err().to_string();
+    assert!(error.contains("[store]"), "{error}");
+    let user = ask(&mut served.client, vec![descriptor(&[("user", "u-1")])]).await;
+    assert!(
+        user.statuses[0].current_limit.is_none(),
+        "no rule for it yet"
+    );
     served.running.stop().await;
 }
 

@@ -48,6 +48,12 @@
 //!   `UNAVAILABLE` by `"reject"` (Envoy's `failure_mode_deny` then decides). The Redis
 //!   store's breaker and local fallback, from `[store]`, come first.
 //!
+//! It decides by the file's limits as a layer over them decides: the same store, shadow
+//! switches, decision counters (`tollway_decisions_total`) and clock. One follower of the
+//! file ([`Follower`](tollway_tower::config::Follower)) puts a new version in force for
+//! both, or neither: the limits first (a changed `[store]` or `[key]` is refused there),
+//! then the descriptors.
+//!
 //! [`start`] serves it; the `tollway-server` binary runs [`start`] from its arguments:
 //! `tollway-server --config limits.toml --grpc 0.0.0.0:8081 --http 0.0.0.0:9090`.
 //!
@@ -97,6 +103,7 @@
 //! `quota_mode`, a descriptor's own `limit` override, or `is_negative_hits`. The bench
 //! is in the repository's `BENCHMARKS.md`.
 
+mod descriptors;
 mod serve;
 mod service;
 

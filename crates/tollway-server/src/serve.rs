@@ -68,10 +68,17 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     let file = LimitsFile::read(options.config)?;
     let store = file.store().await?;
     let rules = Rules::from_file(&file)?;
-    let reloader = Reloader::from_file(options.config, file, store.clone())?;
-    let service = RateLimitService::new(store, rules);
-    // Subscribed before the watch starts: no change between them is missed.
-    let live = reloader.subscribe();
+    // One follower of the file: the layer's limits first (it refuses a file whose
+    // [store] or [key] changed), then the descriptors.
+    let reloader = Reloader::from_file(options.config, file, store)?;
+    let service = RateLimitService::new(reloader.layer(), rules);
+    reloader.follower().follow({
+        let service = service.clone();
+        move |file| {
+            service.set_rules(Rules::from_file(file)?);
+            Ok(())
+        }
+    });
     let watcher = if options.watch {
         Some(reloader.watch()?)
     } else {
@@ -103,21 +110,6 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
                     _ = stopped.changed() => break,
                 }
                 readiness.probe().await;
-            }
-        }
-    }));
-
-    // Reloads: the rules follow the live file.
-    tasks.push(tokio::spawn({
-        let (reloader, service, mut stopped) = (reloader.clone(), service.clone(), stopped.clone());
-        let mut live = live;
-        async move {
-            loop {
-                tokio::select! {
-                    changed = live.changed() => if changed.is_err() { break },
-                    _ = stopped.changed() => break,
-                }
-                follow(&reloader, &service);
             }
         }
     }));
@@ -217,15 +209,6 @@ impl Readiness {
     }
 }
 
-/// Puts the live file's rules in force, under the reloader's lock: a reload racing
-/// with this cannot leave older rules in force than the live file's.
-fn follow(reloader: &Reloader<BoxStore>, service: &RateLimitService) {
-    let followed = reloader.with_file(|file| Rules::from_file(file).map(|r| service.set_rules(r)));
-    if let Err(error) = followed {
-        tracing::warn!(%error, "descriptors not reloaded");
-    }
-}
-
 /// Says `status` for the rate limit service and for the server as a whole (`""`, what
 /// Envoy's and Kubernetes' gRPC probes ask by default).
 async fn set_health(health: &HealthReporter, status: ServingStatus) {
@@ -259,9 +242,7 @@ impl Running {
     ///
     /// When the file is not valid: the running rules stay.
     pub async fn reload(&self) -> Result<(), ConfigError> {
-        self.reloader.reload().await?;
-        follow(&self.reloader, &self.service);
-        Ok(())
+        self.reloader.reload().await.map(drop)
     }
 
     /// Stops serving: health says not serving first, then new calls are refused and

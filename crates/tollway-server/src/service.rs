@@ -1,10 +1,9 @@
 //! `ShouldRateLimit`: a request's descriptors, decided all or nothing by the file's
 //! policies, in the store the file names.
 
-use std::collections::HashMap;
 use std::future::IntoFuture;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -17,26 +16,22 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use futures_util::future::join_all;
-use metrics::Counter;
 use tollway_core::{BoxStore, Decision, Operation, Policy, Store, StoreError};
-use tollway_tower::config::{Descriptors, LimitsFile};
-use tollway_tower::{HeaderStyle, OnStoreError, Verdict, rate_limit_headers};
+use tollway_tower::config::{ConfigKey, LimitsFile};
+use tollway_tower::{
+    DecisionOutcome, HeaderStyle, OnStoreError, RateLimitLayer, Verdict, rate_limit_headers,
+};
+
+use crate::descriptors::Descriptors;
 use tonic::{Request, Response, Status};
 
-/// What a file says the service does: its descriptors, headers, shadow modes and what to
-/// answer when the store fails. Swapped whole on a reload.
+/// What a file says the service does: its descriptors, headers and what to answer when
+/// the store fails. Swapped whole on a reload.
 #[derive(Debug)]
 pub struct Rules {
     descriptors: Descriptors,
     style: HeaderStyle,
     on_error: OnStoreError,
-    /// The whole file in shadow mode.
-    shadow: bool,
-    /// Policies in shadow mode.
-    shadow_policies: Vec<String>,
-    /// `tollway_decisions_total` of each policy: allowed, limited, shadow-limited.
-    /// Registered once, as the layer does: a decision costs an increment, not a lookup.
-    decisions: HashMap<String, [Counter; 3]>,
 }
 
 impl Rules {
@@ -46,62 +41,23 @@ impl Rules {
     ///
     /// Never for a file that [`LimitsFile::parse`] accepted.
     pub fn from_file(file: &LimitsFile) -> Result<Self, tollway_core::ConfigError> {
-        let descriptors = file.descriptors()?;
-        let shadow_policies = file
-            .policy_names()
-            .filter(|name| file.is_shadow(Some(name)))
-            .map(str::to_owned)
-            .collect();
-        let decisions = file
-            .policy_names()
-            .map(|name| {
-                let counter = |outcome: &'static str| {
-                    metrics::counter!(
-                        tollway_core::metric::DECISIONS.name,
-                        "policy" => name.to_owned(),
-                        "outcome" => outcome
-                    )
-                };
-                let counters = [
-                    counter("allowed"),
-                    counter("limited"),
-                    counter("shadow_limited"),
-                ];
-                (name.to_owned(), counters)
-            })
-            .collect();
         Ok(Rules {
-            decisions,
-            descriptors,
+            descriptors: Descriptors::new(file.descriptors()?),
             style: file.header_style(),
             on_error: file.on_store_error(),
-            shadow: file.is_shadow(None),
-            shadow_policies,
         })
-    }
-
-    fn in_shadow(&self, policy: &Policy) -> bool {
-        self.shadow || self.shadow_policies.iter().any(|p| p == policy.name())
-    }
-
-    /// Counts `decision` of `policy` in `tollway_decisions_total{policy, outcome}`.
-    fn record(&self, policy: &Policy, decision: &Decision, over: bool) {
-        let outcome = match (decision.is_allowed(), over) {
-            (true, _) => 0,
-            (false, true) => 1,
-            (false, false) => 2,
-        };
-        if let Some(counters) = self.decisions.get(policy.name()) {
-            counters[outcome].increment(1);
-        }
     }
 }
 
-/// The rate limit service: Envoy's `RateLimitService` over a store and the live rules.
+/// The rate limit service: Envoy's `RateLimitService` over the file's limits and the live
+/// rules.
 ///
-/// Clones share the store and the rules.
+/// The limits are a layer's ([`RateLimitLayer`]): its store, its shadow switches (the
+/// file's, and any switched at run time), its decision counters and its clock. So the
+/// service counts and shadows exactly as the layer does. Clones share all of it.
 #[derive(Clone)]
 pub struct RateLimitService {
+    limits: RateLimitLayer<BoxStore, ConfigKey>,
     store: BoxStore,
     rules: Arc<ArcSwap<Rules>>,
 }
@@ -143,24 +99,35 @@ enum Ask {
 }
 
 /// Whether a limit that enforces refuses the request.
-fn refuses(rules: &Rules, plans: &[Plan<'_>], saids: &[Option<Said>]) -> bool {
+fn refuses(limits: &Limits, plans: &[Plan<'_>], saids: &[Option<Said>]) -> bool {
     plans
         .iter()
         .zip(saids)
         .any(|(plan, said)| match (plan, said) {
             (Plan::Limited { policy, .. }, Some(Said::Decided(d))) => {
-                !d.is_allowed() && !rules.in_shadow(policy)
+                !d.is_allowed() && !in_shadow(limits, policy)
             }
             _ => false,
         })
 }
 
+/// The limits a service decides by.
+type Limits = RateLimitLayer<BoxStore, ConfigKey>;
+
+/// Whether `policy` is in shadow mode, the whole layer or the policy: as the layer says,
+/// run-time switches included.
+fn in_shadow(limits: &Limits, policy: &Policy) -> bool {
+    limits.is_shadow(None) || limits.is_shadow(Some(policy.name()))
+}
+
 impl RateLimitService {
-    /// A service deciding with `store` by `rules` (which [`set_rules`](Self::set_rules) swaps).
+    /// A service deciding by `limits` (its store, shadow switches, counters and clock)
+    /// and `rules` (which [`set_rules`](Self::set_rules) swaps).
     #[must_use]
-    pub fn new(store: BoxStore, rules: Rules) -> Self {
+    pub fn new(limits: RateLimitLayer<BoxStore, ConfigKey>, rules: Rules) -> Self {
         RateLimitService {
-            store,
+            store: limits.store(),
+            limits,
             rules: Arc::new(ArcSwap::from_pointee(rules)),
         }
     }
@@ -205,7 +172,8 @@ impl RateLimitService {
     /// entries = [{ key = "remote_address" }]
     /// policy = "per_address"
     /// "#)?;
-    /// let service = RateLimitService::new(BoxStore::new(MemoryStore::new()), Rules::from_file(&file)?);
+    /// let limits = file.layer(BoxStore::new(MemoryStore::new()), file.key()?)?;
+    /// let service = RateLimitService::new(limits, Rules::from_file(&file)?);
     /// let entry = Entry { key: "remote_address".into(), value: "203.0.113.9".into() };
     /// let request = RateLimitRequest {
     ///     domain: "edge".into(),
@@ -250,8 +218,8 @@ impl RateLimitService {
             let looked = self.ask(&plans, Ask::Look).await;
             if looked.iter().all(Result::is_ok) {
                 let looked: Vec<Option<Said>> = looked.into_iter().flatten().collect();
-                if refuses(&rules, &plans, &looked) {
-                    return Ok(respond(&rules, &plans, &looked, true));
+                if refuses(&self.limits, &plans, &looked) {
+                    return Ok(self.respond(&rules, &plans, &looked, true));
                 }
             }
         }
@@ -277,7 +245,7 @@ impl RateLimitService {
         }
         // Refused by a limit that enforces (a race with another request since the look):
         // every other descriptor's charge is given back.
-        let refused = refuses(&rules, &plans, &saids);
+        let refused = refuses(&self.limits, &plans, &saids);
         if refused {
             self.refund(&plans, &saids).await;
             for said in &mut saids {
@@ -288,7 +256,7 @@ impl RateLimitService {
                 }
             }
         }
-        Ok(respond(&rules, &plans, &saids, refused))
+        Ok(self.respond(&rules, &plans, &saids, refused))
     }
 
     /// Asks the store about every limited descriptor at once: to look, or to decide.
@@ -367,74 +335,78 @@ fn plan<'r>(
     }
 }
 
-/// The response: one status a descriptor, the overall code, and the headers the layer
-/// would write.
-fn respond(
-    rules: &Rules,
-    plans: &[Plan<'_>],
-    saids: &[Option<Said>],
-    refused: bool,
-) -> RateLimitResponse {
-    let mut verdicts = Vec::new();
-    let statuses = plans
-        .iter()
-        .zip(saids)
-        .map(|(plan, said)| match (plan, said) {
-            (
-                Plan::Limited { policy, .. },
-                Some(Said::Decided(decision) | Said::Refunded(decision)),
-            ) => {
-                let shadow = rules.in_shadow(policy);
-                let over = !decision.is_allowed() && !shadow;
-                if !decision.is_allowed() && shadow {
-                    tracing::info!(policy = policy.name(), "shadow mode: would be over limit");
-                }
-                rules.record(policy, decision, over);
-                // A limit in shadow mode says nothing to the client, as in the layer.
-                if !shadow {
-                    verdicts.push(Verdict {
+impl RateLimitService {
+    /// The response: one status a descriptor, the overall code, and the headers the
+    /// layer would write. Each decision is told as the layer tells its own.
+    fn respond(
+        &self,
+        rules: &Rules,
+        plans: &[Plan<'_>],
+        saids: &[Option<Said>],
+        refused: bool,
+    ) -> RateLimitResponse {
+        let mut verdicts = Vec::new();
+        let statuses = plans
+            .iter()
+            .zip(saids)
+            .map(|(plan, said)| match (plan, said) {
+                (
+                    Plan::Limited { policy, key, .. },
+                    Some(Said::Decided(decision) | Said::Refunded(decision)),
+                ) => {
+                    let shadow = in_shadow(&self.limits, policy);
+                    let over = !decision.is_allowed() && !shadow;
+                    let verdict = Verdict {
                         policy,
                         decision: *decision,
-                    });
+                    };
+                    let outcome = match (decision.is_allowed(), over) {
+                        (true, _) => DecisionOutcome::Allowed,
+                        (false, true) => DecisionOutcome::Limited,
+                        (false, false) => DecisionOutcome::ShadowLimited,
+                    };
+                    self.limits.tell(key, verdict, outcome);
+                    // A limit in shadow mode says nothing to the client, as in the layer.
+                    if !shadow {
+                        verdicts.push(verdict);
+                    }
+                    DescriptorStatus {
+                        code: if over { Code::OverLimit } else { Code::Ok } as i32,
+                        current_limit: Some(current_limit(policy)),
+                        limit_remaining: u32::try_from(decision.remaining()).unwrap_or(u32::MAX),
+                        duration_until_reset: Some(proto_duration(decision.reset_after())),
+                        ..Default::default()
+                    }
                 }
-                DescriptorStatus {
-                    code: if over { Code::OverLimit } else { Code::Ok } as i32,
-                    current_limit: Some(current_limit(policy)),
-                    limit_remaining: u32::try_from(decision.remaining()).unwrap_or(u32::MAX),
-                    duration_until_reset: Some(proto_duration(decision.reset_after())),
+                (Plan::Unlimited, _) => DescriptorStatus {
+                    code: Code::Ok as i32,
+                    limit_remaining: u32::MAX,
                     ..Default::default()
-                }
-            }
-            (Plan::Unlimited, _) => DescriptorStatus {
-                code: Code::Ok as i32,
-                limit_remaining: u32::MAX,
-                ..Default::default()
-            },
-            _ => DescriptorStatus {
-                code: Code::Ok as i32,
-                ..Default::default()
-            },
-        })
-        .collect();
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
-    let headers = rate_limit_headers(rules.style, &verdicts, now);
-    let response_headers_to_add = headers
-        .iter()
-        .filter_map(|(name, value)| {
-            Some(HeaderValue {
-                key: name.as_str().to_owned(),
-                value: value.to_str().ok()?.to_owned(),
-                ..Default::default()
+                },
+                _ => DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..Default::default()
+                },
             })
-        })
-        .collect();
-    RateLimitResponse {
-        overall_code: if refused { Code::OverLimit } else { Code::Ok } as i32,
-        statuses,
-        response_headers_to_add,
-        ..Default::default()
+            .collect();
+        let now = self.limits.wall_clock().now_micros();
+        let headers = rate_limit_headers(rules.style, &verdicts, now);
+        let response_headers_to_add = headers
+            .iter()
+            .filter_map(|(name, value)| {
+                Some(HeaderValue {
+                    key: name.as_str().to_owned(),
+                    value: value.to_str().ok()?.to_owned(),
+                    ..Default::default()
+                })
+            })
+            .collect();
+        RateLimitResponse {
+            overall_code: if refused { Code::OverLimit } else { Code::Ok } as i32,
+            statuses,
+            response_headers_to_add,
+            ..Default::default()
+        }
     }
 }
 

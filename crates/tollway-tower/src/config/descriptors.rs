@@ -24,207 +24,60 @@
 //! ```
 
 use std::collections::BTreeSet;
-use std::fmt;
 
 use tollway_core::{Algorithm, ConfigError, Policy};
 use toml::Spanned;
 
 use super::LimitsFile;
 use super::schema::DescriptorSection;
-use crate::key::Key;
 
-/// The namespace of a descriptor's key unless its rule names one.
-const NAMESPACE: &str = "rls";
-
-/// A file's descriptor rules, ready to match requests' descriptors.
-#[derive(Clone, Debug, Default)]
-pub struct Descriptors {
-    rules: Vec<DescriptorRule>,
-}
-
-/// One `[[descriptors]]` rule.
-#[derive(Clone)]
+/// One `[[descriptors]]` rule, validated: what a rate limit service matches a request's
+/// descriptors against (tollway-server does the matching).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct DescriptorRule {
-    domain: String,
-    entries: Vec<(String, Value)>,
-    /// `None`: unlimited.
-    policy: Option<Policy>,
-    namespace: Namespace,
-    /// Its precedence, lower first, entry by entry: made once, compared per request.
-    rank: Vec<u8>,
+    /// The domain it is for.
+    pub domain: String,
+    /// Its entries, in order: each a key and what its value must be.
+    pub entries: Vec<(String, EntryValue)>,
+    /// The policy that limits it; `None`: unlimited.
+    pub policy: Option<Policy>,
+    /// Where its keys are counted.
+    pub key: DescriptorKey,
 }
 
-/// Where a rule's keys are counted.
+/// What a descriptor entry's value must be.
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum Namespace {
-    /// `rls:<domain>|<key>=<value>|...`, each part escaped.
-    Own,
-    /// `ip:<address>`, as the layer keys a peer: IPv4-mapped addresses as IPv4, IPv6
-    /// grouped by this prefix.
-    Ip(u8),
-    /// `<namespace>:<value>|<value>...`, each value escaped.
-    Named(String),
-}
-
-/// What an entry's value must be.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Value {
+#[non_exhaustive]
+pub enum EntryValue {
+    /// This value.
     Exact(String),
-    /// A pattern of literal pieces between `*`s.
+    /// A pattern of literal pieces between `*`s, each `*` any run of characters.
     Pattern(String),
+    /// Any value, each counted apart.
     Any,
 }
 
-/// What a descriptor matched: how to limit it, and under which key.
-#[derive(Debug)]
-pub struct Matched<'r> {
-    /// The policy, or `None` for an unlimited descriptor.
-    pub policy: Option<&'r Policy>,
-    /// The key its counts are kept under.
-    pub key: Key,
-}
-
-impl Descriptors {
-    /// The rule that limits a descriptor of `entries` (keys and values, in order) in
-    /// `domain`, and its key; `None` when no rule does.
-    ///
-    /// Rules of the same length and keys compete entry by entry: an exact value before a
-    /// pattern before any value; among equals, the first in the file.
-    #[must_use]
-    pub fn find(&self, domain: &str, entries: &[(&str, &str)]) -> Option<Matched<'_>> {
-        let rule = self
-            .rules
-            .iter()
-            .filter(|r| r.domain == domain && r.fits(entries))
-            .min_by_key(|r| &r.rank)?;
-        Some(Matched {
-            policy: rule.policy.as_ref(),
-            key: rule.key(domain, entries),
-        })
-    }
-
-    /// How many rules there are.
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.rules.len()
-    }
-
-    /// Whether there are none.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.rules.is_empty()
-    }
-}
-
-impl DescriptorRule {
-    fn fits(&self, entries: &[(&str, &str)]) -> bool {
-        self.entries.len() == entries.len()
-            && self
-                .entries
-                .iter()
-                .zip(entries)
-                .all(|((key, value), (k, v))| key == k && value.fits(v))
-    }
-
-    /// The key a descriptor of `entries` in `domain` is counted under. Each part is
-    /// escaped, so that no value can pass for another part: `|`, `=` and `%` are
-    /// written `%7C`, `%3D` and `%25`.
-    fn key(&self, domain: &str, entries: &[(&str, &str)]) -> Key {
-        let mut value = String::new();
-        match &self.namespace {
-            Namespace::Ip(prefix) => {
-                // One entry: the rule is checked so.
-                let raw = entries.first().map_or("", |(_, v)| *v);
-                match raw.parse::<std::net::IpAddr>() {
-                    Ok(address) => Key::ip(address, *prefix),
-                    Err(_) => {
-                        escape(&mut value, raw);
-                        Key::new("ip", value)
-                    }
-                }
-            }
-            Namespace::Named(namespace) => {
-                for (i, (_, v)) in entries.iter().enumerate() {
-                    if i > 0 {
-                        value.push('|');
-                    }
-                    escape(&mut value, v);
-                }
-                Key::new(namespace, value)
-            }
-            Namespace::Own => {
-                escape(&mut value, domain);
-                for (k, v) in entries {
-                    value.push('|');
-                    escape(&mut value, k);
-                    value.push('=');
-                    escape(&mut value, v);
-                }
-                Key::new(NAMESPACE, value)
-            }
-        }
-    }
-}
-
-/// Appends `part` to `out` with `%`, `|` and `=` escaped.
-fn escape(out: &mut String, part: &str) {
-    for c in part.chars() {
-        match c {
-            '%' => out.push_str("%25"),
-            '|' => out.push_str("%7C"),
-            '=' => out.push_str("%3D"),
-            c => out.push(c),
-        }
-    }
-}
-
-impl Value {
-    fn fits(&self, value: &str) -> bool {
-        match self {
-            Value::Exact(exact) => exact == value,
-            Value::Any => true,
-            Value::Pattern(pattern) => glob(pattern, value),
-        }
-    }
-}
-
-/// Whether `value` fits `pattern`, where `*` stands for any run of characters.
-fn glob(pattern: &str, value: &str) -> bool {
-    let mut pieces = pattern.split('*');
-    let first = pieces.next().unwrap_or("");
-    let Some(mut rest) = value.strip_prefix(first) else {
-        return false;
-    };
-    let pieces: Vec<&str> = pieces.collect();
-    let Some((last, middle)) = pieces.split_last() else {
-        return rest.is_empty();
-    };
-    for piece in middle {
-        match rest.find(piece) {
-            Some(at) => rest = &rest[at + piece.len()..],
-            None => return false,
-        }
-    }
-    rest.ends_with(last)
-}
-
-impl fmt::Debug for DescriptorRule {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DescriptorRule")
-            .field("domain", &self.domain)
-            .field("entries", &self.entries)
-            .field("policy", &self.policy.as_ref().map(Policy::name))
-            .finish_non_exhaustive()
-    }
+/// Where a descriptor rule's keys are counted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DescriptorKey {
+    /// Its own: `rls:<domain>|<key>=<value>|...`.
+    Own,
+    /// `ip:<address>`, as the layer keys a peer: IPv4-mapped addresses as IPv4, IPv6
+    /// grouped by this prefix (`key = "ip"`).
+    Ip(u8),
+    /// `<namespace>:<value>|<value>...` (`key = "<namespace>"`).
+    Named(String),
 }
 
 impl LimitsFile {
-    /// The file's `[[descriptors]]`, for a rate limit service.
+    /// The file's `[[descriptors]]`, for a rate limit service, in the file's order.
     ///
     /// # Errors
     ///
     /// Never for a file that [`parse`](Self::parse) accepted: each rule is checked there.
-    pub fn descriptors(&self) -> Result<Descriptors, ConfigError> {
+    pub fn descriptors(&self) -> Result<Vec<DescriptorRule>, ConfigError> {
         let mut rules: Vec<DescriptorRule> = Vec::new();
         for section in &self.file.descriptors {
             let rule = self.descriptor_rule(section.get_ref())?;
@@ -239,7 +92,7 @@ impl LimitsFile {
             }
             rules.push(rule);
         }
-        Ok(Descriptors { rules })
+        Ok(rules)
     }
 
     /// The policies descriptors name, which therefore limit something.
@@ -270,9 +123,9 @@ impl LimitsFile {
                 return Err(self.at(Some(e.key.span()), "an entry's key is not empty"));
             }
             let value = match &e.value {
-                None => Value::Any,
-                Some(v) if v.get_ref().contains('*') => Value::Pattern(v.get_ref().clone()),
-                Some(v) => Value::Exact(v.get_ref().clone()),
+                None => EntryValue::Any,
+                Some(v) if v.get_ref().contains('*') => EntryValue::Pattern(v.get_ref().clone()),
+                Some(v) => EntryValue::Exact(v.get_ref().clone()),
             };
             entries.push((e.key.get_ref().clone(), value));
         }
@@ -310,8 +163,8 @@ impl LimitsFile {
                 ));
             }
         }
-        let namespace = match &d.key {
-            None => Namespace::Own,
+        let key = match &d.key {
+            None => DescriptorKey::Own,
             Some(ns) if ns.get_ref() == "ip" => {
                 let single_any = d.entries.get_ref().len() == 1
                     && d.entries.get_ref()[0].get_ref().value.is_none();
@@ -322,7 +175,7 @@ impl LimitsFile {
                          a value, like entries = [{ key = \"remote_address\" }]",
                     ));
                 }
-                Namespace::Ip(self.ipv6_prefix())
+                DescriptorKey::Ip(self.ipv6_prefix())
             }
             Some(ns) => {
                 let good = !ns.get_ref().is_empty()
@@ -338,23 +191,14 @@ impl LimitsFile {
                          write key = \"ip\" to count as the layer counts peer addresses",
                     ));
                 }
-                Namespace::Named(ns.get_ref().clone())
+                DescriptorKey::Named(ns.get_ref().clone())
             }
         };
-        let rank = entries
-            .iter()
-            .map(|(_, value)| match value {
-                Value::Exact(_) => 0,
-                Value::Pattern(_) => 1,
-                Value::Any => 2,
-            })
-            .collect();
         Ok(DescriptorRule {
             domain: domain.clone(),
             entries,
             policy,
-            namespace,
-            rank,
+            key,
         })
     }
 
@@ -394,62 +238,6 @@ impl LimitsFile {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_pattern_takes_any_run_of_characters_for_each_star() {
-        assert!(glob("internal-*", "internal-7"));
-        assert!(glob("internal-*", "internal-"));
-        assert!(!glob("internal-*", "external-7"));
-        assert!(glob("*.example.com", "api.example.com"));
-        assert!(glob("a*b*c", "a-x-b-y-c"));
-        assert!(!glob("a*b*c", "a-x-c"));
-        assert!(glob("*", ""));
-    }
-
-    // A value cannot pass for another entry, nor one value for two.
-    #[test]
-    fn values_are_escaped_so_that_no_two_descriptors_share_a_key() {
-        let own = DescriptorRule {
-            domain: "edge".to_owned(),
-            entries: vec![("path".to_owned(), Value::Any)],
-            policy: None,
-            namespace: Namespace::Own,
-            rank: vec![2],
-        };
-        let forged = own.key("edge", &[("path", "/x|remote_address=1.2.3.4")]);
-        let two = DescriptorRule {
-            entries: vec![
-                ("path".to_owned(), Value::Any),
-                ("remote_address".to_owned(), Value::Any),
-            ],
-            ..own.clone()
-        };
-        let real = two.key("edge", &[("path", "/x"), ("remote_address", "1.2.3.4")]);
-        assert_ne!(forged, real);
-        let named = DescriptorRule {
-            namespace: Namespace::Named("t".to_owned()),
-            ..two
-        };
-        assert_ne!(
-            named.key("edge", &[("a", "a|b"), ("b", "c")]),
-            named.key("edge", &[("a", "a"), ("b", "b|c")])
-        );
-        // As the layer keys a peer: IPv4-mapped as IPv4, IPv6 by its /64.
-        let ip = DescriptorRule {
-            namespace: Namespace::Ip(64),
-            ..own
-        };
-        assert_eq!(
-            ip.key("edge", &[("remote_address", "::ffff:198.51.100.1")])
-                .as_bytes(),
-            b"ip:198.51.100.1"
-        );
-        assert_eq!(
-            ip.key("edge", &[("remote_address", "2001:db8:1:2::7")])
-                .as_bytes(),
-            b"ip:2001:db8:1:2::/64"
-        );
-    }
-
     const FILE: &str = r#"
 [layer]
 default = "api"
@@ -482,32 +270,20 @@ unlimited = true
 "#;
 
     #[test]
-    fn a_descriptor_finds_its_rule_and_its_key() {
+    fn the_rules_are_read_in_order_and_summarised() {
         let file = LimitsFile::parse("limits.toml", FILE).unwrap();
         let rules = file.descriptors().unwrap();
         assert_eq!(rules.len(), 3);
-        let peer = rules
-            .find("edge", &[("remote_address", "203.0.113.9")])
-            .unwrap();
-        assert_eq!(peer.policy.map(Policy::name), Some("api"));
-        assert_eq!(peer.key.as_bytes(), b"ip:203.0.113.9");
-        // The exact path wins over the pattern; a path the pattern takes is unlimited.
-        let entries = [("path", "/api/v1/checkout"), ("remote_address", "1.2.3.4")];
-        let checkout = rules.find("edge", &entries).unwrap();
-        assert_eq!(checkout.policy.map(Policy::name), Some("checkout"));
+        assert_eq!(rules[0].key, DescriptorKey::Ip(64));
+        assert_eq!(rules[0].policy.as_ref().map(Policy::name), Some("api"));
         assert_eq!(
-            checkout.key.as_bytes(),
-            b"rls:edge|path=/api/v1/checkout|remote_address=1.2.3.4"
+            rules[2].entries,
+            [
+                ("path".to_owned(), EntryValue::Pattern("/api/*".to_owned())),
+                ("remote_address".to_owned(), EntryValue::Any)
+            ]
         );
-        let entries = [("path", "/api/v1/search"), ("remote_address", "1.2.3.4")];
-        assert!(rules.find("edge", &entries).unwrap().policy.is_none());
-        // Another domain, more entries, or another key: no rule.
-        assert!(
-            rules
-                .find("internal", &[("remote_address", "1.2.3.4")])
-                .is_none()
-        );
-        assert!(rules.find("edge", &[("path", "/")]).is_none());
+        assert!(rules[2].policy.is_none());
         let summary = file.summary();
         assert!(
             summary.contains("  descriptor: edge (remote_address=*) -> api\n"),

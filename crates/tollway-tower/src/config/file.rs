@@ -10,7 +10,7 @@ use std::time::Duration;
 use tollway_core::{Algorithm, ConfigError, MemoryStore, Policy, Quota};
 use toml::Spanned;
 
-use super::reload;
+use super::follow;
 use super::schema::{DEPTH, File, PolicySection};
 use crate::headers::HeaderStyle;
 use crate::pipeline::OnStoreError;
@@ -46,7 +46,7 @@ impl LimitsFile {
     /// with `path:line:column:` and says what to write instead.
     pub fn read(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
         let path = path.as_ref();
-        let bytes = reload::read_bytes(path, reload::MAX_FILE_SIZE)?;
+        let bytes = follow::read_bytes(path, follow::MAX_FILE_SIZE)?;
         Self::from_bytes(&path.display().to_string(), &bytes)
     }
 

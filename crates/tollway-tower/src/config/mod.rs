@@ -141,6 +141,7 @@
 mod build;
 mod descriptors;
 mod file;
+mod follow;
 mod key;
 mod reload;
 mod schema;
@@ -148,10 +149,11 @@ mod store;
 mod summary;
 mod watch;
 
-pub use descriptors::{DescriptorRule, Descriptors, Matched};
+pub use descriptors::{DescriptorKey, DescriptorRule, EntryValue};
 pub use file::LimitsFile;
+pub use follow::{Follower, LiveConfig, Reloaded};
 pub use key::ConfigKey;
-pub use reload::{LiveConfig, Reloaded, Reloader};
+pub use reload::Reloader;
 pub use watch::Watcher;
 
 #[cfg(test)]

@@ -11,10 +11,9 @@ use std::time::Duration;
 
 use notify::event::{EventKind, ModifyKind, RenameMode};
 use notify::{RecommendedWatcher, RecursiveMode, Watcher as _};
-use tollway_core::{ConfigError, Store};
+use tollway_core::ConfigError;
 
-use super::Reloader;
-use super::reload::short;
+use super::follow::{Follower, short};
 
 /// How long a burst of events must have stopped before the file is read.
 const QUIET: Duration = Duration::from_millis(50);
@@ -22,7 +21,7 @@ const QUIET: Duration = Duration::from_millis(50);
 /// How many symbolic links a path may go through (Linux's own bound).
 const MAX_LINKS: usize = 40;
 
-/// Watches a limits file for [`Reloader::watch`]; dropping it stops the watching.
+/// Watches a limits file for [`Follower::watch`]; dropping it stops the watching.
 pub struct Watcher {
     stop: Sender<Message>,
 }
@@ -46,7 +45,7 @@ enum Message {
     Stop,
 }
 
-impl<St: Store + Clone> Reloader<St> {
+impl Follower {
     /// Reloads whenever the file changes, until the returned watcher is dropped.
     ///
     /// It watches the path's directory, so an editor that replaces the file is seen. It
@@ -64,10 +63,7 @@ impl<St: Store + Clone> Reloader<St> {
     /// # Errors
     ///
     /// When the operating system's file watcher cannot be set up.
-    pub fn watch(&self) -> Result<Watcher, ConfigError>
-    where
-        St: 'static,
-    {
+    pub fn watch(&self) -> Result<Watcher, ConfigError> {
         let (events, heard) = std::sync::mpsc::channel();
         let sender = events.clone();
         let mut notifier =
@@ -87,10 +83,10 @@ impl<St: Store + Clone> Reloader<St> {
                 .map_err(|e| ConfigError::new(format!("cannot watch {}: {e}", dir.display())))?;
         }
         paths.tell("watching");
-        let reloader = self.clone();
+        let follower = self.clone();
         std::thread::Builder::new()
             .name("tollway-limits-watch".to_owned())
-            .spawn(move || reloader.watching(notifier, paths, &heard))
+            .spawn(move || follower.watching(notifier, paths, &heard))
             .map_err(|e| ConfigError::new(format!("cannot start the file watcher: {e}")))?;
         Ok(Watcher { stop: events })
     }
@@ -178,7 +174,7 @@ impl<St: Store + Clone> Reloader<St> {
     }
 }
 
-impl<St> Reloader<St> {
+impl Follower {
     /// Tells subscribers of a change waiting to settle (`None`: none any more), if that
     /// is news.
     fn set_pending(&self, pending: Option<String>) {

@@ -5,12 +5,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
-use tollway_core::{ConfigError, Policy};
+use tollway_core::{Clock, ConfigError, Policy};
 use tower_layer::Layer;
 
 use super::RateLimit;
-use crate::key::PeerIp;
+use crate::key::{Key, PeerIp};
 use crate::pipeline::{Current, Limiter};
+use crate::report::{DecisionEvent, DecisionOutcome};
+use crate::verdict::Verdict;
 
 /// Applies rate limits to a service: see the [module docs](super) for a tour.
 ///
@@ -274,6 +276,27 @@ impl<St, K> RateLimitLayer<St, K> {
     #[must_use]
     pub fn shadow_states(&self) -> Vec<ShadowState> {
         shadow_states(&self.limiter.load())
+    }
+
+    /// Tells a decision made outside the layer's own requests as the layer tells its
+    /// own: `tollway_decisions_total{policy, outcome}` (feature `metrics`), the debug
+    /// event, and the decision listener. tollway-server tells each Envoy descriptor's
+    /// decision so. A verdict of a policy the layer does not have is not counted.
+    pub fn tell(&self, key: &Key, verdict: Verdict<'_>, outcome: DecisionOutcome) {
+        let limiter = self.limiter.load();
+        let Ok(index) = limiter.limits.index_of(verdict.policy.name()) else {
+            return;
+        };
+        let verdicts = [verdict];
+        let event = DecisionEvent::new(Some(key), outcome, &verdicts, Some(0));
+        limiter.reporter.report(&event, Some(index));
+    }
+
+    /// The clock the layer reads the time of day from: `X-RateLimit-Reset` is counted on
+    /// it ([`wall_clock`](super::RateLimitLayerBuilder::wall_clock)).
+    #[must_use]
+    pub fn wall_clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.limiter.load().wall_clock)
     }
 
     /// Whether the whole layer (`None`) or the named policy is in shadow mode.
