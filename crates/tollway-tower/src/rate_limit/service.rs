@@ -132,6 +132,24 @@ mod tests {
         request
     }
 
+    // Without tonic there is no gRPC status to answer with: a layer told to answer only
+    // in gRPC's terms answered in HTTP's, silently. It fails at build there. (The tests
+    // build with tonic: the workspace's dev-dependencies turn it on.)
+    #[test]
+    fn answering_in_grpc_needs_feature_tonic() {
+        let policy = Policy::new("p", Algorithm::Gcra, Quota::per_minute(1).unwrap()).unwrap();
+        let built = RateLimitLayer::builder(MemoryStore::new(), policy)
+            .protocol(crate::Protocol::Grpc)
+            .build();
+        match built {
+            Ok(_) => assert!(cfg!(feature = "tonic")),
+            Err(err) => {
+                assert!(!cfg!(feature = "tonic"));
+                assert!(err.to_string().contains("feature \"tonic\""), "{err}");
+            }
+        }
+    }
+
     // tower-service's "be careful when cloning inner services": a request the store
     // decides at once goes to the service that was made ready, and a refused one goes
     // nowhere; neither needs a clone.
