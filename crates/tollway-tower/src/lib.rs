@@ -89,8 +89,8 @@
 //! # Ok::<(), tollway_tower::ConfigError>(())
 //! ```
 //!
-//! Which headers to believe, and what a caller cannot forge: the repository README's
-//! "Security model", [`ClientIp`], [`ApiKey::known`] and [`MissingKey`].
+//! Which headers to believe, and what a caller cannot forge: the repository's
+//! `SECURITY.md`, [`ClientIp`], [`ApiKey::known`] and [`MissingKey`].
 //!
 //! ## Tiers
 //!
