@@ -44,6 +44,7 @@ async fn a_full_10_000_entry_sliding_log_cannot_be_pushed_into_failing_open() {
         .deny_cache(0)
         .without_breaker()
         .without_local_fallback()
+        .timeout(Duration::from_secs(30))
         .prefix(unique_prefix("attack-log"))
         .caller_time(clock.clone())
         .connect(&shared_server().url())

@@ -65,6 +65,7 @@ async fn a_killed_gateway_frees_its_slots_within_a_lease() {
 
     let store = RedisStore::builder()
         .prefix(prefix)
+        .timeout(Duration::from_secs(30))
         .connect(&server.url())
         .await
         .unwrap();
@@ -112,6 +113,7 @@ async fn a_killed_gateway_frees_its_slots_within_a_lease() {
 async fn gateway_with_calls_in_flight(url: String, prefix: String) {
     let store = RedisStore::builder()
         .prefix(prefix)
+        .timeout(Duration::from_secs(30))
         .connect(&url)
         .await
         .unwrap();

@@ -30,6 +30,8 @@ async fn a_slot_migration_under_load_fails_no_request_and_loses_nothing() {
             .deny_cache(0)
             .without_breaker()
             .without_local_fallback()
+            // A timeout no loaded machine reaches: the test is of redirects, not speed.
+            .timeout(Duration::from_secs(30))
             .caller_time(clock.clone())
             .connect_cluster(&urls)
             .await

@@ -133,6 +133,7 @@ async fn a_connection_manager_of_your_own_is_accepted_and_decides() {
     let clock = ManualClock::at_micros(EPOCH_US);
     let store = RedisStore::builder()
         .without_local_fallback()
+        .timeout(Duration::from_secs(30))
         .caller_time(clock.clone())
         .prefix(support::unique_prefix("manager"))
         .with_connection_manager(manager)
@@ -158,6 +159,7 @@ async fn a_deadpool_pool_is_accepted_and_decides_the_same() {
     let clock = ManualClock::at_micros(EPOCH_US);
     let pooled = RedisStore::builder()
         .without_local_fallback()
+        .timeout(Duration::from_secs(30))
         .caller_time(clock.clone())
         .prefix(support::unique_prefix("pool"))
         .with_pool(pool)

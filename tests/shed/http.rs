@@ -43,7 +43,11 @@ fn holding() -> (
 async fn a_full_service_answers_503_and_a_refusal_never_reaches_redis() {
     // A server of its own: its script count is this test's alone.
     let redis = RedisServer::start();
-    let store = RedisStore::builder().connect(&redis.url()).await.unwrap();
+    let store = RedisStore::builder()
+        .timeout(std::time::Duration::from_secs(30))
+        .connect(&redis.url())
+        .await
+        .unwrap();
     let policy = Policy::new("api", Algorithm::Gcra, Quota::per_minute(6_000).unwrap()).unwrap();
     // Two calls at once; checkout may always count on one of them.
     let checkout = Priority::new("checkout", 0.5)

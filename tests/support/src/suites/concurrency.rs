@@ -119,7 +119,12 @@ pub async fn in_flight_across_gateways(target: &Target) -> ((u64, u64, usize), V
     let mut key = String::new();
     for _ in 0..3 {
         let store = target
-            .connect(RedisStore::builder().prefix(prefix.clone()).deny_cache(0))
+            .connect(
+                RedisStore::builder()
+                    .prefix(prefix.clone())
+                    .deny_cache(0)
+                    .timeout(std::time::Duration::from_secs(30)),
+            )
             .await;
         key = store.state_key(b"global:", &streams);
         let layer = RateLimitLayer::builder(store, streams.clone())
