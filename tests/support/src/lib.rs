@@ -15,8 +15,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[cfg(feature = "grpc")]
 pub mod catalog;
 pub mod cluster;
+#[cfg(feature = "grpc")]
 pub mod grpc;
 pub mod http;
 pub mod proxy;
