@@ -141,12 +141,9 @@ mod tests {
         let built = RateLimitLayer::builder(MemoryStore::new(), policy)
             .protocol(crate::Protocol::Grpc)
             .build();
-        match built {
-            Ok(_) => assert!(cfg!(feature = "tonic")),
-            Err(err) => {
-                assert!(!cfg!(feature = "tonic"));
-                assert!(err.to_string().contains("feature \"tonic\""), "{err}");
-            }
+        assert_eq!(built.is_ok(), cfg!(feature = "tonic"));
+        if let Err(err) = built {
+            assert!(err.to_string().contains("feature \"tonic\""), "{err}");
         }
     }
 
