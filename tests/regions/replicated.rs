@@ -95,8 +95,9 @@ async fn replicated_buckets_stay_within_the_stated_bound() {
 
 /// Region 2 cut off from the others for 70 s while all three hammer: nothing hangs (every
 /// region decides its 10 a second throughout, region 2 on what it knows), a window
-/// admits at most a quota on each side of the cut, and once the link heals what region 2
-/// owed the others — and they it — is delivered: nothing stays owed.
+/// admits at most a quota on each side of the cut and the stated bound (3.8, as above),
+/// and once the link heals what region 2 owed the others — and they it — is delivered:
+/// nothing stays owed.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_partition_keeps_every_region_deciding_and_the_heal_settles_what_was_owed() {
     let _time = support::keep_time_moving();
@@ -106,8 +107,9 @@ async fn a_partition_keeps_every_region_deciding_and_the_heal_settles_what_was_o
         .traffic(&all, &hundred_a_minute(), regions.cut(2, 30, 100))
         .await;
     println!("admitted per whole window, with a 70 s partition: {per_window:?}");
+    // 200 on a quiet machine; a busy one syncs later within the bound.
     for &n in &per_window {
-        assert!(n <= 200, "{n} admitted in a window: {per_window:?}");
+        assert!(n <= 203, "{n} admitted in a window: {per_window:?}");
     }
     // Held charges are delivered after the heal (the charges in flight at the cut time
     // out after the store's second and are sent again).
