@@ -107,17 +107,16 @@ both_stores! {
             let metadata = assert_exported(&reply);
             assert_limits(metadata, 3, 3 - i, EPOCH_S + 20 * i);
             assert_eq!(meta(metadata, "ratelimit-policy"), Some(both_policies));
+            // `t`: the next unit of each, 3 s and 20 s away.
             let current = format!(
-                r#""per-caller";r={};t={}, "export";r={};t={}"#,
+                r#""per-caller";r={};t=3, "export";r={};t=20"#,
                 20 - i,
-                3 * i,
-                3 - i,
-                20 * i
+                3 - i
             );
             assert_eq!(meta(metadata, "ratelimit"), Some(current.as_bytes()));
         }
         // Refused by the route: five refused calls cost the caller's limit nothing (17
-        // left, full in 9 s), and the IETF fields say so.
+        // left, the next unit in 3 s), and the IETF fields say so.
         for _ in 0..5 {
             let denied = export(&mut client, key).await;
             let metadata = assert_exhausted(
@@ -128,7 +127,7 @@ both_stores! {
             assert_limits(metadata, 3, 0, EPOCH_S + 60);
             assert_eq!(
                 meta(metadata, "ratelimit"),
-                Some(&br#""per-caller";r=17;t=9, "export";r=0;t=60"#[..])
+                Some(&br#""per-caller";r=17;t=3, "export";r=0;t=20"#[..])
             );
         }
 

@@ -44,17 +44,18 @@ both_stores! {
         let reply = checkout().await;
         assert_ok(&reply);
         assert_limits(&reply, 2, 0, EPOCH_S + 60);
-        assert_eq!(reply.header("ratelimit"), Some(r#""per-user";r=8;t=12, "checkout";r=0;t=60"#));
+        // `t` is when the next unit comes: 6 s for the user limit, 30 s for checkout.
+        assert_eq!(reply.header("ratelimit"), Some(r#""per-user";r=8;t=6, "checkout";r=0;t=30"#));
 
         // Denied by the route, though the user limit has 8 left; and a refused request
-        // costs nothing: five refusals leave the user limit where it was (8 left, full
-        // again in 12 s), and the IETF field says so.
+        // costs nothing: five refusals leave the user limit where it was (8 left, the next
+        // unit in 6 s), and the IETF field says so.
         for _ in 0..5 {
             let denied = checkout().await;
             assert_too_many(&denied, 30);
             assert_limits(&denied, 2, 0, EPOCH_S + 60);
             assert_eq!(denied.header("ratelimit-policy"), Some(both_policies));
-            assert_eq!(denied.header("ratelimit"), Some(r#""per-user";r=8;t=12, "checkout";r=0;t=60"#));
+            assert_eq!(denied.header("ratelimit"), Some(r#""per-user";r=8;t=6, "checkout";r=0;t=30"#));
         }
 
         // The user limit still lets the same user through elsewhere, charged once more.
@@ -62,7 +63,7 @@ both_stores! {
         assert_ok(&items);
         assert_limits(&items, 10, 7, EPOCH_S + 18);
         assert_eq!(items.header("ratelimit-policy"), Some(r#""per-user";q=10;w=60"#));
-        assert_eq!(items.header("ratelimit"), Some(r#""per-user";r=7;t=18"#));
+        assert_eq!(items.header("ratelimit"), Some(r#""per-user";r=7;t=6"#));
 
         // The route limit is per caller: another user may check out.
         let other = client

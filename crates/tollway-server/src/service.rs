@@ -410,8 +410,14 @@ impl RateLimitService {
     }
 }
 
-/// A policy's limit in Envoy's terms: so many a second, minute, hour, day, week, month or
-/// year, the period's own unit when it is one, else the next unit up, prorated.
+/// A policy's limit in Envoy's terms: so many a second, minute, hour, day, week, month
+/// or year, never more than the policy allows in that unit's time.
+///
+/// The unit is the longest one no longer than the period in which at least one request
+/// passes, the count rounded down: 100 per 90 s is 66 a minute. When every such unit is
+/// too short (5 per 10 s is half a request a second), the next unit up, its count cut to
+/// the burst: 5 a minute. Envoy reads the count as what passes in one unit's window, so a
+/// count above the burst would promise a burst the policy never grants.
 fn current_limit(policy: &Policy) -> RateLimit {
     const UNITS: [(u64, Unit); 7] = [
         (1, Unit::Second),
@@ -423,14 +429,23 @@ fn current_limit(policy: &Policy) -> RateLimit {
         (365 * 86_400, Unit::Year),
     ];
     let quota = policy.quota();
-    let period_us = quota.period_micros().max(1);
-    let (unit_s, unit) = UNITS
+    let period_us = u128::from(quota.period_micros().max(1));
+    let in_unit = |secs: u64| u128::from(quota.limit()) * u128::from(secs) * 1_000_000 / period_us;
+    let within = UNITS
         .iter()
-        .copied()
-        .find(|(secs, _)| secs * 1_000_000 >= period_us)
-        .unwrap_or(UNITS[6]);
-    let per_unit =
-        u128::from(quota.limit()) * u128::from(unit_s) * 1_000_000 / u128::from(period_us);
+        .rev()
+        .find(|&&(secs, _)| u128::from(secs) * 1_000_000 <= period_us && in_unit(secs) >= 1);
+    let (per_unit, unit) = match within {
+        Some(&(secs, unit)) => (in_unit(secs), unit),
+        None => {
+            let &(secs, unit) = UNITS
+                .iter()
+                .find(|&&(secs, _)| u128::from(secs) * 1_000_000 > period_us)
+                .unwrap_or(&UNITS[6]);
+            // A period above a year still states one a year.
+            (in_unit(secs).min(u128::from(quota.burst())).max(1), unit)
+        }
+    };
     RateLimit {
         name: policy.name().to_owned(),
         requests_per_unit: u32::try_from(per_unit).unwrap_or(u32::MAX),
@@ -452,5 +467,37 @@ impl rate_limit_service_server::RateLimitService for RateLimitService {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         self.decide(request.get_ref()).await.map(Response::new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tollway_core::{Algorithm, Quota};
+
+    use super::*;
+
+    fn stated(limit: u32, period_s: u64, burst: Option<u32>) -> (u32, Unit) {
+        let mut quota = Quota::with_period(limit, Duration::from_secs(period_s)).unwrap();
+        if let Some(burst) = burst {
+            quota = quota.with_burst(burst).unwrap();
+        }
+        let policy = Policy::new("p", Algorithm::Gcra, quota).unwrap();
+        let limit = current_limit(&policy);
+        (limit.requests_per_unit, Unit::try_from(limit.unit).unwrap())
+    }
+
+    // Envoy reads (count, unit) as what passes in one unit's window: 5 per 10 s was (30,
+    // MINUTE), a burst six times the policy's.
+    #[test]
+    fn the_stated_limit_never_passes_more_than_the_policy() {
+        assert_eq!(stated(3, 60, None), (3, Unit::Minute));
+        assert_eq!(stated(10, 1, None), (10, Unit::Second));
+        assert_eq!(stated(100, 90, None), (66, Unit::Minute));
+        assert_eq!(stated(7, 2 * 86_400, None), (3, Unit::Day));
+        assert_eq!(stated(5, 10, None), (5, Unit::Minute));
+        assert_eq!(stated(5, 10, Some(50)), (30, Unit::Minute));
+        assert_eq!(stated(1, 400 * 86_400, None), (1, Unit::Year));
     }
 }

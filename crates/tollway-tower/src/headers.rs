@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use http::header::RETRY_AFTER;
 use http::{HeaderMap, HeaderName, HeaderValue};
-use tollway_core::Policy;
+use tollway_core::{Algorithm, Policy};
 
 use crate::verdict::Verdict;
 
@@ -28,6 +28,20 @@ pub enum HeaderStyle {
     Legacy,
     /// The IETF structured fields `RateLimit-Policy` and `RateLimit`
     /// (draft-ietf-httpapi-ratelimit-headers-10), and `Retry-After` on denials.
+    ///
+    /// ```text
+    /// RateLimit-Policy: "api";q=20;w=60, "calls";q=4;qu="concurrent-requests"
+    /// RateLimit: "api";r=0;t=3, "calls";r=3
+    /// ```
+    ///
+    /// - `q`: the units a policy holds at most (its burst). `w`: the seconds they take to
+    ///   come back from empty, so `q / w` is never faster than the quota.
+    /// - A limit on calls in flight: `qu="concurrent-requests"`, no `w`.
+    /// - `r`: the units left now.
+    /// - `t`: the seconds until more units come. For a bucket and GCRA, the next unit;
+    ///   for a fixed window, its end; for a sliding window, when it is whole again (an
+    ///   upper bound). On a refusal, the wait it names, never later than `Retry-After`.
+    ///   No `t` when a policy is whole, for calls in flight, or when no wait helps.
     Ietf,
     /// Both.
     Both,
@@ -91,7 +105,9 @@ impl RateLimitHeaders {
         RateLimitHeaders {
             retry_after: most.retry_after_secs(),
             legacy,
-            ietf: style.ietf().then(|| Box::new(ietf_fields(verdicts))),
+            ietf: style
+                .ietf()
+                .then(|| Box::new(ietf_fields(verdicts, most.retry_after_secs()))),
         }
     }
 
@@ -183,23 +199,68 @@ pub(crate) fn number(n: u64) -> HeaderValue {
     HeaderValue::from_str(digits.format(n)).unwrap_or_else(|_| HeaderValue::from(n))
 }
 
-/// `RateLimit-Policy` and `RateLimit` for `verdicts`: each policy's quota and window, and
-/// its remaining units and seconds to reset.
-fn ietf_fields(verdicts: &[Verdict<'_>]) -> (HeaderValue, HeaderValue) {
+/// The largest Integer a structured field may carry (RFC 9651, section 3.3.1): a larger
+/// count is sent as this.
+const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
+/// `RateLimit-Policy` and `RateLimit` for `verdicts`, as [`HeaderStyle::Ietf`] says;
+/// `retry_after` is the response's `Retry-After`, if any.
+fn ietf_fields(verdicts: &[Verdict<'_>], retry_after: Option<u64>) -> (HeaderValue, HeaderValue) {
     let (mut policy, mut current) = (String::new(), String::new());
     for (i, v) in verdicts.iter().enumerate() {
         let sep = if i == 0 { "" } else { ", " };
         let name = v.policy.name();
         let d = &v.decision;
-        let window = v.policy.quota().period_micros().div_ceil(1_000_000);
-        let reset = d.reset_after_micros().div_ceil(1_000_000);
+        let q = d.limit().min(SF_INTEGER_MAX);
+        let r = d.remaining().min(SF_INTEGER_MAX);
         // Writing to a String cannot fail.
-        let _ = write!(policy, "{sep}\"{name}\";q={};w={window}", d.limit());
-        let _ = write!(current, "{sep}\"{name}\";r={};t={reset}", d.remaining());
+        if v.policy.algorithm() == Algorithm::Concurrency {
+            let _ = write!(policy, "{sep}\"{name}\";q={q};qu=\"concurrent-requests\"");
+        } else {
+            let window = v.policy.quota().fill_micros().div_ceil(1_000_000).max(1);
+            let _ = write!(policy, "{sep}\"{name}\";q={q};w={window}");
+        }
+        let _ = write!(current, "{sep}\"{name}\";r={r}");
+        if let Some(t) = more_in(v) {
+            let t = retry_after.map_or(t, |wait| t.min(wait));
+            let _ = write!(current, ";t={}", t.min(SF_INTEGER_MAX));
+        }
     }
     // Policy names are A-Z a-z 0-9 _ - . and the rest are digits, quotes, `;`, `=`, `,`
     // and spaces: always a valid value.
     let value =
         |text: String| HeaderValue::try_from(text).unwrap_or_else(|_| HeaderValue::from_static(""));
     (value(policy), value(current))
+}
+
+/// Seconds, rounded up, until `verdict`'s policy has more units than now: the `t` of
+/// `RateLimit`. `None` when it is whole, or refused by what no wait cures.
+fn more_in(verdict: &Verdict<'_>) -> Option<u64> {
+    let d = &verdict.decision;
+    let micros = if !d.is_allowed() {
+        d.retry_after_micros()
+    } else if d.remaining() >= d.limit() || d.reset_after_micros() == 0 {
+        return None;
+    } else {
+        match verdict.policy.algorithm() {
+            // Units come back one at a time, one emission apart: the next one comes when
+            // what is missing is a whole number of units.
+            Algorithm::TokenBucket
+            | Algorithm::LeakyBucket
+            | Algorithm::LeakyBucketShaper
+            | Algorithm::Gcra => {
+                let each = verdict.policy.quota().emission_micros().max(1);
+                match d.reset_after_micros() % each {
+                    0 => each,
+                    part => part,
+                }
+            }
+            // A slot comes back when a call ends, which no clock says.
+            Algorithm::Concurrency => return None,
+            // A fixed window's units come back at its end; a sliding window's as its old
+            // requests age, and all of them by when it is whole.
+            _ => d.reset_after_micros(),
+        }
+    };
+    (micros > 0).then(|| micros.div_ceil(1_000_000))
 }
