@@ -32,8 +32,9 @@
 //!   when one enforcing limit refuses.
 //! - A descriptor's own `hits_addend` is its cost (0 looks without charging); else the
 //!   request's, at least 1.
-//! - Each status has the policy's limit (`current_limit`, in Envoy's units), what
-//!   remains, and the time until it is whole again. `response_headers_to_add` carries the
+//! - Each status has the policy's limit (`current_limit`, in Envoy's units, never more
+//!   than the policy passes in one unit: 5 per 10 s is 5 a minute), what remains, and
+//!   the time until it is whole again. `response_headers_to_add` carries the
 //!   `X-RateLimit-*` or IETF fields the layer would write (`[layer] headers`), and
 //!   `Retry-After` when over the limit.
 //! - A descriptor no rule matches is `OK`, with no limit: as envoyproxy/ratelimit answers.
