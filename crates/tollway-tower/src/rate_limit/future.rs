@@ -111,42 +111,56 @@ where
         service: &mut S,
         request: Request<B>,
     ) -> Self {
-        let (state, permit) = match action {
-            Action::Call(Call {
-                headers,
-                delay,
-                after,
-                permit,
-            }) => {
-                let state = match delay {
-                    None => State::calling(service, request, headers, after),
-                    Some(delay) => {
-                        State::delaying(delay, take_ready(service), request, headers, after)
-                    }
-                };
-                (state, permit)
-            }
-            Action::Answer(reply) => (
-                State::Answered {
-                    response: reply.into_response(),
-                },
-                None,
-            ),
-            Action::Wait(wait, resume) => {
-                let pending = Pending {
-                    limiter: Arc::clone(limiter),
-                    resume,
-                    service: take_ready(service),
-                    request,
-                };
-                let state = State::Waiting {
-                    wait,
-                    pending: Box::new(pending),
-                };
-                (state, None)
-            }
-        };
+        let (state, permit) = next_state(limiter, action, service, request);
         ResponseFuture { state, permit }
+    }
+}
+
+/// The state `action` leads `request` to, for the ready `service`, and the shedder's
+/// permit when the service is called: called now or after a delay, answered in its place,
+/// or waiting. A service that will be called later is taken, a clone left in its place.
+fn next_state<S, B, St>(
+    limiter: &Arc<Limiter<St>>,
+    action: Action<St>,
+    service: &mut S,
+    request: Request<B>,
+) -> (Next<S, B, St>, Option<Permit>)
+where
+    S: Service<Request<B>> + Clone,
+    St: Store,
+{
+    match action {
+        Action::Call(Call {
+            headers,
+            delay,
+            after,
+            permit,
+        }) => {
+            let state = match delay {
+                None => State::calling(service, request, headers, after),
+                Some(delay) => State::delaying(delay, take_ready(service), request, headers, after),
+            };
+            (state, permit)
+        }
+        Action::Answer(reply) => (
+            State::Answered {
+                response: reply.into_response(),
+            },
+            None,
+        ),
+        Action::Wait(wait, resume) => {
+            let pending = Pending {
+                limiter: Arc::clone(limiter),
+                resume,
+                service: take_ready(service),
+                request,
+            };
+            let state = State::Waiting {
+                wait,
+                pending: Box::new(pending),
+            };
+            (state, None)
+        }
     }
 }
 
@@ -204,7 +218,7 @@ where
 
 impl<S, B, St> Pending<S, B, St>
 where
-    S: Service<Request<B>>,
+    S: Service<Request<B>> + Clone,
     St: Store,
 {
     /// The next state once the wait came to `waited`, and the shedder's permit when the
@@ -217,33 +231,8 @@ where
             mut service,
             request,
         } = self;
-        match limiter.resume(resume, waited, &request) {
-            Action::Call(Call {
-                headers,
-                delay,
-                after,
-                permit,
-            }) => {
-                let state = match delay {
-                    None => State::calling(&mut service, request, headers, after),
-                    Some(delay) => State::delaying(delay, service, request, headers, after),
-                };
-                (state, permit)
-            }
-            Action::Answer(reply) => {
-                let response = reply.into_response();
-                (State::Answered { response }, None)
-            }
-            Action::Wait(wait, resume) => {
-                let pending = Box::new(Pending {
-                    limiter,
-                    resume,
-                    service,
-                    request,
-                });
-                (State::Waiting { wait, pending }, None)
-            }
-        }
+        let action = limiter.resume(resume, waited, &request);
+        next_state(&limiter, action, &mut service, request)
     }
 }
 
@@ -266,7 +255,7 @@ where
 
 impl<S, B, St, ResBody> Future for ResponseFuture<S, B, St>
 where
-    S: Service<Request<B>, Response = Response<ResBody>>,
+    S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     St: Store,
 {
     type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
