@@ -204,7 +204,7 @@ async fn a_policy_reserves_from_a_request_header_and_settles_from_the_response()
         let peer: std::net::SocketAddr = "203.0.113.9:4000".parse().unwrap();
         request.extensions_mut().insert(peer);
         for &(name, value) in headers {
-            request.headers_mut().insert(name, value.parse().unwrap());
+            request.headers_mut().append(name, value.parse().unwrap());
         }
         let response = service.ready().await.unwrap().call(request).await.unwrap();
         let left = response.headers()["x-ratelimit-remaining"]
@@ -224,6 +224,15 @@ async fn a_policy_reserves_from_a_request_header_and_settles_from_the_response()
     // 0 costs the floor, 1; a number past the ceiling costs it, 60, which 29 cannot take.
     assert_eq!(call(&[("x-max-tokens", "0")]).await, "29");
     assert_eq!(call(&[("x-max-tokens", "99999999999")]).await, "29");
+    // Past 2^64 or negative: not a number, so the default, 50, which 29 cannot take.
+    assert_eq!(
+        call(&[("x-max-tokens", "18446744073709551616")]).await,
+        "29"
+    );
+    assert_eq!(call(&[("x-max-tokens", "-1")]).await, "29");
+    // Sent twice: the first value counts (1), not the larger.
+    let twice = [("x-max-tokens", "1"), ("x-max-tokens", "4096")];
+    assert_eq!(call(&twice).await, "28");
     assert!(limits.warnings().is_empty(), "the gateway writes it");
 }
 
