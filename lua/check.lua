@@ -38,7 +38,8 @@ if n == 1 then
   else
     return error('tollway: unknown algorithm code ' .. tostring(code))
   end
-  if denial == 0 and commit then
+  -- A refusal writes only a state carried to a changed limit (token_bucket.lua, gcra.lua).
+  if commit and (denial == 0 or x) then
     if code == '5' then
       if cost > 0 then sliding_window_log_admit(key, now, cost, argv[6] + 0, grace, x, y) end
     elseif code == '8' then
@@ -102,19 +103,24 @@ for pass = 1, 2 do
       reply[r - 3], reply[r - 2], reply[r - 1], reply[r] = denial, remaining, reset, wait
       if pass == 1 then
         if denial ~= 0 then denied = true end
-        held[3 * i - 2], held[3 * i - 1], held[3 * i] = v, x, y
+        held[3 * i - 2] = v
       end
+      held[3 * i - 1], held[3 * i] = x, y
     end
   end
   if not denied then break end
   c = 0
 end
 
-if commit and not denied then
+-- When one denied, only the buckets' and GCRA's states carried to a changed limit are
+-- written (the others' states read at cost 0 in pass 2 are as they were).
+if commit then
   for i = 1, n do
     local key, code, r = keys[i], argv[5 * i - 1], 3 * i
     local v, x, y = held[r - 2], held[r - 1], held[r]
-    if code == '5' then
+    if denied and (not x or code == '4' or code == '5' or code == '6' or code == '8') then
+      -- Nothing carried: nothing to write.
+    elseif code == '5' then
       local c = cost
       if each then c = argv[3 + 5 * n + i] + 0 end
       if c > 0 then sliding_window_log_admit(key, now, c, argv[5 * i + 1] + 0, grace, x, y) end

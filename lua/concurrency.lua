@@ -39,7 +39,10 @@ if not only or only == '8' then
     end
     local wait = period
     if wait > 1000000 then wait = 1000000 end
-    return 1, limit - held, reset, wait
+    -- Under a limit cut below what is held (see Policy::state_id), nothing is left.
+    local left = limit - held
+    if left < 0 then left = 0 end
+    return 1, left, reset, wait
   end
 
   -- Writes `gateway`'s `count` slots expiring at `a` (none: its field goes), drops the

@@ -1,7 +1,7 @@
 -- Leaky bucket: the twin of crates/tollway-core/src/algorithm/leaky_bucket.rs.
 -- The meter is token_bucket itself (same decisions, same state): check.lua calls it.
 -- The shaper is GCRA's admission with the wait until the request's slot as its delay:
--- state '<d' { a = when the queue drains (µs) }.
+-- state '<dd' { a = when the queue drains (µs), the emission interval it was written at }.
 
 local leaky_shaper
 if not only or only == '3' then

@@ -103,13 +103,24 @@ local function token_bucket_deficit(limit, full_at, frac)
   return deficit
 end
 
+-- Limit i's value `v`, a bucket's or GCRA's written at another limit carried to this one
+-- first, and kept so, as a request would (token_bucket.lua, gcra.lua); what its key now
+-- holds.
+local function carried(i, v)
+  local code = argv[5 * i - 1]
+  if not v or (code ~= '1' and code ~= '2' and code ~= '3' and code ~= '7') then return v end
+  local _, _, _, _, x, a = decide(i, 0, v)
+  if x and x ~= v then return store(keys[i], v, x, a) end
+  return v
+end
+
 -- The refunds of the fixed-size states: each returns the new state and its `a` (false, 0
 -- for a fresh one).
 
 -- Token bucket (and the meter): the deficit read as token_bucket reads it, less the units.
 local function token_bucket_refund(limit, period, v)
   if not v then return false, 0 end
-  local full_at, frac = unpack('<dd', v)
+  local full_at, frac = unpack('<ddd', v)
   if now >= full_at then return false, 0 end
   local u, most = units, most_owed(period)
   if u > most then u = most end
@@ -117,7 +128,7 @@ local function token_bucket_refund(limit, period, v)
   if deficit <= 0 then return false, 0 end
   local us = deficit / limit
   us = us + (-us) % 1
-  return pack('<dd', now + us, us * limit - deficit), now + us
+  return pack('<ddd', now + us, us * limit - deficit, limit), now + us
 end
 
 -- GCRA (and the shaper): the arrival time back by the units' intervals, not before now.
@@ -125,9 +136,9 @@ local function gcra_refund(emission, v)
   if not v then return false, 0 end
   local u, most = units, most_owed(emission)
   if u > most then u = most end
-  local tat = unpack('<d', v) - u * emission
+  local tat = unpack('<dd', v) - u * emission
   if tat <= now then return false, 0 end
-  return pack('<d', tat), tat
+  return pack('<dd', tat, emission), tat
 end
 
 -- Fixed window: the current window's count, less the units.
@@ -269,25 +280,25 @@ end
 
 -- Token bucket (and the meter): the deficit grows by the units' ticks.
 local function token_bucket_overdraw(limit, period, x, owed)
-  local full_at, frac = unpack('<dd', x)
+  local full_at, frac = unpack('<ddd', x)
   local most = most_owed(period)
   if owed > most then owed = most end
   local deficit = token_bucket_deficit(limit, full_at, frac) + owed * period
   if deficit > MOST then deficit = MOST end
   local us = deficit / limit
   us = us + (-us) % 1
-  return pack('<dd', now + us, us * limit - deficit), now + us
+  return pack('<ddd', now + us, us * limit - deficit, limit), now + us
 end
 
 -- GCRA (and the shaper): the arrival time on by the units' intervals.
 local function gcra_overdraw(emission, x, owed)
-  local ahead = unpack('<d', x) - now
+  local ahead = unpack('<dd', x) - now
   if ahead < 0 then ahead = 0 elseif ahead > MOST then ahead = MOST end
   local most = most_owed(emission)
   if owed > most then owed = most end
   ahead = ahead + owed * emission
   if ahead > MOST then ahead = MOST end
-  return pack('<d', now + ahead), now + ahead
+  return pack('<dd', now + ahead, emission), now + ahead
 end
 
 -- Takes the units from limit i: what it has left, as a request (whole units, which always
@@ -342,7 +353,7 @@ if op == 'lend' then
     if code == '3' or code == '5' or code == '8' then
       return error('tollway: the shaper, the sliding window log and concurrency do not lend')
     end
-    local v = call('GET', keys[i])
+    local v = carried(i, call('GET', keys[i]))
     local _, left = decide(i, 0, v)
     values[i] = v
     if least < 0 or left < least then least = left end
@@ -379,7 +390,7 @@ local reply = {}
 for i = 1, n do
   local key, v = keys[i], false
   local code = argv[5 * i - 1]
-  if code ~= '5' and code ~= '8' then v = call('GET', key) end
+  if code ~= '5' and code ~= '8' then v = carried(i, call('GET', key)) end
   if op == 'reset' then
     call('DEL', key)
     v = false

@@ -64,8 +64,8 @@ async fn cluster_keys_expire_when_their_state_is_fresh_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_changed_quota_starts_afresh_on_the_cluster() {
-    suites::a_changed_quota_starts_afresh(&cluster()).await;
+async fn a_changed_limit_keeps_usage_on_the_cluster() {
+    suites::a_changed_limit_keeps_usage(&cluster()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

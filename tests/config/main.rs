@@ -67,8 +67,8 @@ async fn serve<St: Store + Clone>(reloader: &Reloader<St>) -> Server {
 }
 
 /// Under a steady stream of requests, the file goes from 10 a minute to 1,000: within
-/// 2 s of the write the next requests see the new limit (a changed quota: the callers
-/// start afresh), and no request of the run fails or gets a 5xx — only 200 and 429.
+/// 2 s of the write the next requests see the new limit (the callers keep what they
+/// used), and no request of the run fails or gets a 5xx — only 200 and 429.
 /// Then a broken edit: the error names its line and column, and the 1,000 stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edit_under_load_takes_effect_within_two_seconds_and_a_broken_one_never() {
@@ -153,7 +153,7 @@ async fn an_edit_under_load_takes_effect_within_two_seconds_and_a_broken_one_nev
 both_stores! {
     /// One file decides alike on both stores: the same statuses and remaining counts;
     /// a reload that changes only `other` keeps `api`'s callers where they were, and
-    /// `other`'s callers start afresh under its new quota.
+    /// `other`'s callers keep what they used under its new limit.
     async fn one_file_decides_alike_on_both_stores_and_a_reload_keeps_unchanged_state(store, clock) {
         let _ = &clock;
         let dir = Dir::new(&format!("alike-{}", std::any::type_name::<St>().len()));
@@ -176,7 +176,7 @@ both_stores! {
 
         dir.write(&limits(3, 50));
         reloader.reload().await.unwrap();
-        // `api` kept its state (0 left); `other` starts afresh at 50 (but `api` refuses).
+        // `api` kept its state (0 left); `other` keeps its 2 used of 50 (but `api` refuses).
         assert_eq!(remaining("/").await, (429, Some("0".into())));
         assert_eq!(reloader.layer().policy("other").unwrap().quota().limit(), 50);
         assert!(Path::new(&dir.file()).exists());
@@ -487,8 +487,51 @@ async fn a_file_half_written_in_place_is_never_applied() {
     assert_eq!(client.get("/").await.status, StatusCode::FORBIDDEN);
 }
 
-/// Tightening a limit starts its callers afresh (state keys include the quota): the
-/// reload says which policies, and `live` what is loaded.
+both_stores! {
+    /// An incident: `api` (a token bucket of 20 a minute) cut to 10 after a caller used
+    /// its 20. The caller gets nothing more for that minute, nor until 66 s (20 used, 10
+    /// a minute now). Then a plan upgrade from 100 to 10,000 keeps the 100 used.
+    async fn a_cut_admits_nothing_more_and_an_upgrade_keeps_what_was_used(store, clock) {
+        let dir = Dir::new(&format!("requota-{}", std::any::type_name::<St>().len()));
+        dir.write(&limits(20, 5));
+        let reloader = Reloader::new(dir.file(), store).unwrap();
+        let server = serve(&reloader).await;
+        let client = server.client();
+        let remaining = |reply: &support::http::Reply| {
+            reply.header("x-ratelimit-remaining").map(str::to_owned)
+        };
+        for _ in 0..20 {
+            assert_eq!(client.get("/").await.status, StatusCode::OK);
+        }
+        dir.write(&limits(10, 5));
+        assert!(reloader.reload().await.unwrap().reset_policies().is_empty());
+        for second in [0, 10, 30, 59, 65] {
+            clock.set_micros(EPOCH_US + second * 1_000_000);
+            let reply = client.get("/").await;
+            assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS, "at {second} s");
+            assert_eq!(remaining(&reply).as_deref(), Some("0"));
+        }
+        clock.set_micros(EPOCH_US + 66_000_000);
+        assert_eq!(client.get("/").await.status, StatusCode::OK);
+
+        // A new day, a new plan: 100 a minute, all used, then 10,000.
+        clock.set_micros(EPOCH_US + 86_400_000_000);
+        dir.write(&limits(100, 5));
+        reloader.reload().await.unwrap();
+        for _ in 0..100 {
+            assert_eq!(client.get("/").await.status, StatusCode::OK);
+        }
+        dir.write(&limits(10_000, 5));
+        reloader.reload().await.unwrap();
+        let reply = client.get("/").await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(remaining(&reply).as_deref(), Some("9899"));
+    }
+}
+
+/// Tightening a limit keeps its callers' usage, a new period starts them afresh (state
+/// keys name the algorithm and period): the reload says which policies, and `live` what
+/// is loaded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_names_the_policies_whose_counts_start_afresh() {
     let dir = Dir::new("afresh");
@@ -499,12 +542,14 @@ async fn a_reload_names_the_policies_whose_counts_start_afresh() {
     assert_eq!((first.reloads(), first.failures()), (0, 0));
 
     dir.write(&limits(10, 5));
+    assert!(reloader.reload().await.unwrap().reset_policies().is_empty());
+    dir.write(&limits(10, 5).replacen("period = \"1m\"", "period = \"1h\"", 1));
     let reloaded = reloader.reload().await.unwrap();
     assert_eq!(reloaded.reset_policies(), ["api".to_owned()]);
     assert_eq!(reloaded.version(), sha256sum(&dir.file()));
     let live = reloader.live();
     assert_eq!(live.version(), reloaded.version());
-    assert_eq!(live.reloads(), 1);
+    assert_eq!(live.reloads(), 2);
     assert!(live.loaded_at() >= first.loaded_at());
     // Unchanged policies are not named.
     let again = reloader.reload().await.unwrap();

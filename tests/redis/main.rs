@@ -112,8 +112,8 @@ async fn hostile_keys_cannot_choose_their_slot_or_bloat_redis() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_changed_quota_starts_its_callers_afresh() {
-    suites::a_changed_quota_starts_afresh(&shared()).await;
+async fn a_changed_limit_keeps_what_callers_used() {
+    suites::a_changed_limit_keeps_usage(&shared()).await;
 }
 
 /// Counts the server's `EVALSHA`s: a server of its own.

@@ -276,7 +276,8 @@ async fn unknown_and_unlimited_descriptors_are_ok_without_a_limit() {
     served.running.stop().await;
 }
 
-// A reload puts a new limit in force; a broken file keeps the running one.
+// A reload puts a new limit in force, callers keeping what they used; a broken file
+// keeps the running one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_changes_the_limits_and_a_broken_file_keeps_them() {
     let file = File::new("reload", LIMITS);
@@ -289,6 +290,8 @@ async fn a_reload_changes_the_limits_and_a_broken_file_keeps_them() {
     file.write(&LIMITS.replace("limit = 3", "limit = 30"));
     served.running.reload().await.unwrap();
     let raised = ask(&mut served.client, me()).await;
+    // The caller keeps what it used: 2 of 30.
+    assert_eq!(raised.statuses[0].limit_remaining, 28);
     assert_eq!(
         raised.statuses[0]
             .current_limit

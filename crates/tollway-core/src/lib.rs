@@ -99,8 +99,9 @@
 //! [`StoreError::kind`] tells a timeout from a lost connection from a script error.
 //!
 //! **Redis keys.** A key is `prefix:{caller}:policy:id`. The hash tag is the caller, so
-//! one script's keys never cross Cluster slots. The quota is in the id, so a changed
-//! quota starts afresh. User keys are escaped, or hashed past
+//! one script's keys never cross Cluster slots. The id is the policy's
+//! [`state_id`](Policy::state_id): name, algorithm and period, not the limit, so a
+//! changed limit keeps what callers used. User keys are escaped, or hashed past
 //! `MAX_LITERAL_KEY` bytes.
 //!
 //! **Redis connections.** One multiplexed connection by default. Also a

@@ -34,6 +34,9 @@ pub struct Policy {
     algorithm: Algorithm,
     quota: Quota,
     id: u64,
+    state_id: u64,
+    rate: u64,
+    rate_id: u64,
 }
 
 /// The longest policy name accepted, in bytes.
@@ -100,16 +103,21 @@ impl Policy {
                 .chain(quota.burst().to_le_bytes())
                 .chain(quota.period_micros().to_le_bytes()),
         );
+        let state_id = state_id(&name, algorithm, &quota);
+        let rate = rate(algorithm, &quota);
         Ok(Policy {
             name: name.into(),
             algorithm,
             quota,
             id,
+            state_id,
+            rate,
+            rate_id: state_id ^ mix_rate(rate),
         })
     }
 
-    /// A policy whose state goes under `id` rather than its own digest: for a count whose
-    /// limit may change while it lasts (a split store's share of a window).
+    /// A policy whose id and state id are `id` rather than its own digests: for a count
+    /// kept under a name of its own (a split store's share of a window).
     #[cfg(feature = "regions")]
     pub(crate) fn with_id(
         name: impl Into<String>,
@@ -117,7 +125,12 @@ impl Policy {
         quota: Quota,
         id: u64,
     ) -> Result<Self, ConfigError> {
-        Policy::new(name, algorithm, quota).map(|policy| Policy { id, ..policy })
+        Policy::new(name, algorithm, quota).map(|policy| Policy {
+            id,
+            state_id: id,
+            rate_id: id ^ mix_rate(policy.rate),
+            ..policy
+        })
     }
 
     /// The policy's name.
@@ -138,11 +151,89 @@ impl Policy {
         &self.quota
     }
 
-    /// A stable 64-bit digest of name, algorithm and quota: changing any of them starts
-    /// the policy's callers afresh rather than reading state written under other rules.
+    /// A stable 64-bit digest of name, algorithm and quota: the rule itself. Two
+    /// policies with the same id decide alike.
     #[must_use]
     pub const fn id(&self) -> u64 {
         self.id
+    }
+
+    /// A stable 64-bit digest of what a caller's usage under this policy is kept as: the
+    /// name, the algorithm and, but for [`Algorithm::Concurrency`], the period.
+    ///
+    /// Limit and burst are not part of it. So a changed limit or burst keeps what each
+    /// caller used: a raise gives the difference, a cut refuses until usage is below the
+    /// new limit. A changed algorithm or period starts every caller afresh.
+    ///
+    /// ```
+    /// use tollway_core::{Algorithm, Policy, Quota};
+    ///
+    /// let free = Policy::new("plan", Algorithm::TokenBucket, Quota::per_minute(100)?)?;
+    /// let pro = Policy::new("plan", Algorithm::TokenBucket, Quota::per_minute(10_000)?)?;
+    /// assert_eq!(free.state_id(), pro.state_id());
+    /// assert_ne!(free.id(), pro.id());
+    /// let hourly = Policy::new("plan", Algorithm::TokenBucket, Quota::per_hour(6_000)?)?;
+    /// assert_ne!(free.state_id(), hourly.state_id());
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    #[must_use]
+    pub const fn state_id(&self) -> u64 {
+        self.state_id
+    }
+
+    /// What the algorithm's state is measured by, where it is measured in time: a token
+    /// bucket's (and the meter's) limit, GCRA's (and the shaper's) emission interval;
+    /// 0 for the others, whose counts mean the same under any limit. A state written at
+    /// one rate is carried to another by the algorithm's `carry`.
+    #[must_use]
+    pub(crate) const fn rate(&self) -> u64 {
+        self.rate
+    }
+
+    /// The state id moved by the rate ([`mix_rate`]): where a store that keeps no rate
+    /// beside a state (the memory store) keeps it.
+    #[must_use]
+    pub(crate) const fn rate_id(&self) -> u64 {
+        self.rate_id
+    }
+}
+
+/// What a state id is moved by for a `rate` (see [`Policy::rate_id`]): 0 for 0, else a
+/// mix of its bits, so that two rates move it apart.
+pub(crate) const fn mix_rate(rate: u64) -> u64 {
+    if rate == 0 {
+        return 0;
+    }
+    // SplitMix64's finaliser.
+    let mut z = rate.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The digest behind [`Policy::state_id`].
+fn state_id(name: &str, algorithm: Algorithm, quota: &Quota) -> u64 {
+    let period = match algorithm {
+        Algorithm::Concurrency => 0,
+        _ => quota.period_micros(),
+    };
+    fnv1a(
+        name.bytes()
+            .chain([1])
+            .chain(algorithm.name().bytes())
+            .chain(period.to_le_bytes()),
+    )
+}
+
+/// The value behind [`Policy::rate`].
+const fn rate(algorithm: Algorithm, quota: &Quota) -> u64 {
+    match algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => quota.limit(),
+        Algorithm::Gcra | Algorithm::LeakyBucketShaper => quota.emission_micros(),
+        Algorithm::FixedWindow
+        | Algorithm::SlidingWindowLog
+        | Algorithm::SlidingWindowCounter
+        | Algorithm::Concurrency => 0,
     }
 }
 

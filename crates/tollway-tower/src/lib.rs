@@ -390,8 +390,10 @@
 //! changes (`reloader.watch()`). The new limits serve the next request:
 //!
 //! - Requests already being decided finish under the old limits.
-//! - A policy left unchanged keeps its callers' state, in memory and in Redis.
-//! - A changed quota starts its callers afresh; the reload warns, naming each policy.
+//! - A policy keeps its callers' state, in memory and in Redis, when its limit or burst
+//!   changes: a raise gives the difference, a cut refuses until usage is below it.
+//! - A changed algorithm or period starts its callers afresh; the reload warns, naming
+//!   each policy.
 //! - A file that fails to validate keeps the running limits. It is logged at warn and
 //!   counted in `tollway_config_reload_errors_total`.
 //! - `[store]` and `[key]` are chosen at start. A reload that changes them is refused.
@@ -407,23 +409,27 @@
 //! use tollway_tower::MemoryStore;
 //! use tollway_tower::config::Reloader;
 //!
-//! let file = |limit: u32| {
+//! let file = |limit: u32, period: &str| {
 //!     format!(
 //!         "[layer]\ndefault = \"anonymous\"\n\n\
-//!          [policies.anonymous]\nalgorithm = \"token_bucket\"\nlimit = {limit}\nperiod = \"1m\"\n"
+//!          [policies.anonymous]\nalgorithm = \"token_bucket\"\nlimit = {limit}\nperiod = \"{period}\"\n"
 //!     )
 //! };
 //! let path = std::env::temp_dir().join(format!("tollway-guide-{}.toml", std::process::id()));
-//! std::fs::write(&path, file(20))?;
+//! std::fs::write(&path, file(20, "1m"))?;
 //! let reloader = Reloader::new(&path, MemoryStore::new())?;
 //! let layer = reloader.layer(); // put this on the router
 //!
-//! std::fs::write(&path, file(1_000))?;
+//! std::fs::write(&path, file(1_000, "1m"))?;
 //! let reloaded = reloader.reload().await?; // or keep `reloader.watch()?` to follow the file
-//! assert_eq!(reloaded.reset_policies(), ["anonymous"]); // a changed quota starts afresh
+//! assert!(reloaded.reset_policies().is_empty()); // a raise keeps what callers used
 //!
-//! std::fs::write(&path, file(0))?;
-//! assert!(reloader.reload().await.is_err()); // refused: 1,000 a minute stays
+//! std::fs::write(&path, file(60_000, "1h"))?;
+//! let reloaded = reloader.reload().await?;
+//! assert_eq!(reloaded.reset_policies(), ["anonymous"]); // a new period starts afresh
+//!
+//! std::fs::write(&path, file(0, "1h"))?;
+//! assert!(reloader.reload().await.is_err()); // refused: 60,000 an hour stays
 //! # std::fs::remove_file(&path)?;
 //! # let _ = layer;
 //! # Ok(())

@@ -98,6 +98,19 @@ pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
     }
 }
 
+/// The state written at `from`'s emission interval, as a state at `to`'s: the units
+/// still ahead at `now` (a part of one counted whole) stay ahead, at `to`'s interval.
+/// A debt is kept, up to 2^52 µs ahead.
+#[must_use]
+pub fn carry(state: State, now: u64, from: &Quota, to: &Quota) -> State {
+    let ahead = state.tat.saturating_sub(now).min(MAX_EXACT);
+    let units = ahead.div_ceil(from.emission_micros());
+    let t = to.emission_micros();
+    State {
+        tat: now + (units.min(most_owed(t)) * t).min(MAX_EXACT),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,6 +169,25 @@ mod tests {
         let (_, s) = check(State::default(), 0, &q, 3);
         assert_eq!(refund(s, 0, &q, 1).tat, 500_000);
         assert_eq!(refund(s, 100_000, &q, 9).tat, 100_000);
+    }
+
+    #[test]
+    fn a_carried_arrival_time_keeps_the_units_ahead() {
+        // 100 a minute, 30 used; raised to 10,000: 9,970 left. Cut to 20: 10 owed.
+        let free = Quota::per_minute(100).unwrap();
+        let pro = Quota::per_minute(10_000).unwrap();
+        let cut = Quota::per_minute(20).unwrap();
+        let (_, used) = check(State::default(), 0, &free, 30);
+        let raised = carry(used, 0, &free, &pro);
+        assert_eq!(check(raised, 0, &pro, 0).0.remaining(), 9_970);
+        let lowered = carry(used, 0, &free, &cut);
+        assert_eq!(lowered.tat, 30 * 3_000_000);
+        assert_eq!(
+            check(lowered, 0, &cut, 1).0.retry_after_micros(),
+            33_000_000
+        );
+        // A part of a unit still ahead counts whole: never more than was left.
+        assert_eq!(carry(used, 17_999_999, &free, &pro).tat, 17_999_999 + 6_000);
     }
 
     #[test]

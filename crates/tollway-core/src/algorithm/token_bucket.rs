@@ -135,6 +135,17 @@ pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
     State::with_deficit(now, (deficit + owed).min(MAX_EXACT), quota).0
 }
 
+/// The state written at `from`'s rate, as a state at `to`'s: what was missing at `now`
+/// stays missing, and refills at `to`'s rate from then on. A debt is kept; a bucket
+/// missing more than `to`'s capacity refuses until it is back within it.
+///
+/// The two quotas have the same period: a token is `period` ticks in both.
+#[must_use]
+pub fn carry(state: State, now: u64, from: &Quota, to: &Quota) -> State {
+    let (deficit, _) = state.deficit(now, from);
+    State::with_deficit(now, deficit, to).0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,6 +224,28 @@ mod tests {
         assert_eq!(check(back, 0, &q, 0).0.remaining(), 9);
         let full = refund(s, 0, &q, u32::MAX);
         assert_eq!(check(full, 0, &q, 0).0, check(State::default(), 0, &q, 0).0);
+    }
+
+    #[test]
+    fn a_carried_bucket_keeps_what_was_used_at_the_new_rate() {
+        // 20 a minute, all 20 used; cut to 10: 20 missing of 10 refuses for a minute,
+        // then refills at 10 a minute. Raised to 100 instead: 80 left at once.
+        let twenty = Quota::per_minute(20).unwrap();
+        let ten = Quota::per_minute(10).unwrap();
+        let hundred = Quota::per_minute(100).unwrap();
+        let (_, used) = check(State::default(), 0, &twenty, 20);
+        let cut = carry(used, 0, &twenty, &ten);
+        let (d, _) = check(cut, 0, &ten, 1);
+        assert_eq!(d.retry_after_micros(), 66_000_000);
+        assert!(!check(cut, 65_999_999, &ten, 1).0.is_allowed());
+        assert!(check(cut, 66_000_000, &ten, 1).0.is_allowed());
+        let raised = carry(used, 0, &twenty, &hundred);
+        assert_eq!(check(raised, 0, &hundred, 0).0.remaining(), 80);
+        // Half a minute at the old rate refills 10 before the carry.
+        let later = carry(used, 30_000_000, &twenty, &hundred);
+        assert_eq!(check(later, 30_000_000, &hundred, 0).0.remaining(), 90);
+        // A full bucket carries as a fresh one.
+        assert_eq!(carry(used, 60_000_000, &twenty, &ten).full_at, 60_000_000);
     }
 
     #[test]

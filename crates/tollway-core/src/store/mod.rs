@@ -54,10 +54,11 @@ use crate::{ConfigError, Decisions, Policy, StoreError, StoreErrorKind};
 /// answer is [`Checked::Pending`], with a future that owns everything it needs. Either
 /// way it can be awaited.
 ///
-/// State is kept per caller key and per policy. The policy part includes the policy's
-/// quota and algorithm ([`Policy::id`]). Say a policy's quota changes, from 10/min to
-/// 1,000/min, or to another algorithm. Then its callers start afresh under the new
-/// rules, in every store. They do not inherit counts made under the old ones.
+/// State is kept per caller key and per policy: its name, algorithm and period
+/// ([`Policy::state_id`]). Say a policy's limit changes, from 10/min to 1,000/min. Its
+/// callers keep what they used, in every store: the raise gives each the difference. A
+/// cut from 20 to 10 after 20 used refuses until usage is back below 10. Another
+/// algorithm or period starts them afresh.
 ///
 /// # Examples
 ///

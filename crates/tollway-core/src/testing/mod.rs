@@ -68,7 +68,7 @@ use crate::{Clock, Quota, Store};
 mod trace;
 
 pub use trace::{Rng, cost};
-use trace::{gap, quotas};
+use trace::{changed, gap, quotas};
 
 /// A conformance run: how many events, from which seed, what the store may answer
 /// differently. See the [module docs](self).
@@ -146,7 +146,9 @@ impl Conformance {
 
     /// Replays the trace one limit a request, for every [`Algorithm`], through `store`
     /// and a memory store on `clock`; a new policy (so new keys) every fifth of the
-    /// trace. `store` must read `clock`, which the suite moves forward.
+    /// trace. Each policy's quota changes three times in its fifth: raised, cut, and its
+    /// burst changed, so callers' usage is carried across each change. `store` must read
+    /// `clock`, which the suite moves forward.
     ///
     /// # Panics
     ///
@@ -166,7 +168,8 @@ impl Conformance {
             let quotas = quotas(algorithm);
             let mut counts = [0usize; 3];
             for i in 0..self.events {
-                let quota = quotas[(i / segment) % quotas.len()];
+                let base = quotas[(i / segment) % quotas.len()];
+                let quota = changed(algorithm, &base, (i % segment * 4 / segment) as u64);
                 let name = format!("conf{}", i / segment);
                 let policy = Policy::new(name, algorithm, quota).expect("a valid policy");
                 let now = clock.now_micros();
@@ -203,7 +206,8 @@ impl Conformance {
     /// `store` and a memory store on `clock`. One request in three under several limits
     /// costs each its own ([`Store::check_each`]). Every decision of every limit must match,
     /// and so must the all-or-nothing rule: a refused request charges no limit. One
-    /// event in four is an [`Operation`] instead, whose answers must match too. `store`
+    /// event in four is an [`Operation`] instead, whose answers must match too. The
+    /// policies' limits change three times over the trace (raised, cut, the burst). `store`
     /// must read `clock`, which the suite moves forward.
     ///
     /// # Panics
@@ -216,12 +220,17 @@ impl Conformance {
         const CALLERS: u64 = 3;
         let memory = twin(clock);
         let mut rng = Rng(self.seed.unwrap_or(0x0a11_0f0e));
-        let pool: Vec<Policy> = Algorithm::ALL
-            .iter()
-            .enumerate()
-            .map(|(i, &algorithm)| {
-                let quota = quotas(algorithm)[i % 3];
-                Policy::new(format!("multi{i}"), algorithm, quota).expect("a valid policy")
+        // The policies' quotas change three times over the trace, as in `one_limit`.
+        let pools: Vec<Vec<Policy>> = (0..4)
+            .map(|phase| {
+                Algorithm::ALL
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &algorithm)| {
+                        let quota = changed(algorithm, &quotas(algorithm)[i % 3], phase);
+                        Policy::new(format!("multi{i}"), algorithm, quota).expect("a valid policy")
+                    })
+                    .collect()
             })
             .collect();
         let mut report = Report {
@@ -232,7 +241,7 @@ impl Conformance {
         let mut operations = [0usize; 5];
         for i in 0..self.events {
             let n = 1 + rng.below(4) as usize;
-            let chosen = choose(&mut rng, &pool, n);
+            let chosen = choose(&mut rng, &pools[i * 4 / self.events.max(1)], n);
             let now = clock.now_micros();
             clock.set_micros(now + gap(&mut rng, now, chosen[0].quota()));
             let cost = cost(&mut rng, chosen[0].quota(), chosen[0].algorithm()).min(3);

@@ -53,6 +53,23 @@ pub(super) fn quotas(algorithm: Algorithm) -> Vec<Quota> {
         .collect()
 }
 
+/// `base` changed in the middle of a policy's part of a trace, as a reload or a change of
+/// plan changes it: `phase` 0 is `base`, 1 raises its limit and burst, 2 cuts them, 3
+/// changes the burst alone (the limit, for an algorithm with none). The period stays,
+/// so callers' usage carries (see [`Policy::state_id`](crate::Policy::state_id)).
+pub(super) fn changed(algorithm: Algorithm, base: &Quota, phase: u64) -> Quota {
+    let (limit, burst) = (base.limit(), base.burst());
+    let (limit, burst) = match phase {
+        0 => (limit, burst),
+        1 => (limit * 3, burst * 3 + 1),
+        2 => ((limit / 3).max(1), (burst / 3).max(1)),
+        _ if algorithm.uses_burst() => (limit, burst * 2),
+        _ => (limit + 1, burst),
+    };
+    let narrow = |n: u64| u32::try_from(n).expect("a trace's limits fit a u32");
+    quota(algorithm, narrow(limit), base.period(), narrow(burst))
+}
+
 /// The next time gap: often none, often tiny, sometimes exactly to a period boundary,
 /// sometimes a long idle stretch.
 pub(super) fn gap(rng: &mut Rng, now: u64, quota: &Quota) -> u64 {

@@ -192,8 +192,8 @@ impl Reloaded {
         &self.version
     }
 
-    /// The policies whose algorithm or quota changed: their callers' counts start afresh
-    /// (a tightened limit gives each caller its new limit again).
+    /// The policies whose algorithm or period changed: their callers' counts start
+    /// afresh. A changed limit or burst is not here: callers keep what they used.
     pub fn reset_policies(&self) -> &[String] {
         &self.reset
     }

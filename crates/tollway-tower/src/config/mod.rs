@@ -10,8 +10,8 @@
 //! with [`Reloader::reload`], for a SIGHUP or an admin endpoint. Or it reads whenever
 //! the file changes, with [`Reloader::watch`]. Requests already being decided finish
 //! under the old limits. A file that fails to validate leaves the running limits in
-//! place, and is reported. An unchanged policy keeps its callers' state. A changed one
-//! starts them afresh.
+//! place, and is reported. A policy keeps its callers' state when its limit or burst
+//! changes. A changed algorithm or period starts them afresh.
 //!
 //! What a reload can change: policies, tiers, routes, lists, shadow flags, headers, the
 //! protocol, what to do on a store failure or a missing key, and load shedding (an

@@ -251,8 +251,8 @@ impl<St> Reloader<St> {
     /// a thread of its own, and this waits on a tokio timer at most the
     /// [`read_timeout`](Self::read_timeout).
     ///
-    /// A swap is told at info. It is told at warn when a policy's counts start afresh, or
-    /// a run-time switch overrides the file. A failure is told at warn.
+    /// A swap is told at info. It is told at warn when a policy's counts start afresh (its
+    /// algorithm or period changed), or a run-time switch overrides the file. A failure is told at warn.
     ///
     /// # Errors
     ///
@@ -274,7 +274,8 @@ impl<St> Reloader<St> {
 }
 
 /// The policies of `new` that `old` has under the same name with another algorithm or
-/// quota: their state keys change, so their callers start afresh. Each is told at warn.
+/// period: their state ids change ([`Policy::state_id`]), so their callers start afresh.
+/// Each is told at warn. A changed limit or burst keeps what callers used: told at info.
 fn counts_reset(old: &[Policy], new: &[Policy]) -> Vec<String> {
     let mut reset = Vec::new();
     for policy in new {
@@ -284,9 +285,18 @@ fn counts_reset(old: &[Policy], new: &[Policy]) -> Vec<String> {
         if was == policy {
             continue;
         }
+        if was.state_id() == policy.state_id() {
+            tracing::info!(
+                "policy {:?} changed from {} to {}: its callers keep what they used",
+                policy.name(),
+                describe(was),
+                describe(policy),
+            );
+            continue;
+        }
         tracing::warn!(
-            "policy {:?} changed from {} to {}: its callers' counts start afresh, so each \
-             may use its new limit in full again",
+            "policy {:?} changed from {} to {}: a new algorithm or period starts its \
+             callers' counts afresh, so each may use its new limit in full again",
             policy.name(),
             describe(was),
             describe(policy),

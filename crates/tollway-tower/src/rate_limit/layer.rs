@@ -138,8 +138,9 @@ impl<St, K> RateLimitLayer<St, K> {
     /// they built. A request already being decided finishes under the limits it started
     /// with. The key extractor stays this layer's.
     ///
-    /// Build `other` over a clone of this layer's store. Then a policy unchanged (name,
-    /// algorithm, quota) keeps its callers' state. A changed one starts them afresh.
+    /// Build `other` over a clone of this layer's store. Then a policy of the same name,
+    /// algorithm and period keeps its callers' state, whatever its limit and burst (see
+    /// [`Policy::state_id`](tollway_core::Policy::state_id)). Another starts afresh.
     ///
     /// # Examples
     ///

@@ -57,7 +57,7 @@ pub async fn conformance(target: &Target, events: usize) -> Vec<String> {
 
 /// The conformance trace in server-time mode: each script call reads Redis's `TIME` and
 /// tells the time it read, and the memory store, fed that time, must decide the same,
-/// field by field. The gaps are what the calls take (tens to hundreds of µs), so the
+/// field by field. Each policy's limit is raised and then cut in its part of the trace. The gaps are what the calls take (tens to hundreds of µs), so the
 /// quotas are short enough for refills and window boundaries to happen among them.
 /// Returns the Redis keys it used.
 pub async fn conformance_server_time(target: &Target, events: usize) -> Vec<String> {
@@ -86,6 +86,13 @@ pub async fn conformance_server_time(target: &Target, events: usize) -> Vec<Stri
         let mut counts = [0u64; 3];
         for i in 0..events {
             let (limit, period, burst) = specs[i / segment];
+            // Each policy's quota is raised, then cut, in its part of the trace: usage
+            // carries across each change.
+            let (limit, burst) = match i % segment * 3 / segment {
+                0 => (limit, burst),
+                1 => (limit * 3, burst * 3 + 1),
+                _ => ((limit / 3).max(1), (burst / 3).max(1)),
+            };
             let quota = Quota::with_period(limit, Duration::from_micros(period)).unwrap();
             let quota = if algorithm.uses_burst() {
                 quota.with_burst(burst).unwrap()

@@ -23,7 +23,7 @@ pub use conformance::{clock_skew, conformance, conformance_multi, conformance_se
 pub use costs::a_refused_token_takes_no_request_unit;
 pub use lease::{Counted, leased_atomicity, lend_conformance, lend_conformance_server_time};
 pub use script::{
-    a_changed_quota_starts_afresh, atomicity, expiry, hostile_keys, one_round_trip, script_flush,
+    a_changed_limit_keeps_usage, atomicity, expiry, hostile_keys, one_round_trip, script_flush,
 };
 
 /// Where the suite's stores connect.

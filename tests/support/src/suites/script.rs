@@ -64,48 +64,43 @@ pub async fn one_round_trip(target: &Target, node: &mut MultiplexedConnection) -
         .collect()
 }
 
-/// A policy whose quota changes (10/min to 1,000/min) starts its callers afresh: the
-/// state key names the quota.
-pub async fn a_changed_quota_starts_afresh(target: &Target) -> Vec<String> {
+/// A policy whose limit changes keeps what its callers used, for every algorithm: 20 of
+/// 20 used, a cut to 10 leaves nothing and a raise to 100 leaves 80. A changed period
+/// starts afresh (but for calls in flight, which hold their slots whatever it is). The
+/// state key names the policy, its algorithm and its period, not its limit.
+pub async fn a_changed_limit_keeps_usage(target: &Target) -> Vec<String> {
     let clock = ManualClock::at_micros(EPOCH_US);
     let store = target
         .connect(builder(&clock).prefix(unique_prefix("requota")))
         .await;
-    let before = Policy::new(
-        "api",
-        Algorithm::TokenBucket,
-        Quota::per_minute(10).unwrap(),
-    )
-    .unwrap();
-    let after = Policy::new(
-        "api",
-        Algorithm::TokenBucket,
-        Quota::per_minute(1_000).unwrap(),
-    )
-    .unwrap();
-    for _ in 0..10 {
-        assert!(
-            store
-                .check_one(b"k", &before, 1)
-                .await
-                .unwrap()
-                .is_allowed()
+    let mut keys = Vec::new();
+    for algorithm in Algorithm::ALL {
+        let key = algorithm.name().as_bytes();
+        let policy = |quota: Quota| Policy::new("api", algorithm, quota).unwrap();
+        let per_minute = |limit: u32| policy(Quota::per_minute(limit).unwrap());
+        let first = store.check_one(key, &per_minute(20), 20).await.unwrap();
+        assert!(first.is_allowed(), "{algorithm:?}");
+        let cut = store.check_one(key, &per_minute(10), 1).await.unwrap();
+        assert!(!cut.is_allowed(), "{algorithm:?}");
+        assert_eq!(cut.remaining(), 0, "{algorithm:?}");
+        let raised = store.check_one(key, &per_minute(100), 0).await.unwrap();
+        assert_eq!(raised.remaining(), 80, "{algorithm:?}");
+        let hourly = policy(Quota::per_hour(100).unwrap());
+        let fresh = if algorithm == Algorithm::Concurrency {
+            80
+        } else {
+            100
+        };
+        let other = store.check_one(key, &hourly, 0).await.unwrap();
+        assert_eq!(other.remaining(), fresh, "{algorithm:?}");
+        assert_eq!(
+            store.state_key(key, &per_minute(10)),
+            store.state_key(key, &per_minute(100))
         );
+        keys.push(store.state_key(key, &per_minute(20)));
+        keys.push(store.state_key(key, &hourly));
     }
-    assert!(
-        !store
-            .check_one(b"k", &before, 1)
-            .await
-            .unwrap()
-            .is_allowed()
-    );
-    let first = store.check_one(b"k", &after, 1).await.unwrap();
-    assert!(first.is_allowed());
-    assert_eq!(first.remaining(), 999);
-    vec![
-        store.state_key(b"k", &before),
-        store.state_key(b"k", &after),
-    ]
+    keys
 }
 
 /// Runs `tasks` concurrent tasks, task `t` on gateway `t % gateways` for key

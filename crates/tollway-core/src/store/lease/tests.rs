@@ -284,3 +284,49 @@ async fn an_idle_gateway_gives_its_window_units_back() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(remaining(), 6_000 - 40, "what was not spent is back");
 }
+
+/// A limit cut while a gateway holds a loan under the old one: the loan's units count
+/// against the new limit until they come back, and then the window admits the new
+/// limit exactly, never more.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_cut_settles_outstanding_loans_against_the_new_limit() {
+    let clock = ManualClock::at_micros(1_000_000_000);
+    let shared = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let per_minute = |limit| {
+        let quota = Quota::per_minute(limit).unwrap();
+        Policy::new("window", Algorithm::FixedWindow, quota).unwrap()
+    };
+    let (before, cut) = (per_minute(6_000), per_minute(50));
+    let gateway = Leased::builder(shared.clone())
+        .clock(clock.clone())
+        .horizon(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let mut admit = async |policy: &Policy, requests: usize| {
+        let mut admitted = 0;
+        for _ in 0..requests {
+            clock.advance(Duration::from_micros(100));
+            if gateway
+                .check(b"hot", &[policy], 1)
+                .await
+                .unwrap()
+                .is_allowed()
+            {
+                admitted += 1;
+            }
+            tokio::task::yield_now().await;
+        }
+        admitted
+    };
+    assert_eq!(admit(&before, 40).await, 40);
+    let while_lent = admit(&cut, 100).await;
+    assert!(
+        40 + while_lent <= 50,
+        "{while_lent} more while the loan was out"
+    );
+    // Two horizons without a request: the old loan's units are back.
+    clock.advance(Duration::from_millis(150));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let after = admit(&cut, 100).await;
+    assert_eq!(40 + while_lent + after, 50);
+}

@@ -28,6 +28,10 @@ pub(crate) trait Instant {
     fn refund(state: gcra::State, now: u64, quota: &Quota, units: u32) -> gcra::State;
     /// Takes `units` whether or not they fit.
     fn charge(state: gcra::State, now: u64, quota: &Quota, units: u32) -> gcra::State;
+    /// The state written under `from`, as one under `to` (see [`gcra::carry`]).
+    fn carry(state: gcra::State, now: u64, from: &Quota, to: &Quota) -> gcra::State {
+        gcra::carry(state, now, from, to)
+    }
 }
 
 /// An algorithm whose state is two integers, which pack into one word while they fit.
@@ -45,6 +49,12 @@ pub(crate) trait Pair {
     /// count drops while that window counts; a bucket keeps its state (its lent units go
     /// bad as it refills them).
     fn give_back(state: Self::State, now: u64, quota: &Quota, units: u32, end: u64) -> Self::State;
+    /// The state written under `from`, as one under `to`. A count means the same under
+    /// any limit, so the windows and concurrency keep it as it is; the buckets give
+    /// [`token_bucket::carry`].
+    fn carry(state: Self::State, _now: u64, _from: &Quota, _to: &Quota) -> Self::State {
+        state
+    }
 }
 
 /// One thing the store does, for any algorithm: [`visit`] calls the method for the
@@ -117,6 +127,10 @@ pub(crate) struct TokenBucket;
 impl Pair for TokenBucket {
     type State = token_bucket::State;
 
+    fn carry(state: Self::State, now: u64, from: &Quota, to: &Quota) -> Self::State {
+        token_bucket::carry(state, now, from, to)
+    }
+
     #[inline(always)]
     fn check(state: Self::State, now: u64, quota: &Quota, cost: u32) -> (Decision, Self::State) {
         token_bucket::check(state, now, quota, cost)
@@ -140,6 +154,10 @@ pub(crate) struct Meter;
 
 impl Pair for Meter {
     type State = token_bucket::State;
+
+    fn carry(state: Self::State, now: u64, from: &Quota, to: &Quota) -> Self::State {
+        token_bucket::carry(state, now, from, to)
+    }
 
     #[inline(always)]
     fn check(state: Self::State, now: u64, quota: &Quota, cost: u32) -> (Decision, Self::State) {

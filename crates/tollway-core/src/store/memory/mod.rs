@@ -517,7 +517,7 @@ fn decide_in_cell(
 ) -> Option<Decision> {
     let check = InCell {
         cells,
-        hash: key_hash ^ policy.id(),
+        hash: key_hash ^ policy.rate_id(),
         now,
         origin,
         quota: policy.quota(),

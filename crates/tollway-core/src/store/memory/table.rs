@@ -13,6 +13,7 @@ use super::dispatch::{self, Instant, Pair};
 use super::word::{self, Packs};
 use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::{Slot, SlotState, gcra};
+use crate::policy::mix_rate;
 use crate::store::Operation;
 use crate::{Decision, Decisions, Denial, Policy, Quota};
 
@@ -23,6 +24,13 @@ pub(super) use self::forms::operate;
 
 /// Below this many keys a shard never sweeps.
 const MIN_SWEEP: usize = 256;
+
+/// How many rates a shard remembers for a state id (see [`Table::rates`]). A key last
+/// written at a rate older than these starts afresh.
+const RATES_KEPT: usize = 4;
+
+/// The rates a state id was written at, newest first, each with its quota.
+type Rates = SmallVec<[(u64, Quota); 2]>;
 
 /// A shard's lock and its tables (its cells are among the store's
 /// [`Levels`](super::cells::Levels)), on cache lines of their own so that two cores
@@ -59,8 +67,8 @@ pub(super) struct Table {
     sweep_at: usize,
     /// No held key becomes idle before this instant: sweeping sooner frees nothing.
     earliest_expiry: u64,
-    /// When the last sweep ran.
-    swept_at: u64,
+    /// What is seldom used, boxed so that a shard stays on its 128 bytes.
+    cold: Box<Cold>,
     /// The store's [`origin`](super::Shared::origin).
     origin: u64,
 }
@@ -83,11 +91,22 @@ impl Shard {
                 logs: HashTable::new(),
                 sweep_at: MIN_SWEEP.min(max_per_shard),
                 earliest_expiry: 0,
-                swept_at: 0,
+                cold: Box::default(),
                 origin,
             }),
         }
     }
+}
+
+/// A shard's fields that no request reads unless it sweeps or meets a key new at a rate.
+#[derive(Default)]
+struct Cold {
+    /// When the last sweep ran.
+    swept_at: u64,
+    /// The rates ([`Policy::rate`]) the shard's keys were written at, by state id: a
+    /// key's bucket or arrival time is kept under its rate, so a key with none at a
+    /// policy's rate may have one at an earlier rate, to be carried to it.
+    rates: HashTable<(u64, Rates)>,
 }
 
 /// A shard's bound on keys, and what to do at it.
@@ -198,9 +217,9 @@ impl Table {
                 changes.push(Change::None);
                 continue;
             }
-            // A policy's entries are the key's hash moved by the policy's id, which
-            // covers its name, algorithm and quota: a changed quota starts afresh.
-            let hash = key_hash ^ policy.id();
+            // A policy's entries are the key's hash moved by the policy's state id and
+            // rate: a changed limit is carried on from the earlier rate's entry.
+            let hash = key_hash ^ policy.rate_id();
             let (mut decision, change) = self.read(cells, hash, now, policy, costs.of(i));
             if change.is_new_key() && decision.is_allowed() {
                 new_keys += 1;
@@ -225,7 +244,7 @@ impl Table {
             drop(changes);
             for (i, policy) in policies.iter().enumerate() {
                 if decisions[i].is_allowed() {
-                    let hash = key_hash ^ policy.id();
+                    let hash = key_hash ^ policy.rate_id();
                     decisions.replace(i, self.read(cells, hash, now, policy, 0).0);
                 }
             }
@@ -257,7 +276,7 @@ impl Table {
         policies
             .iter()
             .map(|&policy| {
-                let hash = key_hash ^ policy.id();
+                let hash = key_hash ^ policy.rate_id();
                 match operation {
                     Operation::Charge(_) | Operation::Drain(_) => {
                         let operate = Operate {
@@ -272,7 +291,7 @@ impl Table {
                         dispatch::visit(policy.algorithm(), operate);
                     }
                     Operation::Refund(units) => self.refund(cells, hash, now, policy, units),
-                    Operation::Reset => self.forget(cells, hash),
+                    Operation::Reset => self.forget(cells, hash, policy),
                     // Answered above.
                     Operation::Peek(_) => {}
                 }
@@ -296,9 +315,9 @@ impl Table {
             let give_back = GiveBack {
                 table: &mut *self,
                 cells,
-                hash: key_hash ^ policy.id(),
+                hash: key_hash ^ policy.rate_id(),
                 now,
-                quota: policy.quota(),
+                policy,
                 units,
                 end,
             };
@@ -316,29 +335,39 @@ impl Table {
             cells,
             hash,
             now,
-            quota: policy.quota(),
+            policy,
             units,
         };
         dispatch::visit(policy.algorithm(), refund);
     }
 
     /// Replaces the fixed-size state kept under `hash`, if there is one, by `update`'s.
-    fn update_slot<S: Packs>(
+    fn update_slot<A: Pair>(
         &mut self,
         cells: Cells<'_>,
         hash: u64,
         now: u64,
-        quota: &Quota,
-        update: impl FnOnce(S) -> S,
+        policy: &Policy,
+        update: impl FnOnce(A::State) -> A::State,
     ) {
-        match self.find_slot::<S>(cells, hash, now, quota) {
+        let quota = policy.quota();
+        match self.find_pair::<A>(cells, hash, now, policy) {
             (Place::New, _) => {}
             (place, state) => self.write_slot(cells, hash, update(state), place, quota, true),
         }
     }
 
-    /// Forgets one policy's state of the key.
-    fn forget(&mut self, cells: Cells<'_>, hash: u64) {
+    /// Forgets one policy's state of the key (`hash`), at every rate remembered.
+    fn forget(&mut self, cells: Cells<'_>, hash: u64, policy: &Policy) {
+        self.forget_at(cells, hash);
+        let earlier = self.rates(policy);
+        for (rate, _) in earlier {
+            self.forget_at(cells, hash ^ mix_rate(policy.rate()) ^ mix_rate(rate));
+        }
+    }
+
+    /// Forgets the state kept under `hash`.
+    fn forget_at(&mut self, cells: Cells<'_>, hash: u64) {
         if let Ok(entry) = self.slots.find_entry(hash, |e| e.0 == hash) {
             entry.remove();
         }
@@ -376,10 +405,11 @@ impl Table {
         cells: Cells<'a>,
         hash: u64,
         now: u64,
-        quota: &Quota,
+        policy: &Policy,
         cost: u32,
     ) -> (Decision, Change<'a>) {
-        let (place, state) = self.find_slot::<A::State>(cells, hash, now, quota);
+        let quota = policy.quota();
+        let (place, state) = self.find_pair::<A>(cells, hash, now, policy);
         let (decision, next) = A::check(state, now, quota, cost);
         let change = match place {
             // A fresh state that the request leaves fresh is not worth keeping.
@@ -398,6 +428,81 @@ impl Table {
             },
         };
         (decision, change)
+    }
+
+    /// [`find_slot`](Self::find_slot) for `policy`: a key with no state at the policy's
+    /// rate has its state at an earlier rate carried to it, if it has one (see
+    /// [`carry_slot`](Self::carry_slot)).
+    #[inline(always)]
+    fn find_pair<'a, A: Pair>(
+        &mut self,
+        cells: Cells<'a>,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+    ) -> (Place<'a>, A::State) {
+        match self.find_slot::<A::State>(cells, hash, now, policy.quota()) {
+            (Place::New, fresh) if policy.rate() != 0 => {
+                match self.carry_slot::<A>(cells, hash, now, policy) {
+                    Some(state) => (Place::Table, state),
+                    None => (Place::New, fresh),
+                }
+            }
+            found => found,
+        }
+    }
+
+    /// Moves the key's state at an earlier rate of `policy`'s state id, carried to the
+    /// policy's rate, under `hash` (in the table: it need not pack). `None` if the key
+    /// has none, or it carries as a fresh state. The first request at a new rate does
+    /// this, whatever it is then decided: a refusal keeps the carried state.
+    #[inline(never)]
+    fn carry_slot<A: Pair>(
+        &mut self,
+        cells: Cells<'_>,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+    ) -> Option<A::State> {
+        let earlier = self.rates(policy);
+        for (rate, from) in earlier {
+            let old = hash ^ mix_rate(policy.rate()) ^ mix_rate(rate);
+            let (place, state) = self.find_slot::<A::State>(cells, old, now, &from);
+            match place {
+                Place::New => continue,
+                Place::Table => self.forget_at(cells, old),
+                Place::Cell(pinned) => pinned.remove(&mut self.cells),
+            }
+            let carried = A::carry(state, now, &from, policy.quota());
+            let slot = carried.to_slot();
+            if slot[0] <= now {
+                return None;
+            }
+            self.earliest_expiry = self.earliest_expiry.min(slot[0]);
+            self.slots.insert_unique(hash, (hash, slot), |e| e.0);
+            return Some(carried);
+        }
+        None
+    }
+
+    /// The rates other than `policy`'s that its state id was written at in this shard,
+    /// newest first; `policy`'s own is noted as the newest.
+    fn rates(&mut self, policy: &Policy) -> Rates {
+        let (id, rate) = (policy.state_id(), policy.rate());
+        let entry = self
+            .cold
+            .rates
+            .entry(id, |e| e.0 == id, |e| e.0)
+            .or_insert_with(|| (id, Rates::new()))
+            .into_mut();
+        let rates = &mut entry.1;
+        let earlier = rates.iter().filter(|r| r.0 != rate).copied().collect();
+        if rates.first().is_none_or(|r| r.0 != rate) {
+            rates.retain(|r| r.0 != rate);
+            rates.insert(0, (rate, *policy.quota()));
+            rates.truncate(RATES_KEPT);
+        }
+        earlier
     }
 
     /// Where the fixed-size state kept under `hash` is, and what it is (a fresh key's,
@@ -491,15 +596,16 @@ impl Table {
     /// [`read`](Self::read) for an instant state.
     #[inline(always)]
     fn read_cell<'a, A: Instant>(
-        &self,
+        &mut self,
         cells: Cells<'a>,
         hash: u64,
         now: u64,
-        quota: &Quota,
+        policy: &Policy,
         cost: u32,
     ) -> (Decision, Change<'a>) {
+        let quota = policy.quota();
         let key = word::instant_key(hash);
-        let pinned = cells.pin(&self.cells, key);
+        let pinned = self.pin_cell::<A>(cells, hash, now, policy);
         let tat = pinned.as_ref().map_or(FRESH[0], Pinned::state);
         let (decision, next) = A::check(gcra::State { tat }, now, quota, cost);
         let next = next.tat;
@@ -510,6 +616,60 @@ impl Table {
             Change::None
         };
         (decision, change)
+    }
+
+    /// Pins the key's cell of an instant state kept under `hash`; a key with none has its
+    /// state at an earlier rate carried to it first, if it has one.
+    #[inline(always)]
+    fn pin_cell<'a, A: Instant>(
+        &mut self,
+        cells: Cells<'a>,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+    ) -> Option<Pinned<'a>> {
+        let key = word::instant_key(hash);
+        match cells.pin(&self.cells, key) {
+            None if self.carry_cell::<A>(cells, hash, now, policy) => cells.pin(&self.cells, key),
+            pinned => pinned,
+        }
+    }
+
+    /// [`carry_slot`](Self::carry_slot) for an instant state, kept in a cell: `false` if
+    /// nothing was carried (or every level of the shard is full).
+    #[inline(never)]
+    fn carry_cell<A: Instant>(
+        &mut self,
+        cells: Cells<'_>,
+        hash: u64,
+        now: u64,
+        policy: &Policy,
+    ) -> bool {
+        if policy.rate() == 0 {
+            return false;
+        }
+        let earlier = self.rates(policy);
+        for (rate, from) in earlier {
+            let old = word::instant_key(hash ^ mix_rate(policy.rate()) ^ mix_rate(rate));
+            let Some(pinned) = cells.pin(&self.cells, old) else {
+                continue;
+            };
+            let tat = pinned.state();
+            pinned.remove(&mut self.cells);
+            let carried = A::carry(gcra::State { tat }, now, &from, policy.quota()).tat;
+            if carried <= now {
+                return false;
+            }
+            let key = word::instant_key(hash);
+            let kept = cells.insert(&mut self.cells, key, carried)
+                || (cells.has_vacancy(&mut self.cells, key)
+                    && cells.insert(&mut self.cells, key, carried));
+            if kept {
+                self.earliest_expiry = self.earliest_expiry.min(carried);
+            }
+            return kept;
+        }
+        false
     }
 
     fn read_log<'a>(
@@ -611,7 +771,7 @@ impl Table {
         if held > self.sweep_at && now >= self.earliest_expiry {
             let walked = self.slots.len() + self.logs.len() + cells.cap();
             let gap_us = (walked as u64 * SWEEP_GAP_NS_PER_KEY).div_ceil(1_000);
-            if held <= max || now.saturating_sub(self.swept_at) >= gap_us {
+            if held <= max || now.saturating_sub(self.cold.swept_at) >= gap_us {
                 self.sweep(cells, now, max);
             }
         }
@@ -638,7 +798,7 @@ impl Table {
             keep
         });
         self.earliest_expiry = earliest;
-        self.swept_at = now;
+        self.cold.swept_at = now;
         self.sweep_at = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
         if self.slots.len() < self.slots.capacity() / 4 {
             self.slots.shrink_to_fit(|e| e.0);
@@ -647,12 +807,6 @@ impl Table {
             self.logs.shrink_to_fit(|e| e.0);
         }
     }
-}
-
-/// Runs `update` on an instant state in its cell, if the key has one (under the
-/// shard's lock: a check without it may store first, and `update` runs again).
-fn update_cell(cells: Cells<'_>, hash: u64, update: impl Fn(u64) -> u64) {
-    cells.update(word::instant_key(hash), |s| ((), Some(update(s))));
 }
 
 fn full(decision: Decision, when_full: WhenFull) -> Decision {

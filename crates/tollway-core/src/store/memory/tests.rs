@@ -153,18 +153,52 @@ fn a_new_key_that_does_not_fit_refuses_the_whole_request() {
 }
 
 #[test]
-fn a_changed_quota_starts_afresh() {
-    let (store, _clock) = store(100, WhenFull::Deny);
-    let before = Policy::new("api", Algorithm::FixedWindow, Quota::per_minute(1).unwrap()).unwrap();
-    let after = Policy::new(
-        "api",
-        Algorithm::FixedWindow,
-        Quota::per_minute(100).unwrap(),
-    )
-    .unwrap();
-    assert!(store.check_sync(b"k", &before, 1).is_allowed());
-    assert!(!store.check_sync(b"k", &before, 1).is_allowed());
-    assert_eq!(store.check_sync(b"k", &after, 1).remaining(), 99);
+fn a_changed_limit_keeps_what_each_caller_used() {
+    for algorithm in Algorithm::ALL {
+        let (store, clock) = store(100, WhenFull::Deny);
+        let policy = |limit: u32| {
+            let quota = Quota::per_minute(limit).unwrap();
+            Policy::new("api", algorithm, quota).unwrap()
+        };
+        clock.set_micros(1_000_000_000);
+        assert!(store.check_sync(b"k", &policy(20), 20).is_allowed());
+        // Cut to 10 with 20 used: nothing left. Raised to 100: the other 80.
+        let cut = store.check_sync(b"k", &policy(10), 1);
+        assert!(!cut.is_allowed(), "{algorithm:?}");
+        assert_eq!(cut.remaining(), 0, "{algorithm:?}");
+        let raised = store.check_sync(b"k", &policy(100), 0);
+        assert_eq!(raised.remaining(), 80, "{algorithm:?}");
+        // Another period starts afresh; but a slot in flight is held whatever the period
+        // (how long it lives unrenewed).
+        let hourly = Policy::new("api", algorithm, Quota::per_hour(100).unwrap()).unwrap();
+        let fresh = if algorithm == Algorithm::Concurrency {
+            80
+        } else {
+            100
+        };
+        let got = store.check_sync(b"k", &hourly, 0).remaining();
+        assert_eq!(got, fresh, "{algorithm:?}");
+    }
+}
+
+#[test]
+fn a_cut_refills_at_the_new_rate_from_the_first_request_under_it() {
+    // A bucket of 20 a minute, spent; cut to 10 a minute. Refused at once, the carried
+    // state is kept: at the old rate a unit would be back at 33 s, at the new one at 66 s.
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let (store, clock) = store(100, WhenFull::Deny);
+        let policy = |limit: u32| {
+            let quota = Quota::per_minute(limit).unwrap();
+            Policy::new("api", algorithm, quota).unwrap()
+        };
+        assert!(store.check_sync(b"k", &policy(20), 20).is_allowed());
+        let refused = store.check_sync(b"k", &policy(10), 1);
+        assert_eq!(refused.retry_after_micros(), 66_000_000, "{algorithm:?}");
+        clock.set_micros(33_000_000);
+        assert!(!store.check_sync(b"k", &policy(10), 1).is_allowed());
+        clock.set_micros(66_000_000);
+        assert!(store.check_sync(b"k", &policy(10), 1).is_allowed());
+    }
 }
 
 // Regression: a store filled by a flood refused new callers for an eighth of its

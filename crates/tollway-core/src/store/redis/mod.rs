@@ -55,7 +55,8 @@ pub const MAX_LITERAL_KEY: usize = 96;
 ///
 /// Keys are `prefix:{key}:policy:id`, one per limit. The braces are a hash tag. So all
 /// of a caller's limits share a cluster slot, and one script decides them. `id` is
-/// [`Policy::id`] in hex, so a changed quota or algorithm starts afresh.
+/// [`Policy::state_id`] in hex: a changed limit or burst keeps the key, and the state
+/// says the limit it was written at; a changed algorithm or period starts afresh.
 ///
 /// User keys of up to 96 bytes of `A-Z a-z 0-9 . : _ - @ + = /` are kept readable. Any
 /// other key is replaced by `#` and 32 hex digits of its SHA-256: braces, spaces,
@@ -387,7 +388,7 @@ impl Scripts {
             "{}:{{{tag}}}:{}:{:016x}",
             self.inner.prefix,
             policy.name(),
-            policy.id()
+            policy.state_id()
         )
     }
 

@@ -2,7 +2,7 @@
 //! [`Table`]'s reads, refunds and charges (see
 //! [`dispatch`](crate::store::memory::dispatch)).
 
-use super::{Bounds, Change, FRESH, Place, Table, update_cell};
+use super::{Bounds, Change, FRESH, Place, Table};
 use crate::algorithm::{SlotState, gcra, sliding_log};
 use crate::store::Operation;
 use crate::store::memory::cells::Cells;
@@ -91,7 +91,7 @@ impl<'a> Visit for Read<'_, 'a> {
             policy,
             cost,
         } = self;
-        table.read_cell::<A>(cells, hash, now, policy.quota(), cost)
+        table.read_cell::<A>(cells, hash, now, policy, cost)
     }
 
     #[inline(always)]
@@ -104,7 +104,7 @@ impl<'a> Visit for Read<'_, 'a> {
             policy,
             cost,
         } = self;
-        table.read_slot::<A>(cells, hash, now, policy.quota(), cost)
+        table.read_slot::<A>(cells, hash, now, policy, cost)
     }
 
     #[inline(always)]
@@ -127,7 +127,7 @@ pub(super) struct GiveBack<'t, 'a> {
     pub(super) cells: Cells<'a>,
     pub(super) hash: u64,
     pub(super) now: u64,
-    pub(super) quota: &'t Quota,
+    pub(super) policy: &'t Policy,
     pub(super) units: u32,
     pub(super) end: u64,
 }
@@ -144,11 +144,12 @@ impl Visit for GiveBack<'_, '_> {
             cells,
             hash,
             now,
-            quota,
+            policy,
             units,
             end,
         } = self;
-        table.update_slot(cells, hash, now, quota, |s: A::State| {
+        let quota = policy.quota();
+        table.update_slot::<A>(cells, hash, now, policy, |s| {
             A::give_back(s, now, quota, units, end)
         });
     }
@@ -163,7 +164,7 @@ pub(super) struct Refund<'t, 'a> {
     pub(super) cells: Cells<'a>,
     pub(super) hash: u64,
     pub(super) now: u64,
-    pub(super) quota: &'t Quota,
+    pub(super) policy: &'t Policy,
     pub(super) units: u32,
 }
 
@@ -172,16 +173,26 @@ impl Visit for Refund<'_, '_> {
 
     fn instant<A: Instant>(self) {
         let Refund {
+            table,
             cells,
             hash,
             now,
-            quota,
+            policy,
             units,
-            ..
         } = self;
-        update_cell(cells, hash, |tat| {
-            A::refund(gcra::State { tat }, now, quota, units).tat
-        });
+        let quota = policy.quota();
+        if let Some(mut pinned) = table.pin_cell::<A>(cells, hash, now, policy) {
+            let tat = A::refund(
+                gcra::State {
+                    tat: pinned.state(),
+                },
+                now,
+                quota,
+                units,
+            )
+            .tat;
+            pinned.set(tat);
+        }
     }
 
     fn pair<A: Pair>(self) {
@@ -190,10 +201,11 @@ impl Visit for Refund<'_, '_> {
             cells,
             hash,
             now,
-            quota,
+            policy,
             units,
         } = self;
-        table.update_slot(cells, hash, now, quota, |s: A::State| {
+        let quota = policy.quota();
+        table.update_slot::<A>(cells, hash, now, policy, |s| {
             A::refund(s, now, quota, units)
         });
     }
@@ -203,12 +215,12 @@ impl Visit for Refund<'_, '_> {
             table,
             hash,
             now,
-            quota,
+            policy,
             units,
             ..
         } = self;
         if let Some((_, log)) = table.logs.find_mut(hash, |e| e.0 == hash) {
-            sliding_log::refund(log, now, quota, units);
+            sliding_log::refund(log, now, policy.quota(), units);
         }
     }
 }
@@ -239,8 +251,9 @@ impl Visit for Operate<'_, '_> {
             operation,
             bounds,
         } = self;
-        let (key, quota) = (word::instant_key(key_hash ^ policy.id()), policy.quota());
-        if let Some(mut pinned) = cells.pin(&table.cells, key) {
+        let (hash, quota) = (key_hash ^ policy.rate_id(), policy.quota());
+        let key = word::instant_key(hash);
+        if let Some(mut pinned) = table.pin_cell::<A>(cells, hash, now, policy) {
             pinned.set(instant_operate::<A>(pinned.state(), now, quota, operation));
         } else {
             let next = instant_operate::<A>(FRESH[0], now, quota, operation);
@@ -265,8 +278,8 @@ impl Visit for Operate<'_, '_> {
             operation,
             bounds,
         } = self;
-        let (hash, quota) = (key_hash ^ policy.id(), policy.quota());
-        let (place, state) = table.find_slot::<A::State>(cells, hash, now, quota);
+        let (hash, quota) = (key_hash ^ policy.rate_id(), policy.quota());
+        let (place, state) = table.find_pair::<A>(cells, hash, now, policy);
         let next = pair_operate::<A>(state, now, quota, operation);
         // A new key is kept if the operation leaves it other than fresh.
         if !matches!(place, Place::New)
@@ -287,7 +300,7 @@ impl Visit for Operate<'_, '_> {
             operation,
             bounds,
         } = self;
-        let hash = key_hash ^ policy.id();
+        let hash = key_hash ^ policy.rate_id();
         let left = table.read_log(hash, now, policy, 0).0.remaining();
         let (cost, _) = take_and_owe(operation, left);
         // A drain with nothing over `keep` takes nothing.

@@ -21,7 +21,7 @@ struct Post {
 
 /// The topic of a policy's window on the boards.
 pub(super) fn topic(policy: &Policy, window: u64) -> String {
-    format!("split:{:016x}:{window}", policy.id())
+    format!("split:{:016x}:{window}", policy.state_id())
 }
 
 /// `asked` in `elapsed` of a window of `period`, as a whole window's worth (rounded up).

@@ -344,7 +344,7 @@ impl<S: Store + Board + Clone> Inner<S> {
                 let span = span(window);
                 let id = fnv1a(
                     policy
-                        .id()
+                        .state_id()
                         .to_le_bytes()
                         .into_iter()
                         .chain(window.to_le_bytes())
@@ -352,7 +352,7 @@ impl<S: Store + Board + Clone> Inner<S> {
                 );
                 let counted = Quota::counting(share, period * span)
                     .and_then(|quota| {
-                        let name = format!("s{window:x}-{:x}", policy.id());
+                        let name = format!("s{window:x}-{:x}", policy.state_id());
                         Policy::with_id(name, Algorithm::FixedWindow, quota, id).ok()
                     })
                     .ok_or_else(|| {
