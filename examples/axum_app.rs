@@ -61,7 +61,7 @@ pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How many admin requests an address may make a minute (a token bucket): a guess at
 /// the token costs one.
-pub const ADMIN_PER_MINUTE: u32 = 30;
+pub const ADMIN_PER_MINUTE: u64 = 30;
 
 /// Which of the example's doors are open.
 #[derive(Clone, Default)]

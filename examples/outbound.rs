@@ -71,7 +71,7 @@ async fn run() -> Result<(), Box<dyn Error>> {
         Policy::new(
             "third-party-tokens",
             Algorithm::TokenBucket,
-            Quota::per_minute(TOKENS_PER_MINUTE as u32)?.with_burst(19_000)?,
+            Quota::per_minute(TOKENS_PER_MINUTE)?.with_burst(19_000)?,
         )?,
     )
     .cost(|_, _, _| 100)
@@ -131,7 +131,7 @@ async fn upstream() -> Result<(SocketAddr, Arc<Seen>), Box<dyn Error>> {
     let tokens = Policy::new(
         "upstream-tokens",
         Algorithm::TokenBucket,
-        Quota::per_minute(TOKENS_PER_MINUTE as u32)?,
+        Quota::per_minute(TOKENS_PER_MINUTE)?,
     )?;
     // A call reserves one token up front (it is refused once they are gone) and is
     // settled to what it used after its response.

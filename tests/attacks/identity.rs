@@ -284,7 +284,7 @@ where
     K: KeyExtractor<axum::body::Body>,
 {
     let clock = ManualClock::at_micros(EPOCH_US);
-    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("attacked", limit))
+    let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("attacked", limit.into()))
         .key(key)
         .wall_clock(clock)
         .build()

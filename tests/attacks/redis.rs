@@ -18,7 +18,7 @@ fn log_of(limit: u32) -> Policy {
     Policy::new(
         "log",
         Algorithm::SlidingWindowLog,
-        Quota::per_minute(limit).unwrap(),
+        Quota::per_minute(limit.into()).unwrap(),
     )
     .unwrap()
 }

@@ -33,9 +33,9 @@ const LIMIT: u32 = 50_000;
 const GATEWAYS: usize = 3;
 
 fn quota(algorithm: Algorithm) -> Quota {
-    let quota = Quota::per_second(LIMIT).unwrap();
+    let quota = Quota::per_second(LIMIT.into()).unwrap();
     if algorithm.uses_burst() {
-        quota.with_burst(LIMIT / 10).unwrap()
+        quota.with_burst((LIMIT / 10).into()).unwrap()
     } else {
         quota
     }

@@ -36,7 +36,10 @@ struct Run {
 }
 
 fn redis_benchmark(port: u16) -> Run {
-    let quota = Quota::per_second(LIMIT).unwrap().with_burst(BURST).unwrap();
+    let quota = Quota::per_second(LIMIT.into())
+        .unwrap()
+        .with_burst(BURST.into())
+        .unwrap();
     let out = Command::new("redis-benchmark")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args([
@@ -142,7 +145,10 @@ fn main() {
             .await
             .unwrap()
     });
-    let quota = Quota::per_second(LIMIT).unwrap().with_burst(BURST).unwrap();
+    let quota = Quota::per_second(LIMIT.into())
+        .unwrap()
+        .with_burst(BURST.into())
+        .unwrap();
     let policy = Policy::new("bench", Algorithm::TokenBucket, quota).unwrap();
     // Loads the script, so that redis-benchmark's EVALSHA finds it.
     rt.block_on(store.check_one(b"warm", &policy, 1)).unwrap();

@@ -137,7 +137,7 @@ async fn leased() {
     let policy = Policy::new(
         "leased",
         Algorithm::Gcra,
-        Quota::per_second(PER_SECOND).unwrap(),
+        Quota::per_second(PER_SECOND.into()).unwrap(),
     )
     .unwrap();
     println!(
@@ -267,7 +267,7 @@ async fn global() {
     let policy = Policy::new(
         "global",
         Algorithm::Gcra,
-        Quota::per_second(PER_SECOND).unwrap(),
+        Quota::per_second(PER_SECOND.into()).unwrap(),
     )
     .unwrap();
     println!(
@@ -415,7 +415,7 @@ async fn replicated() {
     let policy = Policy::new(
         "replicated",
         Algorithm::FixedWindow,
-        Quota::per_second(PER_SECOND).unwrap(),
+        Quota::per_second(PER_SECOND.into()).unwrap(),
     )
     .unwrap();
     let rate = 1.0 / SEND_EVERY.as_secs_f64();
@@ -483,7 +483,7 @@ async fn split() {
     let policy = Policy::new(
         "split",
         Algorithm::FixedWindow,
-        Quota::per_second(PER_SECOND).unwrap(),
+        Quota::per_second(PER_SECOND.into()).unwrap(),
     )
     .unwrap();
     let rate = 1.0 / SEND_EVERY.as_secs_f64();

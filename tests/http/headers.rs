@@ -231,7 +231,7 @@ both_stores! {
         use axum::http::Method;
         use tollway_core::{Algorithm, Policy, Quota};
 
-        let quota = |limit: u32, burst: Option<u32>| {
+        let quota = |limit: u64, burst: Option<u64>| {
             let quota = Quota::per_minute(limit).unwrap();
             burst.map_or(quota, |burst| quota.with_burst(burst).unwrap())
         };

@@ -118,7 +118,10 @@ fn one_limit_and_two_limit_requests_on_one_key_share_the_burst_exactly() {
     const BURST: u32 = 1_000;
     let clock = ManualClock::new();
     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    let quota = Quota::per_minute(60).unwrap().with_burst(BURST).unwrap();
+    let quota = Quota::per_minute(60)
+        .unwrap()
+        .with_burst(BURST.into())
+        .unwrap();
     let gcra = Policy::new("gcra", Algorithm::Gcra, quota).unwrap();
     let wide = Quota::per_minute(60).unwrap().with_burst(100_000).unwrap();
     let bucket = Policy::new("bucket", Algorithm::TokenBucket, wide).unwrap();

@@ -223,8 +223,8 @@ impl Counted {
     /// callers share `anonymous` a minute, `k-pro` gets `pro`.
     fn layer(
         &self,
-        anonymous: u32,
-        pro: u32,
+        anonymous: u64,
+        pro: u64,
     ) -> tollway_tower::RateLimitLayerBuilder<tollway_core::MemoryStore<ManualClock>, ApiKey> {
         let clock = ManualClock::at_micros(EPOCH_US);
         RateLimitLayer::builder(memory_store(&clock), per_minute("anonymous", anonymous))

@@ -89,7 +89,7 @@ async fn a_token_budget_holds_fleet_wide_when_estimates_run_low() {
     let tokens = Policy::new(
         "tokens",
         Algorithm::TokenBucket,
-        Quota::per_second(PER_SECOND as u32).unwrap(),
+        Quota::per_second(PER_SECOND).unwrap(),
     )
     .unwrap();
     let started = tokio::time::Instant::now();

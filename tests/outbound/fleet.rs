@@ -19,7 +19,7 @@ async fn a_fleet_sharing_one_budget_stays_under_the_upstreams_quota() {
     let policy = Policy::new(
         "fleet",
         Algorithm::Gcra,
-        Quota::per_second(PER_SECOND).unwrap(),
+        Quota::per_second(PER_SECOND.into()).unwrap(),
     )
     .unwrap();
     let tally = Arc::new(Tally::default());
@@ -127,7 +127,7 @@ async fn a_fleet_sharing_redis_stays_under_the_upstreams_quota() {
     // The upstream's rate with a burst of 40, not its 50: requests reach it a little
     // later and a little less evenly than they were admitted, and ten units of burst
     // absorb that (at the same burst, 0.2–1.1% of requests were refused in three runs).
-    let quota = Quota::per_second(PER_SECOND)
+    let quota = Quota::per_second(PER_SECOND.into())
         .unwrap()
         .with_burst(40)
         .unwrap();

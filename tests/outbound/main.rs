@@ -43,7 +43,7 @@ async fn upstream(per_second: u32, hits: &Hits) -> (Server, Arc<AtomicU64>) {
     let policy = Policy::new(
         "upstream",
         Algorithm::Gcra,
-        Quota::per_second(per_second).unwrap(),
+        Quota::per_second(per_second.into()).unwrap(),
     )
     .unwrap();
     let layer = RateLimitLayer::builder(store, policy)

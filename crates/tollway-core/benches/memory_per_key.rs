@@ -213,7 +213,7 @@ fn per_key_keys() -> u64 {
 
 /// Keys under `algorithm` at `per_second` a second.
 fn per_key_tollway(algorithm: Algorithm, per_second: u32) {
-    let quota = Quota::per_second(per_second).unwrap();
+    let quota = Quota::per_second(per_second.into()).unwrap();
     let policy = Policy::new("mem", algorithm, quota).unwrap();
     let before = rss_kib();
     let store = MemoryStore::builder()

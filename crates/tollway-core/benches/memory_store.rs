@@ -56,9 +56,9 @@ const ALGORITHMS: [(Algorithm, &str); 2] = [
 ];
 
 fn allow_policy(algorithm: Algorithm) -> Policy {
-    let quota = Quota::per_second(ALLOW_RATE)
+    let quota = Quota::per_second(ALLOW_RATE.into())
         .unwrap()
-        .with_burst(ALLOW_BURST)
+        .with_burst(ALLOW_BURST.into())
         .unwrap();
     Policy::new("bench", algorithm, quota).unwrap()
 }
@@ -68,7 +68,12 @@ fn allow_governor() -> DefaultKeyedRateLimiter<u64> {
 }
 
 fn deny_policy(algorithm: Algorithm) -> Policy {
-    Policy::new("bench", algorithm, Quota::per_hour(DENY_PER_HOUR).unwrap()).unwrap()
+    Policy::new(
+        "bench",
+        algorithm,
+        Quota::per_hour(DENY_PER_HOUR.into()).unwrap(),
+    )
+    .unwrap()
 }
 
 fn deny_governor() -> DefaultKeyedRateLimiter<u64> {

@@ -66,7 +66,10 @@ fn nz(n: u32) -> NonZeroU32 {
 }
 
 fn policy(algorithm: Algorithm) -> Policy {
-    let quota = Quota::per_second(RATE).unwrap().with_burst(BURST).unwrap();
+    let quota = Quota::per_second(RATE.into())
+        .unwrap()
+        .with_burst(BURST.into())
+        .unwrap();
     Policy::new("bench", algorithm, quota).unwrap()
 }
 

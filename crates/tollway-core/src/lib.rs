@@ -245,7 +245,7 @@ pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
 pub use decision::{Decision, Decisions, Denial};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
 pub use policy::{MAX_POLICY_NAME, MAX_SLIDING_LOG_LIMIT, Policy};
-pub use quota::Quota;
+pub use quota::{MAX_UNITS, Quota};
 #[cfg(feature = "regions")]
 pub use store::{
     Board, BoardFuture, Recording, ReplicatedStore, ReplicatedStoreBuilder, SplitFuture,

@@ -56,7 +56,9 @@ impl Policy {
     /// # Errors
     ///
     /// When the name is empty, too long or has other characters: it becomes part of
-    /// store keys. When the quota sets a burst for a window algorithm. A window counts
+    /// store keys. When the quota's numbers form a product past 2^52 in the algorithm's
+    /// arithmetic: limit × period and burst × period for the buckets, burst × emission
+    /// interval for GCRA and the shaper, limit × period for the sliding window counter. When the quota sets a burst for a window algorithm. A window counts
     /// `limit` per window and has no use for one. When a sliding window log's limit
     /// passes [`MAX_SLIDING_LOG_LIMIT`].
     pub fn new(
@@ -87,6 +89,9 @@ impl Policy {
                 quota.limit()
             )));
         }
+        quota
+            .check_exact(algorithm)
+            .map_err(|e| ConfigError::new(format!("policy {name:?}: {e}")))?;
         if !algorithm.uses_burst() && quota.burst() != quota.limit() {
             return Err(ConfigError::new(format!(
                 "policy {name:?}: {} counts at most `limit` per window and has no burst; \

@@ -14,6 +14,12 @@ use crate::error::ConfigError;
 /// headroom for the sums they form. So Rust and Lua never round differently.
 pub(crate) const MAX_EXACT: u64 = 1 << 52;
 
+/// The most units a limit or a burst may be: 2^53, the integers Lua's numbers (doubles)
+/// hold exactly. The windows and calls in flight count up to it; the buckets and the
+/// sliding window counter are held to less by their products (see
+/// [`Policy::new`](crate::Policy::new)).
+pub const MAX_UNITS: u64 = 1 << 53;
+
 /// The most units a bucket may owe after charges that did not fit
 /// ([`Operation::Charge`](crate::Operation::Charge)), given `per_unit`, what one unit is
 /// in the algorithm's own measure (a token bucket's period in ticks, GCRA's emission
@@ -37,9 +43,10 @@ const MAX_PERIOD_US: u64 = 1 << 50;
 /// window. They reject a quota whose burst differs from its limit when the policy is
 /// built.
 ///
-/// Quotas are validated when they are made. A zero limit, a zero period, or numbers
-/// whose products would overflow exact arithmetic fail here, not on a request later. The
-/// message says what to change.
+/// Quotas are validated when they are made. A zero limit, a zero period, or a limit past
+/// [`MAX_UNITS`] fail here, not on a request later. Numbers whose products an algorithm
+/// cannot keep exact fail when the [`Policy`](crate::Policy) is made. The message says
+/// what to change.
 ///
 /// # Examples
 ///
@@ -109,7 +116,7 @@ impl Quota {
     /// # Errors
     ///
     /// When `limit` is zero.
-    pub fn per_second(limit: u32) -> Result<Self, ConfigError> {
+    pub fn per_second(limit: u64) -> Result<Self, ConfigError> {
         Self::with_period(limit, Duration::from_secs(1))
     }
 
@@ -118,7 +125,7 @@ impl Quota {
     /// # Errors
     ///
     /// When `limit` is zero.
-    pub fn per_minute(limit: u32) -> Result<Self, ConfigError> {
+    pub fn per_minute(limit: u64) -> Result<Self, ConfigError> {
         Self::with_period(limit, Duration::from_secs(60))
     }
 
@@ -126,8 +133,8 @@ impl Quota {
     ///
     /// # Errors
     ///
-    /// When `limit` is zero, or `limit × 3600 s` in microseconds passes 2^52.
-    pub fn per_hour(limit: u32) -> Result<Self, ConfigError> {
+    /// When `limit` is zero or passes [`MAX_UNITS`].
+    pub fn per_hour(limit: u64) -> Result<Self, ConfigError> {
         Self::with_period(limit, Duration::from_secs(3600))
     }
 
@@ -135,16 +142,16 @@ impl Quota {
     ///
     /// # Errors
     ///
-    /// When `limit` is zero. When `period` is shorter than one microsecond, not a whole
-    /// number of microseconds, or longer than 2^50 µs (about 35 years). When the period
-    /// is shorter than `limit` microseconds: a rate finer than one unit per microsecond.
-    /// When `limit × period` passes 2^52 µs.
-    pub fn with_period(limit: u32, period: Duration) -> Result<Self, ConfigError> {
+    /// When `limit` is zero or passes [`MAX_UNITS`]. When `period` is shorter than one
+    /// microsecond, not a whole number of microseconds, or longer than 2^50 µs (about 35
+    /// years).
+    pub fn with_period(limit: u64, period: Duration) -> Result<Self, ConfigError> {
         if limit == 0 {
             return Err(ConfigError::new(
                 "quota limit must be at least 1: a policy that admits nothing is a block, not a rate limit",
             ));
         }
+        check_units(limit, "limit")?;
         let nanos = period.as_nanos();
         if nanos < 1_000 {
             return Err(ConfigError::new(format!(
@@ -163,20 +170,11 @@ impl Quota {
                  times a window reaches must stay exact in every store"
             )));
         }
-        let limit = u64::from(limit);
-        if period_us < limit {
-            return Err(ConfigError::new(format!(
-                "quota of {limit} per {period:?} is finer than one unit per microsecond: \
-                 use a longer period with a proportionally larger limit"
-            )));
-        }
-        let quota = Quota::unchecked(limit, period_us);
-        quota.check_exact("limit")?;
-        Ok(quota)
+        Ok(Quota::unchecked(limit, period_us))
     }
 
-    /// `limit` per `period_us` (both above zero, the limit at most the period), burst
-    /// `limit`, before the exactness check.
+    /// `limit` per `period_us` (both above zero), burst `limit`, before the exactness
+    /// check.
     fn unchecked(limit: u64, period_us: u64) -> Self {
         let emission_us = period_us.div_ceil(limit);
         let common = gcd(limit, period_us);
@@ -209,38 +207,64 @@ impl Quota {
     ///
     /// # Errors
     ///
-    /// When `burst` is zero, or `burst × period` passes 2^52 µs.
-    pub fn with_burst(self, burst: u32) -> Result<Self, ConfigError> {
+    /// When `burst` is zero or passes [`MAX_UNITS`].
+    pub fn with_burst(self, burst: u64) -> Result<Self, ConfigError> {
         if burst == 0 {
             return Err(ConfigError::new(
                 "quota burst must be at least 1: a bucket that holds nothing admits nothing",
             ));
         }
-        let burst = u64::from(burst);
-        let quota = Quota {
+        check_units(burst, "burst")?;
+        let fill =
+            (u128::from(burst) * u128::from(self.period_us)).div_ceil(u128::from(self.limit));
+        Ok(Quota {
             burst,
-            // The product is checked below; saturating keeps a rejected quota harmless.
-            fill_us: burst.saturating_mul(self.period_us).div_ceil(self.limit),
+            // Within u64 for every policy the algorithms accept (see `Policy::new`).
+            fill_us: u64::try_from(fill).unwrap_or(u64::MAX),
             ..self
-        };
-        quota.check_exact("burst")?;
-        Ok(quota)
+        })
     }
 
-    fn check_exact(&self, what: &str) -> Result<(), ConfigError> {
+    /// Whether the products `algorithm` forms stay within 2^52 (see [`MAX_EXACT`]): an
+    /// error naming them if not.
+    pub(crate) fn check_exact(&self, algorithm: crate::Algorithm) -> Result<(), ConfigError> {
+        use crate::Algorithm;
         let fits = |n: u64, per: u64| n.checked_mul(per).is_some_and(|p| p <= MAX_EXACT);
-        if !fits(self.limit, self.period_us)
-            || !fits(self.burst, self.period_us)
-            || !fits(self.burst, self.emission_us)
-        {
+        let (limit, burst, period) = (self.limit, self.burst, self.period_us);
+        let spaced = !matches!(
+            algorithm,
+            Algorithm::FixedWindow | Algorithm::SlidingWindowLog | Algorithm::Concurrency
+        );
+        if spaced && period < limit {
             return Err(ConfigError::new(format!(
-                "quota {what} is too large for its period: limit × period and burst × period \
-                 must stay within 2^52 microseconds (got limit {}, burst {}, period {} µs); \
-                 use a shorter period with a proportionally smaller limit",
-                self.limit, self.burst, self.period_us
+                "quota of {limit} per {period} µs is finer than one unit per microsecond for \
+                 {}: use a longer period with a proportionally larger limit, or a fixed window",
+                algorithm.name()
             )));
         }
-        Ok(())
+        let (ok, products) = match algorithm {
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => (
+                fits(limit, period) && fits(burst, period),
+                "limit × period and burst × period",
+            ),
+            Algorithm::Gcra | Algorithm::LeakyBucketShaper => (
+                fits(burst, self.emission_us),
+                "burst × emission interval (period / limit)",
+            ),
+            Algorithm::SlidingWindowCounter => (fits(limit, period), "limit × period"),
+            Algorithm::FixedWindow | Algorithm::SlidingWindowLog | Algorithm::Concurrency => {
+                (true, "")
+            }
+        };
+        if ok {
+            return Ok(());
+        }
+        Err(ConfigError::new(format!(
+            "quota of {limit} (burst {burst}) per {period} µs is too large for {}: {products} \
+             must stay within 2^52 microseconds; use a shorter period with a proportionally \
+             smaller limit, or a fixed window (which counts up to 2^53 in any period)",
+            algorithm.name()
+        )))
     }
 
     /// Units admitted per period.
@@ -331,6 +355,17 @@ impl Quota {
     }
 }
 
+/// An error if `n` passes [`MAX_UNITS`].
+fn check_units(n: u64, what: &str) -> Result<(), ConfigError> {
+    if n > MAX_UNITS {
+        return Err(ConfigError::new(format!(
+            "quota {what} {n} passes 2^53 ({MAX_UNITS}), the most units every store counts \
+             exactly: count in larger units (kilobytes rather than bytes, say)"
+        )));
+    }
+    Ok(())
+}
+
 /// Euclid's greatest common divisor of two numbers above zero.
 const fn gcd(mut a: u64, mut b: u64) -> u64 {
     while b != 0 {
@@ -352,25 +387,47 @@ mod tests {
     }
 
     #[test]
-    fn rates_finer_than_a_microsecond_are_rejected() {
-        let err = Quota::with_period(1001, Duration::from_millis(1)).unwrap_err();
+    fn rates_finer_than_a_microsecond_are_rejected_where_units_are_spaced() {
+        use crate::Algorithm;
+        let fine = Quota::with_period(1001, Duration::from_millis(1)).unwrap();
+        let err = fine.check_exact(Algorithm::Gcra).unwrap_err();
         assert!(
             err.to_string()
                 .contains("finer than one unit per microsecond")
         );
-        assert!(Quota::with_period(1000, Duration::from_millis(1)).is_ok());
+        assert!(fine.check_exact(Algorithm::FixedWindow).is_ok());
+        assert!(fine.check_exact(Algorithm::Concurrency).is_ok());
+        let even = Quota::with_period(1000, Duration::from_millis(1)).unwrap();
+        assert!(even.check_exact(Algorithm::Gcra).is_ok());
     }
 
     #[test]
-    fn products_past_two_to_the_fifty_two_are_rejected() {
+    fn products_past_two_to_the_fifty_two_are_rejected_where_an_algorithm_forms_them() {
+        use crate::Algorithm;
         // 2^52 µs is about 142 years; a million per day is 8.64e16 > 2^52.
         let day = Duration::from_secs(86_400);
-        let err = Quota::with_period(1_000_000, day).unwrap_err();
+        let million = Quota::with_period(1_000_000, day).unwrap();
+        let err = million.check_exact(Algorithm::TokenBucket).unwrap_err();
         assert!(err.to_string().contains("2^52"), "{err}");
-        assert!(Quota::with_period(50_000, day).is_ok());
-        let err = Quota::per_hour(1)
+        assert!(million.check_exact(Algorithm::FixedWindow).is_ok());
+        assert!(million.check_exact(Algorithm::Gcra).is_ok());
+        let fifty = Quota::with_period(50_000, day).unwrap();
+        assert!(fifty.check_exact(Algorithm::SlidingWindowCounter).is_ok());
+        let deep = Quota::per_hour(1).unwrap().with_burst(1 << 40).unwrap();
+        let err = deep.check_exact(Algorithm::Gcra).unwrap_err();
+        assert!(err.to_string().contains("burst"), "{err}");
+    }
+
+    #[test]
+    fn units_past_two_to_the_fifty_three_are_rejected() {
+        let month = Duration::from_secs(31 * 86_400);
+        assert!(Quota::with_period(10_000_000_000, month).is_ok());
+        assert!(Quota::with_period(MAX_UNITS, Duration::from_secs(1)).is_ok());
+        let err = Quota::with_period(MAX_UNITS + 1, month).unwrap_err();
+        assert!(err.to_string().contains("2^53"), "{err}");
+        let err = Quota::per_second(1)
             .unwrap()
-            .with_burst(u32::MAX)
+            .with_burst(MAX_UNITS + 1)
             .unwrap_err();
         assert!(err.to_string().contains("burst"), "{err}");
     }

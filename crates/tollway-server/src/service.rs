@@ -414,7 +414,8 @@ impl RateLimitService {
 /// or year, never more than the policy allows in that unit's time.
 ///
 /// The unit is the longest one no longer than the period in which at least one request
-/// passes, the count rounded down: 100 per 90 s is 66 a minute. When every such unit is
+/// passes and the count fits Envoy's 32 bits, the count rounded down: 100 per 90 s is
+/// 66 a minute; 10^10 a 31-day month is 322,580,645 a day. When every such unit is
 /// too short (5 per 10 s is half a request a second), the next unit up, its count cut to
 /// the burst: 5 a minute. Envoy reads the count as what passes in one unit's window, so a
 /// count above the burst would promise a burst the policy never grants.
@@ -431,10 +432,10 @@ fn current_limit(policy: &Policy) -> RateLimit {
     let quota = policy.quota();
     let period_us = u128::from(quota.period_micros().max(1));
     let in_unit = |secs: u64| u128::from(quota.limit()) * u128::from(secs) * 1_000_000 / period_us;
-    let within = UNITS
-        .iter()
-        .rev()
-        .find(|&&(secs, _)| u128::from(secs) * 1_000_000 <= period_us && in_unit(secs) >= 1);
+    let within = UNITS.iter().rev().find(|&&(secs, _)| {
+        let count = in_unit(secs);
+        u128::from(secs) * 1_000_000 <= period_us && count >= 1 && count <= u128::from(u32::MAX)
+    });
     let (per_unit, unit) = match within {
         Some(&(secs, unit)) => (in_unit(secs), unit),
         None => {
@@ -478,7 +479,7 @@ mod tests {
 
     use super::*;
 
-    fn stated(limit: u32, period_s: u64, burst: Option<u32>) -> (u32, Unit) {
+    fn stated(limit: u64, period_s: u64, burst: Option<u64>) -> (u32, Unit) {
         let mut quota = Quota::with_period(limit, Duration::from_secs(period_s)).unwrap();
         if let Some(burst) = burst {
             quota = quota.with_burst(burst).unwrap();
@@ -498,6 +499,12 @@ mod tests {
         assert_eq!(stated(7, 2 * 86_400, None), (3, Unit::Day));
         assert_eq!(stated(5, 10, None), (5, Unit::Minute));
         assert_eq!(stated(5, 10, Some(50)), (30, Unit::Minute));
+        // Past Envoy's 32 bits in a month: stated a day.
+        let month = 31 * 86_400;
+        assert_eq!(
+            stated(10_000_000_000, month, None),
+            (322_580_645, Unit::Day)
+        );
         assert_eq!(stated(1, 400 * 86_400, None), (1, Unit::Year));
     }
 }

@@ -382,7 +382,7 @@
 //!   policy anonymous: token_bucket of 20 per 60s, burst 20 (default)
 //!   ...
 //! $ tollway check broken.toml
-//! broken.toml:6:9: policy "api": limit = 0 lets nothing through: write a limit of 1 to 4294967295 (units a period)
+//! broken.toml:6:9: policy "api": limit = 0 lets nothing through: write a limit of 1 to 9007199254740992 (2^53 units a period)
 //! ```
 //!
 //! `config::Reloader` builds the layer from the file and reloads it. It reloads on demand

@@ -135,7 +135,7 @@ pub(crate) struct LookupSettings {
 }
 
 /// How many lookups one address may start a minute, by default.
-pub(crate) const DEFAULT_LOOKUPS_PER_SOURCE: u32 = 60;
+pub(crate) const DEFAULT_LOOKUPS_PER_SOURCE: u64 = 60;
 
 impl Default for LookupSettings {
     fn default() -> Self {

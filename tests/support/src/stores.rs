@@ -68,6 +68,6 @@ pub async fn redis_store_under(prefix: &str, clock: &ManualClock) -> RedisStore 
 }
 
 /// A token bucket of `n` per minute: one unit refills every `60 / n` seconds.
-pub fn per_minute(name: &str, n: u32) -> Policy {
+pub fn per_minute(name: &str, n: u64) -> Policy {
     Policy::new(name, Algorithm::TokenBucket, Quota::per_minute(n).unwrap()).unwrap()
 }

@@ -557,9 +557,9 @@ fn outcome(decision: &Decision) -> usize {
 
 /// A quota of `limit` a `period`, with `burst` where the algorithm has one.
 fn quota(algorithm: Algorithm, limit: u32, period: Duration, burst: u32) -> Quota {
-    let q = Quota::with_period(limit, period).expect("a valid quota");
+    let q = Quota::with_period(limit.into(), period).expect("a valid quota");
     if algorithm.uses_burst() {
-        q.with_burst(burst).expect("a valid burst")
+        q.with_burst(burst.into()).expect("a valid burst")
     } else {
         q
     }

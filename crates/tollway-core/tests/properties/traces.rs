@@ -7,9 +7,9 @@ use super::*;
 pub(crate) const PERIODS: [u64; 4] = [1_000, 1_000_000, 7_000_000, 60_000_000];
 
 pub(crate) fn quota(limit: u32, period_us: u64, burst: u32) -> Quota {
-    Quota::with_period(limit, Duration::from_micros(period_us))
+    Quota::with_period(limit.into(), Duration::from_micros(period_us))
         .unwrap()
-        .with_burst(burst)
+        .with_burst(burst.into())
         .unwrap()
 }
 

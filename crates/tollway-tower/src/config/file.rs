@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::time::Duration;
 
-use tollway_core::{Algorithm, ConfigError, MemoryStore, Policy, Quota};
+use tollway_core::{Algorithm, ConfigError, MAX_UNITS, MemoryStore, Policy, Quota};
 use toml::Spanned;
 
 use super::follow;
@@ -257,16 +257,20 @@ pub(super) fn policy(
             )
         })?;
     let limit = *section.limit.get_ref();
-    let limit = u32::try_from(limit)
+    let limit = u64::try_from(limit)
         .ok()
-        .filter(|&l| l > 0)
+        .filter(|&l| l > 0 && l <= MAX_UNITS)
         .ok_or_else(|| {
+            let why = if limit > 0 {
+                "is more than every store counts exactly"
+            } else {
+                "lets nothing through"
+            };
             (
                 Some(section.limit.span()),
                 format!(
-                    "policy {name:?}: limit = {limit} lets nothing through: write a limit of 1 to \
-                 {} (units a period)",
-                    u32::MAX
+                    "policy {name:?}: limit = {limit} {why}: write a limit of 1 to {MAX_UNITS} \
+                     (2^53 units a period)"
                 ),
             )
         })?;
@@ -284,7 +288,7 @@ pub(super) fn policy(
         .map_err(|e| (Some(section.period.span()), e.to_string()))?;
     if let Some(burst) = &section.burst {
         let value = *burst.get_ref();
-        let burst_ok = u32::try_from(value).ok().filter(|&b| b >= limit);
+        let burst_ok = u64::try_from(value).ok().filter(|&b| b >= limit);
         let Some(b) = burst_ok else {
             return Err((
                 Some(burst.span()),
@@ -299,7 +303,15 @@ pub(super) fn policy(
             .with_burst(b)
             .map_err(|e| (Some(burst.span()), e.to_string()))?;
     }
-    Policy::new(name, algorithm, quota).map_err(|e| (None, e.to_string()))
+    Policy::new(name, algorithm, quota).map_err(|e| {
+        // Where the numbers that do not fit are written: the burst if it says so.
+        let message = e.to_string();
+        let at = match &section.burst {
+            Some(burst) if message.contains("with_burst") => burst.span(),
+            _ => section.limit.span(),
+        };
+        (Some(at), message)
+    })
 }
 
 /// `1s`, `30s`, `1m`, `1h`, `1d`, `250ms`: a whole number and a unit.

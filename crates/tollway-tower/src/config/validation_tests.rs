@@ -329,3 +329,32 @@ fn a_limit_on_calls_in_flight_is_summarised_as_slots() {
         "{summary}"
     );
 }
+
+/// Limits and bursts count up to 2^53 where the algorithm can: a fixed window of 10^10
+/// a month is accepted; a token bucket of it, or a limit past 2^53, is refused at the
+/// limit, saying what to write.
+#[test]
+fn limits_past_u32_are_accepted_up_to_what_the_algorithm_keeps_exact() {
+    let policy = |algorithm: &str, limit: u64| {
+        format!("algorithm = \"{algorithm}\"\nlimit = {limit}\nperiod = \"30d\"")
+    };
+    let month = super::tests::file(&policy("fixed_window", 10_000_000_000), "");
+    let parsed = LimitsFile::parse("limits.toml", &month).unwrap();
+    assert!(
+        parsed.summary().contains("10000000000"),
+        "{}",
+        parsed.summary()
+    );
+    let bucket = super::tests::file(&policy("token_bucket", 10_000_000_000), "");
+    let err = error(&bucket, 6, 9);
+    assert!(
+        err.contains("2^52") && err.contains("fixed window"),
+        "{err}"
+    );
+    let past = super::tests::file(&policy("fixed_window", (1 << 53) + 1), "");
+    let err = error(&past, 6, 9);
+    assert!(
+        err.contains("write a limit of 1 to 9007199254740992"),
+        "{err}"
+    );
+}

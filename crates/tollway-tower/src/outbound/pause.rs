@@ -22,7 +22,7 @@ pub(super) fn policy(max_pause: Duration) -> Result<Option<Policy>, ConfigError>
     if ms == 0 {
         return Ok(None);
     }
-    let quota = Quota::with_period(ms, Duration::from_millis(u64::from(ms)))?;
+    let quota = Quota::with_period(ms.into(), Duration::from_millis(u64::from(ms)))?;
     Policy::new("outbound-pause", Algorithm::Gcra, quota).map(Some)
 }
 

@@ -105,7 +105,7 @@ pub async fn in_flight_across_gateways(target: &Target) -> ((u64, u64, usize), V
     let streams = Policy::new(
         "streams",
         Algorithm::Concurrency,
-        Quota::with_period(SLOTS as u32, Duration::from_secs(30)).unwrap(),
+        Quota::with_period(SLOTS as u64, Duration::from_secs(30)).unwrap(),
     )
     .unwrap();
     let inside = Arc::new(AtomicUsize::new(0));

@@ -74,7 +74,7 @@ pub async fn conformance_server_time(target: &Target, events: usize) -> Vec<Stri
         .await;
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let mut rng = Rng(0x5e77_e7ed);
-    let specs: [(u32, u64, u32); 4] = [
+    let specs: [(u64, u64, u64); 4] = [
         (5, 2_000, 8),
         (50, 1_000, 64),
         (3, 20_000, 2),

@@ -77,7 +77,7 @@ pub async fn a_changed_limit_keeps_usage(target: &Target) -> Vec<String> {
     for algorithm in Algorithm::ALL {
         let key = algorithm.name().as_bytes();
         let policy = |quota: Quota| Policy::new("api", algorithm, quota).unwrap();
-        let per_minute = |limit: u32| policy(Quota::per_minute(limit).unwrap());
+        let per_minute = |limit: u64| policy(Quota::per_minute(limit).unwrap());
         let first = store.check_one(key, &per_minute(20), 20).await.unwrap();
         assert!(first.is_allowed(), "{algorithm:?}");
         let cut = store.check_one(key, &per_minute(10), 1).await.unwrap();

@@ -357,7 +357,7 @@ impl<C: Clock> Fallback<C> {
 /// `policy` with its limit and burst multiplied by `share`, rounded up, at least 1.
 fn scale(policy: &Policy, share: f64) -> Result<Policy, ConfigError> {
     let q = policy.quota();
-    let part = |n: u64| ((n as f64 * share).ceil() as u64).clamp(1, u64::from(u32::MAX)) as u32;
+    let part = |n: u64| ((n as f64 * share).ceil() as u64).clamp(1, crate::quota::MAX_UNITS);
     let mut quota = Quota::with_period(part(q.limit()), q.period())?;
     if q.burst() != q.limit() {
         quota = quota.with_burst(part(q.burst()))?;

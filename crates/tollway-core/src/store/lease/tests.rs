@@ -302,7 +302,7 @@ async fn a_cut_settles_outstanding_loans_against_the_new_limit() {
         .horizon(Duration::from_millis(50))
         .build()
         .unwrap();
-    let mut admit = async |policy: &Policy, requests: usize| {
+    let admit = async |policy: &Policy, requests: usize| {
         let mut admitted = 0;
         for _ in 0..requests {
             clock.advance(Duration::from_micros(100));

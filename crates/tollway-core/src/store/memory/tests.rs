@@ -156,7 +156,7 @@ fn a_new_key_that_does_not_fit_refuses_the_whole_request() {
 fn a_changed_limit_keeps_what_each_caller_used() {
     for algorithm in Algorithm::ALL {
         let (store, clock) = store(100, WhenFull::Deny);
-        let policy = |limit: u32| {
+        let policy = |limit: u64| {
             let quota = Quota::per_minute(limit).unwrap();
             Policy::new("api", algorithm, quota).unwrap()
         };
@@ -187,7 +187,7 @@ fn a_cut_refills_at_the_new_rate_from_the_first_request_under_it() {
     // state is kept: at the old rate a unit would be back at 33 s, at the new one at 66 s.
     for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
         let (store, clock) = store(100, WhenFull::Deny);
-        let policy = |limit: u32| {
+        let policy = |limit: u64| {
             let quota = Quota::per_minute(limit).unwrap();
             Policy::new("api", algorithm, quota).unwrap()
         };

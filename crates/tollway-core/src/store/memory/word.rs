@@ -349,8 +349,8 @@ mod tests {
     }
 
     fn quota(limit: u32, period_us: u64, burst: u32) -> Quota {
-        Quota::with_period(limit, Duration::from_micros(period_us))
-            .and_then(|q| q.with_burst(burst))
+        Quota::with_period(limit.into(), Duration::from_micros(period_us))
+            .and_then(|q| q.with_burst(burst.into()))
             .unwrap()
     }
 
