@@ -426,3 +426,52 @@ fn the_default_limits_file_is_valid() {
         "{summary}"
     );
 }
+
+// A descriptor's `limit` (a per-customer limit Envoy sends) decides in place of the
+// file's policy, under the same budget: the caller keeps what it used. A `limit` that
+// cannot be a policy (0 a minute) leaves the file's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_descriptors_own_limit_decides_and_keeps_what_was_used() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
+
+    let file = File::new("override", LIMITS);
+    let mut served = serve(&file.0).await;
+    let me = |limit: Option<u32>| {
+        let mut d = descriptor(&[("remote_address", "203.0.113.9")]);
+        d.limit = limit.map(|requests_per_unit| RateLimitOverride {
+            requests_per_unit,
+            unit: RateLimitUnit::Minute as i32,
+        });
+        vec![d]
+    };
+    // The file's 3 a minute: 2 used.
+    for _ in 0..2 {
+        assert_eq!(
+            ask(&mut served.client, me(None)).await.overall_code,
+            Code::Ok as i32
+        );
+    }
+    // This customer's own 10 a minute: 7 more, then refused.
+    let own = ask(&mut served.client, me(Some(10))).await;
+    assert_eq!(own.statuses[0].limit_remaining, 7);
+    let stated = own.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!(
+        (stated.requests_per_unit, stated.unit),
+        (10, Unit::Minute as i32)
+    );
+    for _ in 0..7 {
+        assert_eq!(
+            ask(&mut served.client, me(Some(10))).await.overall_code,
+            Code::Ok as i32
+        );
+    }
+    let over = ask(&mut served.client, me(Some(10))).await;
+    assert_eq!(over.overall_code, Code::OverLimit as i32);
+    // 0 a minute is no policy: the file's 3, spent.
+    let zero = ask(&mut served.client, me(Some(0))).await;
+    assert_eq!(zero.overall_code, Code::OverLimit as i32);
+    let stated = zero.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!(stated.requests_per_unit, 3);
+    served.running.stop().await;
+}

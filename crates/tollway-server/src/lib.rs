@@ -32,6 +32,15 @@
 //!   when one enforcing limit refuses.
 //! - A descriptor's own `hits_addend` is its cost (0 looks without charging); else the
 //!   request's, at least 1.
+//! - A descriptor's own `limit` (`requests_per_unit` a unit; a month is 30 days, a year
+//!   365) decides in place of its rule's policy: the same name and algorithm at that
+//!   limit, burst the limit. It is how a customer gets a limit of its own. Under the same
+//!   period as the file's policy, the caller keeps what it used, either way. A `limit`
+//!   of 0 or an unknown unit is ignored: the file's policy decides. Envoy sends `limit`
+//!   when a route's rate limit action sets it (`limit: { dynamic_metadata: .. }`), so
+//!   whatever writes that metadata chooses the limit. Never let it come from a client's
+//!   header, and keep the service's port off the clients' network: anyone who can call
+//!   the service can ask for any limit.
 //! - Each status has the policy's limit (`current_limit`, in Envoy's units, never more
 //!   than the policy passes in one unit: 5 per 10 s is 5 a minute), what remains, and
 //!   the time until it is whole again. `response_headers_to_add` carries the
@@ -101,7 +110,7 @@
 //! patterns, `unlimited`, shadow mode, request and descriptor `hits_addend`, and any
 //! period and algorithm of tollway's but the shaper and calls in flight. It does not
 //! have `replaces`, `detailed_metric`, `value_to_metric`, `share_threshold`,
-//! `quota_mode`, a descriptor's own `limit` override, or `is_negative_hits`. The bench
+//! `quota_mode`, or `is_negative_hits`. The bench
 //! is in the repository's `BENCHMARKS.md`.
 
 mod descriptors;

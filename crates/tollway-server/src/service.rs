@@ -1,6 +1,7 @@
 //! `ShouldRateLimit`: a request's descriptors, decided all or nothing by the file's
 //! policies, in the store the file names.
 
+use std::borrow::Cow;
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,15 +9,17 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use futures_util::future::join_all;
-use tollway_core::{BoxStore, Decision, Operation, Policy, Store, StoreError};
+use tollway_core::{BoxStore, Decision, Operation, Policy, Quota, Store, StoreError};
 use tollway_tower::config::{ConfigKey, LimitsFile};
 use tollway_tower::{
     DecisionOutcome, HeaderStyle, OnStoreError, RateLimitLayer, Verdict, rate_limit_headers,
@@ -71,12 +74,16 @@ impl std::fmt::Debug for RateLimitService {
 }
 
 /// One descriptor of a request: what limits it, under which key, at what cost.
+// A request has a few plans, kept for its life: boxing the policy would allocate for
+// each one limited.
+#[allow(clippy::large_enum_variant)]
 enum Plan<'r> {
     /// No rule: allowed, unlimited, as envoyproxy/ratelimit answers.
     Unknown,
     Unlimited,
     Limited {
-        policy: &'r Policy,
+        /// The file's policy, or the one the descriptor's `limit` asks for.
+        policy: Cow<'r, Policy>,
         key: tollway_tower::Key,
         cost: u32,
     },
@@ -305,6 +312,37 @@ impl RateLimitService {
     }
 }
 
+/// The policy a descriptor's `limit` asks for instead of `policy`: its name and algorithm
+/// at `requests_per_unit` a unit (a month is 30 days, a year 365), burst the limit.
+///
+/// Envoy sends `limit` when a route's rate limit action says so, often from a request's
+/// dynamic metadata: whoever can set that chooses the limit (see the crate docs). Under
+/// the same period as the file's policy, a caller keeps what it used: the limit is an
+/// argument, not part of the state's identity. `None` for no `limit`, or one that cannot
+/// be a policy (0, an unknown unit, numbers the algorithm cannot keep exact): the file's
+/// policy then decides.
+fn overridden(policy: &Policy, limit: Option<&RateLimitOverride>) -> Option<Policy> {
+    let limit = limit?;
+    let secs: u64 = match RateLimitUnit::try_from(limit.unit).ok()? {
+        RateLimitUnit::Second => 1,
+        RateLimitUnit::Minute => 60,
+        RateLimitUnit::Hour => 3_600,
+        RateLimitUnit::Day => 86_400,
+        RateLimitUnit::Month => 30 * 86_400,
+        RateLimitUnit::Year => 365 * 86_400,
+        RateLimitUnit::Unknown => return None,
+    };
+    let quota = Quota::with_period(limit.requests_per_unit.into(), Duration::from_secs(secs));
+    let own = quota.and_then(|quota| Policy::new(policy.name(), policy.algorithm(), quota));
+    match own {
+        Ok(own) => Some(own),
+        Err(error) => {
+            tracing::debug!(%error, policy = policy.name(), "a descriptor's limit is not a policy");
+            None
+        }
+    }
+}
+
 /// How `descriptor` of a request in `domain` is limited.
 fn plan<'r>(
     descriptors: &'r Descriptors,
@@ -322,6 +360,10 @@ fn plan<'r>(
     };
     let Some(policy) = matched.policy else {
         return Plan::Unlimited;
+    };
+    let policy = match overridden(policy, descriptor.limit.as_ref()) {
+        Some(own) => Cow::Owned(own),
+        None => Cow::Borrowed(policy),
     };
     // The descriptor's own hits win (0 is a look); else the request's, at least 1.
     let cost = match &descriptor.hits_addend {
