@@ -150,7 +150,7 @@ struct Run {
 
 fn run(algorithm: Algorithm, quota: Quota, pattern: &Pattern) -> Run {
     let clock = ManualClock::new();
-    let mut limiter = limiter(algorithm, quota);
+    let mut limiter = limiter(algorithm, quota.clone());
     let mut admitted_at = Vec::new();
     let mut run = Run {
         admitted: 0,
@@ -197,13 +197,19 @@ struct AlgorithmTable {
 
 fn algorithm_table(quota: Quota) -> AlgorithmTable {
     let patterns = patterns();
+    let runs = rate_algorithms()
+        .into_iter()
+        .map(|a| {
+            (
+                a,
+                patterns.iter().map(|p| run(a, quota.clone(), p)).collect(),
+            )
+        })
+        .collect();
     AlgorithmTable {
         quota,
         patterns: patterns.iter().map(|p| p.name).collect(),
-        runs: rate_algorithms()
-            .into_iter()
-            .map(|a| (a, patterns.iter().map(|p| run(a, quota, p)).collect()))
-            .collect(),
+        runs,
     }
 }
 

@@ -90,7 +90,7 @@ pub fn router<C: Clock>(store: MemoryStore<C>, hosts: &[String]) -> Result<Route
         races: AtomicU64::new(0),
         windows: MemoryStore::builder().clock(clock.clone()).build()?,
         clock,
-        fixed: Policy::new("lab-boundary-fixed", Algorithm::FixedWindow, window)?,
+        fixed: Policy::new("lab-boundary-fixed", Algorithm::FixedWindow, window.clone())?,
         log: Policy::new("lab-boundary-log", Algorithm::SlidingWindowLog, window)?,
     });
     let runs = Policy::new("lab-runs", Algorithm::TokenBucket, Quota::per_minute(10)?)?;

@@ -29,6 +29,9 @@ if n == 1 then
     denial, remaining, reset, wait, x, y = leaky_shaper(now, cost, argv[7] + 0, argv[8] + 0, v)
   elseif code == '4' then
     denial, remaining, reset, wait, x, y = fixed_window(now, cost, argv[5] + 0, argv[6] + 0, v)
+  elseif code == '9' then
+    denial, remaining, reset, wait, x, y =
+      fixed_window(now, cost, argv[5] + 0, argv[7] + 0, v, argv[6] + 0, argv[8] + 0)
   elseif code == '6' then
     denial, remaining, reset, wait, x, y = sliding_window_counter(now, cost, argv[5] + 0, argv[6] + 0, v)
   elseif code == '5' then
@@ -88,6 +91,9 @@ for pass = 1, 2 do
         denial, remaining, reset, wait, x, y = leaky_shaper(now, c, argv[j + 2] + 0, argv[j + 3] + 0, v)
       elseif code == '4' then
         denial, remaining, reset, wait, x, y = fixed_window(now, c, argv[j] + 0, argv[j + 1] + 0, v)
+      elseif code == '9' then
+        denial, remaining, reset, wait, x, y =
+          fixed_window(now, c, argv[j] + 0, argv[j + 2] + 0, v, argv[j + 1] + 0, argv[j + 3] + 0)
       elseif code == '6' then
         denial, remaining, reset, wait, x, y =
           sliding_window_counter(now, c, argv[j] + 0, argv[j + 1] + 0, v)
@@ -118,7 +124,7 @@ if commit then
   for i = 1, n do
     local key, code, r = keys[i], argv[5 * i - 1], 3 * i
     local v, x, y = held[r - 2], held[r - 1], held[r]
-    if denied and (not x or code == '4' or code == '5' or code == '6' or code == '8') then
+    if denied and (not x or code == '4' or code == '5' or code == '6' or code == '8' or code == '9') then
       -- Nothing carried: nothing to write.
     elseif code == '5' then
       local c = cost

@@ -28,6 +28,9 @@ local function decide(i, cost, v)
     return leaky_shaper(now, cost, burst, emission, v)
   elseif code == '4' then
     return fixed_window(now, cost, limit, period, v)
+  elseif code == '9' then
+    -- A calendar's window: its start, end and the next end in period, burst, emission.
+    return fixed_window(now, cost, limit, burst, v, period, emission)
   elseif code == '6' then
     return sliding_window_counter(now, cost, limit, period, v)
   elseif code == '5' then
@@ -141,13 +144,15 @@ local function gcra_refund(emission, v)
   return pack('<dd', tat, emission), tat
 end
 
+-- A fixed window's current end (a calendar's too): what `decide` says it is.
+local function window_end_of(i, v)
+  return select(7, decide(i, 0, v))
+end
+
 -- Fixed window: the current window's count, less the units.
-local function fixed_window_refund(period, v)
+local function fixed_window_refund(window_end, v)
   if not v then return false, 0 end
   local stored_end, count = unpack('<dd', v)
-  local window_end = now / period
-  window_end = (window_end - window_end % 1) * period + period
-  if stored_end > window_end then window_end = stored_end end
   count = count - units
   if stored_end ~= window_end or count <= 0 then return false, 0 end
   return pack('<dd', window_end, count), window_end
@@ -206,11 +211,8 @@ end
 -- was.
 
 -- Fixed window: off the count while the window is still the current one.
-local function fixed_window_give_back(period, v, stop)
+local function fixed_window_give_back(window_end, v, stop)
   local stored_end, count = unpack('<dd', v)
-  local window_end = now / period
-  window_end = (window_end - window_end % 1) * period + period
-  if stored_end > window_end then window_end = stored_end end
   if stored_end ~= stop or window_end ~= stop then return v, 0 end
   count = count - units
   if count <= 0 then return false, 0 end
@@ -236,10 +238,10 @@ end
 -- Gives limit i's units back to the window ending at its ARGV; returns what its key holds.
 local function give_back(i, v)
   local code, _, period = limit_of(i)
-  if not v or (code ~= '4' and code ~= '6') then return v end
+  if not v or (code ~= '4' and code ~= '6' and code ~= '9') then return v end
   local stop, x, a = argv[4 + 5 * n + i] + 0, v, 0
-  if code == '4' then
-    x, a = fixed_window_give_back(period, v, stop)
+  if code == '4' or code == '9' then
+    x, a = fixed_window_give_back(window_end_of(i, v), v, stop)
   else
     x, a = sliding_window_counter_give_back(period, v, stop)
   end
@@ -264,8 +266,8 @@ local function refund(i, v)
     x, a = token_bucket_refund(limit, period, v)
   elseif code == '7' or code == '3' then
     x, a = gcra_refund(emission, v)
-  elseif code == '4' then
-    x, a = fixed_window_refund(period, v)
+  elseif code == '4' or code == '9' then
+    x, a = fixed_window_refund(window_end_of(i, v), v)
   elseif code == '6' then
     x, a = sliding_window_counter_refund(period, v)
   else

@@ -17,9 +17,11 @@
 --   then five per limit; limit i's are [b+1] .. [b+5] with b = 3 + 5 × (i − 1):
 --   [b+1] algorithm: 1 token bucket, 2 leaky bucket meter, 3 leaky bucket shaper,
 --         4 fixed window, 5 sliding window log, 6 sliding window counter, 7 GCRA,
---         8 concurrency
+--         8 concurrency, 9 fixed window of a calendar
 --   [b+2] limit   [b+3] period (µs)   [b+4] burst   [b+5] emission interval (µs) = ceil(period / limit)
---   (concurrency: [b+4] the gateway's number, its field in the key's hash)
+--   (concurrency: [b+4] the gateway's number, its field in the key's hash; a calendar's
+--   fixed window: [b+3] its start, [b+4] its end, [b+5] the next one's end, in µs, as
+--   the gateway's clock puts them)
 -- Reply: four integers per limit, in KEYS order: { denial, remaining, reset_after_us, wait_us }
 --   (then the time read, when ARGV[1] is "TIME")
 --   denial 0: allowed, wait_us = the shaper's delay (0 for the others)

@@ -529,6 +529,68 @@ both_stores! {
     }
 }
 
+/// A month of 10^10 tokens in Paris, each request's tokens in `x-tokens` (written by a
+/// gateway in front).
+const MONTHLY: &str = "[layer]\ndefault = \"tokens\"\nheaders = \"legacy\"\n\n\
+    [policies.tokens]\nalgorithm = \"fixed_window\"\nlimit = 10000000000\n\
+    period = \"calendar month\"\nzone = \"Europe/Paris\"\n\n\
+    [policies.tokens.cost]\nheader = \"x-tokens\"\nwritten_by = \"gateway\"\n";
+
+both_stores! {
+    /// A monthly budget of 10^10 tokens on Paris's calendar, through the layer: February
+    /// 2027 (28 days) ends at midnight in Paris, not 30 days after the first request;
+    /// March ends at midnight summer time, an hour earlier in UTC than it began.
+    async fn a_calendar_month_of_ten_billion_tokens_resets_at_midnight_in_paris(store, clock) {
+        // 2027-02-10 12:00 UTC, and midnights in Paris as UTC µs.
+        const FEB_10: u64 = 1_802_260_800_000_000;
+        const MARCH_1: u64 = 1_803_855_600_000_000; // 2027-02-28 23:00 UTC (CET)
+        const APRIL_1: u64 = 1_806_530_400_000_000; // 2027-03-31 22:00 UTC (CEST)
+        const HOUR: u64 = 3_600_000_000;
+
+        let dir = Dir::new(&format!("monthly-{}", std::any::type_name::<St>().len()));
+        dir.write(MONTHLY);
+        let reloader = Reloader::new(dir.file(), store).unwrap();
+        let server = serve(&reloader).await;
+        let client = server.client();
+        let spend = |tokens: u64| {
+            let client = client.clone();
+            async move {
+                let reply = client.get_with("/", &[("x-tokens", &tokens.to_string())]).await;
+                (reply.status.as_u16(), reply.header("x-ratelimit-remaining").map(str::to_owned))
+            }
+        };
+        let spend_month = async || {
+            for _ in 0..3 {
+                assert_eq!(spend(3_000_000_000).await.0, 200);
+            }
+            assert_eq!(spend(2_000_000_000).await.0, 429, "9e9 spent: 2e9 do not fit");
+            assert_eq!(spend(1_000_000_000).await, (200, Some("0".to_owned())));
+        };
+        clock.set_micros(FEB_10);
+        assert_eq!(spend(1).await, (200, Some("9999999999".to_owned())));
+        // The rest of February's budget, less that one token.
+        for _ in 0..3 {
+            assert_eq!(spend(3_000_000_000).await.0, 200);
+        }
+        assert_eq!(spend(999_999_999).await, (200, Some("0".to_owned())));
+        // An hour before midnight in Paris: refused, told to come back in an hour.
+        clock.set_micros(MARCH_1 - HOUR);
+        let refused = client.get_with("/", &[("x-tokens", "1")]).await;
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused.header("retry-after"), Some("3600"));
+        clock.set_micros(MARCH_1 - 1);
+        assert_eq!(spend(1).await.0, 429);
+        // March: the whole budget again, from midnight.
+        clock.set_micros(MARCH_1);
+        spend_month().await;
+        // Summer time began on the 28th: March ends at 22:00 UTC, not 23:00.
+        clock.set_micros(APRIL_1 - 1);
+        assert_eq!(spend(1).await.0, 429);
+        clock.set_micros(APRIL_1);
+        spend_month().await;
+    }
+}
+
 /// Tightening a limit keeps its callers' usage, a new period starts them afresh (state
 /// keys name the algorithm and period): the reload says which policies, and `live` what
 /// is loaded.

@@ -141,7 +141,7 @@ fn the_interceptor_prices_a_call_as_a_post_to_its_method() {
 fn an_interceptor_refuses_a_shaping_policy() {
     let clock = ManualClock::at_micros(EPOCH_US);
     let quota = Quota::per_second(10).unwrap().with_burst(4).unwrap();
-    let shaper = Policy::new("shaped", Algorithm::LeakyBucketShaper, quota).unwrap();
+    let shaper = Policy::new("shaped", Algorithm::LeakyBucketShaper, quota.clone()).unwrap();
     let layer = RateLimitLayer::builder(memory_store(&clock), per_minute("per-ip", 10))
         .tier(shaper)
         .build()

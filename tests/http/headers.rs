@@ -233,7 +233,10 @@ both_stores! {
 
         let quota = |limit: u64, burst: Option<u64>| {
             let quota = Quota::per_minute(limit).unwrap();
-            burst.map_or(quota, |burst| quota.with_burst(burst).unwrap())
+            match burst {
+                Some(burst) => quota.with_burst(burst).unwrap(),
+                None => quota,
+            }
         };
         // The shaper delays rather than refuses: a thousand a second keeps its delays to
         // a millisecond (real time: the layer sleeps on tokio's clock).

@@ -78,7 +78,7 @@ fn threads_hammering_one_key_admit_exactly_what_the_model_admits() {
     let quota = Quota::per_second(700).unwrap().with_burst(1_000).unwrap();
     for algorithm in Algorithm::ALL {
         let quota = if algorithm.uses_burst() {
-            quota
+            quota.clone()
         } else {
             Quota::per_second(700).unwrap()
         };
@@ -105,7 +105,7 @@ fn a_sweep_racing_the_checks_changes_no_count() {
         Algorithm::LeakyBucketShaper,
         Algorithm::TokenBucket,
     ] {
-        let policy = Policy::new("hammer", algorithm, quota).unwrap();
+        let policy = Policy::new("hammer", algorithm, quota.clone()).unwrap();
         assert_eq!(hammer_while(&policy, true), model(&policy), "{algorithm:?}");
     }
 }
@@ -173,7 +173,7 @@ fn charges_racing_checks_on_one_key_lose_no_unit() {
     // 1,000 µs a unit; a burst of 1,000: the charges' 150 units are owed.
     let quota = Quota::per_second(1_000).unwrap().with_burst(1_000).unwrap();
     for algorithm in [Algorithm::Gcra, Algorithm::LeakyBucketShaper] {
-        let policy = Policy::new(algorithm.name(), algorithm, quota).unwrap();
+        let policy = Policy::new(algorithm.name(), algorithm, quota.clone()).unwrap();
         let admitted = AtomicU64::new(0);
         let barrier = Barrier::new(THREADS);
         thread::scope(|s| {

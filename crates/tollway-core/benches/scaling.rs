@@ -350,8 +350,8 @@ fn sweep_latency() {
                 .build()
                 .unwrap();
             let (expiring, lasting) = (
-                Policy::new("short", algorithm, short).unwrap(),
-                Policy::new("long", algorithm, long).unwrap(),
+                Policy::new("short", algorithm, short.clone()).unwrap(),
+                Policy::new("long", algorithm, long.clone()).unwrap(),
             );
             for (i, id) in ids.iter().enumerate() {
                 let policy = if i % 2 == 0 { &expiring } else { &lasting };

@@ -227,6 +227,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod algorithm;
+pub mod calendar;
 mod clock;
 mod decision;
 mod error;
@@ -241,6 +242,7 @@ mod test_log;
 pub mod testing;
 
 pub use algorithm::Algorithm;
+pub use calendar::{Calendar, CalendarUnit};
 pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
 pub use decision::{Decision, Decisions, Denial};
 pub use error::{ConfigError, StoreError, StoreErrorKind};

@@ -89,6 +89,16 @@ impl Policy {
                 quota.limit()
             )));
         }
+        if let Some(calendar) = quota.calendar()
+            && algorithm != Algorithm::FixedWindow
+        {
+            return Err(ConfigError::new(format!(
+                "policy {name:?}: a {calendar} is a fixed window's period; {} needs a \
+                 period of its own length (\"1h\", \"30d\"): use algorithm fixed_window, \
+                 or a period",
+                algorithm.name()
+            )));
+        }
         quota
             .check_exact(algorithm)
             .map_err(|e| ConfigError::new(format!("policy {name:?}: {e}")))?;
@@ -164,7 +174,8 @@ impl Policy {
     }
 
     /// A stable 64-bit digest of what a caller's usage under this policy is kept as: the
-    /// name, the algorithm and, but for [`Algorithm::Concurrency`], the period.
+    /// name, the algorithm and, but for [`Algorithm::Concurrency`], the period (or the
+    /// calendar).
     ///
     /// Limit and burst are not part of it. So a changed limit or burst keeps what each
     /// caller used: a raise gives the difference, a cut refuses until usage is below the
@@ -222,11 +233,18 @@ fn state_id(name: &str, algorithm: Algorithm, quota: &Quota) -> u64 {
         Algorithm::Concurrency => 0,
         _ => quota.period_micros(),
     };
+    // A calendar's windows are its unit on its zone's clock.
+    let (unit, zone) = quota
+        .calendar()
+        .map_or(("", ""), |c| (c.unit().name(), c.zone()));
     fnv1a(
         name.bytes()
             .chain([1])
             .chain(algorithm.name().bytes())
-            .chain(period.to_le_bytes()),
+            .chain(period.to_le_bytes())
+            .chain(unit.bytes())
+            .chain([0])
+            .chain(zone.bytes()),
     )
 }
 

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use strength_reduce::StrengthReducedU64;
 
+use crate::calendar::Calendar;
 use crate::error::ConfigError;
 
 /// The largest product of two quota numbers that every algorithm keeps exact.
@@ -69,7 +70,7 @@ const MAX_PERIOD_US: u64 = 1 << 50;
 /// assert!(err.to_string().contains("limit must be at least 1"));
 /// # Ok::<(), tollway_core::ConfigError>(())
 /// ```
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Quota {
     limit: u64,
     period_us: u64,
@@ -94,11 +95,15 @@ pub struct Quota {
     /// The bits of `limit / gcd(limit, period) − 1`, the most a token bucket's partial
     /// microsecond counts in whole multiples of the gcd.
     common_bits: u32,
+    /// Windows of a calendar rather than of `period_us` (see
+    /// [`per_calendar`](Self::per_calendar)); `period_us` is then the longest.
+    calendar: Option<Calendar>,
 }
 
 impl PartialEq for Quota {
     fn eq(&self, other: &Self) -> bool {
-        (self.limit, self.period_us, self.burst) == (other.limit, other.period_us, other.burst)
+        (self.limit, self.period_us, self.burst, &self.calendar)
+            == (other.limit, other.period_us, other.burst, &other.calendar)
     }
 }
 
@@ -106,7 +111,7 @@ impl Eq for Quota {}
 
 impl std::hash::Hash for Quota {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        (self.limit, self.period_us, self.burst).hash(state);
+        (self.limit, self.period_us, self.burst, &self.calendar).hash(state);
     }
 }
 
@@ -190,7 +195,43 @@ impl Quota {
             by_emission: StrengthReducedU64::new(emission_us),
             by_common: StrengthReducedU64::new(common),
             common_bits: u64::BITS - (limit / common - 1).leading_zeros(),
+            calendar: None,
         }
+    }
+
+    /// `limit` units a window of `calendar`: a minute, hour, day, week, month or year of
+    /// a wall clock (see [`calendar`](crate::calendar)). Only a fixed window counts in
+    /// one; its period is the longest such window.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is zero or passes [`MAX_UNITS`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_core::{Algorithm, Calendar, CalendarUnit, Policy, Quota};
+    ///
+    /// // 10^10 tokens a month, from the first, in New York.
+    /// let month = Calendar::in_zone(CalendarUnit::Month, "America/New_York")?;
+    /// let budget = Quota::per_calendar(10_000_000_000, month)?;
+    /// let tokens = Policy::new("tokens", Algorithm::FixedWindow, budget.clone())?;
+    /// assert_eq!(tokens.quota().calendar().unwrap().zone(), "America/New_York");
+    /// // A bucket refills at a rate, which a calendar has not.
+    /// assert!(Policy::new("bucket", Algorithm::TokenBucket, budget).is_err());
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    pub fn per_calendar(limit: u64, calendar: Calendar) -> Result<Self, ConfigError> {
+        let mut quota = Quota::with_period(limit, calendar.unit().longest())?;
+        quota.calendar = Some(calendar);
+        Ok(quota)
+    }
+
+    /// The calendar its windows follow, if it has one (see
+    /// [`per_calendar`](Self::per_calendar)).
+    #[must_use]
+    pub fn calendar(&self) -> Option<&Calendar> {
+        self.calendar.as_ref()
     }
 
     /// A fixed window's count: `limit` units per `period_us`, for a window algorithm only

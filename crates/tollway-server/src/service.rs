@@ -19,7 +19,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use futures_util::future::join_all;
-use tollway_core::{BoxStore, Decision, Operation, Policy, Quota, Store, StoreError};
+use tollway_core::{BoxStore, CalendarUnit, Decision, Operation, Policy, Quota, Store, StoreError};
 use tollway_tower::config::{ConfigKey, LimitsFile};
 use tollway_tower::{
     DecisionOutcome, HeaderStyle, OnStoreError, RateLimitLayer, Verdict, rate_limit_headers,
@@ -453,11 +453,12 @@ impl RateLimitService {
 }
 
 /// A policy's limit in Envoy's terms: so many a second, minute, hour, day, week, month
-/// or year, never more than the policy allows in that unit's time.
+/// or year, never more than the policy allows in that unit's time. A calendar policy's
+/// is its limit a calendar unit.
 ///
 /// The unit is the longest one no longer than the period in which at least one request
 /// passes and the count fits Envoy's 32 bits, the count rounded down: 100 per 90 s is
-/// 66 a minute; 10^10 a 31-day month is 322,580,645 a day. When every such unit is
+/// 66 a minute; 10^10 a 31-day month is 2,258,064,516 a week. When every such unit is
 /// too short (5 per 10 s is half a request a second), the next unit up, its count cut to
 /// the burst: 5 a minute. Envoy reads the count as what passes in one unit's window, so a
 /// count above the burst would promise a burst the policy never grants.
@@ -472,6 +473,24 @@ fn current_limit(policy: &Policy) -> RateLimit {
         (365 * 86_400, Unit::Year),
     ];
     let quota = policy.quota();
+    // A calendar's unit is Envoy's own, when its count fits.
+    if let Some(calendar) = quota.calendar()
+        && let Ok(per_unit) = u32::try_from(quota.limit())
+    {
+        let unit = match calendar.unit() {
+            CalendarUnit::Minute => Unit::Minute,
+            CalendarUnit::Hour => Unit::Hour,
+            CalendarUnit::Day => Unit::Day,
+            CalendarUnit::Week => Unit::Week,
+            CalendarUnit::Month => Unit::Month,
+            _ => Unit::Year,
+        };
+        return RateLimit {
+            name: policy.name().to_owned(),
+            requests_per_unit: per_unit,
+            unit: unit as i32,
+        };
+    }
     let period_us = u128::from(quota.period_micros().max(1));
     let in_unit = |secs: u64| u128::from(quota.limit()) * u128::from(secs) * 1_000_000 / period_us;
     let within = UNITS.iter().rev().find(|&&(secs, _)| {
@@ -541,12 +560,21 @@ mod tests {
         assert_eq!(stated(7, 2 * 86_400, None), (3, Unit::Day));
         assert_eq!(stated(5, 10, None), (5, Unit::Minute));
         assert_eq!(stated(5, 10, Some(50)), (30, Unit::Minute));
-        // Past Envoy's 32 bits in a month: stated a day.
+        // Past Envoy's 32 bits in a month: stated a week.
         let month = 31 * 86_400;
         assert_eq!(
             stated(10_000_000_000, month, None),
-            (322_580_645, Unit::Day)
+            (2_258_064_516, Unit::Week)
         );
         assert_eq!(stated(1, 400 * 86_400, None), (1, Unit::Year));
+        // A calendar month is Envoy's month.
+        let month = tollway_core::Calendar::utc(CalendarUnit::Month);
+        let quota = Quota::per_calendar(1_000, month).unwrap();
+        let policy = Policy::new("p", Algorithm::FixedWindow, quota).unwrap();
+        let limit = current_limit(&policy);
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit),
+            (1_000, Unit::Month as i32)
+        );
     }
 }

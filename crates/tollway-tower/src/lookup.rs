@@ -124,7 +124,7 @@ pub(crate) struct Lookups {
 }
 
 /// How a layer looks tiers up: its cache, timeout and bounds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct LookupSettings {
     pub(crate) entries: u64,
     pub(crate) ttl: Duration,
@@ -216,7 +216,7 @@ impl Lookups {
                 .build()
         }
         let sources = MemoryStore::builder().clock(TokioClock::new()).build()?;
-        let quota = match settings.per_source {
+        let quota = match settings.per_source.clone() {
             Some(quota) => quota,
             None => Quota::per_minute(DEFAULT_LOOKUPS_PER_SOURCE)?,
         };

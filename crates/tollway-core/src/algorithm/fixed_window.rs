@@ -10,7 +10,8 @@
 //! within one period. The sliding window algorithms exist to close that gap.
 //!
 //! Windows are aligned to multiples of the period on the clock that supplies `now`. In
-//! Redis, that is the Unix epoch. A node whose clock runs ahead may write a state from a
+//! Redis, that is the Unix epoch. A calendar quota's windows are its calendar's instead:
+//! a day, a month, on a zone's wall clock (see [`calendar`](crate::calendar)). A node whose clock runs ahead may write a state from a
 //! later window than `now`'s. That state is taken as the current window. So clock skew
 //! between nodes shifts a window's end, but never starts a window afresh.
 
@@ -38,9 +39,14 @@ impl SlotState for State {
     }
 }
 
-/// The end of the current window: `now`'s, or the state's when that is later.
+/// The end of the current window: `now`'s, or the state's when that is later. A
+/// calendar quota's windows are its calendar's (see [`Quota::per_calendar`]).
 fn window_end(state: State, now: u64, quota: &Quota) -> u64 {
-    (now - quota.rem_period(now) + quota.period_micros()).max(state.end)
+    let end = match quota.calendar() {
+        None => now - quota.rem_period(now) + quota.period_micros(),
+        Some(calendar) => calendar.window(now).1,
+    };
+    end.max(state.end)
 }
 
 /// Decides one request of `cost` units at `now` (microseconds).

@@ -168,10 +168,10 @@ impl Conformance {
             let quotas = quotas(algorithm);
             let mut counts = [0usize; 3];
             for i in 0..self.events {
-                let base = quotas[(i / segment) % quotas.len()];
-                let quota = changed(algorithm, &base, (i % segment * 4 / segment) as u64);
+                let base = &quotas[(i / segment) % quotas.len()];
+                let quota = changed(algorithm, base, (i % segment * 4 / segment) as u64);
                 let name = format!("conf{}", i / segment);
-                let policy = Policy::new(name, algorithm, quota).expect("a valid policy");
+                let policy = Policy::new(name, algorithm, quota.clone()).expect("a valid policy");
                 let now = clock.now_micros();
                 clock.set_micros(now + gap(&mut rng, now, &quota));
                 let cost = cost(&mut rng, &quota, algorithm);
@@ -371,8 +371,12 @@ impl Conformance {
             .flat_map(|(i, &algorithm)| {
                 let quotas = quotas(algorithm);
                 [i, i + 2].map(|q| {
-                    Policy::new(format!("lend{i}-{q}"), algorithm, quotas[q % quotas.len()])
-                        .expect("a valid policy")
+                    Policy::new(
+                        format!("lend{i}-{q}"),
+                        algorithm,
+                        quotas[q % quotas.len()].clone(),
+                    )
+                    .expect("a valid policy")
                 })
             })
             .collect();

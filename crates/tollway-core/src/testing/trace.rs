@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::quota;
-use crate::{Algorithm, Quota};
+use crate::{Algorithm, Calendar, CalendarUnit, Quota};
 
 /// splitmix64: a small seeded generator, the same trace on every machine. So a failure
 /// replays exactly.
@@ -36,7 +36,9 @@ impl Rng {
     }
 }
 
-/// Quotas with uneven rates, short and long periods, bursts above and below the limit.
+/// Quotas with uneven rates, short and long periods, bursts above and below the limit;
+/// for the fixed window, a calendar day in Paris for the last (23 and 25 hours long on
+/// the days the clocks change).
 pub(super) fn quotas(algorithm: Algorithm) -> Vec<Quota> {
     let specs: [(u32, u64, u32); 5] = [
         (7, 3_000_000, 11),
@@ -48,6 +50,11 @@ pub(super) fn quotas(algorithm: Algorithm) -> Vec<Quota> {
     specs
         .iter()
         .map(|&(limit, period_us, burst)| {
+            if algorithm == Algorithm::FixedWindow && period_us == 86_400_000_000 {
+                let paris = Calendar::in_zone(CalendarUnit::Day, "Europe/Paris")
+                    .expect("the bundled database has Paris");
+                return Quota::per_calendar(limit.into(), paris).expect("a valid quota");
+            }
             quota(algorithm, limit, Duration::from_micros(period_us), burst)
         })
         .collect()
@@ -66,6 +73,9 @@ pub(super) fn changed(algorithm: Algorithm, base: &Quota, phase: u64) -> Quota {
         _ if algorithm.uses_burst() => (limit, burst * 2),
         _ => (limit + 1, burst),
     };
+    if let Some(calendar) = base.calendar() {
+        return Quota::per_calendar(limit, calendar.clone()).expect("a valid quota");
+    }
     let narrow = |n: u64| u32::try_from(n).expect("a trace's limits fit a u32");
     quota(algorithm, narrow(limit), base.period(), narrow(burst))
 }

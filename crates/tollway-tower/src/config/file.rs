@@ -7,7 +7,9 @@ use std::ops::Range;
 use std::path::Path;
 use std::time::Duration;
 
-use tollway_core::{Algorithm, ConfigError, MAX_UNITS, MemoryStore, Policy, Quota};
+use tollway_core::{
+    Algorithm, Calendar, CalendarUnit, ConfigError, MAX_UNITS, MemoryStore, Policy, Quota,
+};
 use toml::Spanned;
 
 use super::follow;
@@ -274,18 +276,32 @@ pub(super) fn policy(
                 ),
             )
         })?;
-    let period = parse_period(section.period.get_ref()).ok_or_else(|| {
-        (
-            Some(section.period.span()),
-            format!(
-                "policy {name:?}: period = {:?} is not a period: write \"1s\", \"1m\", \"1h\", \
-                 \"1d\" or \"250ms\"",
-                section.period.get_ref()
-            ),
-        )
-    })?;
-    let mut quota = Quota::with_period(limit, period)
-        .map_err(|e| (Some(section.period.span()), e.to_string()))?;
+    let mut quota = match section.period.get_ref().strip_prefix("calendar ") {
+        Some(unit) => calendar_quota(name, section, limit, unit)?,
+        None => {
+            if let Some(zone) = &section.zone {
+                return Err((
+                    Some(zone.span()),
+                    format!(
+                        "policy {name:?}: a zone is a calendar period's: write period = \
+                         \"calendar day\" (or minute, hour, week, month, year), or remove zone"
+                    ),
+                ));
+            }
+            let period = parse_period(section.period.get_ref()).ok_or_else(|| {
+                (
+                    Some(section.period.span()),
+                    format!(
+                        "policy {name:?}: period = {:?} is not a period: write \"1s\", \"1m\", \
+                         \"1h\", \"1d\", \"250ms\" or \"calendar month\"",
+                        section.period.get_ref()
+                    ),
+                )
+            })?;
+            Quota::with_period(limit, period)
+                .map_err(|e| (Some(section.period.span()), e.to_string()))?
+        }
+    };
     if let Some(burst) = &section.burst {
         let value = *burst.get_ref();
         let burst_ok = u64::try_from(value).ok().filter(|&b| b >= limit);
@@ -312,6 +328,33 @@ pub(super) fn policy(
         };
         (Some(at), message)
     })
+}
+
+/// `limit` a window of `period = "calendar <unit>"`, in the section's zone (UTC if
+/// unsaid).
+fn calendar_quota(
+    name: &str,
+    section: &PolicySection,
+    limit: u64,
+    unit: &str,
+) -> Result<Quota, (Option<Range<usize>>, String)> {
+    let unit = CalendarUnit::named(unit).ok_or_else(|| {
+        (
+            Some(section.period.span()),
+            format!(
+                "policy {name:?}: period = {:?} is not a calendar period: write \"calendar \
+                 minute\", \"calendar hour\", \"calendar day\", \"calendar week\", \"calendar \
+                 month\" or \"calendar year\"",
+                section.period.get_ref()
+            ),
+        )
+    })?;
+    let calendar = match &section.zone {
+        None => Calendar::utc(unit),
+        Some(zone) => Calendar::in_zone(unit, zone.get_ref())
+            .map_err(|e| (Some(zone.span()), format!("policy {name:?}: {e}")))?,
+    };
+    Quota::per_calendar(limit, calendar).map_err(|e| (Some(section.period.span()), e.to_string()))
 }
 
 /// `1s`, `30s`, `1m`, `1h`, `1d`, `250ms`: a whole number and a unit.

@@ -72,9 +72,19 @@
 //! cost = { header = "x-max-tokens", default = 1_000, max = 4_096, written_by = "gateway" }
 //! settle = { header = "x-tokens-used", unsettled = "refund" }  # or "keep" (default)
 //!
+//! [policies.monthly]           # a billing budget: resets at midnight on the first
+//! algorithm = "fixed_window"    # a calendar period is a fixed window's
+//! limit = 10_000_000_000        # up to 2^53
+//! period = "calendar month"     # or calendar minute, hour, day, week, year
+//! zone = "Europe/Paris"         # an IANA zone; UTC if unsaid
+//!
 //! [[routes]]
 //! path = "/v1/completions"
 //! policy = "tokens"
+//!
+//! [[routes]]
+//! path = "/v1/batches"
+//! policy = "monthly"
 //!
 //! [lists]                       # optional
 //! allow_networks = ["10.0.0.0/8"]

@@ -309,6 +309,10 @@ fn counts_reset(old: &[Policy], new: &[Policy]) -> Vec<String> {
 /// A policy's algorithm and quota, in a few words.
 fn describe(policy: &Policy) -> String {
     let quota = policy.quota();
+    if let Some(calendar) = quota.calendar() {
+        let algorithm = policy.algorithm().name();
+        return format!("{algorithm} {} a {calendar}", quota.limit());
+    }
     format!(
         "{} {} per {:?} (burst {})",
         policy.algorithm().name(),

@@ -171,6 +171,8 @@ pub(super) struct PolicySection {
     pub(super) algorithm: Spanned<String>,
     pub(super) limit: Spanned<i64>,
     pub(super) period: Spanned<String>,
+    /// The time zone of a calendar period (`UTC` if unsaid).
+    pub(super) zone: Option<Spanned<String>>,
     pub(super) burst: Option<Spanned<i64>>,
     #[serde(default)]
     pub(super) shadow: bool,

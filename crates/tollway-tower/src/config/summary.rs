@@ -95,6 +95,8 @@ impl LimitsFile {
                     q.limit(),
                     q.period()
                 )
+            } else if let Some(calendar) = q.calendar() {
+                format!("{} a {calendar}", q.limit())
             } else {
                 format!("{} per {:?}, burst {}", q.limit(), q.period(), q.burst())
             };

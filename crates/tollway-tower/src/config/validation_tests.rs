@@ -358,3 +358,34 @@ fn limits_past_u32_are_accepted_up_to_what_the_algorithm_keeps_exact() {
         "{err}"
     );
 }
+
+/// A calendar period names its unit, and its zone if not UTC: a wrong unit, an unknown
+/// zone, a zone without a calendar or a calendar for a bucket is refused where it is
+/// written.
+#[test]
+fn calendar_periods_are_checked_where_they_are_written() {
+    let policy = |algorithm: &str, period: &str, zone: &str| {
+        format!("algorithm = \"{algorithm}\"\nlimit = 100\nperiod = \"{period}\"\n{zone}")
+    };
+    let month =
+        |zone: &str| super::tests::file(&policy("fixed_window", "calendar month", zone), "");
+    let parsed = LimitsFile::parse("limits.toml", &month("zone = \"Europe/Paris\"")).unwrap();
+    assert!(
+        parsed
+            .summary()
+            .contains("100 a calendar month in Europe/Paris"),
+        "{}",
+        parsed.summary()
+    );
+    let err = error(&month("zone = \"Europe/Atlantis\""), 8, 8);
+    assert!(err.contains("IANA"), "{err}");
+    let fortnight = super::tests::file(&policy("fixed_window", "calendar fortnight", ""), "");
+    let err = error(&fortnight, 7, 10);
+    assert!(err.contains("\"calendar month\""), "{err}");
+    let zoned = super::tests::file(&policy("fixed_window", "1d", "zone = \"UTC\""), "");
+    let err = error(&zoned, 8, 8);
+    assert!(err.contains("calendar period"), "{err}");
+    let bucket = super::tests::file(&policy("token_bucket", "calendar day", ""), "");
+    let err = error(&bucket, 6, 9);
+    assert!(err.contains("fixed_window"), "{err}");
+}

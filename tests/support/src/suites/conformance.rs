@@ -99,7 +99,8 @@ pub async fn conformance_server_time(target: &Target, events: usize) -> Vec<Stri
             } else {
                 quota
             };
-            let policy = Policy::new(format!("time{}", i / segment), algorithm, quota).unwrap();
+            let policy =
+                Policy::new(format!("time{}", i / segment), algorithm, quota.clone()).unwrap();
             let cost = cost(&mut rng, &quota, algorithm);
             let caller = format!("caller-{}", rng.below(CALLERS));
             let (decisions, told) = scripts
@@ -153,7 +154,7 @@ pub async fn clock_skew(target: &Target) -> (Vec<(Algorithm, u64, u64)>, Vec<Str
         .into_iter()
         .filter(|&a| a != Algorithm::Concurrency);
     for algorithm in skewable {
-        let policy = Policy::new(format!("skew-{algorithm:?}"), algorithm, quota).unwrap();
+        let policy = Policy::new(format!("skew-{algorithm:?}"), algorithm, quota.clone()).unwrap();
         let mut admitted = [0u64; 2];
         for (skewed, count) in [true, false].into_iter().zip(&mut admitted) {
             // Start 0.7 s into a window, so the clocks disagree about which window it is.
@@ -207,7 +208,12 @@ pub async fn clock_skew(target: &Target) -> (Vec<(Algorithm, u64, u64)>, Vec<Str
     let clock = ManualClock::at_micros(0);
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     for algorithm in Algorithm::ALL {
-        let policy = Policy::new(format!("skew-server-{algorithm:?}"), algorithm, quota).unwrap();
+        let policy = Policy::new(
+            format!("skew-server-{algorithm:?}"),
+            algorithm,
+            quota.clone(),
+        )
+        .unwrap();
         for i in 0..40 {
             let (decisions, told) = gateways[i % 2]
                 .check_telling_time(b"caller", &[&policy], 1)

@@ -151,7 +151,12 @@ pub async fn leased_atomicity(target: &Target) -> Vec<String> {
     let callers = ["hot-0", "hot-3", "hot-2"];
     let mut keys = Vec::new();
     for algorithm in Algorithm::ALL.into_iter().filter(|a| a.lends()) {
-        let policy = Policy::new(format!("leased-{}", algorithm.name()), algorithm, quota).unwrap();
+        let policy = Policy::new(
+            format!("leased-{}", algorithm.name()),
+            algorithm,
+            quota.clone(),
+        )
+        .unwrap();
         let mut gateways = Vec::new();
         let mut counted = Vec::new();
         for _ in 0..3 {

@@ -209,7 +209,8 @@ pub async fn atomicity(target: &Target) -> Vec<String> {
     let per_key = TASKS * PER_TASK / callers.len();
     let mut keys = Vec::new();
     for algorithm in Algorithm::ALL {
-        let policy = Policy::new(format!("atomic-{algorithm:?}"), algorithm, quota).unwrap();
+        let policy =
+            Policy::new(format!("atomic-{algorithm:?}"), algorithm, quota.clone()).unwrap();
         // The model: the same requests one at a time, on the same pinned clock.
         let model = MemoryStore::builder().clock(clock.clone()).build().unwrap();
         let expected: Vec<u64> = (0..per_key)

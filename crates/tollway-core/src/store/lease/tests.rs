@@ -135,7 +135,7 @@ async fn two_limits_leased_together_stay_under_both() {
     ];
     for (a, b) in pairs {
         let first = Policy::new("first", a, quota(a)).unwrap();
-        let second = Policy::new("second", b, minute).unwrap();
+        let second = Policy::new("second", b, minute.clone()).unwrap();
         let policies = [&first, &second];
         let run = run(&policies, 3, 6_000, 300, 3, 7).await;
         exact_admits_all(&policies, &run.admitted).unwrap_or_else(|e| panic!("{a:?}+{b:?}: {e}"));

@@ -277,7 +277,7 @@ mod tests {
     #[test]
     fn a_window_loan_is_good_until_the_window_ends() {
         let quota = Quota::per_minute(100).unwrap();
-        let fixed = Policy::new("f", Algorithm::FixedWindow, quota).unwrap();
+        let fixed = Policy::new("f", Algorithm::FixedWindow, quota.clone()).unwrap();
         let sliding = Policy::new("s", Algorithm::SlidingWindowCounter, quota).unwrap();
         // 20 s left in the fixed window; the sliding one's reset is its end + a period.
         let decisions: Decisions = [
@@ -301,10 +301,10 @@ mod tests {
     #[test]
     fn no_loan_for_a_refusal_or_an_algorithm_that_does_not_lend() {
         let quota = Quota::per_second(10).unwrap();
-        let log = Policy::new("l", Algorithm::SlidingWindowLog, quota).unwrap();
+        let log = Policy::new("l", Algorithm::SlidingWindowLog, quota.clone()).unwrap();
         let d = Decision::allow(10, 5, 500_000, 0);
         assert!(Loan::new(0, &[&log], &grant(&log, d, 5), 1).is_none());
-        let gcra = Policy::new("g", Algorithm::Gcra, quota).unwrap();
+        let gcra = Policy::new("g", Algorithm::Gcra, quota.clone()).unwrap();
         assert!(Loan::new(0, &[&gcra], &grant(&gcra, d, 1), 1).is_none());
         let refused = Decision::limited(10, 0, 1_000_000, 100_000);
         assert!(Loan::new(0, &[&gcra], &grant(&gcra, refused, 5), 0).is_none());

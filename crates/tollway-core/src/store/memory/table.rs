@@ -496,10 +496,10 @@ impl Table {
             .or_insert_with(|| (id, Rates::new()))
             .into_mut();
         let rates = &mut entry.1;
-        let earlier = rates.iter().filter(|r| r.0 != rate).copied().collect();
+        let earlier = rates.iter().filter(|r| r.0 != rate).cloned().collect();
         if rates.first().is_none_or(|r| r.0 != rate) {
             rates.retain(|r| r.0 != rate);
-            rates.insert(0, (rate, *policy.quota()));
+            rates.insert(0, (rate, policy.quota().clone()));
             rates.truncate(RATES_KEPT);
         }
         earlier

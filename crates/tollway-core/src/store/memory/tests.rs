@@ -363,7 +363,7 @@ fn replay_across_the_edge<S: SlotState + Default>(
     refund: fn(S, u64, &Quota, u32) -> S,
     charge: fn(S, u64, &Quota, u32) -> S,
 ) {
-    let quota = *policy.quota();
+    let quota = policy.quota().clone();
     let (store, clock) = store(100, WhenFull::Deny);
     let (mut state, mut moved) = (S::default(), false);
     for step in 0..60u32 {
@@ -411,7 +411,7 @@ fn packed_states_decide_exactly_in_their_cells_and_after_moving_out() {
     // again before 2^57 µs.
     let quota = Quota::per_second(3).unwrap().with_burst(5).unwrap();
     let (start, edge) = ((1 << 57) - 4_000_000, 1 << 57);
-    let policy = Policy::new("tb", Algorithm::TokenBucket, quota).unwrap();
+    let policy = Policy::new("tb", Algorithm::TokenBucket, quota.clone()).unwrap();
     replay_across_the_edge(
         &policy,
         start,
@@ -525,7 +525,7 @@ fn packed_states_count_from_the_stores_origin() {
 fn packed_token_buckets_are_swept_once_full_again() {
     // 7 a second: packed with 3 bits of a partial microsecond.
     let quota = Quota::per_second(7).unwrap();
-    let policy = Policy::new("tb", Algorithm::TokenBucket, quota).unwrap();
+    let policy = Policy::new("tb", Algorithm::TokenBucket, quota.clone()).unwrap();
     let (store, clock) = store(1_000, WhenFull::Deny);
     clock.set_micros(1_000_000);
     for i in 0..100u32 {

@@ -368,7 +368,7 @@ mod tests {
             quota(999_983, 1_000_000, 1_000),
             quota((1 << 26) - 1, 1 << 26, 1),
         ];
-        for q in quotas {
+        for q in &quotas {
             let bits = q.common_bits();
             let mut state = State::default();
             let mut now = ORIGIN + 1_000;
@@ -376,30 +376,30 @@ mod tests {
                 now += step * 7_919 % 1_013;
                 let cost = (step % 4) as u32;
                 state = match step % 5 {
-                    3 => refund(state, now, &q, cost),
-                    4 => charge(state, now, &q, cost),
-                    _ => check(state, now, &q, cost).1,
+                    3 => refund(state, now, q, cost),
+                    4 => charge(state, now, q, cost),
+                    _ => check(state, now, q, cost).1,
                 };
-                let word = pack(state, &q).unwrap();
-                assert_eq!(unpack(word, &q), state, "{q:?} at {now}");
+                let word = pack(state, q).unwrap();
+                assert_eq!(unpack(word, q), state, "{q:?} at {now}");
                 assert_eq!(expiry(packed_key(step), word, ORIGIN), state.full_at);
             }
             let before = State {
                 full_at: ORIGIN - 1,
                 frac: 0,
             };
-            assert_eq!(pack(before, &q), None);
+            assert_eq!(pack(before, q), None);
             let last = ORIGIN + (1 << (BITS_AT - bits)) - 1;
             let at_last = State {
                 full_at: last,
                 frac: 0,
             };
-            assert_eq!(unpack(pack(at_last, &q).unwrap(), &q), at_last);
+            assert_eq!(unpack(pack(at_last, q).unwrap(), q), at_last);
             let past = State {
                 full_at: last + 1,
                 frac: 0,
             };
-            assert_eq!(pack(past, &q), None, "{q:?}");
+            assert_eq!(pack(past, q), None, "{q:?}");
         }
         let fresh = pack(State::default(), &quotas[3]).unwrap();
         assert_eq!(unpack(fresh, &quotas[3]), State::default());

@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 
 pub use self::builder::RedisStoreBuilder;
 use self::deny_cache::{DenyCache, DenyEntry};
-use self::scripts::{Call, Kind, SCRIPT, Time, capacities, code, parse};
+use self::scripts::{CALENDAR_WINDOW, Call, Kind, SCRIPT, Time, capacities, code, parse};
 use super::{
     BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Cost, GiveBackFuture, Grant, LendFuture,
     Operation, Store,
@@ -658,6 +658,12 @@ impl Scripts {
         time: Time,
     ) -> Call {
         let tag = escape_key(key);
+        // A calendar's windows are computed here, on this clock: the script takes the
+        // one that holds its own now (see fixed_window.lua).
+        let now = match time {
+            Time::Caller(now) => now,
+            _ => crate::SystemClock.now_micros(),
+        };
         Call {
             keys: policies.iter().map(|p| self.key_of(&tag, p)).collect(),
             time,
@@ -668,6 +674,10 @@ impl Scripts {
                 .iter()
                 .map(|p| {
                     let q = p.quota();
+                    if let Some(calendar) = q.calendar() {
+                        let (start, end, next) = calendar.window(now);
+                        return [CALENDAR_WINDOW, q.limit(), start, end, next];
+                    }
                     let code = code(p.algorithm());
                     // Concurrency's third number names this gateway's field.
                     let third = match p.algorithm() {

@@ -70,6 +70,10 @@ pub(super) fn code(algorithm: Algorithm) -> u64 {
     }
 }
 
+/// The script's code for a fixed window of a calendar, whose numbers are its window's
+/// start and end and the next one's end.
+pub(super) const CALENDAR_WINDOW: u64 = 9;
+
 /// One script call: its keys and arguments (see `lua/prelude.lua`).
 pub(super) struct Call {
     pub(super) keys: SmallVec<[String; 2]>,
