@@ -249,7 +249,7 @@ fn state_id(name: &str, algorithm: Algorithm, quota: &Quota) -> u64 {
 }
 
 /// The value behind [`Policy::rate`].
-const fn rate(algorithm: Algorithm, quota: &Quota) -> u64 {
+pub(crate) const fn rate(algorithm: Algorithm, quota: &Quota) -> u64 {
     match algorithm {
         Algorithm::TokenBucket | Algorithm::LeakyBucket => quota.limit(),
         Algorithm::Gcra | Algorithm::LeakyBucketShaper => quota.emission_micros(),

@@ -13,7 +13,7 @@ use super::dispatch::{self, Instant, Pair};
 use super::word::{self, Packs};
 use crate::algorithm::sliding_log::{self, Log};
 use crate::algorithm::{Slot, SlotState, gcra};
-use crate::policy::mix_rate;
+use crate::policy::{self, mix_rate};
 use crate::store::Operation;
 use crate::{Decision, Decisions, Denial, Policy, Quota};
 
@@ -29,8 +29,9 @@ const MIN_SWEEP: usize = 256;
 /// written at a rate older than these starts afresh.
 const RATES_KEPT: usize = 4;
 
-/// The rates a state id was written at, newest first, each with its quota.
-type Rates = SmallVec<[(u64, Quota); 2]>;
+/// The limits a state id was written at, newest first. (The period is the state id's:
+/// a limit and the period make the quota, and the quota the rate.)
+type Rates = SmallVec<[u64; RATES_KEPT]>;
 
 /// A shard's lock and its tables (its cells are among the store's
 /// [`Levels`](super::cells::Levels)), on cache lines of their own so that two cores
@@ -486,21 +487,30 @@ impl Table {
     }
 
     /// The rates other than `policy`'s that its state id was written at in this shard,
-    /// newest first; `policy`'s own is noted as the newest.
-    fn rates(&mut self, policy: &Policy) -> Rates {
-        let (id, rate) = (policy.state_id(), policy.rate());
+    /// newest first, each with a quota of it; `policy`'s own limit is noted as the
+    /// newest.
+    fn rates(&mut self, policy: &Policy) -> SmallVec<[(u64, Quota); 2]> {
+        let (id, quota) = (policy.state_id(), policy.quota());
         let entry = self
             .cold
             .rates
             .entry(id, |e| e.0 == id, |e| e.0)
             .or_insert_with(|| (id, Rates::new()))
             .into_mut();
-        let rates = &mut entry.1;
-        let earlier = rates.iter().filter(|r| r.0 != rate).cloned().collect();
-        if rates.first().is_none_or(|r| r.0 != rate) {
-            rates.retain(|r| r.0 != rate);
-            rates.insert(0, (rate, policy.quota().clone()));
-            rates.truncate(RATES_KEPT);
+        let limits = &mut entry.1;
+        let earlier = limits
+            .iter()
+            .filter_map(|&limit| {
+                let then = Quota::with_period(limit, quota.period()).ok()?;
+                let rate = policy::rate(policy.algorithm(), &then);
+                (rate != policy.rate()).then_some((rate, then))
+            })
+            .collect();
+        if limits.first() != Some(&quota.limit()) {
+            limits.retain(|limit| *limit != quota.limit());
+            // Within the inline four: no allocation.
+            limits.truncate(RATES_KEPT - 1);
+            limits.insert(0, quota.limit());
         }
         earlier
     }
