@@ -35,7 +35,9 @@ pub enum HeaderStyle {
     /// ```
     ///
     /// - `q`: the units a policy holds at most (its burst). `w`: the seconds they take to
-    ///   come back from empty, so `q / w` is never faster than the quota.
+    ///   come back from empty, so `q / w` is never faster than the quota. A calendar
+    ///   period's `w` is its longest window (a month: 31 days and an hour); `t` says
+    ///   when the current one ends.
     /// - A limit on calls in flight: `qu="concurrent-requests"`, no `w`.
     /// - `r`: the units left now.
     /// - `t`: the seconds until more units come. For a bucket and GCRA, the next unit;

@@ -104,10 +104,23 @@ impl Shard {
 struct Cold {
     /// When the last sweep ran.
     swept_at: u64,
+    /// A look that writes nothing is being decided: a state carried to a new rate is
+    /// read carried, and left where it was.
+    peeking: bool,
     /// The rates ([`Policy::rate`]) the shard's keys were written at, by state id: a
     /// key's bucket or arrival time is kept under its rate, so a key with none at a
     /// policy's rate may have one at an earlier rate, to be carried to it.
     rates: HashTable<(u64, Rates)>,
+}
+
+/// What a key new at a rate found at an earlier one.
+enum Carried<S> {
+    /// Nothing, or a state that carries as a fresh one.
+    Nothing,
+    /// A state, carried and kept under the new rate.
+    Kept(S),
+    /// A state, carried for a look that moves nothing.
+    Read(S),
 }
 
 /// A shard's bound on keys, and what to do at it.
@@ -209,6 +222,9 @@ impl Table {
         commit: bool,
     ) -> Decisions {
         let Bounds { max, when_full } = *bounds;
+        if !commit {
+            self.cold.peeking = true;
+        }
         let mut decisions = Decisions::new();
         let mut changes: SmallVec<[Change<'_>; 2]> = SmallVec::new();
         let mut new_keys = 0;
@@ -249,6 +265,9 @@ impl Table {
                     decisions.replace(i, self.read(cells, hash, now, policy, 0).0);
                 }
             }
+        }
+        if !commit {
+            self.cold.peeking = false;
         }
         decisions
     }
@@ -445,8 +464,9 @@ impl Table {
         match self.find_slot::<A::State>(cells, hash, now, policy.quota()) {
             (Place::New, fresh) if policy.rate() != 0 => {
                 match self.carry_slot::<A>(cells, hash, now, policy) {
-                    Some(state) => (Place::Table, state),
-                    None => (Place::New, fresh),
+                    Carried::Kept(state) => (Place::Table, state),
+                    Carried::Read(state) => (Place::New, state),
+                    Carried::Nothing => (Place::New, fresh),
                 }
             }
             found => found,
@@ -454,9 +474,9 @@ impl Table {
     }
 
     /// Moves the key's state at an earlier rate of `policy`'s state id, carried to the
-    /// policy's rate, under `hash` (in the table: it need not pack). `None` if the key
-    /// has none, or it carries as a fresh state. The first request at a new rate does
-    /// this, whatever it is then decided: a refusal keeps the carried state.
+    /// policy's rate, under `hash` (in the table: it need not pack). The first request
+    /// at a new rate does this, whatever it is then decided: a refusal keeps the carried
+    /// state. A look (a peek) reads it carried and moves nothing.
     #[inline(never)]
     fn carry_slot<A: Pair>(
         &mut self,
@@ -464,26 +484,32 @@ impl Table {
         hash: u64,
         now: u64,
         policy: &Policy,
-    ) -> Option<A::State> {
+    ) -> Carried<A::State> {
         let earlier = self.rates(policy);
+        let peeking = self.cold.peeking;
         for (rate, from) in earlier {
             let old = hash ^ mix_rate(policy.rate()) ^ mix_rate(rate);
             let (place, state) = self.find_slot::<A::State>(cells, old, now, &from);
             match place {
                 Place::New => continue,
+                // Unpinned as it was.
+                _ if peeking => {}
                 Place::Table => self.forget_at(cells, old),
                 Place::Cell(pinned) => pinned.remove(&mut self.cells),
             }
             let carried = A::carry(state, now, &from, policy.quota());
             let slot = carried.to_slot();
             if slot[0] <= now {
-                return None;
+                return Carried::Nothing;
+            }
+            if peeking {
+                return Carried::Read(carried);
             }
             self.earliest_expiry = self.earliest_expiry.min(slot[0]);
             self.slots.insert_unique(hash, (hash, slot), |e| e.0);
-            return Some(carried);
+            return Carried::Kept(carried);
         }
-        None
+        Carried::Nothing
     }
 
     /// The rates other than `policy`'s that its state id was written at in this shard,
@@ -615,8 +641,13 @@ impl Table {
     ) -> (Decision, Change<'a>) {
         let quota = policy.quota();
         let key = word::instant_key(hash);
-        let pinned = self.pin_cell::<A>(cells, hash, now, policy);
-        let tat = pinned.as_ref().map_or(FRESH[0], Pinned::state);
+        let (pinned, tat) = match self.pin_cell::<A>(cells, hash, now, policy) {
+            Ok(pinned) => {
+                let tat = pinned.state();
+                (Some(pinned), tat)
+            }
+            Err(tat) => (None, tat),
+        };
         let (decision, next) = A::check(gcra::State { tat }, now, quota, cost);
         let next = next.tat;
         let change = if pinned.is_some() || next > now {
@@ -629,7 +660,8 @@ impl Table {
     }
 
     /// Pins the key's cell of an instant state kept under `hash`; a key with none has its
-    /// state at an earlier rate carried to it first, if it has one.
+    /// state at an earlier rate carried to it first, if it has one. `Err`: no cell, and
+    /// the state to read (a fresh key's, or one carried for a look).
     #[inline(always)]
     fn pin_cell<'a, A: Instant>(
         &mut self,
@@ -637,16 +669,20 @@ impl Table {
         hash: u64,
         now: u64,
         policy: &Policy,
-    ) -> Option<Pinned<'a>> {
+    ) -> Result<Pinned<'a>, u64> {
         let key = word::instant_key(hash);
-        match cells.pin(&self.cells, key) {
-            None if self.carry_cell::<A>(cells, hash, now, policy) => cells.pin(&self.cells, key),
-            pinned => pinned,
+        if let Some(pinned) = cells.pin(&self.cells, key) {
+            return Ok(pinned);
+        }
+        match self.carry_cell::<A>(cells, hash, now, policy) {
+            Carried::Kept(_) => cells.pin(&self.cells, key).ok_or(FRESH[0]),
+            Carried::Read(tat) => Err(tat),
+            Carried::Nothing => Err(FRESH[0]),
         }
     }
 
-    /// [`carry_slot`](Self::carry_slot) for an instant state, kept in a cell: `false` if
-    /// nothing was carried (or every level of the shard is full).
+    /// [`carry_slot`](Self::carry_slot) for an instant state, kept in a cell. Nothing is
+    /// kept when every level of the shard is full.
     #[inline(never)]
     fn carry_cell<A: Instant>(
         &mut self,
@@ -654,32 +690,39 @@ impl Table {
         hash: u64,
         now: u64,
         policy: &Policy,
-    ) -> bool {
+    ) -> Carried<u64> {
         if policy.rate() == 0 {
-            return false;
+            return Carried::Nothing;
         }
         let earlier = self.rates(policy);
+        let peeking = self.cold.peeking;
         for (rate, from) in earlier {
             let old = word::instant_key(hash ^ mix_rate(policy.rate()) ^ mix_rate(rate));
             let Some(pinned) = cells.pin(&self.cells, old) else {
                 continue;
             };
             let tat = pinned.state();
-            pinned.remove(&mut self.cells);
+            if !peeking {
+                pinned.remove(&mut self.cells);
+            }
             let carried = A::carry(gcra::State { tat }, now, &from, policy.quota()).tat;
             if carried <= now {
-                return false;
+                return Carried::Nothing;
+            }
+            if peeking {
+                return Carried::Read(carried);
             }
             let key = word::instant_key(hash);
             let kept = cells.insert(&mut self.cells, key, carried)
                 || (cells.has_vacancy(&mut self.cells, key)
                     && cells.insert(&mut self.cells, key, carried));
-            if kept {
-                self.earliest_expiry = self.earliest_expiry.min(carried);
+            if !kept {
+                return Carried::Nothing;
             }
-            return kept;
+            self.earliest_expiry = self.earliest_expiry.min(carried);
+            return Carried::Kept(carried);
         }
-        false
+        Carried::Nothing
     }
 
     fn read_log<'a>(

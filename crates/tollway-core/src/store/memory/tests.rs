@@ -201,6 +201,26 @@ fn a_cut_refills_at_the_new_rate_from_the_first_request_under_it() {
     }
 }
 
+#[test]
+fn a_look_at_a_new_rate_moves_nothing() {
+    // 20 a minute, spent at 0. A peek at 10 a minute then changes nothing: at 30 s the
+    // old rate has refilled 10, so the first request at the new rate finds 10 missing
+    // of 10 and waits 6 s. (Had the peek carried it, 15 would be missing: 36 s.)
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let (store, clock) = store(100, WhenFull::Deny);
+        let policy = |limit: u64| {
+            let quota = Quota::per_minute(limit).unwrap();
+            Policy::new("api", algorithm, quota).unwrap()
+        };
+        assert!(store.check_sync(b"k", &policy(20), 20).is_allowed());
+        let peeked = store.apply(b"k", &[&policy(10)], Operation::Peek(1));
+        assert!(!peeked[0].is_allowed(), "{algorithm:?}");
+        clock.set_micros(30_000_000);
+        let first = store.check_sync(b"k", &policy(10), 1);
+        assert_eq!(first.retry_after_micros(), 6_000_000, "{algorithm:?}");
+    }
+}
+
 // Regression: a store filled by a flood refused new callers for an eighth of its
 // bound after every key had expired, waiting out a sweep credit. Expired keys make
 // room at once.

@@ -167,15 +167,18 @@ fn racing_token_bucket_checks_take_each_token_once() {
                 let mut meta = shard.1.lock().unwrap();
                 assert!(shard.0.shard(0).insert(&mut meta, 9, 0));
             }
-            let check = move |word: u64| {
-                let state = State::unpack(word, &quota, 0);
-                let (decision, next) = token_bucket::check(state, 1_000, &quota, 1);
-                let ok = decision.is_allowed();
-                (ok, ok.then(|| next.pack(&quota, 0).unwrap()))
+            let check = {
+                let quota = quota.clone();
+                move |word: u64| {
+                    let state = State::unpack(word, &quota, 0);
+                    let (decision, next) = token_bucket::check(state, 1_000, &quota, 1);
+                    let ok = decision.is_allowed();
+                    (ok, ok.then(|| next.pack(&quota, 0).unwrap()))
+                }
             };
             let admitted = admissions(threads, {
                 let shard = shard.clone();
-                move || shard.0.shard(0).update(9, check).unwrap()
+                move || shard.0.shard(0).update(9, check.clone()).unwrap()
             });
             assert_eq!(admitted, 2);
             let left = State::unpack(count(&shard, 9), &quota, 0);

@@ -181,7 +181,7 @@ impl Visit for Refund<'_, '_> {
             units,
         } = self;
         let quota = policy.quota();
-        if let Some(mut pinned) = table.pin_cell::<A>(cells, hash, now, policy) {
+        if let Ok(mut pinned) = table.pin_cell::<A>(cells, hash, now, policy) {
             let tat = A::refund(
                 gcra::State {
                     tat: pinned.state(),
@@ -253,7 +253,7 @@ impl Visit for Operate<'_, '_> {
         } = self;
         let (hash, quota) = (key_hash ^ policy.rate_id(), policy.quota());
         let key = word::instant_key(hash);
-        if let Some(mut pinned) = table.pin_cell::<A>(cells, hash, now, policy) {
+        if let Ok(mut pinned) = table.pin_cell::<A>(cells, hash, now, policy) {
             pinned.set(instant_operate::<A>(pinned.state(), now, quota, operation));
         } else {
             let next = instant_operate::<A>(FRESH[0], now, quota, operation);
