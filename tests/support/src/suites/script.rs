@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::AsyncCommands;
 use redis::aio::MultiplexedConnection;
 use tollway_core::{
-    Algorithm, Decision, ManualClock, MemoryStore, Policy, Quota, RedisStore, Store,
+    Algorithm, Decision, ManualClock, MemoryStore, Operation, Policy, Quota, RedisStore, Store,
 };
 
 use super::{Target, builder};
@@ -99,6 +99,29 @@ pub async fn a_changed_limit_keeps_usage(target: &Target) -> Vec<String> {
         );
         keys.push(store.state_key(key, &per_minute(20)));
         keys.push(store.state_key(key, &hourly));
+    }
+    // A cut's new rate runs from the first request under it; a look moves nothing. A
+    // bucket of 20 a minute spent, looked at under 10 a minute: 30 s later the old rate
+    // has refilled 10, so the first request finds 10 missing of 10 and waits 6 s.
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let key = format!("look-{}", algorithm.name());
+        let per_minute =
+            |limit: u64| Policy::new("api", algorithm, Quota::per_minute(limit).unwrap()).unwrap();
+        clock.set_micros(EPOCH_US);
+        let spent = store.check_one(key.as_bytes(), &per_minute(20), 20);
+        assert!(spent.await.unwrap().is_allowed());
+        let looked = store
+            .operate(key.as_bytes(), &[&per_minute(10)], Operation::Peek(1))
+            .await
+            .unwrap();
+        assert!(!looked[0].is_allowed(), "{algorithm:?}");
+        clock.set_micros(EPOCH_US + 30_000_000);
+        let first = store
+            .check_one(key.as_bytes(), &per_minute(10), 1)
+            .await
+            .unwrap();
+        assert_eq!(first.retry_after_micros(), 6_000_000, "{algorithm:?}");
+        keys.push(store.state_key(key.as_bytes(), &per_minute(10)));
     }
     keys
 }
