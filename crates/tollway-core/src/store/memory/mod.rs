@@ -94,6 +94,14 @@ pub enum WhenFull {
 /// windows have passed. So a flood of unique keys, such as a botnet rotating addresses,
 /// cannot grow memory without bound.
 ///
+/// # Changed limits
+///
+/// A caller keeps what it used when its policy's limit or burst changes (see
+/// [`Policy::state_id`]). A bucket's or GCRA's state is kept at the rate it was
+/// written at, and carried to a new rate by the first request under it. Each shard
+/// remembers the last four limits a policy had there: a caller last seen under an
+/// older one starts afresh.
+///
 /// # Keys
 ///
 /// Keys are stored as a 64-bit hash. The hasher is foldhash's quality hasher, seeded at
@@ -114,7 +122,8 @@ pub enum WhenFull {
 /// about 200 bytes with one entry, and 16 to 32 more for each further entry.
 /// The repository's `BENCHMARKS.md` has the measured bytes per key.
 ///
-/// A shard takes about 400 bytes before any key. Its lock and tables take 128 bytes. Its
+/// A shard takes about 400 bytes before any key. Its lock and tables take 128 bytes (and
+/// about 50 more, boxed, for each policy's limits it remembers). Its
 /// first sixteen cells take 256, and are made with the store for every shard. So the
 /// default store takes about 0.4 MB. Later levels are made for up to 64 shards at a time
 /// (at most 4 MB), when the first of them needs one.

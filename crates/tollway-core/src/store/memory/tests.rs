@@ -221,6 +221,39 @@ fn a_look_at_a_new_rate_moves_nothing() {
     }
 }
 
+#[test]
+fn a_caller_last_seen_under_a_limit_older_than_four_starts_afresh() {
+    // One shard. Key a spends 10 under 10 a minute; other keys bring the policy to four
+    // new limits. Under the fifth, key a has 10 used while the limit it was seen under
+    // is among the last four, and a full bucket once it is not.
+    let (store, _clock) = store(100, WhenFull::Deny);
+    let policy = |limit: u64| {
+        let quota = Quota::per_minute(limit).unwrap();
+        Policy::new("api", Algorithm::TokenBucket, quota).unwrap()
+    };
+    assert!(store.check_sync(b"a", &policy(10), 10).is_allowed());
+    for (i, limit) in [20, 30, 40].into_iter().enumerate() {
+        let other = format!("other-{i}");
+        assert!(
+            store
+                .check_sync(other.as_bytes(), &policy(limit), 1)
+                .is_allowed()
+        );
+    }
+    assert_eq!(store.check_sync(b"a", &policy(50), 0).remaining(), 40);
+    let (store, _clock) = self::store(100, WhenFull::Deny);
+    assert!(store.check_sync(b"a", &policy(10), 10).is_allowed());
+    for (i, limit) in [20, 30, 40, 50].into_iter().enumerate() {
+        let other = format!("other-{i}");
+        assert!(
+            store
+                .check_sync(other.as_bytes(), &policy(limit), 1)
+                .is_allowed()
+        );
+    }
+    assert_eq!(store.check_sync(b"a", &policy(60), 0).remaining(), 60);
+}
+
 // Regression: a store filled by a flood refused new callers for an eighth of its
 // bound after every key had expired, waiting out a sweep credit. Expired keys make
 // room at once.
