@@ -58,7 +58,8 @@ impl Policy {
     /// When the name is empty, too long or has other characters: it becomes part of
     /// store keys. When the quota's numbers form a product past 2^52 in the algorithm's
     /// arithmetic: limit × period and burst × period for the buckets, burst × emission
-    /// interval for GCRA and the shaper, limit × period for the sliding window counter. When the quota sets a burst for a window algorithm. A window counts
+    /// interval for GCRA and the shaper, limit × period for the sliding window counter.
+    /// When the quota sets a burst for a window algorithm. A window counts
     /// `limit` per window and has no use for one. When a sliding window log's limit
     /// passes [`MAX_SLIDING_LOG_LIMIT`].
     pub fn new(
@@ -217,11 +218,12 @@ impl Policy {
 /// What a state id is moved by for a `rate` (see [`Policy::rate_id`]): 0 for 0, else a
 /// mix of its bits, so that two rates move it apart.
 pub(crate) const fn mix_rate(rate: u64) -> u64 {
-    if rate == 0 {
-        return 0;
-    }
-    // SplitMix64's finaliser.
-    let mut z = rate.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    if rate == 0 { 0 } else { splitmix64(rate) }
+}
+
+/// SplitMix64's output for the state `x`: a stable mix of its bits.
+pub(crate) const fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

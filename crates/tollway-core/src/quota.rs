@@ -272,17 +272,6 @@ impl Quota {
         use crate::Algorithm;
         let fits = |n: u64, per: u64| n.checked_mul(per).is_some_and(|p| p <= MAX_EXACT);
         let (limit, burst, period) = (self.limit, self.burst, self.period_us);
-        let spaced = !matches!(
-            algorithm,
-            Algorithm::FixedWindow | Algorithm::SlidingWindowLog | Algorithm::Concurrency
-        );
-        if spaced && period < limit {
-            return Err(ConfigError::new(format!(
-                "quota of {limit} per {period} µs is finer than one unit per microsecond for \
-                 {}: use a longer period with a proportionally larger limit, or a fixed window",
-                algorithm.name()
-            )));
-        }
         let (ok, products) = match algorithm {
             Algorithm::TokenBucket | Algorithm::LeakyBucket => (
                 fits(limit, period) && fits(burst, period),
@@ -293,10 +282,18 @@ impl Quota {
                 "burst × emission interval (period / limit)",
             ),
             Algorithm::SlidingWindowCounter => (fits(limit, period), "limit × period"),
+            // Counts, compared with the limit: no product, and no unit spaced in time.
             Algorithm::FixedWindow | Algorithm::SlidingWindowLog | Algorithm::Concurrency => {
-                (true, "")
+                return Ok(());
             }
         };
+        if period < limit {
+            return Err(ConfigError::new(format!(
+                "quota of {limit} per {period} µs is finer than one unit per microsecond for \
+                 {}: use a longer period with a proportionally larger limit, or a fixed window",
+                algorithm.name()
+            )));
+        }
         if ok {
             return Ok(());
         }

@@ -16,7 +16,6 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use futures_util::future::join_all;
 use tollway_core::{BoxStore, CalendarUnit, Decision, Operation, Policy, Quota, Store, StoreError};
@@ -312,6 +311,17 @@ impl RateLimitService {
     }
 }
 
+/// Envoy's units of time, in seconds, shortest first: a month is 30 days, a year 365.
+const UNITS: [(u64, Unit); 7] = [
+    (1, Unit::Second),
+    (60, Unit::Minute),
+    (3_600, Unit::Hour),
+    (86_400, Unit::Day),
+    (7 * 86_400, Unit::Week),
+    (30 * 86_400, Unit::Month),
+    (365 * 86_400, Unit::Year),
+];
+
 /// The policy a descriptor's `limit` asks for instead of `policy`: its name and algorithm
 /// at `requests_per_unit` a unit (a month is 30 days, a year 365), burst the limit.
 ///
@@ -323,15 +333,8 @@ impl RateLimitService {
 /// policy then decides.
 fn overridden(policy: &Policy, limit: Option<&RateLimitOverride>) -> Option<Policy> {
     let limit = limit?;
-    let secs: u64 = match RateLimitUnit::try_from(limit.unit).ok()? {
-        RateLimitUnit::Second => 1,
-        RateLimitUnit::Minute => 60,
-        RateLimitUnit::Hour => 3_600,
-        RateLimitUnit::Day => 86_400,
-        RateLimitUnit::Month => 30 * 86_400,
-        RateLimitUnit::Year => 365 * 86_400,
-        RateLimitUnit::Unknown => return None,
-    };
+    // `RateLimitUnit` numbers its units as the response's `Unit` does.
+    let &(secs, _) = UNITS.iter().find(|&&(_, unit)| unit as i32 == limit.unit)?;
     let quota = Quota::with_period(limit.requests_per_unit.into(), Duration::from_secs(secs));
     let own = quota.and_then(|quota| Policy::new(policy.name(), policy.algorithm(), quota));
     match own {
@@ -463,15 +466,6 @@ impl RateLimitService {
 /// the burst: 5 a minute. Envoy reads the count as what passes in one unit's window, so a
 /// count above the burst would promise a burst the policy never grants.
 fn current_limit(policy: &Policy) -> RateLimit {
-    const UNITS: [(u64, Unit); 7] = [
-        (1, Unit::Second),
-        (60, Unit::Minute),
-        (3_600, Unit::Hour),
-        (86_400, Unit::Day),
-        (7 * 86_400, Unit::Week),
-        (30 * 86_400, Unit::Month),
-        (365 * 86_400, Unit::Year),
-    ];
     let quota = policy.quota();
     // A calendar's unit is Envoy's own, when its count fits.
     if let Some(calendar) = quota.calendar()

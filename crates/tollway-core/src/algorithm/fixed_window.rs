@@ -11,8 +11,8 @@
 //!
 //! Windows are aligned to multiples of the period on the clock that supplies `now`. In
 //! Redis, that is the Unix epoch. A calendar quota's windows are its calendar's instead:
-//! a day, a month, on a zone's wall clock (see [`calendar`](crate::calendar)). A node whose clock runs ahead may write a state from a
-//! later window than `now`'s. That state is taken as the current window. So clock skew
+//! a day, a month, on a zone's wall clock (see [`calendar`](crate::calendar)). A node
+//! whose clock runs ahead may write a state from a later window than `now`'s. That state is taken as the current window. So clock skew
 //! between nodes shifts a window's end, but never starts a window afresh.
 
 use super::{Slot, SlotState};

@@ -25,7 +25,7 @@ pub(super) use self::forms::operate;
 /// Below this many keys a shard never sweeps.
 const MIN_SWEEP: usize = 256;
 
-/// How many rates a shard remembers for a state id (see [`Table::rates`]). A key last
+/// How many rates a shard remembers for a state id (see [`Table::earlier`]). A key last
 /// written at a rate older than these starts afresh.
 const RATES_KEPT: usize = 4;
 
@@ -380,9 +380,8 @@ impl Table {
     /// Forgets one policy's state of the key (`hash`), at every rate remembered.
     fn forget(&mut self, cells: Cells<'_>, hash: u64, policy: &Policy) {
         self.forget_at(cells, hash);
-        let earlier = self.rates(policy);
-        for (rate, _) in earlier {
-            self.forget_at(cells, hash ^ mix_rate(policy.rate()) ^ mix_rate(rate));
+        for (old, _) in self.earlier(hash, policy) {
+            self.forget_at(cells, old);
         }
     }
 
@@ -485,10 +484,8 @@ impl Table {
         now: u64,
         policy: &Policy,
     ) -> Carried<A::State> {
-        let earlier = self.rates(policy);
         let peeking = self.cold.peeking;
-        for (rate, from) in earlier {
-            let old = hash ^ mix_rate(policy.rate()) ^ mix_rate(rate);
+        for (old, from) in self.earlier(hash, policy) {
             let (place, state) = self.find_slot::<A::State>(cells, old, now, &from);
             match place {
                 Place::New => continue,
@@ -512,10 +509,10 @@ impl Table {
         Carried::Nothing
     }
 
-    /// The rates other than `policy`'s that its state id was written at in this shard,
-    /// newest first, each with a quota of it; `policy`'s own limit is noted as the
-    /// newest.
-    fn rates(&mut self, policy: &Policy) -> SmallVec<[(u64, Quota); 2]> {
+    /// Where a key kept under `hash` at `policy`'s rate keeps its state at the other
+    /// rates its state id was written at in this shard, newest first, each with a quota
+    /// of that rate; `policy`'s own limit is noted as the newest.
+    fn earlier(&mut self, hash: u64, policy: &Policy) -> SmallVec<[(u64, Quota); 2]> {
         let (id, quota) = (policy.state_id(), policy.quota());
         let entry = self
             .cold
@@ -529,7 +526,8 @@ impl Table {
             .filter_map(|&limit| {
                 let then = Quota::with_period(limit, quota.period()).ok()?;
                 let rate = policy::rate(policy.algorithm(), &then);
-                (rate != policy.rate()).then_some((rate, then))
+                let old = hash ^ mix_rate(policy.rate()) ^ mix_rate(rate);
+                (rate != policy.rate()).then_some((old, then))
             })
             .collect();
         if limits.first() != Some(&quota.limit()) {
@@ -613,12 +611,8 @@ impl Table {
             (Place::Cell(pinned), None) => pinned.remove(&mut self.cells),
             (Place::New, _) if !room => return,
             (Place::New, Some(word)) => {
-                let key = word::packed_key(hash);
                 // Into the table if every level is full.
-                if cells.insert(&mut self.cells, key, word)
-                    || (cells.has_vacancy(&mut self.cells, key)
-                        && cells.insert(&mut self.cells, key, word))
-                {
+                if self.insert_cell(cells, word::packed_key(hash), word) {
                     self.earliest_expiry = self.earliest_expiry.min(next[0]);
                     return;
                 }
@@ -627,6 +621,13 @@ impl Table {
         }
         self.earliest_expiry = self.earliest_expiry.min(next[0]);
         self.slots.insert_unique(hash, (hash, next), |e| e.0);
+    }
+
+    /// Puts `word` in a new cell for `key`, making room in a level if one has none;
+    /// `false` when every level is full.
+    fn insert_cell(&mut self, cells: Cells<'_>, key: u64, word: u64) -> bool {
+        cells.insert(&mut self.cells, key, word)
+            || (cells.has_vacancy(&mut self.cells, key) && cells.insert(&mut self.cells, key, word))
     }
 
     /// [`read`](Self::read) for an instant state.
@@ -691,14 +692,9 @@ impl Table {
         now: u64,
         policy: &Policy,
     ) -> Carried<u64> {
-        if policy.rate() == 0 {
-            return Carried::Nothing;
-        }
-        let earlier = self.rates(policy);
         let peeking = self.cold.peeking;
-        for (rate, from) in earlier {
-            let old = word::instant_key(hash ^ mix_rate(policy.rate()) ^ mix_rate(rate));
-            let Some(pinned) = cells.pin(&self.cells, old) else {
+        for (old, from) in self.earlier(hash, policy) {
+            let Some(pinned) = cells.pin(&self.cells, word::instant_key(old)) else {
                 continue;
             };
             let tat = pinned.state();
@@ -712,11 +708,7 @@ impl Table {
             if peeking {
                 return Carried::Read(carried);
             }
-            let key = word::instant_key(hash);
-            let kept = cells.insert(&mut self.cells, key, carried)
-                || (cells.has_vacancy(&mut self.cells, key)
-                    && cells.insert(&mut self.cells, key, carried));
-            if !kept {
+            if !self.insert_cell(cells, word::instant_key(hash), carried) {
                 return Carried::Nothing;
             }
             self.earliest_expiry = self.earliest_expiry.min(carried);

@@ -152,14 +152,16 @@ fn a_new_key_that_does_not_fit_refuses_the_whole_request() {
     assert_eq!(store.len(), 1);
 }
 
+/// A policy named `api` of `limit` a minute.
+fn api(algorithm: Algorithm, limit: u64) -> Policy {
+    Policy::new("api", algorithm, Quota::per_minute(limit).unwrap()).unwrap()
+}
+
 #[test]
 fn a_changed_limit_keeps_what_each_caller_used() {
     for algorithm in Algorithm::ALL {
         let (store, clock) = store(100, WhenFull::Deny);
-        let policy = |limit: u64| {
-            let quota = Quota::per_minute(limit).unwrap();
-            Policy::new("api", algorithm, quota).unwrap()
-        };
+        let policy = |limit| api(algorithm, limit);
         clock.set_micros(1_000_000_000);
         assert!(store.check_sync(b"k", &policy(20), 20).is_allowed());
         // Cut to 10 with 20 used: nothing left. Raised to 100: the other 80.
@@ -187,10 +189,7 @@ fn a_cut_refills_at_the_new_rate_from_the_first_request_under_it() {
     // state is kept: at the old rate a unit would be back at 33 s, at the new one at 66 s.
     for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
         let (store, clock) = store(100, WhenFull::Deny);
-        let policy = |limit: u64| {
-            let quota = Quota::per_minute(limit).unwrap();
-            Policy::new("api", algorithm, quota).unwrap()
-        };
+        let policy = |limit| api(algorithm, limit);
         assert!(store.check_sync(b"k", &policy(20), 20).is_allowed());
         let refused = store.check_sync(b"k", &policy(10), 1);
         assert_eq!(refused.retry_after_micros(), 66_000_000, "{algorithm:?}");
@@ -208,10 +207,7 @@ fn a_look_at_a_new_rate_moves_nothing() {
     // of 10 and waits 6 s. (Had the peek carried it, 15 would be missing: 36 s.)
     for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
         let (store, clock) = store(100, WhenFull::Deny);
-        let policy = |limit: u64| {
-            let quota = Quota::per_minute(limit).unwrap();
-            Policy::new("api", algorithm, quota).unwrap()
-        };
+        let policy = |limit| api(algorithm, limit);
         assert!(store.check_sync(b"k", &policy(20), 20).is_allowed());
         let peeked = store.apply(b"k", &[&policy(10)], Operation::Peek(1));
         assert!(!peeked[0].is_allowed(), "{algorithm:?}");
@@ -227,10 +223,7 @@ fn a_caller_last_seen_under_a_limit_older_than_four_starts_afresh() {
     // new limits. Under the fifth, key a has 10 used while the limit it was seen under
     // is among the last four, and a full bucket once it is not.
     let (store, _clock) = store(100, WhenFull::Deny);
-    let policy = |limit: u64| {
-        let quota = Quota::per_minute(limit).unwrap();
-        Policy::new("api", Algorithm::TokenBucket, quota).unwrap()
-    };
+    let policy = |limit| api(Algorithm::TokenBucket, limit);
     assert!(store.check_sync(b"a", &policy(10), 10).is_allowed());
     for (i, limit) in [20, 30, 40].into_iter().enumerate() {
         let other = format!("other-{i}");
