@@ -468,10 +468,28 @@ async fn a_descriptors_own_limit_decides_and_keeps_what_was_used() {
     }
     let over = ask(&mut served.client, me(Some(10))).await;
     assert_eq!(over.overall_code, Code::OverLimit as i32);
-    // 0 a minute is no policy: the file's 3, spent.
-    let zero = ask(&mut served.client, me(Some(0))).await;
-    assert_eq!(zero.overall_code, Code::OverLimit as i32);
-    let stated = zero.statuses[0].current_limit.as_ref().unwrap();
-    assert_eq!(stated.requests_per_unit, 3);
+    // What cannot be a policy leaves the file's 3, spent: 0 a minute, an unknown unit,
+    // or the most a second (finer than GCRA's microsecond).
+    let unit = |requests_per_unit: u32, unit: i32| {
+        let mut d = descriptor(&[("remote_address", "203.0.113.9")]);
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit,
+            unit,
+        });
+        vec![d]
+    };
+    let minute = RateLimitUnit::Minute as i32;
+    let second = RateLimitUnit::Second as i32;
+    for hostile in [
+        unit(0, minute),
+        unit(100, 99),
+        unit(100, 0),
+        unit(u32::MAX, second),
+    ] {
+        let answer = ask(&mut served.client, hostile).await;
+        assert_eq!(answer.overall_code, Code::OverLimit as i32);
+        let stated = answer.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!(stated.requests_per_unit, 3);
+    }
     served.running.stop().await;
 }
