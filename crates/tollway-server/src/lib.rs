@@ -45,7 +45,10 @@
 //!   than the policy passes in one unit: 5 per 10 s is 5 a minute), what remains, and
 //!   the time until it is whole again. `response_headers_to_add` carries the
 //!   `X-RateLimit-*` or IETF fields the layer would write (`[layer] headers`), and
-//!   `Retry-After` when over the limit.
+//!   `Retry-After` when over the limit. Envoy's fields are 32 bits: a limit past them
+//!   is stated in a shorter unit (10^10 a 31-day month is 2,258,064,516 a week), and
+//!   `limit_remaining` past them is 4,294,967,295, at least what remains; the headers
+//!   carry the whole number.
 //! - A descriptor no rule matches is `OK`, with no limit: as envoyproxy/ratelimit answers.
 //!   An `unlimited = true` rule answers `OK` with `limit_remaining` at its maximum.
 //! - A policy in shadow mode (or the whole file) answers `OK` where it would be over,
