@@ -617,3 +617,56 @@ async fn a_reload_names_the_policies_whose_counts_start_afresh() {
     let again = reloader.reload().await.unwrap();
     assert!(again.reset_policies().is_empty());
 }
+
+/// A file whose pro tier is GCRA at 100 a minute, and whose key `k-acme` has a plan of
+/// its own on it: `acme` a minute.
+fn plans(acme: u64) -> String {
+    format!(
+        "[layer]\ndefault = \"anonymous\"\nheaders = \"legacy\"\n\n\
+         [key]\napi_key = {{ header = \"x-api-key\" }}\n\n\
+         [policies.anonymous]\nalgorithm = \"token_bucket\"\nlimit = 5\nperiod = \"1m\"\n\n\
+         [policies.pro]\nalgorithm = \"gcra\"\nlimit = 100\nperiod = \"1m\"\n\n\
+         [tiers]\n\"k-pro\" = \"pro\"\n\n\
+         [plans]\n\"k-acme\" = {{ tier = \"pro\", limit = {acme} }}\n"
+    )
+}
+
+both_stores! {
+    /// A customer's own quota from the file: `k-acme` has 20 a minute on the pro tier
+    /// (100), spends them and is refused; its contract goes to 40 and it keeps the 20 it
+    /// used (19 left after one more), while `k-pro` stays on the tier's 100.
+    async fn a_plan_of_its_own_is_kept_across_a_change_of_its_quota(store, clock) {
+        let dir = Dir::new(&format!("plans-{}", std::any::type_name::<St>().len()));
+        dir.write(&plans(20));
+        let reloader = Reloader::new(dir.file(), store).unwrap();
+        let server = serve(&reloader).await;
+        let client = server.client();
+        let send = |key: &'static str| {
+            let client = client.clone();
+            async move {
+                let reply = client.get_with("/", &[("x-api-key", key)]).await;
+                let header = |name| reply.header(name).map(str::to_owned);
+                (reply.status.as_u16(), header("x-ratelimit-limit"), header("x-ratelimit-remaining"))
+            }
+        };
+        let some = |n: &str| Some(n.to_owned());
+        assert_eq!(send("k-acme").await, (200, some("20"), some("19")));
+        for _ in 0..19 {
+            assert_eq!(send("k-acme").await.0, 200);
+        }
+        assert_eq!(send("k-acme").await, (429, some("20"), some("0")));
+        assert_eq!(send("k-pro").await, (200, some("100"), some("99")));
+
+        dir.write(&plans(40));
+        assert!(reloader.reload().await.unwrap().reset_policies().is_empty());
+        assert_eq!(send("k-acme").await, (200, some("40"), some("19")));
+        for _ in 0..19 {
+            assert_eq!(send("k-acme").await.0, 200);
+        }
+        assert_eq!(send("k-acme").await.0, 429);
+        // A minute on, 40 again: the new rate runs.
+        clock.set_micros(EPOCH_US + 60_000_000);
+        assert_eq!(send("k-acme").await, (200, some("40"), some("39")));
+        assert_eq!(send("k-pro").await, (200, some("100"), some("99")));
+    }
+}

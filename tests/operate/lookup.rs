@@ -5,13 +5,13 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::{Request, Response, StatusCode};
 use tokio::time::Instant;
-use tollway_core::{ManualClock, Policy};
-use tollway_tower::{ApiKey, Key, OnLookupError, RateLimitLayer, ResponseBody};
+use tollway_core::{Calendar, CalendarUnit, ManualClock, Policy, Quota};
+use tollway_tower::{ApiKey, Key, OnLookupError, Plan, RateLimitLayer, ResponseBody};
 use tower::{Layer, ServiceExt, service_fn};
 
 use support::stores::{EPOCH_US, memory_store, per_minute};
@@ -41,10 +41,11 @@ where
 }
 
 fn limit(reply: &Reply) -> Option<&str> {
-    reply
-        .headers()
-        .get("x-ratelimit-limit")
-        .map(|v| v.to_str().unwrap())
+    header(reply, "x-ratelimit-limit")
+}
+
+fn header<'r>(reply: &'r Reply, name: &str) -> Option<&'r str> {
+    reply.headers().get(name).map(|v| v.to_str().unwrap())
 }
 
 fn layer_with(
@@ -332,5 +333,62 @@ fn no_lookups_at_once_is_a_configuration_error() {
         err.to_string()
             .contains("tier_lookup_concurrency at least 1"),
         "{err}"
+    );
+}
+
+/// A lookup that answers a customer's own quota, as a contracts table would: `k-acme`
+/// gets the pro tier at 20 a minute and spends it. Its contract goes to 40; once the
+/// cached answer expires, it has 40 and keeps the 20 it used. An answer whose quota
+/// does not suit the tier (a calendar month for GCRA) is a failed lookup.
+#[tokio::test(start_paused = true)]
+async fn a_looked_up_quota_of_its_own_keeps_what_was_used_when_it_changes() {
+    let contract = Arc::new(AtomicU64::new(20));
+    let table = Arc::clone(&contract);
+    let layer = layer_with(
+        move |key: Key| {
+            let per_minute = table.load(Ordering::SeqCst);
+            async move {
+                let plan = match key.value() {
+                    b"k-acme" => Plan::tier("pro").with_quota(Quota::per_minute(per_minute)?),
+                    b"k-monthly" => {
+                        let month = Calendar::utc(CalendarUnit::Month);
+                        Plan::tier("pro").with_quota(Quota::per_calendar(per_minute, month)?)
+                    }
+                    _ => return Ok(None),
+                };
+                Ok::<_, tollway_core::ConfigError>(Some(plan))
+            }
+        },
+        OnLookupError::Anonymous,
+    );
+    let remaining = |reply: &Reply| header(reply, "x-ratelimit-remaining").map(str::to_owned);
+    for left in (0..20).rev() {
+        let reply = send(&layer, "k-acme").await;
+        assert_eq!(reply.status(), StatusCode::OK);
+        assert_eq!(limit(&reply), Some("20"));
+        assert_eq!(remaining(&reply), Some(left.to_string()));
+    }
+    assert_eq!(
+        send(&layer, "k-acme").await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    contract.store(40, Ordering::SeqCst);
+    // Still the cached 20 until the cache's 60 s pass (the store's clock stands still).
+    assert_eq!(limit(&send(&layer, "k-acme").await), Some("20"));
+    tokio::time::advance(Duration::from_secs(61)).await;
+    let reply = send(&layer, "k-acme").await;
+    assert_eq!(reply.status(), StatusCode::OK);
+    assert_eq!(
+        (limit(&reply), remaining(&reply)),
+        (Some("40"), Some("19".to_owned()))
+    );
+
+    let monthly = send(&layer, "k-monthly").await;
+    assert_eq!(monthly.status(), StatusCode::OK);
+    assert_eq!(
+        limit(&monthly),
+        Some("100"),
+        "limited as unknown: the anonymous 100"
     );
 }

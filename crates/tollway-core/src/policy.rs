@@ -149,6 +149,31 @@ impl Policy {
         })
     }
 
+    /// The same policy at another quota: a customer's own limit (a contract, a plan kept
+    /// in a database) under its tier's name and algorithm.
+    ///
+    /// Its state is the tier's when the period is the same: a customer whose quota
+    /// changes keeps what it used, as a policy whose quota changes does.
+    ///
+    /// # Errors
+    ///
+    /// As [`Policy::new`], for this algorithm at `quota`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_core::{Algorithm, Policy, Quota};
+    ///
+    /// let pro = Policy::new("pro", Algorithm::Gcra, Quota::per_minute(10_000)?)?;
+    /// let acme = pro.with_quota(pro.quota().with_limit(50_000)?)?;
+    /// assert_eq!((acme.name(), acme.quota().limit()), ("pro", 50_000));
+    /// assert_eq!(acme.state_id(), pro.state_id());
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    pub fn with_quota(&self, quota: Quota) -> Result<Self, ConfigError> {
+        Policy::new(self.name(), self.algorithm, quota)
+    }
+
     /// The policy's name.
     #[must_use]
     pub fn name(&self) -> &str {

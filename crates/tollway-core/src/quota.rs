@@ -227,6 +227,30 @@ impl Quota {
         Ok(quota)
     }
 
+    /// `limit` units over the same period (or calendar), with a burst of `limit`: a
+    /// customer's own limit on its plan's terms.
+    ///
+    /// # Errors
+    ///
+    /// When `limit` is zero or passes [`MAX_UNITS`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_core::Quota;
+    ///
+    /// let pro = Quota::per_minute(10_000)?;
+    /// let contract = pro.with_limit(50_000)?;
+    /// assert_eq!((contract.limit(), contract.period()), (50_000, pro.period()));
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    pub fn with_limit(&self, limit: u64) -> Result<Self, ConfigError> {
+        match &self.calendar {
+            Some(calendar) => Quota::per_calendar(limit, calendar.clone()),
+            None => Quota::with_period(limit, Duration::from_micros(self.period_us)),
+        }
+    }
+
     /// The calendar its windows follow, if it has one (see
     /// [`per_calendar`](Self::per_calendar)).
     #[must_use]

@@ -134,6 +134,10 @@
 //! - An address starts at most 60 a minute
 //!   ([`tier_lookups_per_source`](RateLimitLayerBuilder::tier_lookups_per_source)).
 //!   Past either bound, the caller is unknown for that request.
+//! - A lookup may answer a [`Plan`]: a tier with a quota of the caller's own (a contract
+//!   in a database). A known key may have one in the builder too
+//!   ([`plan`](RateLimitLayerBuilder::plan)), or in the limits file (`[plans]`). A
+//!   customer whose quota changes keeps what it used.
 //!
 //! ```
 //! use tollway_tower::{Algorithm, ApiKey, Key, MemoryStore, Policy, Quota, RateLimitLayer};
@@ -542,7 +546,7 @@ pub use key::{
     Or, PeerIp, UserId, peer_addr,
 };
 pub use limits::Tiers;
-pub use lookup::{LookupFuture, OnLookupError, TierLookup};
+pub use lookup::{LookupFuture, OnLookupError, Plan, TierLookup};
 pub use pipeline::{MissingKey, OnStoreError, Protocol};
 pub use rate_limit::{
     RateLimit, RateLimitLayer, RateLimitLayerBuilder, ResponseFuture, ShadowState,

@@ -10,6 +10,7 @@ use smallvec::SmallVec;
 use tollway_core::{ConfigError, Policy};
 
 use crate::Key;
+use crate::lookup::{Found, Placed, Plan};
 
 /// Names the tier of a caller: the name of one of the layer's tier policies, or `None`
 /// for the default policy.
@@ -281,23 +282,43 @@ pub(crate) struct Limits {
     policies: Arc<[Policy]>,
     tier_names: Vec<(String, usize)>,
     tiers: Option<Box<dyn Tiers>>,
+    /// Callers given a plan by key value: their tier, and their own policy when the
+    /// plan has a quota. Asked before `tiers`.
+    plans: HashMap<Box<[u8]>, Placed>,
     routes: Vec<RouteLimit>,
 }
 
 impl Limits {
-    /// The limits of a layer whose default policy is `policies[0]`.
+    /// The limits of a layer whose default policy is `policies[0]`, with callers given
+    /// `plans` by key value.
+    ///
+    /// # Errors
+    ///
+    /// When a plan's quota does not suit its tier's algorithm.
     pub(crate) fn new(
         policies: Vec<Policy>,
         tier_names: Vec<(String, usize)>,
         tiers: Option<Box<dyn Tiers>>,
+        plans: Vec<(String, Plan)>,
         routes: Vec<RouteLimit>,
-    ) -> Self {
-        Limits {
+    ) -> Result<Self, ConfigError> {
+        let mut limits = Limits {
             policies: policies.into(),
             tier_names,
             tiers,
+            plans: HashMap::new(),
             routes,
+        };
+        for (value, plan) in plans {
+            let found = limits.plan(&plan).map_err(|e| {
+                ConfigError::new(format!(
+                    "the plan of a key (tier {:?}) does not fit its tier: {e}",
+                    plan.tier_name()
+                ))
+            })?;
+            limits.plans.insert(value.into_bytes().into(), found);
         }
+        Ok(limits)
     }
 
     /// The policy at `index`.
@@ -328,13 +349,34 @@ impl Limits {
             })
     }
 
-    /// The index of the policy of `key`'s tier, by the layer's [`Tiers`] (the default's,
-    /// 0, without one or for a caller in no tier).
-    pub(crate) fn tier_for(&self, key: &Key) -> usize {
-        match &self.tiers {
+    /// The tier of `key`'s caller: its plan if it has one, else by the layer's [`Tiers`]
+    /// (the default's, 0, without one or for a caller in no tier).
+    pub(crate) fn tier_for(&self, key: &Key) -> Found {
+        if !self.plans.is_empty()
+            && let Some((tier, own)) = self.plans.get(key.value())
+        {
+            return Found::Tier(*tier, own.clone());
+        }
+        let tier = match &self.tiers {
             None => 0,
             Some(tiers) => tiers.tier(key).map_or(0, |name| self.tier_index(name)),
-        }
+        };
+        Found::Tier(tier, None)
+    }
+
+    /// Where `plan` puts a caller: the index of its tier's policy, and the policy at the
+    /// caller's own quota when the plan has one.
+    ///
+    /// # Errors
+    ///
+    /// When the quota does not suit the tier's algorithm.
+    pub(crate) fn plan(&self, plan: &Plan) -> Result<Placed, ConfigError> {
+        let tier = self.tier_index(plan.tier_name());
+        let own = match plan.quota() {
+            None => None,
+            Some(quota) => Some(Arc::new(self.policy(tier).with_quota(quota.clone())?)),
+        };
+        Ok((tier, own))
     }
 
     /// The index of the tier policy named `name`; the default's (0) for a name that is

@@ -21,19 +21,102 @@ use crate::key::Key;
 use crate::limits::Limits;
 use crate::report::Failures;
 
-/// What a [`TierLookup`] answers: the caller's tier by name, `None` for a caller it does
-/// not know, or why it could not tell.
+/// What a [`TierLookup`] answers: the caller's [`Plan`], `None` for a caller it does not
+/// know, or why it could not tell.
 pub type LookupFuture =
-    Pin<Box<dyn Future<Output = Result<Option<String>, Box<dyn Error + Send + Sync>>> + Send>>;
+    Pin<Box<dyn Future<Output = Result<Option<Plan>, Box<dyn Error + Send + Sync>>> + Send>>;
+
+/// A caller's tier, and perhaps a quota of its own: what a [`TierLookup`] answers, and
+/// what [`RateLimitLayerBuilder::plan`](crate::RateLimitLayerBuilder::plan) gives a key.
+///
+/// A caller with a quota of its own is limited by its tier's policy at that quota (see
+/// [`Policy::with_quota`]): the same name and algorithm, so the same state. A customer
+/// whose quota changes (a plan upgraded, a contract cut) keeps what it used, as long as
+/// the period stays the same. A change of tier is a change of policy, and starts afresh.
+///
+/// On the memory store, a quota's change carries what was used as far as
+/// [`MemoryStore`](tollway_core::MemoryStore) remembers older limits (its shards keep a
+/// policy's last four): with many customers on distinct quotas of one policy, a change
+/// may start a customer afresh there. Redis keeps each state's rate, and always carries.
+///
+/// A client chooses none of this: only the key it sends, whose plan is the service's.
+///
+/// The quota must suit the tier's algorithm (a calendar only for a fixed window): a
+/// lookup's answer that does not is a failed lookup (see
+/// [`on_tier_lookup_error`](crate::RateLimitLayerBuilder::on_tier_lookup_error)), a
+/// builder's an error of `build`.
+///
+/// # Examples
+///
+/// ```
+/// use tollway_tower::{Plan, Quota};
+///
+/// let pro = Plan::tier("pro");
+/// assert_eq!((pro.tier_name(), pro.quota()), ("pro", None));
+/// // Acme's contract: the pro tier's policy, at 50,000 a minute.
+/// let acme = Plan::tier("pro").with_quota(Quota::per_minute(50_000)?);
+/// assert_eq!(acme.quota().map(Quota::limit), Some(50_000));
+/// // A tier's name is a plan too.
+/// assert_eq!(Plan::from("pro"), pro);
+/// # Ok::<(), tollway_core::ConfigError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    tier: String,
+    quota: Option<Quota>,
+}
+
+impl Plan {
+    /// The tier named `name`, on the tier's quota. A name that is none of the layer's
+    /// tiers is the default policy.
+    pub fn tier(name: impl Into<String>) -> Self {
+        Plan {
+            tier: name.into(),
+            quota: None,
+        }
+    }
+
+    /// The same tier, at `quota`: a quota of the caller's own.
+    #[must_use]
+    pub fn with_quota(mut self, quota: Quota) -> Self {
+        self.quota = Some(quota);
+        self
+    }
+
+    /// The tier's name.
+    #[must_use]
+    pub fn tier_name(&self) -> &str {
+        &self.tier
+    }
+
+    /// The caller's own quota, if it has one.
+    #[must_use]
+    pub fn quota(&self) -> Option<&Quota> {
+        self.quota.as_ref()
+    }
+}
+
+impl From<String> for Plan {
+    fn from(tier: String) -> Self {
+        Plan::tier(tier)
+    }
+}
+
+impl From<&str> for Plan {
+    fn from(tier: &str) -> Self {
+        Plan::tier(tier)
+    }
+}
 
 /// Looks up a caller's tier where it takes a while: an API key in a database, a token at
 /// an auth service. Set with
 /// [`RateLimitLayerBuilder::tier_lookup`](crate::RateLimitLayerBuilder::tier_lookup).
 ///
-/// Implemented by closures `Fn(Key) -> impl Future<Output = Result<Option<String>, E>>`.
-/// The answer names one of the layer's tiers (another name is the default policy, under
-/// the caller's own key); `None` says the key is not one the service knows, and such a
-/// caller gets no budget of its own.
+/// Implemented by closures `Fn(Key) -> impl Future<Output = Result<Option<T>, E>>`, where
+/// `T` is a [`Plan`] or a tier's name (`String`). The answer names one of the layer's
+/// tiers (another name is the default policy, under the caller's own key), with the
+/// caller's own quota if it has one; `None` says the key is not one the service knows,
+/// and such a caller gets no budget of its own.
 ///
 /// # Examples
 ///
@@ -55,20 +138,49 @@ pub type LookupFuture =
 /// # let _ = layer;
 /// # Ok::<(), tollway_core::ConfigError>(())
 /// ```
+///
+/// A customer's own limit, from the row that stores its contract:
+///
+/// ```
+/// use tollway_tower::{Algorithm, Key, MemoryStore, Plan, Policy, Quota, RateLimitLayer};
+///
+/// let anonymous = Policy::new("anonymous", Algorithm::Gcra, Quota::per_minute(20)?)?;
+/// let pro = Policy::new("pro", Algorithm::Gcra, Quota::per_minute(10_000)?)?;
+/// let layer = RateLimitLayer::builder(MemoryStore::new(), anonymous)
+///     .tier(pro)
+///     .tier_lookup(|key: Key| async move {
+///         // SELECT per_minute FROM contracts WHERE api_key = $1, in a real service.
+///         let per_minute = (key.value() == b"k-acme").then_some(50_000);
+///         let plan = match per_minute {
+///             Some(limit) => Some(Plan::tier("pro").with_quota(Quota::per_minute(limit)?)),
+///             None => None,
+///         };
+///         Ok::<_, tollway_core::ConfigError>(plan)
+///     })
+///     .build()?;
+/// # let _ = layer;
+/// # Ok::<(), tollway_core::ConfigError>(())
+/// ```
 pub trait TierLookup: Send + Sync + 'static {
     /// Looks up `key`'s tier.
     fn lookup(&self, key: &Key) -> LookupFuture;
 }
 
-impl<F, Fut, E> TierLookup for F
+impl<F, Fut, T, E> TierLookup for F
 where
     F: Fn(Key) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<Option<String>, E>> + Send + 'static,
+    Fut: Future<Output = Result<Option<T>, E>> + Send + 'static,
+    T: Into<Plan>,
     E: Into<Box<dyn Error + Send + Sync>>,
 {
     fn lookup(&self, key: &Key) -> LookupFuture {
         let answer = self(key.clone());
-        Box::pin(async move { answer.await.map_err(Into::into) })
+        Box::pin(async move {
+            match answer.await {
+                Ok(plan) => Ok(plan.map(Into::into)),
+                Err(error) => Err(error.into()),
+            }
+        })
     }
 }
 
@@ -84,11 +196,16 @@ pub enum OnLookupError {
     Reject,
 }
 
+/// Where a plan puts a caller: the index of its tier's policy, and that policy at the
+/// caller's own quota when it has one.
+pub(crate) type Placed = (usize, Option<Arc<Policy>>);
+
 /// What a lookup found, as the layer keeps it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) enum Found {
-    /// A known caller, limited under its own key by the policy at this index.
-    Tier(usize),
+    /// A known caller, limited under its own key by the policy at this index, or by its
+    /// own quota of that policy when it has one.
+    Tier(usize, Option<Arc<Policy>>),
     /// A caller the lookup does not know.
     Unknown,
 }
@@ -103,7 +220,7 @@ pub(crate) struct Lookups {
     lookup: Arc<dyn TierLookup>,
     /// Known callers' tiers with when they expire, by tokio's clock (so a test's paused
     /// clock moves them too); the cache also drops them then by its own.
-    known: moka::sync::Cache<Key, (usize, Instant)>,
+    known: moka::sync::Cache<Key, (usize, Option<Arc<Policy>>, Instant)>,
     /// Keys the lookup does not know, apart, so that a flood of made-up keys cannot push
     /// the known callers out.
     unknown: moka::sync::Cache<Key, Instant>,
@@ -177,7 +294,7 @@ impl Drop for Running {
 }
 
 /// A lookup shared by the requests that wait for it.
-type Pending = Pin<Box<dyn Future<Output = Result<Option<String>, Arc<str>>> + Send>>;
+type Pending = Pin<Box<dyn Future<Output = Result<Option<Plan>, Arc<str>>> + Send>>;
 
 /// The most lookups kept to be joined at once.
 const MAX_IN_FLIGHT: usize = 10_000;
@@ -240,8 +357,8 @@ impl Lookups {
     #[inline]
     pub(crate) fn cached(&self, key: &Key) -> Option<Found> {
         let now = Instant::now();
-        if let Some((tier, expires)) = self.known.get(key) {
-            return (now < expires).then_some(Found::Tier(tier));
+        if let Some((tier, own, expires)) = self.known.get(key) {
+            return (now < expires).then_some(Found::Tier(tier, own));
         }
         let expires = self.unknown.get(key)?;
         (now < expires).then_some(Found::Unknown)
@@ -323,16 +440,20 @@ impl Lookups {
     pub(crate) fn found(
         &self,
         key: &Key,
-        answer: Result<Option<String>, Box<dyn Error + Send + Sync>>,
+        answer: Result<Option<Plan>, Box<dyn Error + Send + Sync>>,
         limits: &Limits,
     ) -> Option<Found> {
         self.in_flight.lock().remove(key);
         let expires = Instant::now() + self.ttl;
+        // A quota that does not suit its tier's algorithm is a failed answer.
+        let answer = answer.and_then(|plan| match plan {
+            Some(plan) => Ok(Some(limits.plan(&plan)?)),
+            None => Ok(None),
+        });
         let found = match answer {
-            Ok(Some(tier)) => {
-                let tier = limits.tier_index(&tier);
-                self.known.insert(key.clone(), (tier, expires));
-                Found::Tier(tier)
+            Ok(Some((tier, own))) => {
+                self.known.insert(key.clone(), (tier, own.clone(), expires));
+                Found::Tier(tier, own)
             }
             Ok(None) => {
                 self.unknown.insert(key.clone(), expires);

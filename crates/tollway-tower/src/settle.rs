@@ -248,7 +248,19 @@ pub(crate) struct Reservation {
     /// Each limit on calls in flight of the request: its index in the layer's limits,
     /// and the slots it took.
     pub(crate) slots: SmallVec<[(usize, u32); 1]>,
+    /// The caller's own policy (a plan's quota) in place of the layer's at this index.
+    pub(crate) own: Option<(usize, Arc<Policy>)>,
     pub(crate) usage: Usage,
+}
+
+impl Reservation {
+    /// The policy at `index` for this caller: its own, or the layer's.
+    fn policy<'a, St>(&'a self, ledger: &'a Ledger<St>, index: usize) -> &'a Policy {
+        match &self.own {
+            Some((at, own)) if *at == index => own,
+            _ => ledger.policy(index),
+        }
+    }
 }
 
 /// The settling of one admitted call's reservation, and the giving back of its slots.
@@ -357,7 +369,7 @@ impl<St: Store> Settlement<St> {
     fn send(&self, operations: &mut SmallVec<[(usize, Operation); 2]>) -> Option<St::Future> {
         while !operations.is_empty() {
             let (policy, operation) = operations.remove(0);
-            let policy = self.ledger.policy(policy);
+            let policy = self.reservation.policy(&self.ledger, policy);
             let key = self.reservation.key.as_bytes();
             match self.ledger.store.operate(key, &[policy], operation) {
                 Checked::Ready(answer) => self.ledger.charged(answer),
@@ -406,6 +418,7 @@ impl<St: Store> Drop for Settlement<St> {
                 key: self.reservation.key.clone(),
                 reserved: None,
                 slots: SmallVec::new(),
+                own: self.reservation.own.clone(),
                 usage: Usage::new(),
             },
             answered: self.answered,

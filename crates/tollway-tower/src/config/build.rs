@@ -7,12 +7,13 @@ use http::Method;
 use tollway_core::{ConfigError, Store};
 use toml::Spanned;
 
-use super::file::{LimitsFile, api_key_value, parse_period};
+use super::file::{LimitsFile, api_key_value, parse_period, plan_quota};
 use super::key::{Address, ConfigKey};
 use super::schema::{CostSection, SettleSection};
 use crate::headers::HeaderStyle;
 use crate::key::{Key, parse_network};
 use crate::limits::RouteLimit;
+use crate::lookup::Plan;
 use crate::pipeline::{MissingKey, OnStoreError, Protocol};
 use crate::rate_limit::{RateLimitLayer, RateLimitLayerBuilder};
 use crate::settle::Unsettled;
@@ -65,13 +66,27 @@ impl LimitsFile {
         // Each policy serves one place: the default, a tier (however many keys name it),
         // or one route — two places sharing one policy would share its counts.
         let mut used: Vec<&str> = vec![default.name()];
-        for (key, name) in &file.tiers {
+        for (key, name) in self.keyed_tiers() {
             api_key_value(key.get_ref()).map_err(|m| self.at(Some(key.span()), m))?;
             let policy = self.policy_named(name)?;
             if !used.contains(&policy.name()) {
                 used.push(policy.name());
                 builder = builder.tier(policy.clone());
             }
+        }
+        for (key, plan) in &file.plans {
+            if let Some((named, _)) = file.tiers.get_key_value(key) {
+                return Err(self.at(
+                    Some(named.span()),
+                    "this key has a plan in [plans], which names its tier: remove it from \
+                     [tiers]",
+                ));
+            }
+            let plan = plan.get_ref();
+            let tier = self.policy_named(&plan.tier)?;
+            let quota = plan_quota(tier, &plan.limit, plan.burst.as_ref())
+                .map_err(|(span, message)| self.at(span, &message))?;
+            builder = builder.plan(key.get_ref(), Plan::tier(tier.name()).with_quota(quota));
         }
         for route in &file.routes {
             let r = route.get_ref();
@@ -531,30 +546,24 @@ impl LimitsFile {
         };
         for tier in tiers {
             if !self
-                .file
-                .tiers
-                .values()
-                .any(|t| t.get_ref() == tier.get_ref())
+                .keyed_tiers()
+                .any(|(_, t)| t.get_ref() == tier.get_ref())
             {
                 let known: BTreeSet<&str> = self
-                    .file
-                    .tiers
-                    .values()
-                    .map(|t| t.get_ref().as_str())
+                    .keyed_tiers()
+                    .map(|(_, t)| t.get_ref().as_str())
                     .collect();
                 return Err(self.at(
                     Some(tier.span()),
                     &format!(
-                        "no key in [tiers] is of tier {:?}: write one of {known:?}",
+                        "no key in [tiers] or [plans] is of tier {:?}: write one of {known:?}",
                         tier.get_ref()
                     ),
                 ));
             }
         }
         let keys = self
-            .file
-            .tiers
-            .iter()
+            .keyed_tiers()
             .filter(|(_, tier)| tiers.iter().any(|t| t.get_ref() == tier.get_ref()))
             .map(|(key, _)| key.get_ref().clone());
         Ok(Match::header_in(self.header_name(&api_key.header)?, keys))

@@ -164,14 +164,20 @@ impl LimitsFile {
         }
     }
 
-    /// The API keys the file names: in `[tiers]`, and as `key:` entries of the lists (a
+    /// The API keys the file names: in `[tiers]` and `[plans]`, and as `key:` entries of the lists (a
     /// key on the deny list must be seen to be denied).
     pub(super) fn known_keys(&self) -> HashSet<String> {
         let lists = &self.file.lists;
         let listed = lists.allow_keys.iter().chain(&lists.deny_keys);
         let listed = listed.filter_map(|k| k.get_ref().strip_prefix("key:").map(str::to_owned));
-        let tiers = self.file.tiers.keys().map(|k| k.get_ref().clone());
+        let tiers = self.keyed_tiers().map(|(k, _)| k.get_ref().clone());
         tiers.chain(listed).collect()
+    }
+
+    /// Each API key the file gives a tier, in `[tiers]` or `[plans]`, with its tier.
+    pub(super) fn keyed_tiers(&self) -> impl Iterator<Item = (&Spanned<String>, &Spanned<String>)> {
+        let plans = self.file.plans.iter().map(|(k, p)| (k, &p.get_ref().tier));
+        self.file.tiers.iter().chain(plans)
     }
 
     pub(super) fn tier_map(&self) -> HashMap<String, String> {
@@ -258,25 +264,8 @@ pub(super) fn policy(
                 ),
             )
         })?;
-    let limit = *section.limit.get_ref();
-    let limit = u64::try_from(limit)
-        .ok()
-        .filter(|&l| l > 0 && l <= MAX_UNITS)
-        .ok_or_else(|| {
-            let why = if limit > 0 {
-                "is more than every store counts exactly"
-            } else {
-                "lets nothing through"
-            };
-            (
-                Some(section.limit.span()),
-                format!(
-                    "policy {name:?}: limit = {limit} {why}: write a limit of 1 to {MAX_UNITS} \
-                     (2^53 units a period)"
-                ),
-            )
-        })?;
-    let mut quota = match section.period.get_ref().strip_prefix("calendar ") {
+    let limit = limit_units(name, &section.limit)?;
+    let quota = match section.period.get_ref().strip_prefix("calendar ") {
         Some(unit) => calendar_quota(name, section, limit, unit)?,
         None => {
             if let Some(zone) = &section.zone {
@@ -302,32 +291,90 @@ pub(super) fn policy(
                 .map_err(|e| (Some(section.period.span()), e.to_string()))?
         }
     };
-    if let Some(burst) = &section.burst {
-        let value = *burst.get_ref();
-        let burst_ok = u64::try_from(value).ok().filter(|&b| b >= limit);
-        let Some(b) = burst_ok else {
-            return Err((
-                Some(burst.span()),
+    let quota = with_burst(name, quota, section.burst.as_ref())?;
+    Policy::new(name, algorithm, quota)
+        .map_err(|e| misfit(e, &section.limit, section.burst.as_ref()))
+}
+
+/// The policy named `tier` at a key's own `limit` and `burst` (a `[plans]` entry): its
+/// quota, over the tier's period.
+pub(super) fn plan_quota(
+    tier: &Policy,
+    limit: &Spanned<i64>,
+    burst: Option<&Spanned<i64>>,
+) -> Result<Quota, (Option<Range<usize>>, String)> {
+    let name = tier.name();
+    let units = limit_units(name, limit)?;
+    let quota = tier
+        .quota()
+        .with_limit(units)
+        .map_err(|e| (Some(limit.span()), e.to_string()))?;
+    let quota = with_burst(name, quota, burst)?;
+    tier.with_quota(quota.clone())
+        .map_err(|e| misfit(e, limit, burst))?;
+    Ok(quota)
+}
+
+/// A `limit` as written for policy `name`: 1 to 2^53.
+fn limit_units(name: &str, limit: &Spanned<i64>) -> Result<u64, (Option<Range<usize>>, String)> {
+    let value = *limit.get_ref();
+    u64::try_from(value)
+        .ok()
+        .filter(|&l| l > 0 && l <= MAX_UNITS)
+        .ok_or_else(|| {
+            let why = if value > 0 {
+                "is more than every store counts exactly"
+            } else {
+                "lets nothing through"
+            };
+            (
+                Some(limit.span()),
                 format!(
-                    "policy {name:?}: burst = {value} is below the limit ({limit}), so a whole \
-                     period's units could never pass at once: write a burst of at least {limit}, \
-                     or leave it out (the limit)"
+                    "policy {name:?}: limit = {value} {why}: write a limit of 1 to {MAX_UNITS} \
+                     (2^53 units a period)"
                 ),
-            ));
-        };
-        quota = quota
-            .with_burst(b)
-            .map_err(|e| (Some(burst.span()), e.to_string()))?;
-    }
-    Policy::new(name, algorithm, quota).map_err(|e| {
-        // Where the numbers that do not fit are written: the burst if it says so.
-        let message = e.to_string();
-        let at = match &section.burst {
-            Some(burst) if message.contains("with_burst") => burst.span(),
-            _ => section.limit.span(),
-        };
-        (Some(at), message)
-    })
+            )
+        })
+}
+
+/// `quota` of policy `name` with its `burst` as written, if any: at least the limit.
+fn with_burst(
+    name: &str,
+    quota: Quota,
+    burst: Option<&Spanned<i64>>,
+) -> Result<Quota, (Option<Range<usize>>, String)> {
+    let Some(burst) = burst else {
+        return Ok(quota);
+    };
+    let (value, limit) = (*burst.get_ref(), quota.limit());
+    let Some(b) = u64::try_from(value).ok().filter(|&b| b >= limit) else {
+        return Err((
+            Some(burst.span()),
+            format!(
+                "policy {name:?}: burst = {value} is below the limit ({limit}), so a whole \
+                 period's units could never pass at once: write a burst of at least {limit}, \
+                 or leave it out (the limit)"
+            ),
+        ));
+    };
+    quota
+        .with_burst(b)
+        .map_err(|e| (Some(burst.span()), e.to_string()))
+}
+
+/// Why a quota does not suit its algorithm, at the number that does not fit: the burst
+/// if the error says so, else the limit.
+fn misfit(
+    error: ConfigError,
+    limit: &Spanned<i64>,
+    burst: Option<&Spanned<i64>>,
+) -> (Option<Range<usize>>, String) {
+    let message = error.to_string();
+    let at = match burst {
+        Some(burst) if message.contains("with_burst") => burst.span(),
+        _ => limit.span(),
+    };
+    (Some(at), message)
 }
 
 /// `limit` a window of `period = "calendar <unit>"`, in the section's zone (UTC if

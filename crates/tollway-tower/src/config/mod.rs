@@ -54,6 +54,9 @@
 //! [tiers]                       # API key = its tier's policy
 //! "demo-pro-key" = "pro"
 //!
+//! [plans]                       # API key = its tier's policy at its own limit
+//! "demo-acme-key" = { tier = "pro", limit = 50_000 }   # burst = ... for a bucket
+//!
 //! [policies.checkout]          # a route's policy is its own
 //! algorithm = "sliding_window_log"
 //! limit = 5
@@ -107,6 +110,10 @@
 //! headers = { x-plan = ["gold", "platinum"] }  # or tiers = ["pro"]: known values
 //! # the rest are "other", with what is left (0.2)
 //! ```
+//!
+//! A key's plan keeps its tier's policy (name, algorithm, period) at a limit of its own.
+//! A changed limit keeps what the key used, as a changed policy does. A key is in
+//! `[tiers]` or in `[plans]`, not both.
 //!
 //! A policy's `cost` is its own: the number in a request header, else its `default`.
 //! A request charges each of its policies its own cost, all or nothing. `settle`

@@ -16,6 +16,9 @@ pub(super) struct File {
     pub(super) policies: BTreeMap<String, Spanned<PolicySection>>,
     #[serde(default)]
     pub(super) tiers: BTreeMap<Spanned<String>, Spanned<String>>,
+    /// API keys with a quota of their own, on a tier's policy.
+    #[serde(default)]
+    pub(super) plans: BTreeMap<Spanned<String>, Spanned<PlanSection>>,
     #[serde(default)]
     pub(super) routes: Vec<Spanned<RouteSection>>,
     #[serde(default)]
@@ -24,6 +27,15 @@ pub(super) struct File {
     /// Envoy rate limit descriptors, for tollway-server.
     #[serde(default)]
     pub(super) descriptors: Vec<Spanned<DescriptorSection>>,
+}
+
+/// A key's plan: its tier, at a limit (and burst) of its own.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PlanSection {
+    pub(super) tier: Spanned<String>,
+    pub(super) limit: Spanned<i64>,
+    pub(super) burst: Option<Spanned<i64>>,
 }
 
 /// A descriptor rule: a domain and entries, and the policy that limits them.

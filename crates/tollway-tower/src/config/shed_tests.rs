@@ -165,7 +165,7 @@ fn a_priority_by_tier_takes_that_tiers_api_keys() {
     assert_eq!(in_flight, [1, 1], "a key not in the tier is other");
     let err = error(&text.replace("[\"pro\"]\n", "[\"gold\"]\n"), 25, 10);
     assert!(
-        err.contains("no key in [tiers] is of tier \"gold\""),
+        err.contains("no key in [tiers] or [plans] is of tier \"gold\""),
         "{err}"
     );
 }

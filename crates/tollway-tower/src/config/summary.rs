@@ -149,6 +149,19 @@ impl LimitsFile {
             let key = redact(key.get_ref());
             let _ = writeln!(out, "  tier: key {key} -> {}", tier.get_ref());
         }
+        for (key, plan) in &file.plans {
+            let (key, plan) = (redact(key.get_ref()), plan.get_ref());
+            let burst = plan
+                .burst
+                .as_ref()
+                .map_or(String::new(), |b| format!(", burst {}", b.get_ref()));
+            let _ = writeln!(
+                out,
+                "  plan: key {key} -> {} at {}{burst}",
+                plan.tier.get_ref(),
+                plan.limit.get_ref()
+            );
+        }
         for route in &file.routes {
             let r = route.get_ref();
             let method = r.method.as_ref().map_or("*", |m| m.get_ref().as_str());

@@ -174,11 +174,60 @@ fn an_over_deep_dotted_key_is_refused_at_its_line() {
 /// number in its `x-max-tokens` and is settled to the `x-tokens-used` of its response.
 const TOKENS: &str = "\n[policies.tokens]\nalgorithm = \"token_bucket\"\nlimit = 100\nperiod = \"1m\"\ncost = { header = \"x-max-tokens\", default = 50, max = 60, written_by = \"gateway\" }\nsettle = { header = \"x-tokens-used\", unsettled = \"refund\" }\n\n[[routes]]\npath = \"/llm\"\npolicy = \"tokens\"\n";
 
+/// A layer of `limits` over a memory store, around a handler that reports the tokens a
+/// request's `x-reply-used` says in `x-tokens-used`.
+fn settling_service(
+    limits: &LimitsFile,
+) -> impl tower::Service<
+    http::Request<()>,
+    Response = http::Response<crate::ResponseBody<http_body_util::Full<bytes::Bytes>>>,
+    Error = std::convert::Infallible,
+> {
+    use tower::Layer;
+    let store = tollway_core::MemoryStore::builder()
+        .clock(tollway_core::ManualClock::new())
+        .build()
+        .unwrap();
+    let layer = limits.layer(store, limits.key().unwrap()).unwrap();
+    layer.layer(tower::service_fn(|request: http::Request<()>| async move {
+        let mut response = http::Response::new(http_body_util::Full::new(bytes::Bytes::new()));
+        if let Some(used) = request.headers().get("x-reply-used") {
+            response.headers_mut().insert("x-tokens-used", used.clone());
+        }
+        Ok::<_, std::convert::Infallible>(response)
+    }))
+}
+
+/// Calls `service` on `path` with `headers`, reads the whole response (which settles
+/// it) and answers its `x-ratelimit-remaining`.
+async fn remaining_after<S>(service: &mut S, path: &str, headers: &[(&str, &str)]) -> String
+where
+    S: tower::Service<
+            http::Request<()>,
+            Response = http::Response<crate::ResponseBody<http_body_util::Full<bytes::Bytes>>>,
+            Error = std::convert::Infallible,
+        >,
+{
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let mut request = http::Request::get(path).body(()).unwrap();
+    let peer: std::net::SocketAddr = "203.0.113.9:4000".parse().unwrap();
+    request.extensions_mut().insert(peer);
+    for &(name, value) in headers {
+        let name = http::HeaderName::from_bytes(name.as_bytes()).unwrap();
+        request.headers_mut().append(name, value.parse().unwrap());
+    }
+    let response = service.ready().await.unwrap().call(request).await.unwrap();
+    let left = response.headers()["x-ratelimit-remaining"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    response.into_body().collect().await.unwrap();
+    left
+}
+
 #[tokio::test]
 async fn a_policy_reserves_from_a_request_header_and_settles_from_the_response() {
-    use http_body_util::BodyExt;
-    use tower::{Layer, Service, ServiceExt};
-
     // A request rate that never says less than the tokens do.
     let api = "algorithm = \"gcra\"\nlimit = 1000\nperiod = \"1s\"";
     let limits = LimitsFile::parse("limits.toml", &super::tests::file(api, TOKENS)).unwrap();
@@ -187,33 +236,9 @@ async fn a_policy_reserves_from_a_request_header_and_settles_from_the_response()
         summary.contains("policy tokens: token_bucket of 100 per 60s, burst 100 (cost: x-max-tokens, default 50, min 1, max 60, written by gateway) (settled: x-tokens-used, unsettled refund)"),
         "{summary}"
     );
-    let store = tollway_core::MemoryStore::builder()
-        .clock(tollway_core::ManualClock::new())
-        .build()
-        .unwrap();
-    let layer = limits.layer(store, limits.key().unwrap()).unwrap();
-    let mut service = layer.layer(tower::service_fn(|request: http::Request<()>| async move {
-        let mut response = http::Response::new(http_body_util::Full::new(bytes::Bytes::new()));
-        if let Some(used) = request.headers().get("x-reply-used") {
-            response.headers_mut().insert("x-tokens-used", used.clone());
-        }
-        Ok::<_, std::convert::Infallible>(response)
-    }));
-    let mut call = async |headers: &[(&'static str, &'static str)]| {
-        let mut request = http::Request::get("/llm").body(()).unwrap();
-        let peer: std::net::SocketAddr = "203.0.113.9:4000".parse().unwrap();
-        request.extensions_mut().insert(peer);
-        for &(name, value) in headers {
-            request.headers_mut().append(name, value.parse().unwrap());
-        }
-        let response = service.ready().await.unwrap().call(request).await.unwrap();
-        let left = response.headers()["x-ratelimit-remaining"]
-            .to_str()
-            .unwrap()
-            .to_owned();
-        response.into_body().collect().await.unwrap();
-        left
-    };
+    let mut service = settling_service(&limits);
+    let mut call =
+        async |headers: &[(&str, &str)]| remaining_after(&mut service, "/llm", headers).await;
     // Reserves 60 (the headers say what is left then), settled to 20.
     assert_eq!(
         call(&[("x-max-tokens", "60"), ("x-reply-used", "20")]).await,
@@ -234,6 +259,43 @@ async fn a_policy_reserves_from_a_request_header_and_settles_from_the_response()
     let twice = [("x-max-tokens", "1"), ("x-max-tokens", "4096")];
     assert_eq!(call(&twice).await, "28");
     assert!(limits.warnings().is_empty(), "the gateway writes it");
+}
+
+/// A settled tier with a key's plan on it: the key's call reserves from its own 1,000
+/// and is settled there, not at the tier's 100.
+#[tokio::test]
+async fn a_plan_of_a_settled_tier_settles_at_its_own_quota() {
+    let text = format!(
+        "[key]\napi_key = {{ header = \"x-api-key\" }}\n\n{}",
+        super::tests::file(
+            "algorithm = \"gcra\"\nlimit = 10\nperiod = \"1s\"",
+            "\n[policies.tokens]\nalgorithm = \"token_bucket\"\nlimit = 100\nperiod = \"1m\"\n\
+             cost = { header = \"x-max-tokens\", default = 50, max = 600, written_by = \"gateway\" }\n\
+             settle = { header = \"x-tokens-used\", unsettled = \"refund\" }\n\n\
+             [tiers]\n\"k-small\" = \"tokens\"\n\n[plans]\n\"k-acme\" = { tier = \"tokens\", limit = 1_000 }\n",
+        )
+    );
+    let limits = LimitsFile::parse("limits.toml", &text).unwrap();
+    let mut service = settling_service(&limits);
+    let acme = |max, used| {
+        [
+            ("x-api-key", "k-acme"),
+            ("x-max-tokens", max),
+            ("x-reply-used", used),
+        ]
+    };
+    // Reserves 600 of 1,000, settled to 100; then 1 more, used.
+    assert_eq!(
+        remaining_after(&mut service, "/", &acme("600", "100")).await,
+        "400"
+    );
+    assert_eq!(
+        remaining_after(&mut service, "/", &acme("1", "1")).await,
+        "899"
+    );
+    // The tier's own callers reserve from 100.
+    let small = [("x-api-key", "k-small"), ("x-max-tokens", "60")];
+    assert_eq!(remaining_after(&mut service, "/", &small).await, "40");
 }
 
 // A cost from a header any client can send, that nothing says the gateway writes:
@@ -388,4 +450,57 @@ fn calendar_periods_are_checked_where_they_are_written() {
     let bucket = super::tests::file(&policy("token_bucket", "calendar day", ""), "");
     let err = error(&bucket, 6, 9);
     assert!(err.contains("fixed_window"), "{err}");
+}
+
+/// A key's plan: its tier's policy at a limit of its own, checked where it is written,
+/// and summarised without the key.
+#[test]
+fn plans_are_checked_where_they_are_written() {
+    let pro = "\n[policies.pro]\nalgorithm = \"gcra\"\nlimit = 100\nperiod = \"1m\"\n";
+    let plans = |entry: &str| {
+        format!(
+            "[key]\napi_key = {{ header = \"x-api-key\" }}\n\n{}",
+            file(&format!("{pro}\n[plans]\n\"sk-acme-4f9a\" = {entry}\n"))
+        )
+    };
+    let text = plans("{ tier = \"pro\", limit = 50_000, burst = 60_000 }");
+    let parsed = LimitsFile::parse("limits.toml", &text).unwrap();
+    let summary = parsed.summary();
+    assert!(
+        summary.contains("plan: key \"sk-…\" -> pro at 50000, burst 60000"),
+        "{summary}"
+    );
+    assert!(!summary.contains("4f9a"), "{summary}");
+    assert!(parsed.known_keys().contains("sk-acme-4f9a"));
+
+    let err = error(&plans("{ tier = \"gold\", limit = 5 }"), 18, 27);
+    assert!(err.contains("no policy is named \"gold\""), "{err}");
+    let err = error(&plans("{ tier = \"pro\", limit = 0 }"), 18, 42);
+    assert!(err.contains("write a limit of 1 to"), "{err}");
+    let err = error(&plans("{ tier = \"pro\", limit = 9, burst = 5 }"), 18, 53);
+    assert!(err.contains("at least 9"), "{err}");
+    let err = error(
+        &plans("{ tier = \"pro\", limit = 9, per = \"1s\" }"),
+        18,
+        45,
+    );
+    assert!(err.contains("per"), "{err}");
+    // A window's plan has no burst, and its tier's algorithm says so.
+    let window = plans("{ tier = \"pro\", limit = 9 }")
+        .replace("gcra\"\nlimit = 100", "fixed_window\"\nlimit = 100");
+    LimitsFile::parse("limits.toml", &window).unwrap();
+    let err = error(
+        &window.replace("limit = 9 }", "limit = 9, burst = 20 }"),
+        18,
+        53,
+    );
+    assert!(err.contains("no burst"), "{err}");
+    // A key is in [tiers] or in [plans], not both.
+    let both = format!(
+        "{}\n[tiers]\n\"sk-acme-4f9a\" = \"pro\"\n",
+        plans("{ tier = \"pro\", limit = 9 }")
+    );
+    let err = error(&both, 21, 1);
+    assert!(err.contains("remove it from [tiers]"), "{err}");
+    assert!(!err.contains("4f9a"), "{err}");
 }

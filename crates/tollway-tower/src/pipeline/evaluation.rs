@@ -1,9 +1,12 @@
 //! A request against its limits: the store's decisions, shadow mode, and the outcome.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use smallvec::SmallVec;
-use tollway_core::{Algorithm, Checked, Decisions, Policy, Store, StoreError, StoreErrorKind};
+use tollway_core::{
+    Algorithm, Checked, Decision, Decisions, Policy, Store, StoreError, StoreErrorKind,
+};
 
 use super::OnStoreError;
 use super::{At, Decided, Limiter, Progress, Wait};
@@ -20,6 +23,8 @@ use crate::verdict::{Verdict, max_delay, most_restrictive, restriction};
 pub(crate) struct Evaluation {
     pub(super) key: Key,
     pub(super) selected: Selected,
+    /// The policy of `selected[0]` at the caller's own quota, when it has one (a plan).
+    pub(super) own: Option<Arc<Policy>>,
     pub(super) cost: u32,
     /// Each selected limit's cost, in the order of `selected`, when some policy has a
     /// cost of its own; empty when every limit costs `cost`.
@@ -44,9 +49,10 @@ pub(crate) enum Outcome<'l> {
         headers: RateLimitHeaders,
         delay: Option<Duration>,
     },
-    /// A limit denied the request: `verdict` says which and why.
+    /// A limit denied the request: `policy` and its `decision` say which and why.
     Deny {
-        verdict: Verdict<'l>,
+        policy: Ruling<'l>,
+        decision: Decision,
         headers: RateLimitHeaders,
     },
     /// The layer refuses the request without a limit's decision.
@@ -102,12 +108,45 @@ impl<St: Store> Limiter<St> {
         if reserved.is_none() && slots.is_empty() {
             return None;
         }
+        let own = evaluation.own.map(|own| (evaluation.selected[0], own));
         Some(Reservation {
             key: evaluation.key,
             reserved,
             slots,
+            own,
             usage: Usage::new(),
         })
+    }
+}
+
+/// The policy at position `at` of a request's limits, whose index is `index`: the
+/// caller's `own` policy in the first place, when it has one, else the layer's.
+fn policy_at<'a, St>(
+    own: &'a Option<Arc<Policy>>,
+    limiter: &'a Limiter<St>,
+    at: usize,
+    index: usize,
+) -> &'a Policy {
+    match own {
+        Some(own) if at == 0 => own,
+        _ => limiter.limits.policy(index),
+    }
+}
+
+/// The policy that denied a request: one of the layer's, or a caller's own (a plan's
+/// quota), held until the denial is answered.
+#[derive(Debug)]
+pub(crate) enum Ruling<'l> {
+    Layer(&'l Policy),
+    Own(Arc<Policy>),
+}
+
+impl Ruling<'_> {
+    pub(crate) fn policy(&self) -> &Policy {
+        match self {
+            Ruling::Layer(policy) => policy,
+            Ruling::Own(policy) => policy,
+        }
     }
 }
 
@@ -129,12 +168,14 @@ impl Evaluation {
         &mut self,
         limiter: &'l Limiter<St>,
     ) -> Step<'l, St::Future> {
-        let policies = self.policies(limiter);
-        let key = self.key.as_bytes();
-        let checked = if self.each.is_empty() {
-            limiter.ledger.store.check(key, &policies, self.cost)
-        } else {
-            limiter.ledger.store.check_each(key, &policies, &self.each)
+        let checked = {
+            let policies = self.policies(limiter);
+            let key = self.key.as_bytes();
+            if self.each.is_empty() {
+                limiter.ledger.store.check(key, &policies, self.cost)
+            } else {
+                limiter.ledger.store.check_each(key, &policies, &self.each)
+            }
         };
         match checked {
             Checked::Ready(answer) => self.decided(limiter, answer),
@@ -142,10 +183,11 @@ impl Evaluation {
         }
     }
 
-    fn policies<'l, St>(&self, limiter: &'l Limiter<St>) -> SmallVec<[&'l Policy; 4]> {
+    fn policies<'a, St>(&'a self, limiter: &'a Limiter<St>) -> SmallVec<[&'a Policy; 4]> {
         self.selected
             .iter()
-            .map(|&index| limiter.limits.policy(index))
+            .enumerate()
+            .map(|(at, &index)| policy_at(&self.own, limiter, at, index))
             .collect()
     }
 
@@ -178,6 +220,8 @@ impl Evaluation {
             Err(error) => return Step::Done(self.store_failed(limiter, &error)),
         };
         limiter.failures.succeeded();
+        // The caller's own policy, apart from `self`, which is asked again below.
+        let own = self.own.clone();
         let allowed = decisions.is_allowed();
         let shadow = &limiter.shadow;
         let in_shadow = shadow.layer() || self.selected.iter().any(|&i| shadow.policy(i));
@@ -191,12 +235,13 @@ impl Evaluation {
                 delay: max_delay(decisions.iter()),
             });
         }
-        let verdicts: SmallVec<[Verdict<'l>; 2]> = self
+        let verdicts: SmallVec<[Verdict<'_>; 2]> = self
             .selected
             .iter()
+            .enumerate()
             .zip(decisions.iter())
-            .map(|(&index, &decision)| Verdict {
-                policy: limiter.limits.policy(index),
+            .map(|((at, &index), &decision)| Verdict {
+                policy: policy_at(&own, limiter, at, index),
                 decision,
             })
             .collect();
@@ -225,6 +270,9 @@ impl Evaluation {
                 .zip(decisions.iter())
                 .map(|(&index, decision)| decision.is_allowed() || !shadow.policy(index))
                 .collect();
+            if !keep[0] {
+                self.own = None;
+            }
             let mut kept = keep.iter();
             self.selected.retain(|_| kept.next().is_none_or(|&k| k));
             if !self.each.is_empty() {
@@ -242,7 +290,15 @@ impl Evaluation {
             limiter.reporter.report(&event, Some(self.selected[most]));
         }
         if !in_shadow {
-            return Step::Done(self.outcome(limiter, &self.selected, &verdicts, most, allowed));
+            let outcome = self.outcome(
+                limiter,
+                own.as_ref(),
+                &self.selected,
+                &verdicts,
+                most,
+                allowed,
+            );
+            return Step::Done(outcome);
         }
         // Limits in shadow mode are not enforced: they neither delay a request nor speak
         // in its headers. (A denial here is an enforcing limit's: shadow denials were
@@ -250,7 +306,7 @@ impl Evaluation {
         if shadow.layer() {
             return Step::Done(Outcome::pass());
         }
-        let (selected, verdicts): (Selected, SmallVec<[Verdict<'l>; 2]>) = self
+        let (selected, verdicts): (Selected, SmallVec<[Verdict<'_>; 2]>) = self
             .selected
             .iter()
             .zip(verdicts.iter())
@@ -258,18 +314,24 @@ impl Evaluation {
             .map(|(&index, verdict)| (index, *verdict))
             .unzip();
         match most_restrictive(&verdicts) {
-            Some(most) => Step::Done(self.outcome(limiter, &selected, &verdicts, most, allowed)),
+            Some(most) => {
+                let outcome =
+                    self.outcome(limiter, own.as_ref(), &selected, &verdicts, most, allowed);
+                Step::Done(outcome)
+            }
             None => Step::Done(Outcome::pass()),
         }
     }
 
     /// The outcome of the limits `selected`, whose `verdicts` are these (`most` the one to
-    /// report): let through with their headers and the longest delay, or denied.
+    /// report; `own` the caller's own policy, if it has one): let through with their
+    /// headers and the longest delay, or denied.
     fn outcome<'l, St: Store>(
         &self,
         limiter: &'l Limiter<St>,
+        own: Option<&Arc<Policy>>,
         selected: &[usize],
-        verdicts: &[Verdict<'l>],
+        verdicts: &[Verdict<'_>],
         most: usize,
         allowed: bool,
     ) -> Outcome<'l> {
@@ -287,8 +349,14 @@ impl Evaluation {
                 delay: delay(),
             }
         } else {
+            let verdict = &verdicts[most];
+            let policy = match own {
+                Some(own) if std::ptr::eq(verdict.policy, &**own) => Ruling::Own(Arc::clone(own)),
+                _ => Ruling::Layer(limiter.limits.policy(selected[most])),
+            };
             Outcome::Deny {
-                verdict: verdicts[most],
+                policy,
+                decision: verdict.decision,
                 headers,
             }
         }

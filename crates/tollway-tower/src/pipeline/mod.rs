@@ -32,12 +32,13 @@ use crate::access::{AccessLists, Listed};
 use crate::headers::{HeaderStyle, LimitValues, RateLimitHeaders};
 use crate::key::{Key, KeyExtractor, peer_addr};
 use crate::limits::{Limits, sent_uri};
-use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, unknown_key};
+use crate::lookup::{Found, LookupFuture, Lookups, OnLookupError, Plan, unknown_key};
 use crate::rejection::{Refusal, RejectionHandler};
 use crate::report::{DecisionEvent, DecisionOutcome, Failures, Reporter};
 use crate::settle::{Ledger, Settlement};
 use crate::shadow::Shadow;
 use crate::shed::{Permit, Shed};
+use crate::verdict::Verdict;
 
 pub(crate) use evaluation::{Evaluation, Outcome};
 pub(crate) use reply::Reply;
@@ -240,7 +241,7 @@ pin_project! {
 /// What a [`Wait`] came to, for [`Limiter::resume`].
 pub(crate) enum Waited {
     Checked(Result<Decisions, StoreError>),
-    LookedUp(Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>),
+    LookedUp(Result<Option<Plan>, Box<dyn std::error::Error + Send + Sync>>),
 }
 
 impl<F> Future for Wait<F>
@@ -329,8 +330,16 @@ impl<St: Store> Limiter<St> {
                 after: charge.map(|charge| Box::new(Settlement::new(&self.ledger, charge))),
                 permit,
             }),
-            Outcome::Deny { verdict, headers } => {
+            Outcome::Deny {
+                policy,
+                decision,
+                headers,
+            } => {
                 discard(permit);
+                let verdict = Verdict {
+                    policy: policy.policy(),
+                    decision,
+                };
                 Action::Answer(self.deny(verdict, headers, grpc))
             }
             Outcome::Refuse(refusal) => {
@@ -376,7 +385,7 @@ impl<St: Store> Limiter<St> {
             },
         };
         let found = match &self.lookups {
-            None => Found::Tier(self.limits.tier_for(&key)),
+            None => self.limits.tier_for(&key),
             Some(lookups) => match lookups.cached(&key) {
                 Some(found) => found,
                 None => match lookups.start(&key, source(extractor, request).as_ref()) {
@@ -416,7 +425,7 @@ impl<St: Store> Limiter<St> {
     fn looked_up<B>(
         &self,
         key: Key,
-        answer: Result<Option<String>, Box<dyn std::error::Error + Send + Sync>>,
+        answer: Result<Option<Plan>, Box<dyn std::error::Error + Send + Sync>>,
         request: &Request<B>,
     ) -> Progress<'_, St::Future> {
         // Only a lookup this limiter started comes back here.
@@ -446,9 +455,9 @@ impl<St: Store> Limiter<St> {
         found: Found,
         request: &Request<B>,
     ) -> Progress<'_, St::Future> {
-        let (key, tier) = match found {
-            Found::Tier(tier) => (key, tier),
-            Found::Unknown => (unknown_key(), 0),
+        let (key, tier, own) = match found {
+            Found::Tier(tier, own) => (key, tier, own),
+            Found::Unknown => (unknown_key(), 0, None),
         };
         let selected = self.limits.select_tier(tier, request);
         // The URI the client sent, as route limits see it.
@@ -474,6 +483,7 @@ impl<St: Store> Limiter<St> {
         let mut evaluation = Evaluation {
             key,
             selected,
+            own,
             cost,
             each,
             failed: false,

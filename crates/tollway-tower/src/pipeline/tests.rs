@@ -157,6 +157,11 @@ fn hundred_a_minute(name: &str) -> Policy {
     .unwrap()
 }
 
+/// The default policy at `per_minute` of the caller's own.
+fn own_plan(per_minute: u64) -> crate::Plan {
+    crate::Plan::tier("default").with_quota(Quota::per_minute(per_minute).unwrap())
+}
+
 fn request(path: &str) -> Request<()> {
     let mut request = Request::get(path).body(()).unwrap();
     let peer: SocketAddr = "203.0.113.9:5000".parse().unwrap();
@@ -188,7 +193,7 @@ fn seen(outcome: Outcome<'_>) -> Seen {
             let remaining = map.get("x-ratelimit-remaining");
             Seen::Allowed(remaining.map(|v| v.to_str().unwrap().to_owned()))
         }
-        Outcome::Deny { verdict, .. } => denied(verdict.policy.name()),
+        Outcome::Deny { policy, .. } => denied(policy.policy().name()),
         Outcome::Refuse(refusal) => Seen::Refused(refusal.response().status().as_u16()),
     }
 }
@@ -250,6 +255,32 @@ fn rows() -> Vec<Row> {
             seen: allowed(Some("8")),
             told: &[DecisionOutcome::ShadowLimited, DecisionOutcome::Allowed],
             ..row("a policy in shadow that denies leaves the others to decide")
+        },
+        Row {
+            layer: |b| b.plan("203.0.113.9", own_plan(3)),
+            seen: allowed(Some("2")),
+            ..row("a caller with a plan of its own is limited at its own quota")
+        },
+        Row {
+            layer: |b| b.plan("203.0.113.9", own_plan(3)),
+            before: 3,
+            answers: Answers::Later,
+            seen: denied("default"),
+            told: &[DecisionOutcome::Limited],
+            waits: 1,
+            ..row("a caller's own quota denies, and its policy is named, after a wait")
+        },
+        Row {
+            layer: |b| {
+                b.plan("203.0.113.9", own_plan(1))
+                    .shadow_policy("default")
+                    .route(None, "/api/*", ten_a_minute("api"))
+            },
+            before: 1,
+            path: "/api/x",
+            seen: allowed(Some("8")),
+            told: &[DecisionOutcome::ShadowLimited, DecisionOutcome::Allowed],
+            ..row("a caller's own quota in shadow that denies leaves the others to decide")
         },
         Row {
             layer: |b| b.allow_network("203.0.113.0/24"),

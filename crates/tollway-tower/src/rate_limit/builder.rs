@@ -16,7 +16,7 @@ use crate::access::AccessLists;
 use crate::headers::{HeaderStyle, LimitValues};
 use crate::key::{ClientIp, Key, PeerIp};
 use crate::limits::{Limits, RouteLimit, Tiers};
-use crate::lookup::{LookupSettings, Lookups, OnLookupError, TierLookup};
+use crate::lookup::{LookupSettings, Lookups, OnLookupError, Plan, TierLookup};
 use crate::pipeline::{CostFn, Limiter, MissingKey, OnStoreError, PolicyCostFn, Protocol};
 use crate::rejection::{Rejection, RejectionHandler, default_rejection};
 use crate::report::{DecisionListener, Failures, Reporter};
@@ -38,6 +38,7 @@ impl<St: Store> RateLimitLayer<St, PeerIp> {
                 policies: vec![default_policy],
                 tier_names: Vec::new(),
                 tiers: None,
+                plans: Vec::new(),
                 routes: Vec::new(),
                 errors: Vec::new(),
                 cost: None,
@@ -78,6 +79,7 @@ struct Settings<St> {
     policies: Vec<Policy>,
     tier_names: Vec<(String, usize)>,
     tiers: Option<Box<dyn Tiers>>,
+    plans: Vec<(String, Plan)>,
     routes: Vec<RouteLimit>,
     errors: Vec<ConfigError>,
     cost: Option<CostFn>,
@@ -148,6 +150,30 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// Resolves each caller's tier (by name) from its key.
     pub fn tiers(mut self, tiers: impl Tiers) -> Self {
         self.settings.tiers = Some(Box::new(tiers));
+        self
+    }
+
+    /// Gives the caller whose key value (an API key, a user ID) is `value` the `plan`:
+    /// its tier, and perhaps a quota of its own. Asked before [`tiers`](Self::tiers).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tollway_tower::{Algorithm, MemoryStore, Plan, Policy, Quota, RateLimitLayer};
+    ///
+    /// let anonymous = Policy::new("anonymous", Algorithm::Gcra, Quota::per_minute(20)?)?;
+    /// let pro = Policy::new("pro", Algorithm::Gcra, Quota::per_minute(10_000)?)?;
+    /// let layer = RateLimitLayer::builder(MemoryStore::new(), anonymous)
+    ///     .tier(pro)
+    ///     .plan("k-acme", Plan::tier("pro").with_quota(Quota::per_minute(50_000)?))
+    ///     .build()?;
+    /// # let _ = layer;
+    /// # Ok::<(), tollway_core::ConfigError>(())
+    /// ```
+    ///
+    /// `build` fails when the plan's quota does not suit its tier's algorithm.
+    pub fn plan(mut self, value: impl Into<String>, plan: Plan) -> Self {
+        self.settings.plans.push((value.into(), plan));
         self
     }
 
@@ -572,8 +598,9 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
             settings.policies,
             settings.tier_names,
             settings.tiers,
+            settings.plans,
             settings.routes,
-        );
+        )?;
         let mut in_shadow = vec![false; limits.policies().len()];
         for name in &settings.shadow_policies {
             in_shadow[limits.index_of(name)?] = true;

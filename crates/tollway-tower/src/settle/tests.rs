@@ -461,3 +461,78 @@ fn a_settlement_waiting_when_its_runtime_shuts_down_is_abandoned() {
     });
     drop(runtime);
 }
+
+/// A memory store that notes the limit of each policy it is asked to operate on.
+#[derive(Clone)]
+struct Noting(
+    MemoryStore<ManualClock>,
+    std::sync::Arc<parking_lot::Mutex<Vec<u64>>>,
+);
+
+impl Store for Noting {
+    type Future = Ready<Result<Decisions, StoreError>>;
+
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+        self.0.check(key, policies, cost)
+    }
+
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+        self.0.check_each(key, policies, costs)
+    }
+
+    fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<Self::Future> {
+        let limits = policies.iter().map(|p| p.quota().limit());
+        self.1.lock().extend(limits);
+        self.0.operate(key, policies, op)
+    }
+
+    fn supports_each_cost(&self) -> Result<(), tollway_core::ConfigError> {
+        Ok(())
+    }
+}
+
+/// A caller with a plan of its own on the settled policy is settled at its own quota:
+/// reserved 600 of its 1,000 a minute, settled to 100, 899 left after one more.
+#[tokio::test]
+async fn a_plan_of_its_own_is_settled_at_its_own_quota() {
+    let noted = std::sync::Arc::default();
+    let tokens = Policy::new(
+        "tokens",
+        Algorithm::TokenBucket,
+        Quota::per_minute(100).unwrap(),
+    );
+    let own = Quota::per_minute(1_000).unwrap();
+    let layer = RateLimitLayer::builder(
+        Noting(store(), std::sync::Arc::clone(&noted)),
+        tokens.unwrap(),
+    )
+    .key(crate::ApiKey::header("x-api-key").unwrap())
+    .plan("k-acme", crate::Plan::tier("tokens").with_quota(own))
+    .policy_cost("tokens", |_, _, headers, _| {
+        number(headers, "x-max").unwrap_or(1)
+    })
+    .settle("tokens", |_, headers, _| number(headers, "x-used"))
+    .build()
+    .unwrap();
+    let mut service = layer.layer(tower::service_fn(|request: Request<()>| async move {
+        let mut response = Response::new(http_body_util::Empty::<Bytes>::new());
+        if let Some(used) = request.headers().get("x-reply-used") {
+            response.headers_mut().insert("x-used", used.clone());
+        }
+        Ok::<_, Infallible>(response)
+    }));
+    for (max, used, left) in [("600", "100", "400"), ("1", "1", "899")] {
+        let mut request = llm(&[("x-max", max), ("x-reply-used", used)]);
+        request
+            .headers_mut()
+            .insert("x-api-key", "k-acme".parse().unwrap());
+        let response = service.ready().await.unwrap().call(request).await.unwrap();
+        assert_eq!(response.headers()["x-ratelimit-remaining"], left);
+        response.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        *noted.lock(),
+        [1_000],
+        "the refund of 500, at the plan's quota"
+    );
+}
