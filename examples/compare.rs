@@ -51,19 +51,19 @@ fn main() -> Result<(), ConfigError> {
 
 /// One algorithm with one key's state.
 trait Limiter {
-    fn check(&mut self, now: u64, cost: u32) -> Decision;
+    fn check(&mut self, now: u64, cost: u64) -> Decision;
     /// Bytes of state this key holds now.
     fn state_bytes(&self) -> usize;
 }
 
 struct Fixed<S> {
     state: S,
-    f: fn(S, u64, &Quota, u32) -> (Decision, S),
+    f: fn(S, u64, &Quota, u64) -> (Decision, S),
     quota: Quota,
 }
 
 impl<S: Copy> Limiter for Fixed<S> {
-    fn check(&mut self, now: u64, cost: u32) -> Decision {
+    fn check(&mut self, now: u64, cost: u64) -> Decision {
         let (d, next) = (self.f)(self.state, now, &self.quota, cost);
         self.state = next;
         d
@@ -79,7 +79,7 @@ struct LogLimiter {
 }
 
 impl Limiter for LogLimiter {
-    fn check(&mut self, now: u64, cost: u32) -> Decision {
+    fn check(&mut self, now: u64, cost: u64) -> Decision {
         sliding_log::check(&mut self.log, now, &self.quota, cost)
     }
     fn state_bytes(&self) -> usize {
@@ -89,7 +89,7 @@ impl Limiter for LogLimiter {
 
 fn limiter(algorithm: Algorithm, quota: Quota) -> Box<dyn Limiter> {
     fn fixed<S: Copy + Default + 'static>(
-        f: fn(S, u64, &Quota, u32) -> (Decision, S),
+        f: fn(S, u64, &Quota, u64) -> (Decision, S),
         quota: Quota,
     ) -> Box<dyn Limiter> {
         Box::new(Fixed {

@@ -287,7 +287,7 @@ enum Event {
     /// A token.
     Token,
     /// The call's usage: its `completion_tokens`.
-    Usage(u32),
+    Usage(u64),
 }
 
 /// Reads a model's event: a token, its usage, or neither (`[DONE]`).
@@ -301,5 +301,5 @@ fn read_event(event: &[u8]) -> Option<Event> {
         return Some(Event::Token);
     }
     let used = value.get("usage")?.get("completion_tokens")?.as_u64()?;
-    Some(Event::Usage(u32::try_from(used).unwrap_or(u32::MAX)))
+    Some(Event::Usage(used))
 }

@@ -222,7 +222,7 @@ both_stores! {
 
 /// What a request costs: a checkout 4 units, a batch as many as its `X-Batch-Size`,
 /// anything else 1.
-fn cost(method: &Method, uri: &Uri, headers: &HeaderMap) -> u32 {
+fn cost(method: &Method, uri: &Uri, headers: &HeaderMap) -> u64 {
     if method == Method::POST && uri.path() == "/api/v1/checkout" {
         return 4;
     }
@@ -233,7 +233,7 @@ fn cost(method: &Method, uri: &Uri, headers: &HeaderMap) -> u32 {
 }
 
 /// `GET /` as a batch of `size`.
-async fn batch(client: &Client, size: u32) -> Reply {
+async fn batch(client: &Client, size: u64) -> Reply {
     let size = size.to_string();
     client
         .get_with("/", &[("x-batch-size", size.as_str())])
@@ -333,9 +333,12 @@ both_stores! {
         let refused = batch(&client, 11).await;
         assert_never_fits(&refused);
         assert_limits(&refused, 10, 10, EPOCH_S + 60);
-        let refused = batch(&client, u32::MAX).await;
-        assert_never_fits(&refused);
-        assert_limits(&refused, 10, 10, EPOCH_S + 60);
+        // Past 2^32, past 2^53 (Lua's exact integers), the most a u64 holds.
+        for size in [1 << 32, (1 << 53) + 1, u64::MAX] {
+            let refused = batch(&client, size).await;
+            assert_never_fits(&refused);
+            assert_limits(&refused, 10, 10, EPOCH_S + 60);
+        }
         // The refusals took nothing.
         let reply = client.get("/").await;
         assert_ok(&reply);

@@ -30,7 +30,7 @@ type DeferredCheck = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> 
 impl<St: Store> Store for Deferred<St> {
     type Future = DeferredCheck;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<DeferredCheck> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<DeferredCheck> {
         let answer = self.0.check(key, policies, cost);
         Checked::Pending(Box::pin(async move {
             // Answer on a later poll, as I/O would.

@@ -167,7 +167,7 @@ fn one_limit_and_two_limit_requests_on_one_key_share_the_burst_exactly() {
 fn charges_racing_checks_on_one_key_lose_no_unit() {
     use tollway_core::Operation;
     const CHARGES: u64 = 50;
-    const UNITS: u32 = 3;
+    const UNITS: u64 = 3;
     let clock = ManualClock::new();
     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     // 1,000 µs a unit; a burst of 1,000: the charges' 150 units are owed.
@@ -195,7 +195,7 @@ fn charges_racing_checks_on_one_key_lose_no_unit() {
                 });
             }
         });
-        let units = admitted.into_inner() + CHARGES * u64::from(UNITS);
+        let units = admitted.into_inner() + CHARGES * UNITS;
         let ahead = store.check_sync(b"k", &policy, 0).reset_after_micros();
         assert_eq!(ahead, units * 1_000, "{algorithm:?}: {units} units");
     }

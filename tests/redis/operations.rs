@@ -20,7 +20,7 @@ async fn run(store: &impl Store, policy: &Policy, operation: Operation) -> Decis
         .unwrap()
 }
 
-async fn check(store: &impl Store, policy: &Policy, cost: u32) -> Decisions {
+async fn check(store: &impl Store, policy: &Policy, cost: u64) -> Decisions {
     store.check(b"support-call", &[policy], cost).await.unwrap()
 }
 

@@ -84,7 +84,7 @@ enum Plan<'r> {
         /// The file's policy, or the one the descriptor's `limit` asks for.
         policy: Cow<'r, Policy>,
         key: tollway_tower::Key,
-        cost: u32,
+        cost: u64,
     },
 }
 
@@ -370,8 +370,8 @@ fn plan<'r>(
     };
     // The descriptor's own hits win (0 is a look); else the request's, at least 1.
     let cost = match &descriptor.hits_addend {
-        Some(hits) => u32::try_from(hits.value).unwrap_or(u32::MAX),
-        None => request_hits.max(1),
+        Some(hits) => hits.value,
+        None => u64::from(request_hits.max(1)),
     };
     Plan::Limited {
         policy,

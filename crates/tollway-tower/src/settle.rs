@@ -88,7 +88,7 @@ impl<St> Ledger<St> {
 /// The operation that settles a call that reserved `reserved` units and used `used`:
 /// the difference charged or refunded, or `None` when they are the same. The one rule of
 /// the layer's settlements and the outbound layer's.
-pub(crate) fn difference(used: u32, reserved: u32) -> Option<Operation> {
+pub(crate) fn difference(used: u64, reserved: u64) -> Option<Operation> {
     match used.cmp(&reserved) {
         std::cmp::Ordering::Greater => Some(Operation::Charge(used - reserved)),
         std::cmp::Ordering::Less => Some(Operation::Refund(reserved - used)),
@@ -99,7 +99,7 @@ pub(crate) fn difference(used: u32, reserved: u32) -> Option<Operation> {
 /// What a settled call reports it used, from its response's status, headers and
 /// extensions; `None` when the response does not say.
 pub(crate) type UsedFn =
-    Arc<dyn Fn(StatusCode, &HeaderMap, &Extensions) -> Option<u32> + Send + Sync>;
+    Arc<dyn Fn(StatusCode, &HeaderMap, &Extensions) -> Option<u64> + Send + Sync>;
 
 /// Which policy a layer settles, how it learns what a call used, and what an unreported
 /// call comes to.
@@ -181,6 +181,10 @@ pub struct Usage(Arc<AtomicU64>);
 /// No usage reported yet.
 const UNREPORTED: u64 = u64::MAX;
 
+/// The most usage kept: more saturates here (past every capacity), short of
+/// [`UNREPORTED`].
+const MOST: u64 = u64::MAX - 1;
+
 impl Usage {
     /// Nothing reported yet.
     #[must_use]
@@ -189,39 +193,37 @@ impl Usage {
     }
 
     /// Adds `units` to what the call used.
-    pub fn add(&self, units: u32) {
-        // Saturates at u32::MAX, far from UNREPORTED.
+    pub fn add(&self, units: u64) {
         let _ = self
             .0
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
                 let base = if now == UNREPORTED { 0 } else { now };
-                Some((base + u64::from(units)).min(u64::from(u32::MAX)))
+                Some(base.saturating_add(units).min(MOST))
             });
     }
 
     /// Says the call used `units` in all.
-    pub fn set(&self, units: u32) {
-        self.0.store(u64::from(units), Ordering::Release);
+    pub fn set(&self, units: u64) {
+        self.0.store(units.min(MOST), Ordering::Release);
     }
 
     /// Says the call used at least `units`: what was reported so far stands if it is
     /// more. For a total reported at the end of a stream whose parts were counted.
-    pub fn at_least(&self, units: u32) {
+    pub fn at_least(&self, units: u64) {
         let _ = self
             .0
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
                 let base = if now == UNREPORTED { 0 } else { now };
-                Some(base.max(u64::from(units)))
+                Some(base.max(units.min(MOST)))
             });
     }
 
     /// What the call used, if anything reported it.
     #[must_use]
-    pub fn get(&self) -> Option<u32> {
+    pub fn get(&self) -> Option<u64> {
         match self.0.load(Ordering::Acquire) {
             UNREPORTED => None,
-            // At most u32::MAX: `add` saturates there.
-            used => Some(u32::try_from(used).unwrap_or(u32::MAX)),
+            used => Some(used),
         }
     }
 }
@@ -244,10 +246,10 @@ impl fmt::Debug for Usage {
 #[derive(Debug)]
 pub(crate) struct Reservation {
     pub(crate) key: Key,
-    pub(crate) reserved: Option<u32>,
+    pub(crate) reserved: Option<u64>,
     /// Each limit on calls in flight of the request: its index in the layer's limits,
     /// and the slots it took.
-    pub(crate) slots: SmallVec<[(usize, u32); 1]>,
+    pub(crate) slots: SmallVec<[(usize, u64); 1]>,
     /// The caller's own policy (a plan's quota) in place of the layer's at this index.
     pub(crate) own: Option<(usize, Arc<Policy>)>,
     pub(crate) usage: Usage,
@@ -504,15 +506,15 @@ impl Renewals {
     }
 
     /// Counts `slots` of `key` as held (`by` 1) or given back (`by` −1).
-    fn hold<St: Store>(&self, ledger: &Arc<Ledger<St>>, key: &Key, slots: &[(usize, u32)], by: i8) {
+    fn hold<St: Store>(&self, ledger: &Arc<Ledger<St>>, key: &Key, slots: &[(usize, u64)], by: i8) {
         #[cfg(feature = "metrics")]
         for &(policy, cost) in slots {
             let name = ledger.policy(policy).name().to_owned();
             let gauge = metrics::gauge!(tollway_core::metric::IN_FLIGHT.name, "policy" => name);
             if by > 0 {
-                gauge.increment(f64::from(cost));
+                gauge.increment(cost as f64);
             } else {
-                gauge.decrement(f64::from(cost));
+                gauge.decrement(cost as f64);
             }
         }
         {

@@ -44,7 +44,7 @@ pub trait CheckOne: Store {
         &self,
         key: &[u8],
         policy: &Policy,
-        cost: u32,
+        cost: u64,
     ) -> impl Future<Output = Result<Decision, StoreError>> + Send + 'static {
         let checked = self.check(key, &[policy], cost);
         async move { checked.await.map(|decisions| decisions[0]) }

@@ -56,11 +56,10 @@ fn held(state: State, now: u64) -> u64 {
 /// renews the slots held, its own with them; so does a request of cost 0.
 #[must_use]
 #[inline]
-pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
+pub fn check(state: State, now: u64, quota: &Quota, cost: u64) -> (Decision, State) {
     let limit = quota.limit();
     let held = held(state, now);
     let reset = if held > 0 { state.end - now } else { 0 };
-    let cost = u64::from(cost);
     if cost > limit {
         let d = Decision::refused(
             Denial::CostExceedsCapacity,
@@ -92,8 +91,8 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 
 /// Gives `units` slots back at `now`; their expiry stays.
 #[must_use]
-pub fn refund(state: State, now: u64, _quota: &Quota, units: u32) -> State {
-    match held(state, now).saturating_sub(u64::from(units)) {
+pub fn refund(state: State, now: u64, _quota: &Quota, units: u64) -> State {
+    match held(state, now).saturating_sub(units) {
         0 => State::default(),
         count => State {
             end: state.end,

@@ -52,12 +52,11 @@ fn window_end(state: State, now: u64, quota: &Quota) -> u64 {
 /// Decides one request of `cost` units at `now` (microseconds).
 #[must_use]
 #[inline]
-pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
+pub fn check(state: State, now: u64, quota: &Quota, cost: u64) -> (Decision, State) {
     let limit = quota.limit();
     let end = window_end(state, now, quota);
     let count = if state.end == end { state.count } else { 0 };
     let reset = |count: u64| if count > 0 { end - now } else { 0 };
-    let cost = u64::from(cost);
     if cost > limit {
         let d = Decision::refused(
             Denial::CostExceedsCapacity,
@@ -82,9 +81,9 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 /// Gives `units` back to the current window at `now` (a window that has ended is fresh
 /// already).
 #[must_use]
-pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
+pub fn refund(state: State, now: u64, quota: &Quota, units: u64) -> State {
     let end = window_end(state, now, quota);
-    match state.count.saturating_sub(u64::from(units)) {
+    match state.count.saturating_sub(units) {
         count if state.end == end && count > 0 => State { end, count },
         _ => State::default(),
     }
@@ -94,11 +93,11 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
 /// unspent units): off its count while it is still the current window. Once it has
 /// ended its count is gone anyway, and a later window's count is left alone.
 #[must_use]
-pub fn give_back(state: State, now: u64, quota: &Quota, units: u32, end: u64) -> State {
+pub fn give_back(state: State, now: u64, quota: &Quota, units: u64, end: u64) -> State {
     if state.end != end || window_end(state, now, quota) != end {
         return state;
     }
-    match state.count.saturating_sub(u64::from(units)) {
+    match state.count.saturating_sub(units) {
         0 => State::default(),
         count => State { end, count },
     }

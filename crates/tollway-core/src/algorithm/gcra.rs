@@ -43,12 +43,11 @@ impl SlotState for State {
 // through memory) cost about a third of a check (BENCHMARKS.md, issue 19).
 #[must_use]
 #[inline]
-pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
+pub fn check(state: State, now: u64, quota: &Quota, cost: u64) -> (Decision, State) {
     let t = quota.emission_micros();
     let window = quota.burst() * t;
     let start = state.tat.max(now);
     let remaining = |ahead: u64| quota.per_emission(window.saturating_sub(ahead));
-    let cost = u64::from(cost);
     let ahead = start - now;
     if cost > quota.burst() {
         let d = Decision::refused(
@@ -73,10 +72,10 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 /// Gives `units` back at `now`, up to a fresh key's capacity: the theoretical arrival
 /// time moves back by their emission intervals, never before `now`.
 #[must_use]
-pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
+pub fn refund(state: State, now: u64, quota: &Quota, units: u64) -> State {
     let t = quota.emission_micros();
     // At most what a key can owe, so the product stays within 2^52.
-    let back = u64::from(units).min(most_owed(t)) * t;
+    let back = units.min(most_owed(t)) * t;
     State {
         tat: state.tat.saturating_sub(back).max(now),
     }
@@ -88,11 +87,10 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
 /// caller then waits out before anything fits again. It is kept up to 2^52 µs ahead of
 /// `now` (142 years: see [`Operation::Charge`](crate::Operation::Charge)).
 #[must_use]
-pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
+pub fn charge(state: State, now: u64, quota: &Quota, units: u64) -> State {
     let t = quota.emission_micros();
     // Both terms are within 2^52, so their sum is exact in Lua too.
-    let ahead =
-        state.tat.saturating_sub(now).min(MAX_EXACT) + u64::from(units).min(most_owed(t)) * t;
+    let ahead = state.tat.saturating_sub(now).min(MAX_EXACT) + units.min(most_owed(t)) * t;
     State {
         tat: now + ahead.min(MAX_EXACT),
     }
@@ -130,7 +128,7 @@ mod tests {
         assert!(d.is_allowed());
         assert_eq!(charge(State::default(), 0, &q, 300).tat, 30_000_000);
         // It is kept up to 2^52 µs ahead, whatever is charged.
-        let most = charge(State { tat: 1 << 53 }, 0, &q, u32::MAX);
+        let most = charge(State { tat: 1 << 53 }, 0, &q, u64::MAX);
         assert_eq!(most.tat, 1 << 52);
         // A request of cost 0 passes an empty limit, not one that owes.
         assert!(

@@ -32,7 +32,7 @@ pub type ShaperState = gcra::State;
 /// The meter: admits a request of `cost` units at `now` if it fits in the bucket.
 #[must_use]
 #[inline]
-pub fn meter(state: MeterState, now: u64, quota: &Quota, cost: u32) -> (Decision, MeterState) {
+pub fn meter(state: MeterState, now: u64, quota: &Quota, cost: u64) -> (Decision, MeterState) {
     token_bucket::check(state, now, quota, cost)
 }
 
@@ -40,7 +40,7 @@ pub fn meter(state: MeterState, now: u64, quota: &Quota, cost: u32) -> (Decision
 /// output at a steady rate, or rejects it when the queue already holds `burst` units.
 #[must_use]
 #[inline]
-pub fn shape(state: ShaperState, now: u64, quota: &Quota, cost: u32) -> (Decision, ShaperState) {
+pub fn shape(state: ShaperState, now: u64, quota: &Quota, cost: u64) -> (Decision, ShaperState) {
     let (decision, next) = gcra::check(state, now, quota, cost);
     if !decision.is_allowed() {
         return (decision, next);
@@ -58,26 +58,26 @@ pub fn shape(state: ShaperState, now: u64, quota: &Quota, cost: u32) -> (Decisio
 /// Pours `units` into the meter's bucket at `now` whether or not they fit: what
 /// overflows is owed (the token bucket's charge).
 #[must_use]
-pub fn meter_charge(state: MeterState, now: u64, quota: &Quota, units: u32) -> MeterState {
+pub fn meter_charge(state: MeterState, now: u64, quota: &Quota, units: u64) -> MeterState {
     token_bucket::charge(state, now, quota, units)
 }
 
 /// Queues `units` in the shaper at `now` whether or not they fit: what is past full is
 /// owed (GCRA's charge).
 #[must_use]
-pub fn shape_charge(state: ShaperState, now: u64, quota: &Quota, units: u32) -> ShaperState {
+pub fn shape_charge(state: ShaperState, now: u64, quota: &Quota, units: u64) -> ShaperState {
     gcra::charge(state, now, quota, units)
 }
 
 /// Empties `units` from the meter's bucket at `now` (the token bucket's refund).
 #[must_use]
-pub fn meter_refund(state: MeterState, now: u64, quota: &Quota, units: u32) -> MeterState {
+pub fn meter_refund(state: MeterState, now: u64, quota: &Quota, units: u64) -> MeterState {
     token_bucket::refund(state, now, quota, units)
 }
 
 /// Takes `units` out of the shaper's queue at `now` (GCRA's refund).
 #[must_use]
-pub fn shape_refund(state: ShaperState, now: u64, quota: &Quota, units: u32) -> ShaperState {
+pub fn shape_refund(state: ShaperState, now: u64, quota: &Quota, units: u64) -> ShaperState {
     gcra::refund(state, now, quota, units)
 }
 

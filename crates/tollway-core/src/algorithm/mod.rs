@@ -163,9 +163,9 @@ pub(crate) mod testing {
 
     /// Replays `(now, cost)` events through one algorithm from a fresh state.
     pub(crate) fn run<S: Default + Copy>(
-        f: fn(S, u64, &Quota, u32) -> (Decision, S),
+        f: fn(S, u64, &Quota, u64) -> (Decision, S),
         quota: &Quota,
-        trace: &[(u64, u32)],
+        trace: &[(u64, u64)],
     ) -> Vec<Decision> {
         let mut state = S::default();
         trace

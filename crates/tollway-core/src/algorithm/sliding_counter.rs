@@ -94,7 +94,8 @@ impl State {
             (p, _) if p > 0 => start + period,
             _ => 0,
         };
-        // Counts never exceed the limit, which is a u32.
+        // Counts never exceed the limit: at most 2^26, as the limit is at most the
+        // period and limit × period at most 2^52 (`Policy::new`).
         State {
             expires_at,
             prev: u32::try_from(prev).unwrap_or(u32::MAX),
@@ -106,7 +107,7 @@ impl State {
 /// Decides one request of `cost` units at `now` (microseconds).
 #[must_use]
 #[inline]
-pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
+pub fn check(state: State, now: u64, quota: &Quota, cost: u64) -> (Decision, State) {
     let (limit, period) = (quota.limit(), quota.period_micros());
     let start = state.current_start(now, quota);
     let elapsed = now.saturating_sub(start);
@@ -119,7 +120,6 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
         (p, _) if p > 0 => start + period - now,
         _ => 0,
     };
-    let cost = u64::from(cost);
     if cost > limit {
         let d = Decision::refused(
             Denial::CostExceedsCapacity,
@@ -142,11 +142,10 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 /// Gives `units` back at `now`: from the current window's count first, then from the
 /// previous window's (a request charged just before the boundary).
 #[must_use]
-pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
+pub fn refund(state: State, now: u64, quota: &Quota, units: u64) -> State {
     let period = quota.period_micros();
     let start = state.current_start(now, quota);
     let (prev, curr) = state.counts_at(start, period);
-    let units = u64::from(units);
     let from_prev = units.saturating_sub(curr);
     State::at(
         start,
@@ -160,11 +159,10 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
 /// unspent units): off the current window's count while it is that window, off the
 /// previous window's once it has just ended. An older window's units weigh nothing.
 #[must_use]
-pub fn give_back(state: State, now: u64, quota: &Quota, units: u32, end: u64) -> State {
+pub fn give_back(state: State, now: u64, quota: &Quota, units: u64, end: u64) -> State {
     let period = quota.period_micros();
     let start = state.current_start(now, quota);
     let (prev, curr) = state.counts_at(start, period);
-    let units = u64::from(units);
     if start + period == end {
         State::at(start, period, prev, curr.saturating_sub(units))
     } else if start == end {

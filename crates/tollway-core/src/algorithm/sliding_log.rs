@@ -49,7 +49,7 @@ impl Log {
 
 /// Decides one request of `cost` units at `now` (microseconds), updating `log` in place
 /// (a log can be long, so it is not copied the way the fixed-size states are).
-pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
+pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u64) -> Decision {
     let decision = decide(log, now, quota, cost);
     if decision.is_allowed() {
         admit(log, now, quota, cost);
@@ -63,14 +63,13 @@ pub fn check(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
 /// request as admitted. Meanwhile `log` only loses the entries that have slid out.
 /// [`admit`] then records the request. A store that decides several limits at once
 /// admits into each log only when all of them allow.
-pub fn decide(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
+pub fn decide(log: &mut Log, now: u64, quota: &Quota, cost: u64) -> Decision {
     let (limit, period) = (quota.limit(), quota.period_micros());
     log.trim(now, period);
     let reset = log
         .entries
         .back()
         .map_or(0, |&(at, _)| (at + period).saturating_sub(now));
-    let cost = u64::from(cost);
     if cost > limit {
         return Decision::refused(
             Denial::CostExceedsCapacity,
@@ -99,8 +98,7 @@ pub fn decide(log: &mut Log, now: u64, quota: &Quota, cost: u32) -> Decision {
 }
 
 /// Records a request of `cost` units at `now` that [`decide`] allowed.
-pub fn admit(log: &mut Log, now: u64, quota: &Quota, cost: u32) {
-    let cost = u64::from(cost);
+pub fn admit(log: &mut Log, now: u64, quota: &Quota, cost: u64) {
     if cost == 0 {
         return;
     }
@@ -119,10 +117,10 @@ pub fn admit(log: &mut Log, now: u64, quota: &Quota, cost: u32) {
 }
 
 /// Gives back the `units` admitted last (the newest entries), as of `now`.
-pub fn refund(log: &mut Log, now: u64, quota: &Quota, units: u32) {
+pub fn refund(log: &mut Log, now: u64, quota: &Quota, units: u64) {
     let period = quota.period_micros();
     log.trim(now, period);
-    let mut left = u64::from(units);
+    let mut left = units;
     while left > 0 {
         let Some((_, newest)) = log.entries.back_mut() else {
             break;
@@ -142,7 +140,7 @@ pub fn refund(log: &mut Log, now: u64, quota: &Quota, units: u32) {
 mod tests {
     use super::*;
 
-    fn run(q: &Quota, trace: &[(u64, u32)]) -> Vec<Decision> {
+    fn run(q: &Quota, trace: &[(u64, u64)]) -> Vec<Decision> {
         let mut log = Log::default();
         trace
             .iter()

@@ -82,12 +82,11 @@ impl SlotState for State {
 /// Decides one request of `cost` units at `now` (microseconds).
 #[must_use]
 #[inline]
-pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, State) {
+pub fn check(state: State, now: u64, quota: &Quota, cost: u64) -> (Decision, State) {
     let period = quota.period_micros();
     let cap = quota.burst() * period;
     let (deficit, reset) = state.deficit(now, quota);
     let remaining = |deficit: u64| quota.per_period(cap.saturating_sub(deficit));
-    let cost = u64::from(cost);
     if cost > quota.burst() {
         let d = Decision::refused(
             Denial::CostExceedsCapacity,
@@ -112,11 +111,11 @@ pub fn check(state: State, now: u64, quota: &Quota, cost: u32) -> (Decision, Sta
 /// Gives `units` back to the bucket at `now`, up to full: the state after a request of
 /// `units` is undone (it failed, or cost less than charged). A debt is paid back first.
 #[must_use]
-pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
+pub fn refund(state: State, now: u64, quota: &Quota, units: u64) -> State {
     let (deficit, _) = state.deficit(now, quota);
     let period = quota.period_micros();
     // At most what a bucket can miss, so the product stays within 2^52.
-    let back = u64::from(units).min(most_owed(period)) * period;
+    let back = units.min(most_owed(period)) * period;
     State::with_deficit(now, deficit.saturating_sub(back), quota).0
 }
 
@@ -127,11 +126,11 @@ pub fn refund(state: State, now: u64, quota: &Quota, units: u32) -> State {
 /// missing in all ([`Operation::Charge`](crate::Operation::Charge)): 75 million units
 /// for a minute's period.
 #[must_use]
-pub fn charge(state: State, now: u64, quota: &Quota, units: u32) -> State {
+pub fn charge(state: State, now: u64, quota: &Quota, units: u64) -> State {
     let (deficit, _) = state.deficit(now, quota);
     let period = quota.period_micros();
     // Both terms are within 2^52, so their sum is exact in Lua too.
-    let owed = u64::from(units).min(most_owed(period)) * period;
+    let owed = units.min(most_owed(period)) * period;
     State::with_deficit(now, (deficit + owed).min(MAX_EXACT), quota).0
 }
 
@@ -222,7 +221,7 @@ mod tests {
         let (_, s) = check(State::default(), 0, &q, 4);
         let back = refund(s, 0, &q, 3);
         assert_eq!(check(back, 0, &q, 0).0.remaining(), 9);
-        let full = refund(s, 0, &q, u32::MAX);
+        let full = refund(s, 0, &q, u64::MAX);
         assert_eq!(check(full, 0, &q, 0).0, check(State::default(), 0, &q, 0).0);
     }
 

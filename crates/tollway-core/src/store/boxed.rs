@@ -58,28 +58,28 @@ impl fmt::Debug for BoxStore {
 
 /// [`Store`] as a trait object: the same method, with the waiting future boxed.
 trait ErasedStore: Send + Sync {
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture>;
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<BoxStoreFuture>;
     fn check_each(
         &self,
         key: &[u8],
         policies: &[&Policy],
-        costs: &[u32],
+        costs: &[u64],
     ) -> Checked<BoxStoreFuture>;
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<BoxStoreFuture>;
     fn supports(&self, policy: &Policy) -> Result<(), ConfigError>;
     fn supports_each_cost(&self) -> Result<(), ConfigError>;
-    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture>;
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u64, ask: u64) -> Option<LendFuture>;
     fn give_back(
         &self,
         key: &[u8],
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) -> Option<GiveBackFuture>;
 }
 
 impl<S: Store> ErasedStore for S {
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<BoxStoreFuture> {
         boxed(Store::check(self, key, policies, cost))
     }
 
@@ -87,7 +87,7 @@ impl<S: Store> ErasedStore for S {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        costs: &[u32],
+        costs: &[u64],
     ) -> Checked<BoxStoreFuture> {
         boxed(Store::check_each(self, key, policies, costs))
     }
@@ -104,7 +104,7 @@ impl<S: Store> ErasedStore for S {
         Store::supports_each_cost(self)
     }
 
-    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u64, ask: u64) -> Option<LendFuture> {
         Store::lend(self, key, policies, cost, ask)
     }
 
@@ -112,7 +112,7 @@ impl<S: Store> ErasedStore for S {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) -> Option<GiveBackFuture> {
         Store::give_back(self, key, policies, units, ends)
@@ -133,7 +133,7 @@ where
 impl Store for BoxStore {
     type Future = BoxStoreFuture;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<BoxStoreFuture> {
         self.inner.check(key, policies, cost)
     }
 
@@ -141,7 +141,7 @@ impl Store for BoxStore {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        costs: &[u32],
+        costs: &[u64],
     ) -> Checked<BoxStoreFuture> {
         self.inner.check_each(key, policies, costs)
     }
@@ -158,7 +158,7 @@ impl Store for BoxStore {
         self.inner.supports_each_cost()
     }
 
-    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u64, ask: u64) -> Option<LendFuture> {
         self.inner.lend(key, policies, cost, ask)
     }
 
@@ -166,7 +166,7 @@ impl Store for BoxStore {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) -> Option<GiveBackFuture> {
         self.inner.give_back(key, policies, units, ends)

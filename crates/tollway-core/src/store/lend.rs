@@ -45,7 +45,7 @@ pub type GiveBackFuture =
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grant {
-    units: u32,
+    units: u64,
     decisions: Decisions,
     at: u64,
 }
@@ -53,7 +53,7 @@ pub struct Grant {
 impl Grant {
     /// A grant of `units`, taken with these decisions at `at` µs on the store's clock.
     #[must_use]
-    pub fn new(units: u32, decisions: Decisions, at: u64) -> Self {
+    pub fn new(units: u64, decisions: Decisions, at: u64) -> Self {
         let units = if decisions.is_allowed() { units } else { 0 };
         Grant {
             units,
@@ -72,7 +72,7 @@ impl Grant {
 
     /// How many units were taken: the request's own cost and the rest, lent.
     #[must_use]
-    pub fn units(&self) -> u32 {
+    pub fn units(&self) -> u64 {
         self.units
     }
 
@@ -95,8 +95,8 @@ impl Grant {
 ///
 /// Halving keeps the last units of a period for the gateways that ask after; the last
 /// unit goes to whoever asks. `lua/operate.lua` (its `lend`) computes the same.
-pub(crate) fn grant_size(least: u64, cost: u32, ask: u32) -> u32 {
-    let half = u32::try_from(least.div_ceil(2)).unwrap_or(u32::MAX);
+pub(crate) fn grant_size(least: u64, cost: u64, ask: u64) -> u64 {
+    let half = least.div_ceil(2);
     ask.min(half).max(cost)
 }
 

@@ -88,7 +88,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Decides one request of `cost` units for `key` against every policy in
     /// `policies`, all or nothing; the decisions come in the order of `policies`.
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future>;
+    ///
+    /// A cost is any `u64`. No capacity passes [`MAX_UNITS`](crate::MAX_UNITS), so a
+    /// cost past it is refused as costing more than the capacity, in every store (a
+    /// script reads it as 2^53 + 2, past every capacity and exact in Lua).
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future>;
 
     /// Decides one request for `key` that costs each of `policies` its own units:
     /// `costs[i]` for `policies[i]` (1 request and 800 tokens, say). All or nothing, as
@@ -118,7 +122,7 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// Through its future: when `costs` is not one a policy, or (the default) when the
     /// costs differ.
-    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u64]) -> Checked<Self::Future> {
         match Cost::of(policies, costs) {
             Ok(Cost::Same(cost)) => self.check(key, policies, cost),
             Ok(Cost::Each(_)) => Checked::Ready(Err(StoreError::new(
@@ -219,7 +223,7 @@ pub trait Store: Send + Sync + 'static {
     /// `None`: the store does not lend these policies (or not now). The default lends
     /// nothing. The memory and Redis stores lend every policy whose algorithm
     /// [`lends`](crate::Algorithm::lends).
-    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u64, ask: u64) -> Option<LendFuture> {
         let _ = (key, policies, cost, ask);
         None
     }
@@ -240,7 +244,7 @@ pub trait Store: Send + Sync + 'static {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) -> Option<GiveBackFuture> {
         let _ = (key, policies, units, ends);
@@ -251,8 +255,8 @@ pub trait Store: Send + Sync + 'static {
 /// What each of a request's limits costs: the same for all, or one each.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Cost {
-    Same(u32),
-    Each(smallvec::SmallVec<[u32; 4]>),
+    Same(u64),
+    Each(smallvec::SmallVec<[u64; 4]>),
 }
 
 impl Cost {
@@ -261,7 +265,7 @@ impl Cost {
     /// # Errors
     ///
     /// When there is not one cost a policy.
-    pub(crate) fn of(policies: &[&Policy], costs: &[u32]) -> Result<Cost, StoreError> {
+    pub(crate) fn of(policies: &[&Policy], costs: &[u64]) -> Result<Cost, StoreError> {
         if costs.len() != policies.len() {
             return Err(StoreError::new(
                 StoreErrorKind::Other,
@@ -290,7 +294,7 @@ impl Cost {
 #[non_exhaustive]
 pub enum Operation {
     /// The decisions a request of this cost would get, consuming nothing.
-    Peek(u32),
+    Peek(u64),
     /// Takes this many units from every policy after the fact, whether or not they fit:
     /// a cost the response reported.
     ///
@@ -301,17 +305,17 @@ pub enum Operation {
     /// 75 million units for a minute's token bucket, far beyond any capacity. The window
     /// algorithms count at most their limit. Their window is spent either way, and what
     /// did not fit is forgiven when it ends.
-    Charge(u32),
+    Charge(u64),
     /// Gives this many units back to every policy, up to full (paying back what is owed
     /// first): a request that failed, or cost less than it was charged.
-    Refund(u32),
+    Refund(u64),
     /// Forgets the caller's state: every policy as for a new caller.
     Reset,
     /// Takes units from every policy until at most this many remain, in one atomic
     /// step. A policy with no more than that left loses none. It means "at least this
     /// empty". Callers racing with different amounts can ask it without adding up. The
     /// outbound layer's pause is one.
-    Drain(u32),
+    Drain(u64),
 }
 
 /// A store's answer: ready now, or a future to wait for.

@@ -63,7 +63,7 @@ use std::future::IntoFuture;
 use std::time::Duration;
 
 use crate::{Algorithm, Decision, Decisions, Denial, ManualClock, MemoryStore, Operation, Policy};
-use crate::{Clock, Quota, Store};
+use crate::{Clock, MAX_UNITS, Quota, Store};
 
 mod trace;
 
@@ -257,7 +257,7 @@ impl Conformance {
                 1 => Some((1, Operation::Charge(units(&mut rng)))),
                 2 => Some((2, Operation::Refund(units(&mut rng)))),
                 3 => Some((3, Operation::Reset)),
-                4 => Some((4, Operation::Drain(rng.below(12) as u32))),
+                4 => Some((4, Operation::Drain(rng.below(12)))),
                 _ => None,
             };
             if let Some((kind, operation)) = operation {
@@ -278,8 +278,8 @@ impl Conformance {
                 continue;
             }
             // One request in three under several limits costs each its own.
-            let each: Option<Vec<u32>> = (chosen.len() > 1 && rng.below(3) == 0).then(|| {
-                let mut each: Vec<u32> = chosen
+            let each: Option<Vec<u64>> = (chosen.len() > 1 && rng.below(3) == 0).then(|| {
+                let mut each: Vec<u64> = chosen
                     .iter()
                     .map(|p| trace::cost(&mut rng, p.quota(), p.algorithm()).min(3))
                     .collect();
@@ -397,7 +397,7 @@ impl Conformance {
             } else {
                 first.limit()
             };
-            let ask = u32::try_from(rng.below(2 * capacity + 1)).unwrap_or(u32::MAX);
+            let ask = rng.below(2 * capacity + 1);
             let caller = format!("caller-{}", rng.below(CALLERS));
             let names: Vec<&str> = chosen.iter().map(|p| p.name()).collect();
             report.events += 1;
@@ -435,7 +435,7 @@ impl Conformance {
                 // later (to a window that has ended, or a later one): both stores take
                 // them off the same counts, or keep their state alike.
                 if rng.below(3) == 0 {
-                    let units = 1 + rng.below(u64::from(expected.units() - cost)) as u32;
+                    let units = 1 + rng.below(expected.units() - cost);
                     let ends: Vec<u64> = chosen
                         .iter()
                         .zip(expected.decisions().iter())
@@ -511,11 +511,11 @@ impl Conformance {
 
 /// The units of a charge or refund: mostly a few, sometimes many capacities (a debt
 /// kept), sometimes the most there is (a debt at its bound).
-fn units(rng: &mut Rng) -> u32 {
+fn units(rng: &mut Rng) -> u64 {
     match rng.below(8) {
-        0 => u32::MAX,
-        1 => 1 + rng.below(5_000) as u32,
-        _ => 1 + rng.below(12) as u32,
+        0 => [u64::MAX, MAX_UNITS, u64::from(u32::MAX)][rng.below(3) as usize],
+        1 => 1 + rng.below(5_000),
+        _ => 1 + rng.below(12),
     }
 }
 

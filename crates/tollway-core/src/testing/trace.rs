@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::quota;
-use crate::{Algorithm, Calendar, CalendarUnit, Quota};
+use crate::{Algorithm, Calendar, CalendarUnit, MAX_UNITS, Quota};
 
 /// splitmix64: a small seeded generator, the same trace on every machine. So a failure
 /// replays exactly.
@@ -95,17 +95,21 @@ pub(super) fn gap(rng: &mut Rng, now: u64, quota: &Quota) -> u64 {
 
 /// A random request's cost under `quota`: mostly 1, sometimes 0, sometimes over the
 /// capacity. The suites' costs, for traces of your own.
-pub fn cost(rng: &mut Rng, quota: &Quota, algorithm: Algorithm) -> u32 {
+pub fn cost(rng: &mut Rng, quota: &Quota, algorithm: Algorithm) -> u64 {
     let cap = if algorithm.uses_burst() {
         quota.burst()
     } else {
         quota.limit()
     };
-    let c = match rng.below(10) {
+    match rng.below(10) {
         0..=5 => 1,
         6 => 0,
-        7 => cap + 1,
+        // Past the capacity: just past, past 2^53 (Lua's exact integers), or the most.
+        7 => match rng.below(8) {
+            0 => MAX_UNITS + 1,
+            1 => u64::MAX,
+            _ => cap + 1,
+        },
         _ => 1 + rng.below(cap),
-    };
-    u32::try_from(c).unwrap_or(u32::MAX)
+    }
 }

@@ -85,8 +85,8 @@ proptest! {
                 // at most `burst` units, this one included, are queued.
                 let served = drains_at.max(s.now);
                 prop_assert_eq!(s.now + ds.delay_micros(), served, "delay at {:?}", s);
-                prop_assert!(ds.delay_micros() + u64::from(s.cost) * t <= q.burst() * t);
-                drains_at = served + u64::from(s.cost) * t;
+                prop_assert!(ds.delay_micros() + s.cost * t <= q.burst() * t);
+                drains_at = served + s.cost * t;
             }
         }
     }

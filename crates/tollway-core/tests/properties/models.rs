@@ -13,11 +13,11 @@ pub(crate) fn check_token_bucket_model(events: &[Event], q: &Quota) -> Result<()
         last = e.now;
         let need = u128::from(e.cost) * period;
         let d = e.decision;
-        let fits = u64::from(e.cost) <= q.burst() && need <= tokens;
+        let fits = e.cost <= q.burst() && need <= tokens;
         prop_assert_eq!(d.is_allowed(), fits, "model disagrees at {:?}", e);
         if fits {
             tokens -= need;
-        } else if u64::from(e.cost) <= q.burst() {
+        } else if e.cost <= q.burst() {
             let retry = (need - tokens).div_ceil(limit);
             prop_assert_eq!(
                 u128::from(d.retry_after_micros()),
@@ -49,7 +49,7 @@ pub(crate) fn check_fixed_window_model(events: &[Event], q: &Quota) -> Result<()
     let mut count: HashMap<u64, u64> = HashMap::new();
     for e in events {
         let n = count.entry(e.now / period).or_default();
-        let cost = u64::from(e.cost);
+        let cost = e.cost;
         let fits = cost <= limit && *n + cost <= limit;
         prop_assert_eq!(e.decision.is_allowed(), fits, "model disagrees at {:?}", e);
         if fits {
@@ -70,7 +70,7 @@ pub(crate) fn check_sliding_log_model(events: &[Event], q: &Quota) -> Result<(),
             .filter(|&&(t, _)| t + period > e.now)
             .map(|&(_, c)| c)
             .sum();
-        let cost = u64::from(e.cost);
+        let cost = e.cost;
         let fits = cost <= limit && used + cost <= limit;
         prop_assert_eq!(e.decision.is_allowed(), fits, "model disagrees at {:?}", e);
         let used = if fits { used + cost } else { used };
@@ -99,7 +99,7 @@ pub(crate) fn check_sliding_counter_model(
             count.get(&(w - 1)).copied().unwrap_or(0)
         };
         let curr = count.get(&w).copied().unwrap_or(0);
-        let cost = u64::from(e.cost);
+        let cost = e.cost;
         let used = |curr: u64| prev * (period - elapsed) + curr * period;
         let fits = cost <= limit && used(curr + cost) <= limit * period;
         prop_assert_eq!(e.decision.is_allowed(), fits, "model disagrees at {:?}", e);

@@ -2,7 +2,7 @@
 
 use super::*;
 
-pub(crate) type CheckFn<S> = fn(S, u64, &Quota, u32) -> (Decision, S);
+pub(crate) type CheckFn<S> = fn(S, u64, &Quota, u64) -> (Decision, S);
 
 /// One algorithm as the replay sees it.
 pub(crate) struct Algo<S> {
@@ -24,7 +24,7 @@ pub(crate) fn log_check(
     mut log: sliding_log::Log,
     now: u64,
     q: &Quota,
-    cost: u32,
+    cost: u64,
 ) -> (Decision, sliding_log::Log) {
     let d = sliding_log::check(&mut log, now, q, cost);
     (d, log)
@@ -110,7 +110,7 @@ pub(crate) fn sliding_log_algo(q: &Quota) -> Algo<sliding_log::Log> {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Event {
     pub(crate) now: u64,
-    pub(crate) cost: u32,
+    pub(crate) cost: u64,
     pub(crate) decision: Decision,
 }
 
@@ -131,21 +131,17 @@ pub(crate) struct Event {
 pub(crate) fn replay<S: Clone + Default>(
     algo: &Algo<S>,
     q: &Quota,
-    trace: &[(u64, u32)],
+    trace: &[(u64, u64)],
 ) -> Result<Vec<Event>, TestCaseError> {
     let (check, cap) = (algo.check, algo.capacity);
-    let passes = |state: &S, now: u64, cost: u64| {
-        check(state.clone(), now, q, u32::try_from(cost).unwrap())
-            .0
-            .is_allowed()
-    };
+    let passes = |state: &S, now: u64, cost: u64| check(state.clone(), now, q, cost).0.is_allowed();
     let mut state = S::default();
     let mut events = Vec::with_capacity(trace.len());
     for (i, &(now, cost)) in trace.iter().enumerate() {
         let before = state.clone();
         let (d, after) = check(before.clone(), now, q, cost);
         let at = format!("event {i} (now {now}, cost {cost}): {d:?}");
-        let units = u64::from(cost);
+        let units = cost;
 
         prop_assert_eq!(d.limit(), cap, "limit is not the capacity at {}", at);
         prop_assert!(d.remaining() <= cap, "remaining above capacity at {}", at);
@@ -250,6 +246,6 @@ pub(crate) fn admitted(events: &[Event]) -> Vec<(u64, u64)> {
     events
         .iter()
         .filter(|e| e.decision.is_allowed() && e.cost > 0)
-        .map(|e| (e.now, u64::from(e.cost)))
+        .map(|e| (e.now, e.cost))
         .collect()
 }

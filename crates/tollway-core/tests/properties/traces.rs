@@ -93,13 +93,12 @@ pub(crate) enum Cost {
 }
 
 impl Cost {
-    fn units(self, capacity: u64) -> u32 {
-        let capacity = u32::try_from(capacity).unwrap();
+    fn units(self, capacity: u64) -> u64 {
         match self {
             Cost::Unit => 1,
             Cost::Nothing => 0,
-            Cost::Share(x) => 1 + x % capacity,
-            Cost::Over(k) => capacity + k,
+            Cost::Share(x) => 1 + u64::from(x) % capacity,
+            Cost::Over(k) => capacity + u64::from(k),
         }
     }
 }
@@ -134,7 +133,7 @@ pub(crate) fn trace(
     steps: &[(Gap, Cost)],
     q: &Quota,
     capacity: u64,
-) -> Vec<(u64, u32)> {
+) -> Vec<(u64, u64)> {
     let mut now = start;
     steps
         .iter()

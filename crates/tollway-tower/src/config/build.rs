@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 
 use http::Method;
-use tollway_core::{ConfigError, Store};
+use tollway_core::{ConfigError, MAX_UNITS, Store};
 use toml::Spanned;
 
 use super::file::{LimitsFile, api_key_value, parse_period, plan_quota};
@@ -424,11 +424,11 @@ impl LimitsFile {
         name: &str,
         cost: &CostSection,
     ) -> Result<Bounds, ConfigError> {
-        let read = |value: &Option<Spanned<i64>>, what: &str, unsaid: u32| match value {
+        let read = |value: &Option<Spanned<i64>>, what: &str, unsaid: u64| match value {
             None => Ok(unsaid),
-            Some(value) => u32::try_from(*value.get_ref())
+            Some(value) => u64::try_from(*value.get_ref())
                 .ok()
-                .filter(|&n| n >= 1)
+                .filter(|&n| (1..=MAX_UNITS).contains(&n))
                 .ok_or_else(|| {
                     self.at(
                         Some(value.span()),
@@ -436,13 +436,13 @@ impl LimitsFile {
                             "policy {name:?}: cost {what} = {} is not a cost: write 1 to {} \
                              (a request that cost nothing would pass an empty budget)",
                             value.get_ref(),
-                            u32::MAX
+                            MAX_UNITS
                         ),
                     )
                 }),
         };
         let min = read(&cost.min, "min", 1)?;
-        let max = read(&cost.max, "max", u32::MAX)?;
+        let max = read(&cost.max, "max", MAX_UNITS)?;
         let default = read(&cost.default, "default", min)?;
         if let (Some(at), true) = (&cost.max, max < min) {
             return Err(self.at(
@@ -499,8 +499,8 @@ impl LimitsFile {
                 _ => return Err(self.choice(rule, "unsettled", &["keep", "refund"])),
             },
         };
-        // Strict: a number past u32 is no report, not the most there is.
-        let used = move |headers: &http::HeaderMap| -> Option<u32> {
+        // Strict: a number past u64 is no report, not the most there is.
+        let used = move |headers: &http::HeaderMap| -> Option<u64> {
             headers
                 .get(header.as_ref()?)?
                 .to_str()
@@ -631,18 +631,17 @@ impl LimitsFile {
     }
 }
 
-/// The whole number in header `name` of `headers`, if there is one, at most `u32::MAX`:
-/// a cost past it costs the most there is.
-fn number(headers: &http::HeaderMap, name: &http::HeaderName) -> Option<u32> {
-    let n: u64 = headers.get(name)?.to_str().ok()?.trim().parse().ok()?;
-    Some(u32::try_from(n).unwrap_or(u32::MAX))
+/// The whole number in header `name` of `headers`, if there is one (past `u64::MAX`,
+/// none).
+fn number(headers: &http::HeaderMap, name: &http::HeaderName) -> Option<u64> {
+    headers.get(name)?.to_str().ok()?.trim().parse().ok()
 }
 
 /// A cost read from a request header: at least `min`, at most `max`, `default` when the
 /// header is missing or not a number.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Bounds {
-    pub(super) min: u32,
-    pub(super) max: u32,
-    pub(super) default: u32,
+    pub(super) min: u64,
+    pub(super) max: u64,
+    pub(super) default: u64,
 }

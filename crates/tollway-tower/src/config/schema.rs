@@ -123,7 +123,7 @@ pub(super) enum Switch<T> {
 #[serde(deny_unknown_fields)]
 pub(super) struct LeaseSection {
     pub(super) horizon_ms: Option<u64>,
-    pub(super) min_units: Option<u32>,
+    pub(super) min_units: Option<u64>,
     pub(super) max_share: Option<f64>,
 }
 

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use tollway_core::Algorithm;
+use tollway_core::{Algorithm, MAX_UNITS};
 
 use super::file::LimitsFile;
 use crate::shed::{self};
@@ -56,8 +56,8 @@ impl LimitsFile {
             let header = cost.header.get_ref();
             let (min, max) = self
                 .cost_bounds(name, cost)
-                .map_or((1, u32::MAX), |b| (b.min, b.max));
-            let max = if max == u32::MAX {
+                .map_or((1, MAX_UNITS), |b| (b.min, b.max));
+            let max = if max == MAX_UNITS {
                 "none, so up to the policy's capacity".to_owned()
             } else {
                 max.to_string()
@@ -121,8 +121,8 @@ impl LimitsFile {
                 // Checked when the file was read.
                 let bounds = self.cost_bounds(name, cost).ok();
                 let (min, max, default) =
-                    bounds.map_or((1, u32::MAX, 1), |b| (b.min, b.max, b.default));
-                let max = if max == u32::MAX {
+                    bounds.map_or((1, MAX_UNITS, 1), |b| (b.min, b.max, b.default));
+                let max = if max == MAX_UNITS {
                     "none".to_owned()
                 } else {
                     max.to_string()

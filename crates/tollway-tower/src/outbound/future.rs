@@ -51,7 +51,7 @@ pin_project! {
         inner: S,
         shared: Arc<Shared<St, R>>,
         keys: RequestKeys,
-        cost: u32,
+        cost: u64,
         request: Option<Request<B>>,
         // The copy to send if the upstream refuses the request (made before it is sent).
         spare: Option<Request<B>>,
@@ -101,7 +101,7 @@ where
         inner: S,
         shared: Arc<Shared<St, R>>,
         keys: RequestKeys,
-        cost: u32,
+        cost: u64,
         request: Request<B>,
     ) -> Self {
         ResponseFuture {
@@ -340,7 +340,7 @@ where
 fn unsent<St: Store, R: Send + Sync + 'static>(
     shared: &Arc<Shared<St, R>>,
     key: &Option<Key>,
-    cost: u32,
+    cost: u64,
     error: &BoxError,
 ) -> Option<Work> {
     let key = key
@@ -370,15 +370,15 @@ struct Handled;
 
 /// The whole of the pause policy's capacity, in milliseconds: it fits only while no
 /// pause runs.
-fn capacity(pause: &Policy) -> u32 {
-    u32::try_from(pause.quota().burst()).unwrap_or(u32::MAX)
+fn capacity(pause: &Policy) -> u64 {
+    pause.quota().burst()
 }
 
 /// Asks the store to decide the request's limits.
 fn limits<F, C, R, St, P>(
     shared: &Shared<St, P>,
     key: &Key,
-    cost: u32,
+    cost: u64,
     waited: &mut Duration,
 ) -> Result<State<F, C, R>, BoxError>
 where
@@ -438,7 +438,7 @@ fn unpaused<F, C, R, St, P>(
     answer: Result<Decisions, StoreError>,
     shared: &Shared<St, P>,
     key: &Key,
-    cost: u32,
+    cost: u64,
     waited: &mut Duration,
 ) -> Result<State<F, C, R>, BoxError>
 where
@@ -509,12 +509,12 @@ fn told<St: Store, R: Send + Sync + 'static, RB>(
     shared: &Arc<Shared<St, R>>,
     key: &Key,
     pause_key: Option<&Key>,
-    cost: u32,
+    cost: u64,
     response: &Response<RB>,
 ) -> (Option<Work>, Option<Duration>) {
     let (status, headers) = (response.status(), response.headers());
     let pause = shared.pause.as_ref().and_then(|policy| {
-        let longest = Duration::from_millis(u64::from(capacity(policy)));
+        let longest = Duration::from_millis(capacity(policy));
         pause_of(status, headers, longest).map(|pause| (policy.clone(), pause))
     });
     let paused = pause.as_ref().map(|&(_, pause)| pause);
@@ -534,7 +534,7 @@ fn told<St: Store, R: Send + Sync + 'static, RB>(
             // At most `capacity − pause` left: the capacity is whole again `pause` from
             // now. One operation, so that 429s racing each other do not add up, and a
             // longer pause already running stands.
-            let ms = u32::try_from(pause.as_micros().div_ceil(1_000)).unwrap_or(u32::MAX);
+            let ms = u64::try_from(pause.as_micros().div_ceil(1_000)).unwrap_or(u64::MAX);
             let drain = Operation::Drain(capacity(&policy).saturating_sub(ms));
             if let Err(e) = store.operate(pause_key.as_bytes(), &[&policy], drain).await {
                 tracing::warn!(error = %e, "outbound: the store failed to record a pause");

@@ -155,7 +155,7 @@ impl<St: Store, K, P, R> OutboundLayerBuilder<St, K, P, R> {
     /// How many units a request costs (default 1; a cost of 0 counts as 1).
     pub fn cost(
         mut self,
-        cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
+        cost: impl Fn(&Method, &Uri, &HeaderMap) -> u64 + Send + Sync + 'static,
     ) -> Self {
         self.settings.cost = Some(Arc::new(cost));
         self
@@ -198,7 +198,7 @@ impl<St: Store, K, P, R> OutboundLayerBuilder<St, K, P, R> {
     /// cannot take is owed by a bucket or GCRA (see the [module docs](super)).
     pub fn settle(
         mut self,
-        settle: impl Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync + 'static,
+        settle: impl Fn(&StatusCode, &HeaderMap) -> Option<u64> + Send + Sync + 'static,
     ) -> Self {
         self.settings.settle = Some(Box::new(settle));
         self

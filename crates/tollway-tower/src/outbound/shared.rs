@@ -10,7 +10,7 @@ use tollway_core::Policy;
 use crate::pipeline::CostFn;
 use crate::report::Reporter;
 
-pub(super) type SettleFn = dyn Fn(&StatusCode, &HeaderMap) -> Option<u32> + Send + Sync;
+pub(super) type SettleFn = dyn Fn(&StatusCode, &HeaderMap) -> Option<u64> + Send + Sync;
 
 /// Whose budget a request draws on, and whose pause it waits out and starts.
 #[derive(Debug)]

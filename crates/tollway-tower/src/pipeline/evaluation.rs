@@ -25,10 +25,10 @@ pub(crate) struct Evaluation {
     pub(super) selected: Selected,
     /// The policy of `selected[0]` at the caller's own quota, when it has one (a plan).
     pub(super) own: Option<Arc<Policy>>,
-    pub(super) cost: u32,
+    pub(super) cost: u64,
     /// Each selected limit's cost, in the order of `selected`, when some policy has a
     /// cost of its own; empty when every limit costs `cost`.
-    pub(super) each: SmallVec<[u32; 4]>,
+    pub(super) each: SmallVec<[u64; 4]>,
     /// The store failed to decide it (nothing to charge after the response).
     pub(super) failed: bool,
 }
@@ -97,7 +97,7 @@ impl<St: Store> Limiter<St> {
                 .position(|&i| i == settle.policy)?;
             Some(cost_at(at))
         });
-        let slots: SmallVec<[(usize, u32); 1]> = evaluation
+        let slots: SmallVec<[(usize, u64); 1]> = evaluation
             .selected
             .iter()
             .enumerate()

@@ -116,7 +116,7 @@ fn is_grpc_content_type(value: &[u8]) -> bool {
 }
 
 /// The cost of a request: how many units it takes from each of its limits.
-pub(crate) type CostFn = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync>;
+pub(crate) type CostFn = Arc<dyn Fn(&Method, &Uri, &HeaderMap) -> u64 + Send + Sync>;
 
 /// What a request of `method` to `uri` with `headers` costs by `cost` (1 without one),
 /// on the server side and the client side alike. `uri` is read only for a cost.
@@ -128,13 +128,13 @@ pub(crate) fn cost_of<'r>(
     method: &Method,
     uri: impl FnOnce() -> &'r Uri,
     headers: &HeaderMap,
-) -> u32 {
+) -> u64 {
     cost.map_or(1, |cost| cost(method, uri(), headers).max(1))
 }
 
 /// What a request costs one policy, from its method, URI, headers and extensions.
 pub(crate) type PolicyCostFn =
-    Arc<dyn Fn(&Method, &Uri, &HeaderMap, &http::Extensions) -> u32 + Send + Sync>;
+    Arc<dyn Fn(&Method, &Uri, &HeaderMap, &http::Extensions) -> u64 + Send + Sync>;
 
 /// A layer's current limiter, swapped whole when its limits are replaced
 /// ([`RateLimitLayer::swap_limits`](crate::RateLimitLayer::swap_limits)): a request takes

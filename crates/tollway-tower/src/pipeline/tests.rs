@@ -74,11 +74,11 @@ impl Scripted {
 impl Store for Scripted {
     type Future = Ready<Result<Decisions, StoreError>>;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         self.scripted(|| self.inner.check(key, policies, cost))
     }
 
-    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u64]) -> Checked<Self::Future> {
         self.scripted(|| self.inner.check_each(key, policies, costs))
     }
 
@@ -478,7 +478,7 @@ struct OneCost(MemoryStore);
 impl Store for OneCost {
     type Future = Ready<Result<Decisions, StoreError>>;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         self.0.check(key, policies, cost)
     }
 

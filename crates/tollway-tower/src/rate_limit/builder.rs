@@ -293,7 +293,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     /// layer before this one (the limits file's `cost` has `min` and `max`).
     pub fn cost(
         mut self,
-        cost: impl Fn(&Method, &Uri, &HeaderMap) -> u32 + Send + Sync + 'static,
+        cost: impl Fn(&Method, &Uri, &HeaderMap) -> u64 + Send + Sync + 'static,
     ) -> Self {
         self.settings.cost = Some(Arc::new(cost));
         self
@@ -332,7 +332,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     pub fn policy_cost(
         mut self,
         policy: impl Into<String>,
-        cost: impl Fn(&Method, &Uri, &HeaderMap, &Extensions) -> u32 + Send + Sync + 'static,
+        cost: impl Fn(&Method, &Uri, &HeaderMap, &Extensions) -> u64 + Send + Sync + 'static,
     ) -> Self {
         self.settings
             .policy_costs
@@ -514,7 +514,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     pub fn settle(
         mut self,
         policy: impl Into<String>,
-        used: impl Fn(StatusCode, &HeaderMap, &Extensions) -> Option<u32> + Send + Sync + 'static,
+        used: impl Fn(StatusCode, &HeaderMap, &Extensions) -> Option<u64> + Send + Sync + 'static,
     ) -> Self {
         self.settings.settle = Some((policy.into(), Arc::new(used)));
         self

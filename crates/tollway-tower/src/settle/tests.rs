@@ -51,11 +51,11 @@ struct Later(MemoryStore<ManualClock>);
 impl Store for Later {
     type Future = Ready<Result<Decisions, StoreError>>;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         later(self.0.check(key, policies, cost))
     }
 
-    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u64]) -> Checked<Self::Future> {
         later(self.0.check_each(key, policies, costs))
     }
 
@@ -144,7 +144,7 @@ fn service<St: Store>(
     (layer.layer(inner), handed)
 }
 
-fn number(headers: &http::HeaderMap, name: &str) -> Option<u32> {
+fn number(headers: &http::HeaderMap, name: &str) -> Option<u64> {
     headers.get(name)?.to_str().ok()?.parse().ok()
 }
 
@@ -173,7 +173,7 @@ where
         .await
         .unwrap();
     drop(calls.recv().await);
-    let left: u32 = number(response.headers(), "x-ratelimit-remaining").unwrap();
+    let left: u64 = number(response.headers(), "x-ratelimit-remaining").unwrap();
     response.into_body().collect().await.unwrap();
     (left + 1).to_string()
 }
@@ -413,11 +413,11 @@ type Never = Pin<Box<dyn Future<Output = Result<Decisions, StoreError>> + Send>>
 impl Store for Stalled {
     type Future = Never;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Never> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Never> {
         Checked::Ready(self.0.check(key, policies, cost).into_ready())
     }
 
-    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Never> {
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u64]) -> Checked<Never> {
         Checked::Ready(self.0.check_each(key, policies, costs).into_ready())
     }
 
@@ -472,11 +472,11 @@ struct Noting(
 impl Store for Noting {
     type Future = Ready<Result<Decisions, StoreError>>;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         self.0.check(key, policies, cost)
     }
 
-    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u64]) -> Checked<Self::Future> {
         self.0.check_each(key, policies, costs)
     }
 

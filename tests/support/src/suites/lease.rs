@@ -62,8 +62,8 @@ pub async fn lend_conformance_server_time(target: &Target, events: usize) -> Vec
         let policy =
             Policy::new(format!("lend-time-{}", algorithm.name()), algorithm, quota).unwrap();
         for i in 0..events {
-            let cost = rng.below(3) as u32;
-            let ask = rng.below(30) as u32;
+            let cost = rng.below(3);
+            let ask = rng.below(30);
             let (grant, told) = scripts
                 .lend_telling_time(b"caller", &[&policy], cost, ask)
                 .await
@@ -121,7 +121,7 @@ impl<S> Counted<S> {
 impl<S: Store> Store for Counted<S> {
     type Future = S::Future;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<S::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<S::Future> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.store.check(key, policies, cost)
     }
@@ -131,7 +131,7 @@ impl<S: Store> Store for Counted<S> {
         self.store.operate(key, policies, op)
     }
 
-    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u64, ask: u64) -> Option<LendFuture> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.store.lend(key, policies, cost, ask)
     }

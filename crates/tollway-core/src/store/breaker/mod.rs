@@ -446,11 +446,11 @@ where
 {
     type Future = CircuitBreakerFuture;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         self.decide(key, policies, Cost::Same(cost))
     }
 
-    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u64]) -> Checked<Self::Future> {
         match Cost::of(policies, costs) {
             Ok(cost) => self.decide(key, policies, cost),
             Err(e) => Checked::Ready(Err(e)),
@@ -514,8 +514,8 @@ where
         &self,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
-        ask: u32,
+        cost: u64,
+        ask: u64,
     ) -> Option<super::LendFuture> {
         if self.state() != BreakerState::Closed {
             return None;
@@ -547,7 +547,7 @@ where
         &self,
         key: &[u8],
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) -> Option<super::GiveBackFuture> {
         if self.state() != BreakerState::Closed {

@@ -16,7 +16,7 @@ struct Flaky {
 /// It answers through a future, as a store that calls out does.
 impl Store for Flaky {
     type Future = Ready<Result<Decisions, StoreError>>;
-    fn check(&self, _: &[u8], policies: &[&Policy], _: u32) -> Checked<Self::Future> {
+    fn check(&self, _: &[u8], policies: &[&Policy], _: u64) -> Checked<Self::Future> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         if self.down.load(Ordering::SeqCst) {
             Checked::Pending(ready(Err(StoreError::new(
@@ -145,7 +145,7 @@ struct Stalled {
 
 impl Store for Stalled {
     type Future = BoxStoreFuture;
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         if self.stalled.load(Ordering::SeqCst) {
             self.flaky.calls.fetch_add(1, Ordering::SeqCst);
             return Checked::Pending(Box::pin(std::future::pending()));

@@ -29,7 +29,7 @@ pub struct LeasedBuilder<S, C = MonotonicClock> {
     store: S,
     clock: C,
     horizon: Duration,
-    min_units: u32,
+    min_units: u64,
     max_share: f64,
     idle: Duration,
     max_keys: usize,
@@ -71,7 +71,7 @@ impl<S: Store, C: Clock> LeasedBuilder<S, C> {
 
     /// The smallest loan worth a call (default 8 units). A key whose requests ask
     /// for fewer over a horizon is decided one call a request.
-    pub fn min_units(mut self, units: u32) -> Self {
+    pub fn min_units(mut self, units: u64) -> Self {
         self.min_units = units;
         self
     }
@@ -141,7 +141,7 @@ impl<S: Store, C: Clock> LeasedBuilder<S, C> {
         let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1);
         let sizing = Sizing {
             horizon: micros(self.horizon),
-            min_units: u64::from(self.min_units),
+            min_units: self.min_units,
             max_share: self.max_share,
             idle: micros(self.idle),
             per_shard: self.max_keys.div_ceil(shards),

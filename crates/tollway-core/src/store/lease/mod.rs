@@ -262,7 +262,7 @@ impl<S: Store, C: Clock> Inner<S, C> {
         record::expired(counts.expired);
         for loan in back {
             let policies: SmallVec<[&Policy; 2]> = loan.policies.iter().collect();
-            let units = u64::from(loan.units);
+            let units = loan.units;
             match self
                 .store
                 .give_back(&loan.key, &policies, loan.units, &loan.ends)
@@ -287,7 +287,7 @@ impl<S: Store, C: Clock> Leased<S, C> {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
+        cost: u64,
         waited: bool,
     ) -> Checked<BoxStoreFuture> {
         let inner = &self.inner;
@@ -412,7 +412,7 @@ fn ids_of(policies: &[&Policy]) -> SmallVec<[u64; 2]> {
 impl<S: Store, C: Clock> Store for Leased<S, C> {
     type Future = BoxStoreFuture;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<BoxStoreFuture> {
         if cost == 0 || !super::lend::all_lend(policies) {
             return boxed(self.inner.store.check(key, policies, cost));
         }
@@ -425,7 +425,7 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        costs: &[u32],
+        costs: &[u64],
     ) -> Checked<BoxStoreFuture> {
         match super::Cost::of(policies, costs) {
             Ok(super::Cost::Same(cost)) => self.check(key, policies, cost),
@@ -458,7 +458,7 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
         self.inner.store.supports_each_cost()
     }
 
-    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u64, ask: u64) -> Option<LendFuture> {
         self.inner.store.lend(key, policies, cost, ask)
     }
 
@@ -466,7 +466,7 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) -> Option<GiveBackFuture> {
         self.inner.store.give_back(key, policies, units, ends)
@@ -478,8 +478,8 @@ impl<S: Store, C: Clock> Store for Leased<S, C> {
 #[derive(Clone, Copy, Debug)]
 struct Ask {
     origin: u64,
-    cost: u32,
-    ask: u32,
+    cost: u64,
+    ask: u64,
     generation: u64,
 }
 
@@ -565,10 +565,10 @@ mod record {
         let _ = units;
     }
 
-    pub(super) fn spent(cost: u32) {
+    pub(super) fn spent(cost: u64) {
         #[cfg(feature = "metrics")]
         {
-            metrics::counter!(LEASE_UNITS.name, "event" => "spent").increment(u64::from(cost));
+            metrics::counter!(LEASE_UNITS.name, "event" => "spent").increment(cost);
             metrics::counter!(LEASE_DECISIONS.name, "where" => "local").increment(1);
         }
         let _ = cost;

@@ -18,17 +18,17 @@ pub(super) enum Local {
     /// background, this many.
     Spent {
         decisions: Decisions,
-        renew: Option<u32>,
+        renew: Option<u64>,
     },
     /// No good units: lend this many with the request (and mark the entry asking).
-    Lend(u32),
+    Lend(u64),
     /// No good units, and a loan is on its way: wait for it, then look again.
     Wait(tokio::sync::watch::Receiver<()>),
     /// Refused here: the store was short at its last answer. `renew`: ask the store,
     /// in the background, this many.
     Refused {
         decisions: Decisions,
-        renew: Option<u32>,
+        renew: Option<u64>,
     },
     /// Ask the store for the request alone.
     Pass,
@@ -40,7 +40,7 @@ pub(super) struct Request<'a> {
     pub(super) key: &'a [u8],
     pub(super) ids: &'a [u64],
     pub(super) policies: &'a [&'a Policy],
-    pub(super) cost: u32,
+    pub(super) cost: u64,
 }
 
 /// How the table sizes loans and bounds itself.
@@ -122,8 +122,8 @@ impl Entry {
     /// Counts a request of `cost` at `now` into the demand: the units of the last
     /// horizon; or, for a key not yet hot, of the first `min_units` units, so that a
     /// key turning hot leases after a loan's worth of requests rather than a horizon.
-    fn observe(&mut self, now: u64, cost: u32, sizing: &Sizing) {
-        self.seen += u64::from(cost);
+    fn observe(&mut self, now: u64, cost: u64, sizing: &Sizing) {
+        self.seen += cost;
         self.used = now;
         let elapsed = now.saturating_sub(self.since);
         let warming = self.per_horizon < sizing.min_units && self.seen >= sizing.min_units;
@@ -163,7 +163,7 @@ pub(super) struct Table {
 pub(super) struct GiveBack {
     pub(super) key: Box<[u8]>,
     pub(super) policies: SmallVec<[Policy; 2]>,
-    pub(super) units: u32,
+    pub(super) units: u64,
     pub(super) ends: SmallVec<[u64; 2]>,
 }
 
@@ -179,20 +179,20 @@ pub(super) struct Counts {
 /// Spends `cost` units at `now` from `loans`, oldest first: from one loan when one has
 /// as many good, else from several in order (each unit is good on its own). `None` when
 /// they hold fewer good units than that, all told.
-fn spend_from(loans: &mut [Loan], now: u64, cost: u32) -> Option<Decisions> {
+fn spend_from(loans: &mut [Loan], now: u64, cost: u64) -> Option<Decisions> {
     if let Some(decisions) = loans.iter_mut().find_map(|loan| loan.spend(now, cost)) {
         return Some(decisions);
     }
     let good: u64 = loans.iter().map(|loan| loan.good(now)).sum();
-    if good < u64::from(cost) || loans.is_empty() {
+    if good < cost || loans.is_empty() {
         return None;
     }
-    let mut need = u64::from(cost);
+    let mut need = cost;
     let mut told = None;
     for loan in loans.iter_mut() {
         let take = loan.good(now).min(need);
         if take > 0 {
-            told = loan.spend(now, u32::try_from(take).unwrap_or(u32::MAX));
+            told = loan.spend(now, take);
             need -= take;
         }
         if need == 0 {
@@ -320,7 +320,7 @@ impl Table {
             // one runs out.
             let renew = (entry.asking.is_none() && 2 * good < ask && hot).then(|| {
                 entry.asking = Some(tokio::sync::watch::Sender::new(()));
-                u32::try_from(ask).unwrap_or(u32::MAX)
+                ask
             });
             return Local::Spent { decisions, renew };
         }
@@ -333,7 +333,7 @@ impl Table {
                 let decisions = dry.refusal(now);
                 let renew = (entry.asking.is_none() && hot).then(|| {
                     entry.asking = Some(tokio::sync::watch::Sender::new(()));
-                    u32::try_from(ask).unwrap_or(u32::MAX)
+                    ask
                 });
                 return Local::Refused { decisions, renew };
             }
@@ -352,8 +352,8 @@ impl Table {
             return Local::Pass;
         }
         entry.asking = Some(tokio::sync::watch::Sender::new(()));
-        let ask = ask.max(u64::from(cost));
-        Local::Lend(u32::try_from(ask).unwrap_or(u32::MAX))
+        let ask = ask.max(cost);
+        Local::Lend(ask)
     }
 
     /// Keeps the units of `loan` for the key, and what the store said if it was short
@@ -395,7 +395,7 @@ impl Table {
                         back.push(GiveBack {
                             key: entry.key.clone(),
                             policies: entry.policies.clone(),
-                            units: u32::try_from(good).unwrap_or(u32::MAX),
+                            units: good,
                             ends: loan.ends(),
                         });
                     } else {

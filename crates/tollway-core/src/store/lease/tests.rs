@@ -10,9 +10,9 @@ use crate::{Algorithm, Clock, ManualClock, MemoryStore, Policy, Quota, Store};
 
 /// What a run of gateways admitted, and how often they called the shared store.
 struct Run {
-    admitted: Vec<(u64, u32)>,
+    admitted: Vec<(u64, u64)>,
     /// Every request, admitted or not.
-    offered: Vec<(u64, u32)>,
+    offered: Vec<(u64, u64)>,
     requests: u64,
     calls: u64,
 }
@@ -24,7 +24,7 @@ async fn run(
     gateways: usize,
     events: usize,
     gap: u64,
-    max_cost: u32,
+    max_cost: u64,
     seed: u64,
 ) -> Run {
     let clock = ManualClock::at_micros(1_000_000_000);
@@ -43,7 +43,7 @@ async fn run(
     let (mut admitted, mut offered) = (Vec::new(), Vec::new());
     for i in 0..events {
         clock.advance(Duration::from_micros(rng.below(2 * gap + 1)));
-        let cost = 1 + u32::try_from(rng.below(u64::from(max_cost))).unwrap();
+        let cost = 1 + rng.below(max_cost);
         let decisions = leased[i % gateways]
             .check(b"hot", policies, cost)
             .await
@@ -64,7 +64,7 @@ async fn run(
 }
 
 /// How many of `offered` the exact algorithm admits, one at a time at its instant.
-fn exact_admits(policies: &[&Policy], offered: &[(u64, u32)]) -> usize {
+fn exact_admits(policies: &[&Policy], offered: &[(u64, u64)]) -> usize {
     let clock = ManualClock::at_micros(0);
     let model = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     offered
@@ -77,7 +77,7 @@ fn exact_admits(policies: &[&Policy], offered: &[(u64, u32)]) -> usize {
 }
 
 /// Whether the exact algorithm admits every one of `admitted`, fed at its instant.
-fn exact_admits_all(policies: &[&Policy], admitted: &[(u64, u32)]) -> Result<(), String> {
+fn exact_admits_all(policies: &[&Policy], admitted: &[(u64, u64)]) -> Result<(), String> {
     let clock = ManualClock::at_micros(0);
     let model = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     for (i, &(at, cost)) in admitted.iter().enumerate() {
@@ -174,7 +174,7 @@ async fn a_hot_key_calls_the_store_rarely_and_admits_nearly_its_limit() {
         // are spent after it.
         let over = run(&[&policy], 3, 180_000, 7, 1, 12).await;
         let cut = over.offered.last().unwrap().0 / 1_000_000 * 1_000_000;
-        let before = |events: &[(u64, u32)]| -> Vec<(u64, u32)> {
+        let before = |events: &[(u64, u64)]| -> Vec<(u64, u64)> {
             events.iter().copied().filter(|e| e.0 < cut).collect()
         };
         let allowed = exact_admits(&[&policy], &before(&over.offered));
@@ -223,7 +223,7 @@ impl Counting {
 impl Store for Counting {
     type Future = <MemoryStore<ManualClock> as Store>::Future;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> crate::Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> crate::Checked<Self::Future> {
         self.count();
         self.store.check(key, policies, cost)
     }
@@ -242,8 +242,8 @@ impl Store for Counting {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
-        ask: u32,
+        cost: u64,
+        ask: u64,
     ) -> Option<crate::LendFuture> {
         self.count();
         self.store.lend(key, policies, cost, ask)

@@ -130,10 +130,10 @@ impl Loan {
         origin: u64,
         policies: &[&Policy],
         grant: &Grant,
-        spent: u32,
+        spent: u64,
     ) -> Option<Loan> {
-        let units = u64::from(grant.units());
-        if units <= u64::from(spent) || policies.len() != grant.decisions().len() {
+        let units = grant.units();
+        if units <= spent || policies.len() != grant.decisions().len() {
             return None;
         }
         let limits = policies
@@ -151,7 +151,7 @@ impl Loan {
             .collect::<Option<SmallVec<[Held; 2]>>>()?;
         Some(Loan {
             origin,
-            next: u64::from(spent) + 1,
+            next: spent + 1,
             last: units,
             limits,
         })
@@ -190,9 +190,9 @@ impl Loan {
     ///
     /// Each limit tells the store's answer to the loan, moved on: the units that
     /// remained in the store plus those still good here, and the reset counted down.
-    pub(super) fn spend(&mut self, now: u64, cost: u32) -> Option<Decisions> {
+    pub(super) fn spend(&mut self, now: u64, cost: u64) -> Option<Decisions> {
         let first = self.first_good(now);
-        let end = first.checked_add(u64::from(cost))?;
+        let end = first.checked_add(cost)?;
         if end > self.last + 1 {
             return None;
         }
@@ -218,7 +218,7 @@ mod tests {
     use super::*;
     use crate::Quota;
 
-    fn grant(policy: &Policy, decision: Decision, units: u32) -> Grant {
+    fn grant(policy: &Policy, decision: Decision, units: u64) -> Grant {
         let _ = policy;
         Grant::new(units, Decisions::from(decision), 0)
     }

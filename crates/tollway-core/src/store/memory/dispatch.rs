@@ -23,11 +23,11 @@ use crate::{Decision, Quota};
 /// An algorithm whose state is one instant: the word in its cell.
 pub(crate) trait Instant {
     /// Decides a request of `cost` units.
-    fn check(state: gcra::State, now: u64, quota: &Quota, cost: u32) -> (Decision, gcra::State);
+    fn check(state: gcra::State, now: u64, quota: &Quota, cost: u64) -> (Decision, gcra::State);
     /// Gives `units` back.
-    fn refund(state: gcra::State, now: u64, quota: &Quota, units: u32) -> gcra::State;
+    fn refund(state: gcra::State, now: u64, quota: &Quota, units: u64) -> gcra::State;
     /// Takes `units` whether or not they fit.
-    fn charge(state: gcra::State, now: u64, quota: &Quota, units: u32) -> gcra::State;
+    fn charge(state: gcra::State, now: u64, quota: &Quota, units: u64) -> gcra::State;
     /// The state written under `from`, as one under `to` (see [`gcra::carry`]).
     fn carry(state: gcra::State, now: u64, from: &Quota, to: &Quota) -> gcra::State {
         gcra::carry(state, now, from, to)
@@ -39,16 +39,16 @@ pub(crate) trait Pair {
     /// The algorithm's state.
     type State: Packs;
     /// Decides a request of `cost` units.
-    fn check(state: Self::State, now: u64, quota: &Quota, cost: u32) -> (Decision, Self::State);
+    fn check(state: Self::State, now: u64, quota: &Quota, cost: u64) -> (Decision, Self::State);
     /// Gives `units` back.
-    fn refund(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State;
+    fn refund(state: Self::State, now: u64, quota: &Quota, units: u64) -> Self::State;
     /// Takes `units` whether or not they fit: a bucket owes what does not fit; a window
     /// does not count past its limit.
-    fn charge(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State;
+    fn charge(state: Self::State, now: u64, quota: &Quota, units: u64) -> Self::State;
     /// Gives back a lease's unspent `units` to the window ending at `end`: a window's
     /// count drops while that window counts; a bucket keeps its state (its lent units go
     /// bad as it refills them).
-    fn give_back(state: Self::State, now: u64, quota: &Quota, units: u32, end: u64) -> Self::State;
+    fn give_back(state: Self::State, now: u64, quota: &Quota, units: u64, end: u64) -> Self::State;
     /// The state written under `from`, as one under `to`. A count means the same under
     /// any limit, so the windows and concurrency keep it as it is; the buckets give
     /// [`token_bucket::carry`].
@@ -90,15 +90,15 @@ pub(crate) struct Gcra;
 
 impl Instant for Gcra {
     #[inline(always)]
-    fn check(state: gcra::State, now: u64, quota: &Quota, cost: u32) -> (Decision, gcra::State) {
+    fn check(state: gcra::State, now: u64, quota: &Quota, cost: u64) -> (Decision, gcra::State) {
         gcra::check(state, now, quota, cost)
     }
 
-    fn refund(state: gcra::State, now: u64, quota: &Quota, units: u32) -> gcra::State {
+    fn refund(state: gcra::State, now: u64, quota: &Quota, units: u64) -> gcra::State {
         gcra::refund(state, now, quota, units)
     }
 
-    fn charge(state: gcra::State, now: u64, quota: &Quota, units: u32) -> gcra::State {
+    fn charge(state: gcra::State, now: u64, quota: &Quota, units: u64) -> gcra::State {
         gcra::charge(state, now, quota, units)
     }
 }
@@ -108,15 +108,15 @@ pub(crate) struct Shaper;
 
 impl Instant for Shaper {
     #[inline(always)]
-    fn check(state: gcra::State, now: u64, quota: &Quota, cost: u32) -> (Decision, gcra::State) {
+    fn check(state: gcra::State, now: u64, quota: &Quota, cost: u64) -> (Decision, gcra::State) {
         leaky_bucket::shape(state, now, quota, cost)
     }
 
-    fn refund(state: gcra::State, now: u64, quota: &Quota, units: u32) -> gcra::State {
+    fn refund(state: gcra::State, now: u64, quota: &Quota, units: u64) -> gcra::State {
         leaky_bucket::shape_refund(state, now, quota, units)
     }
 
-    fn charge(state: gcra::State, now: u64, quota: &Quota, units: u32) -> gcra::State {
+    fn charge(state: gcra::State, now: u64, quota: &Quota, units: u64) -> gcra::State {
         leaky_bucket::shape_charge(state, now, quota, units)
     }
 }
@@ -132,19 +132,19 @@ impl Pair for TokenBucket {
     }
 
     #[inline(always)]
-    fn check(state: Self::State, now: u64, quota: &Quota, cost: u32) -> (Decision, Self::State) {
+    fn check(state: Self::State, now: u64, quota: &Quota, cost: u64) -> (Decision, Self::State) {
         token_bucket::check(state, now, quota, cost)
     }
 
-    fn refund(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
+    fn refund(state: Self::State, now: u64, quota: &Quota, units: u64) -> Self::State {
         token_bucket::refund(state, now, quota, units)
     }
 
-    fn charge(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
+    fn charge(state: Self::State, now: u64, quota: &Quota, units: u64) -> Self::State {
         token_bucket::charge(state, now, quota, units)
     }
 
-    fn give_back(state: Self::State, _: u64, _: &Quota, _: u32, _: u64) -> Self::State {
+    fn give_back(state: Self::State, _: u64, _: &Quota, _: u64, _: u64) -> Self::State {
         state
     }
 }
@@ -160,19 +160,19 @@ impl Pair for Meter {
     }
 
     #[inline(always)]
-    fn check(state: Self::State, now: u64, quota: &Quota, cost: u32) -> (Decision, Self::State) {
+    fn check(state: Self::State, now: u64, quota: &Quota, cost: u64) -> (Decision, Self::State) {
         leaky_bucket::meter(state, now, quota, cost)
     }
 
-    fn refund(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
+    fn refund(state: Self::State, now: u64, quota: &Quota, units: u64) -> Self::State {
         leaky_bucket::meter_refund(state, now, quota, units)
     }
 
-    fn charge(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
+    fn charge(state: Self::State, now: u64, quota: &Quota, units: u64) -> Self::State {
         leaky_bucket::meter_charge(state, now, quota, units)
     }
 
-    fn give_back(state: Self::State, _: u64, _: &Quota, _: u32, _: u64) -> Self::State {
+    fn give_back(state: Self::State, _: u64, _: &Quota, _: u64, _: u64) -> Self::State {
         state
     }
 }
@@ -184,19 +184,19 @@ impl Pair for FixedWindow {
     type State = fixed_window::State;
 
     #[inline(always)]
-    fn check(state: Self::State, now: u64, quota: &Quota, cost: u32) -> (Decision, Self::State) {
+    fn check(state: Self::State, now: u64, quota: &Quota, cost: u64) -> (Decision, Self::State) {
         fixed_window::check(state, now, quota, cost)
     }
 
-    fn refund(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
+    fn refund(state: Self::State, now: u64, quota: &Quota, units: u64) -> Self::State {
         fixed_window::refund(state, now, quota, units)
     }
 
-    fn charge(state: Self::State, _: u64, _: &Quota, _: u32) -> Self::State {
+    fn charge(state: Self::State, _: u64, _: &Quota, _: u64) -> Self::State {
         state
     }
 
-    fn give_back(state: Self::State, now: u64, quota: &Quota, units: u32, end: u64) -> Self::State {
+    fn give_back(state: Self::State, now: u64, quota: &Quota, units: u64, end: u64) -> Self::State {
         fixed_window::give_back(state, now, quota, units, end)
     }
 }
@@ -208,19 +208,19 @@ impl Pair for SlidingCounter {
     type State = sliding_counter::State;
 
     #[inline(always)]
-    fn check(state: Self::State, now: u64, quota: &Quota, cost: u32) -> (Decision, Self::State) {
+    fn check(state: Self::State, now: u64, quota: &Quota, cost: u64) -> (Decision, Self::State) {
         sliding_counter::check(state, now, quota, cost)
     }
 
-    fn refund(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
+    fn refund(state: Self::State, now: u64, quota: &Quota, units: u64) -> Self::State {
         sliding_counter::refund(state, now, quota, units)
     }
 
-    fn charge(state: Self::State, _: u64, _: &Quota, _: u32) -> Self::State {
+    fn charge(state: Self::State, _: u64, _: &Quota, _: u64) -> Self::State {
         state
     }
 
-    fn give_back(state: Self::State, now: u64, quota: &Quota, units: u32, end: u64) -> Self::State {
+    fn give_back(state: Self::State, now: u64, quota: &Quota, units: u64, end: u64) -> Self::State {
         sliding_counter::give_back(state, now, quota, units, end)
     }
 }
@@ -232,20 +232,20 @@ impl Pair for Concurrency {
     type State = concurrency::State;
 
     #[inline(always)]
-    fn check(state: Self::State, now: u64, quota: &Quota, cost: u32) -> (Decision, Self::State) {
+    fn check(state: Self::State, now: u64, quota: &Quota, cost: u64) -> (Decision, Self::State) {
         concurrency::check(state, now, quota, cost)
     }
 
-    fn refund(state: Self::State, now: u64, quota: &Quota, units: u32) -> Self::State {
+    fn refund(state: Self::State, now: u64, quota: &Quota, units: u64) -> Self::State {
         concurrency::refund(state, now, quota, units)
     }
 
     /// No slot past the limit: a charge takes what is free (and renews), as a window.
-    fn charge(state: Self::State, _: u64, _: &Quota, _: u32) -> Self::State {
+    fn charge(state: Self::State, _: u64, _: &Quota, _: u64) -> Self::State {
         state
     }
 
-    fn give_back(state: Self::State, _: u64, _: &Quota, _: u32, _: u64) -> Self::State {
+    fn give_back(state: Self::State, _: u64, _: &Quota, _: u64, _: u64) -> Self::State {
         state
     }
 }

@@ -221,7 +221,7 @@ impl<C: Clock> MemoryStore<C> {
     /// `policies`, all or nothing, without awaiting: what [`Store::check`] answers.
     ///
     /// This never fails: a store that is full answers per its [`WhenFull`] setting.
-    pub fn decide(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Decisions {
+    pub fn decide(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Decisions {
         let (shard, key_hash, now) = self.locate(key);
         if let [policy] = policies
             && let Some(decision) = decide_in_cell(
@@ -259,7 +259,7 @@ impl<C: Clock> MemoryStore<C> {
     /// assert_eq!(d[0].remaining(), 59);
     /// # Ok::<(), tollway_core::ConfigError>(())
     /// ```
-    pub fn decide_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Decisions {
+    pub fn decide_each(&self, key: &[u8], policies: &[&Policy], costs: &[u64]) -> Decisions {
         if let ([_], [cost]) = (policies, costs) {
             return self.decide(key, policies, *cost);
         }
@@ -332,7 +332,7 @@ impl<C: Clock> MemoryStore<C> {
     /// awaiting.
     ///
     /// This never fails: a store that is full answers per its [`WhenFull`] setting.
-    pub fn check_sync(&self, key: &[u8], policy: &Policy, cost: u32) -> Decision {
+    pub fn check_sync(&self, key: &[u8], policy: &Policy, cost: u64) -> Decision {
         let (shard, key_hash, now) = self.locate(key);
         let cells = self.shared.cells.shard(shard);
         if let Some(decision) =
@@ -415,11 +415,11 @@ impl<C: Clock> Store for MemoryStore<C> {
     /// Never made: the memory store always answers at once.
     type Future = Ready<Result<Decisions, StoreError>>;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         Checked::Ready(Ok(self.decide(key, policies, cost)))
     }
 
-    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u64]) -> Checked<Self::Future> {
         Checked::Ready(
             super::Cost::of(policies, costs).map(|_| self.decide_each(key, policies, costs)),
         )
@@ -444,8 +444,8 @@ impl<C: Clock> Store for MemoryStore<C> {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
-        ask: u32,
+        cost: u64,
+        ask: u64,
     ) -> Option<super::LendFuture> {
         if !super::lend::all_lend(policies) {
             return None;
@@ -468,7 +468,7 @@ impl<C: Clock> Store for MemoryStore<C> {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) -> Option<super::GiveBackFuture> {
         let (shard, key_hash, now) = self.locate(key);
@@ -522,7 +522,7 @@ fn decide_in_cell(
     now: u64,
     origin: u64,
     policy: &Policy,
-    cost: u32,
+    cost: u64,
 ) -> Option<Decision> {
     let check = InCell {
         cells,
@@ -543,7 +543,7 @@ struct InCell<'a, 'q> {
     now: u64,
     origin: u64,
     quota: &'q Quota,
-    cost: u32,
+    cost: u64,
 }
 
 impl Visit for InCell<'_, '_> {
@@ -589,7 +589,7 @@ fn decide_packed<A: Pair>(
     now: u64,
     quota: &Quota,
     origin: u64,
-    cost: u32,
+    cost: u64,
 ) -> Option<Decision> {
     if !A::State::may_pack(now, quota, origin) {
         return None;

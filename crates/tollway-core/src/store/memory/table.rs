@@ -183,14 +183,14 @@ const FRESH: Slot = [0, 0];
 /// What each limit of a request costs: the same for all, or one each.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Costs<'a> {
-    Same(u32),
-    Each(&'a [u32]),
+    Same(u64),
+    Each(&'a [u64]),
 }
 
 impl Costs<'_> {
     /// Limit `i`'s cost.
     #[inline]
-    fn of(self, i: usize) -> u32 {
+    fn of(self, i: usize) -> u64 {
         match self {
             Costs::Same(cost) => cost,
             Costs::Each(costs) => costs.get(i).copied().unwrap_or(0),
@@ -328,7 +328,7 @@ impl Table {
         key_hash: u64,
         now: u64,
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) {
         for (&policy, &end) in policies.iter().zip(ends) {
@@ -346,7 +346,7 @@ impl Table {
     }
 
     /// Gives `units` back to one policy's state, if the key has one.
-    fn refund(&mut self, cells: Cells<'_>, hash: u64, now: u64, policy: &Policy, units: u32) {
+    fn refund(&mut self, cells: Cells<'_>, hash: u64, now: u64, policy: &Policy, units: u64) {
         // The key may be idle sooner than the shard noted, from now on: a sweep at the
         // bound is not put off past that.
         self.earliest_expiry = self.earliest_expiry.min(now);
@@ -404,7 +404,7 @@ impl Table {
         hash: u64,
         now: u64,
         policy: &Policy,
-        cost: u32,
+        cost: u64,
     ) -> (Decision, Change<'a>) {
         let read = Read {
             table: self,
@@ -425,7 +425,7 @@ impl Table {
         hash: u64,
         now: u64,
         policy: &Policy,
-        cost: u32,
+        cost: u64,
     ) -> (Decision, Change<'a>) {
         let quota = policy.quota();
         let (place, state) = self.find_pair::<A>(cells, hash, now, policy);
@@ -638,7 +638,7 @@ impl Table {
         hash: u64,
         now: u64,
         policy: &Policy,
-        cost: u32,
+        cost: u64,
     ) -> (Decision, Change<'a>) {
         let quota = policy.quota();
         let key = word::instant_key(hash);
@@ -722,7 +722,7 @@ impl Table {
         hash: u64,
         now: u64,
         policy: &Policy,
-        cost: u32,
+        cost: u64,
     ) -> (Decision, Change<'a>) {
         let quota = policy.quota();
         // An idle log is dropped and counted as a new key, as in `find_slot`.
@@ -759,7 +759,7 @@ impl Table {
         change: Change<'_>,
         now: u64,
         policy: &Policy,
-        cost: u32,
+        cost: u64,
         room: bool,
     ) {
         match change {

@@ -405,15 +405,15 @@ fn replay_across_the_edge<S: SlotState + Default>(
     policy: &Policy,
     start: u64,
     edge: u64,
-    check: fn(S, u64, &Quota, u32) -> (Decision, S),
-    refund: fn(S, u64, &Quota, u32) -> S,
-    charge: fn(S, u64, &Quota, u32) -> S,
+    check: fn(S, u64, &Quota, u64) -> (Decision, S),
+    refund: fn(S, u64, &Quota, u64) -> S,
+    charge: fn(S, u64, &Quota, u64) -> S,
 ) {
     let quota = policy.quota().clone();
     let (store, clock) = store(100, WhenFull::Deny);
     let (mut state, mut moved) = (S::default(), false);
-    for step in 0..60u32 {
-        let now = start + u64::from(step) * 150_000;
+    for step in 0..60u64 {
+        let now = start + step * 150_000;
         clock.set_micros(now);
         let units = 1 + step % 3;
         if step % 7 == 6 {
@@ -575,7 +575,7 @@ fn packed_token_buckets_are_swept_once_full_again() {
     let (store, clock) = store(1_000, WhenFull::Deny);
     clock.set_micros(1_000_000);
     for i in 0..100u32 {
-        let cost = 1 + i % 7;
+        let cost = 1 + u64::from(i % 7);
         assert!(
             store
                 .check_sync(&i.to_le_bytes(), &policy, cost)

@@ -374,7 +374,7 @@ mod tests {
             let mut now = ORIGIN + 1_000;
             for step in 0u64..2_000 {
                 now += step * 7_919 % 1_013;
-                let cost = (step % 4) as u32;
+                let cost = step % 4;
                 state = match step % 5 {
                     3 => refund(state, now, q, cost),
                     4 => charge(state, now, q, cost),
@@ -421,7 +421,7 @@ mod tests {
             let mut now = ORIGIN + 5;
             for step in 0u64..2_000 {
                 now += step * 7_919 % 1_000_003;
-                let cost = (step % 4) as u32;
+                let cost = step % 4;
                 state = match step % 5 {
                     4 => fixed_window::refund(state, now, &q, cost),
                     _ => fixed_window::check(state, now, &q, cost).1,
@@ -468,9 +468,9 @@ mod tests {
                 now += step * 7_919 % (2 * period + 3);
                 // Now and then a third of the limit, so that counts take all their bits.
                 let cost = if step % 9 == 8 {
-                    (q.limit() / 3) as u32
+                    q.limit() / 3
                 } else {
-                    (step % 4) as u32
+                    step % 4
                 };
                 state = match step % 5 {
                     4 => sliding_counter::refund(state, now, &q, cost),

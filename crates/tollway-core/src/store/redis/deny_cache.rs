@@ -75,7 +75,7 @@ impl DenyCache {
 
     /// The entry of a request — its key and every limit's policy (which covers its
     /// quota) — if it can have one: only unit-cost requests are remembered.
-    pub(super) fn entry(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Option<DenyEntry> {
+    pub(super) fn entry(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Option<DenyEntry> {
         // A slot frees when a call ends, which no retry time foresees: never cached.
         let in_flight = policies
             .iter()

@@ -224,7 +224,7 @@ impl RedisStore {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
+        cost: u64,
     ) -> Result<(Decisions, u64), StoreError> {
         let scripts = self.scripts();
         let call = scripts.call_of(key, policies, Kind::Check, cost, Time::ServerTold);
@@ -246,8 +246,8 @@ impl RedisStore {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
-        ask: u32,
+        cost: u64,
+        ask: u64,
     ) -> Result<(Grant, u64), StoreError> {
         let scripts = self.scripts();
         let call = scripts.call_of(key, policies, Kind::Lend { cost }, ask, Time::Server);
@@ -267,7 +267,7 @@ impl RedisStore {
 impl Store for RedisStore {
     type Future = BoxStoreFuture;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         match &self.front {
             Front::Scripts(scripts) => scripts.check(key, policies, cost),
             Front::Guarded(guarded) => guarded.check(key, policies, cost),
@@ -291,7 +291,7 @@ impl Store for RedisStore {
 
     /// One script call, whatever the limits and their costs (see
     /// [`Store::check_each`]); through the breaker as a check.
-    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u32]) -> Checked<Self::Future> {
+    fn check_each(&self, key: &[u8], policies: &[&Policy], costs: &[u64]) -> Checked<Self::Future> {
         match &self.front {
             Front::Scripts(scripts) => scripts.check_each(key, policies, costs),
             Front::Guarded(guarded) => guarded.check_each(key, policies, costs),
@@ -305,7 +305,7 @@ impl Store for RedisStore {
     /// One script call takes the request's cost and the units lent, all or nothing,
     /// through the breaker (see [`CircuitBreaker`]'s `lend`). A refusal the deny cache
     /// knows is answered at once, as a check's is.
-    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u64, ask: u64) -> Option<LendFuture> {
         match &self.front {
             Front::Scripts(scripts) => scripts.lend_call(key, policies, cost, ask),
             Front::Guarded(guarded) => guarded.lend(key, policies, cost, ask),
@@ -317,7 +317,7 @@ impl Store for RedisStore {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) -> Option<GiveBackFuture> {
         match &self.front {
@@ -341,7 +341,7 @@ fn granted(mut reply: Vec<i64>, capacities: &[u64]) -> Result<Grant, StoreError>
         .ok_or_else(bad)?;
     let units = reply
         .pop()
-        .and_then(|u| u32::try_from(u).ok())
+        .and_then(|u| u64::try_from(u).ok())
         .ok_or_else(bad)?;
     Ok(Grant::new(units, parse(&reply, capacities)?, at))
 }
@@ -470,7 +470,7 @@ fn redis_error(e: RedisError) -> StoreError {
 impl Store for Scripts {
     type Future = BoxStoreFuture;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<BoxStoreFuture> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<BoxStoreFuture> {
         let cache = self.inner.deny_cache.as_ref();
         let entry = cache.and_then(|cache| cache.entry(key, policies, cost));
         if let Some(decisions) = cache.zip(entry).and_then(|(c, e)| c.lookup(e)) {
@@ -487,7 +487,7 @@ impl Store for Scripts {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        costs: &[u32],
+        costs: &[u64],
     ) -> Checked<BoxStoreFuture> {
         match Cost::of(policies, costs) {
             Ok(Cost::Same(cost)) => self.check(key, policies, cost),
@@ -497,7 +497,7 @@ impl Store for Scripts {
                     None => Time::Server,
                 };
                 let mut call = self.call_of(key, policies, Kind::CheckEach, 0, time);
-                call.extra = costs.iter().map(|&c| u64::from(c)).collect();
+                call.extra = costs.iter().map(|&c| scripts::exact(c)).collect();
                 let capacities = capacities(policies);
                 let this = self.clone();
                 Checked::Pending(Box::pin(async move {
@@ -512,7 +512,7 @@ impl Store for Scripts {
         Ok(())
     }
 
-    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u32, ask: u32) -> Option<LendFuture> {
+    fn lend(&self, key: &[u8], policies: &[&Policy], cost: u64, ask: u64) -> Option<LendFuture> {
         self.lend_call(key, policies, cost, ask)
     }
 
@@ -521,7 +521,7 @@ impl Store for Scripts {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        units: u32,
+        units: u64,
         ends: &[u64],
     ) -> Option<GiveBackFuture> {
         if ends.len() != policies.len() {
@@ -588,8 +588,8 @@ impl Scripts {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
-        ask: u32,
+        cost: u64,
+        ask: u64,
     ) -> Option<LendFuture> {
         if !super::lend::all_lend(policies) {
             return None;
@@ -628,7 +628,7 @@ impl Scripts {
         key: &[u8],
         policies: &[&Policy],
         kind: Kind,
-        units: u32,
+        units: u64,
         entry: Option<DenyEntry>,
     ) -> Checked<BoxStoreFuture> {
         let time = match &self.inner.clock {
@@ -654,7 +654,7 @@ impl Scripts {
         key: &[u8],
         policies: &[&Policy],
         kind: Kind,
-        units: u32,
+        units: u64,
         time: Time,
     ) -> Call {
         let tag = escape_key(key);

@@ -80,7 +80,7 @@ pub(super) struct Call {
     pub(super) time: Time,
     pub(super) kind: Kind,
     /// The request's cost, or the units to charge or refund.
-    pub(super) units: u32,
+    pub(super) units: u64,
     pub(super) grace_ms: u64,
     /// Per limit: algorithm code, limit, period (µs), burst, emission interval (µs).
     pub(super) limits: SmallVec<[[u64; 5]; 2]>,
@@ -114,7 +114,7 @@ pub(super) enum Kind {
     /// `operate.lua`'s `lend`: a request of `cost`, and up to the call's units in all.
     Lend {
         /// The request's own cost.
-        cost: u32,
+        cost: u64,
     },
     /// `operate.lua`'s `giveback`: the call's units back to the windows ending at the
     /// call's `ends`. Never sent twice.
@@ -167,7 +167,7 @@ impl Call {
         };
         match self.kind {
             Kind::CheckEach => cmd.arg("*"),
-            _ => cmd.arg(self.units),
+            _ => cmd.arg(exact(self.units)),
         };
         match self.kind {
             Kind::Peek => cmd.arg("peek"),
@@ -182,13 +182,21 @@ impl Call {
         }
         match self.kind {
             Kind::Operate(operation) => cmd.arg(operation),
-            Kind::Lend { cost } => cmd.arg("lend").arg(cost),
+            Kind::Lend { cost } => cmd.arg("lend").arg(exact(cost)),
             Kind::GiveBack => cmd.arg("giveback").arg(&self.extra[..]),
             Kind::CheckEach => cmd.arg(&self.extra[..]),
             Kind::Check | Kind::Peek => &mut cmd,
         };
         cmd
     }
+}
+
+/// `units` as a script reads them exactly: a number past 2^53 (past every capacity, and
+/// past what Lua's doubles hold exactly) as 2^53 + 2, which is as far past every
+/// capacity and exact. A cost, charge, refund or drain past every capacity does what
+/// one just past them does.
+pub(super) fn exact(units: u64) -> u64 {
+    units.min(crate::MAX_UNITS + 2)
 }
 
 /// What each limit can hold: the capacity a reply's decisions report.

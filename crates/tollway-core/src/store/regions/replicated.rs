@@ -203,7 +203,7 @@ impl<S: Store + Clone> ReplicatedStore<S> {
 
 impl<S: Store + Clone> Inner<S> {
     /// Owes every peer `cost` units of `key` under `policies`.
-    fn admitted(&self, key: &[u8], policies: &[&Policy], cost: u32) {
+    fn admitted(&self, key: &[u8], policies: &[&Policy], cost: u64) {
         if cost == 0 {
             return;
         }
@@ -211,19 +211,19 @@ impl<S: Store + Clone> Inner<S> {
         for peer in &self.peers {
             let mut owed = peer.owed.lock();
             if let Some(entry) = owed.get_mut(&owing) {
-                entry.units += u64::from(cost);
+                entry.units += cost;
                 continue;
             }
             if owed.len() >= self.max_pending {
                 peer.dropped
-                    .fetch_add(u64::from(cost), std::sync::atomic::Ordering::Relaxed);
+                    .fetch_add(cost, std::sync::atomic::Ordering::Relaxed);
                 continue;
             }
             owed.insert(
                 owing.clone(),
                 Owed {
                     policies: policies.iter().map(|&p| p.clone()).collect(),
-                    units: u64::from(cost),
+                    units: cost,
                 },
             );
         }
@@ -244,7 +244,6 @@ impl<S: Store + Clone> Inner<S> {
                 let failed = {
                     let policies: SmallVec<[&Policy; 2]> = owed.policies.iter().collect();
                     let units = owed.units.min(replayed_at_most(&policies));
-                    let units = u32::try_from(units).unwrap_or(u32::MAX);
                     let charge = store.operate(&key, &policies, Operation::Charge(units));
                     let done = tokio::time::timeout(timeout, charge.into_future()).await;
                     !matches!(done, Ok(Ok(_)))
@@ -410,7 +409,7 @@ async fn sync_forever<S: Store + Clone>(store: Weak<Inner<S>>, i: usize, every: 
 impl<S: Store + Clone> Store for ReplicatedStore<S> {
     type Future = Recording<S>;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         match self.inner.local.check(key, policies, cost) {
             Checked::Ready(answer) => {
                 if matches!(&answer, Ok(decisions) if decisions.is_allowed()) {
@@ -467,7 +466,7 @@ struct Admitted<S> {
     inner: Arc<Inner<S>>,
     key: Box<[u8]>,
     policies: SmallVec<[Policy; 2]>,
-    cost: u32,
+    cost: u64,
 }
 
 pin_project! {

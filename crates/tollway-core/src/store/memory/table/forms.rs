@@ -15,16 +15,13 @@ use crate::{Decision, Policy, Quota};
 ///
 /// A charge takes whatever is left, if less, and owes what did not fit. A drain takes
 /// what is left over its `keep`.
-fn take_and_owe(operation: Operation, left: u64) -> (u32, u32) {
+fn take_and_owe(operation: Operation, left: u64) -> (u64, u64) {
     match operation {
         Operation::Charge(units) => {
-            let cost = u32::try_from(left).map_or(units, |left| units.min(left));
+            let cost = units.min(left);
             (cost, units - cost)
         }
-        Operation::Drain(keep) => {
-            let over = left.saturating_sub(u64::from(keep));
-            (u32::try_from(over).unwrap_or(u32::MAX), 0)
-        }
+        Operation::Drain(keep) => (left.saturating_sub(keep), 0),
         Operation::Peek(_) | Operation::Refund(_) | Operation::Reset => (0, 0),
     }
 }
@@ -34,8 +31,8 @@ fn take_and_owe(operation: Operation, left: u64) -> (u32, u32) {
 pub(in crate::store::memory) fn operate<S: Copy>(
     state: S,
     operation: Operation,
-    check: impl Fn(S, u32) -> (Decision, S),
-    charge: impl Fn(S, u32) -> S,
+    check: impl Fn(S, u64) -> (Decision, S),
+    charge: impl Fn(S, u64) -> S,
 ) -> S {
     let left = check(state, 0).0.remaining();
     let (cost, owed) = take_and_owe(operation, left);
@@ -75,7 +72,7 @@ pub(super) struct Read<'t, 'a> {
     pub(super) hash: u64,
     pub(super) now: u64,
     pub(super) policy: &'t Policy,
-    pub(super) cost: u32,
+    pub(super) cost: u64,
 }
 
 impl<'a> Visit for Read<'_, 'a> {
@@ -128,7 +125,7 @@ pub(super) struct GiveBack<'t, 'a> {
     pub(super) hash: u64,
     pub(super) now: u64,
     pub(super) policy: &'t Policy,
-    pub(super) units: u32,
+    pub(super) units: u64,
     pub(super) end: u64,
 }
 
@@ -165,7 +162,7 @@ pub(super) struct Refund<'t, 'a> {
     pub(super) hash: u64,
     pub(super) now: u64,
     pub(super) policy: &'t Policy,
-    pub(super) units: u32,
+    pub(super) units: u64,
 }
 
 impl Visit for Refund<'_, '_> {

@@ -323,7 +323,7 @@ impl<S: Store + Board + Clone> Inner<S> {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
+        cost: u64,
     ) -> Result<(Counted, Ends), Result<Decisions, StoreError>> {
         let now = self.clock.now_micros();
         let mut derived = SmallVec::new();
@@ -394,7 +394,7 @@ type Counted = SmallVec<[Policy; 2]>;
 impl<S: Store + Board + Clone> Store for SplitStore<S> {
     type Future = SplitFuture<S::Future>;
 
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         self.decide(key, policies, cost, |local, key, derived| {
             local.check(key, derived, cost)
         })
@@ -431,7 +431,7 @@ impl<S: Store + Board + Clone> SplitStore<S> {
         &self,
         key: &[u8],
         policies: &[&Policy],
-        cost: u32,
+        cost: u64,
         ask: impl FnOnce(&S, &[u8], &[&Policy]) -> Checked<S::Future>,
     ) -> Checked<SplitFuture<S::Future>> {
         let (derived, ends) = match self.inner.shares(key, policies, cost) {

@@ -134,7 +134,7 @@ impl Plan {
 impl<S> Inner<S> {
     /// This region's share of `key` under `split` in the window of `now`, counting
     /// `cost` units of demand for it.
-    pub(super) fn share(&self, split: &Split, key: &[u8], now: u64, cost: u32) -> u64 {
+    pub(super) fn share(&self, split: &Split, key: &[u8], now: u64, cost: u64) -> u64 {
         let period = split.policy.quota().period_micros();
         let window = now / period;
         let mut plan = split.plan.lock();
@@ -144,9 +144,9 @@ impl<S> Inner<S> {
         }
         if cost > 0 {
             if let Some(asked) = plan.demand.get_mut(key) {
-                *asked += u64::from(cost);
+                *asked += cost;
             } else if plan.demand.len() < self.max_keys {
-                plan.demand.insert(key.into(), u64::from(cost));
+                plan.demand.insert(key.into(), cost);
             }
         }
         match plan.shares.get(window) {

@@ -100,7 +100,7 @@ struct Lossy {
 
 impl Store for Lossy {
     type Future = <MemoryStore<ManualClock> as Store>::Future;
-    fn check(&self, key: &[u8], policies: &[&Policy], cost: u32) -> Checked<Self::Future> {
+    fn check(&self, key: &[u8], policies: &[&Policy], cost: u64) -> Checked<Self::Future> {
         self.store.check(key, policies, cost)
     }
     fn operate(&self, key: &[u8], policies: &[&Policy], op: Operation) -> Checked<Self::Future> {
