@@ -120,3 +120,41 @@ async fn a_partition_keeps_every_region_deciding_and_the_heal_settles_what_was_o
         assert_eq!(gateway.dropped(), 0);
     }
 }
+
+/// A quota changed while callers are counted: region 0 admits 60 under 100 a minute and
+/// tells the others. Region 1, cut to 50 (same name, algorithm and period), refuses the
+/// next request: 60 are used. Region 2, raised to 200, has 140 left. Region 0's own
+/// Redis, cut to 50, refuses too.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_changed_quota_keeps_what_every_region_used() {
+    let _time = support::keep_time_moving();
+    let regions = replicated().await;
+    let at = |limit: u64| {
+        Policy::new(
+            "global",
+            Algorithm::FixedWindow,
+            Quota::per_minute(limit).unwrap(),
+        )
+        .unwrap()
+    };
+    let (hundred, cut, raised) = (at(100), at(50), at(200));
+    for _ in 0..60 {
+        let decisions = regions.gateways[0]
+            .check(b"customer", &[&hundred], 1)
+            .await
+            .unwrap();
+        assert!(decisions.is_allowed());
+    }
+    regions.gateways[0].sync_now().await;
+    let check = |r: usize, policy: &Policy| {
+        let (gateway, policy) = (regions.gateways[r].clone(), policy.clone());
+        async move { gateway.check(b"customer", &[&policy], 1).await.unwrap()[0] }
+    };
+    let refused = check(1, &cut).await;
+    assert!(!refused.is_allowed(), "{refused:?}");
+    assert_eq!(refused.remaining(), 0);
+    let raised = check(2, &raised).await;
+    assert!(raised.is_allowed(), "{raised:?}");
+    assert_eq!(raised.remaining(), 139);
+    assert!(!check(0, &cut).await.is_allowed());
+}

@@ -106,6 +106,10 @@ use crate::{
 /// carry over a share that no longer holds. Every policy a request names must be
 /// declared to the builder. Other algorithms are refused when the store is built.
 ///
+/// A policy is declared with its quota. A changed quota (a reload, a caller's own
+/// quota, a descriptor's limit) is another policy, refused until a store declares it.
+/// A window's count is named by the policy's state id, not its quota.
+///
 /// # Decisions
 ///
 /// A decision reports this region's share as its limit. Its reset and
