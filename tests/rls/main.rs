@@ -493,3 +493,61 @@ async fn a_descriptors_own_limit_decides_and_keeps_what_was_used() {
     }
     served.running.stop().await;
 }
+
+// Requests past tollway-server's bounds are refused INVALID_ARGUMENT before the store
+// sees a call, and counted: 50,000 descriptors in one 1.5 MB request (which once cost
+// 50,000 store decisions and 100 MB), 65 descriptors, a descriptor of 17 entries, a
+// value of 64 KiB + 1. Within them, the request is decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_bounds_are_refused_before_any_store_call() {
+    use tollway_server::bounds;
+
+    let redis = RedisServer::start();
+    let file = File::new("bounds", &on_redis(&redis.url(), "allow"));
+    let mut served = serve(&file.0).await;
+    let mut node = redis.connection().await;
+    // Readiness peeks at the store once a second: those are the only script calls
+    // allowed while the requests are refused.
+    let started = std::time::Instant::now();
+    let before = support::redis::script_calls(&mut node).await;
+    let many = |n: usize| {
+        (0..n)
+            .map(|i| {
+                descriptor(&[(
+                    "remote_address",
+                    &format!("203.0.{}.{}", i / 256 % 256, i % 256),
+                )])
+            })
+            .collect::<Vec<_>>()
+    };
+    let flood = many(50_000);
+    let bytes = prost::Message::encoded_len(&request(flood.clone()));
+    assert!(bytes > 1_000_000, "{bytes} bytes");
+    let wide = descriptor(&[("remote_address", "203.0.113.4"); bounds::ENTRIES + 1]);
+    let long = "v".repeat(bounds::VALUE_BYTES + 1);
+    let long = descriptor(&[("remote_address", long.as_str())]);
+    for descriptors in [flood, many(bounds::DESCRIPTORS + 1), vec![wide], vec![long]] {
+        let refused = served
+            .client
+            .should_rate_limit(request(descriptors))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().contains("bounds"), "{refused:?}");
+    }
+    let calls = support::redis::script_calls(&mut node).await - before;
+    let probes = 2 * (started.elapsed().as_secs() + 1);
+    assert!(
+        calls <= probes,
+        "{calls} script calls: the readiness probe makes {probes} at most"
+    );
+    let counted = metrics().render();
+    for reason in ["descriptors", "entries", "value_bytes"] {
+        let line = format!("tollway_rls_requests_refused_total{{reason=\"{reason}\"}}");
+        assert!(counted.contains(&line), "{reason}: {counted}");
+    }
+    let within = ask(&mut served.client, many(bounds::DESCRIPTORS)).await;
+    assert_eq!(within.statuses.len(), bounds::DESCRIPTORS);
+    assert!(support::redis::script_calls(&mut node).await > before);
+    served.running.stop().await;
+}

@@ -178,6 +178,14 @@ pub const CONFIG_LOADED: Metric = Metric {
     help: "When the live limits file was loaded, in Unix seconds",
 };
 
+/// Envoy rate limit requests tollway-server refused unread, past a bound (server).
+pub const RLS_REFUSED: Metric = Metric {
+    name: "tollway_rls_requests_refused_total",
+    kind: Kind::Counter,
+    labels: &["reason"],
+    help: "Rate limit requests refused before any store call: descriptors, entries, key_bytes or value_bytes past their bound",
+};
+
 /// Every metric, in the order above.
 pub const ALL: &[Metric] = &[
     DECISIONS,
@@ -197,6 +205,7 @@ pub const ALL: &[Metric] = &[
     CONFIG_RELOAD_ERRORS,
     CONFIG_INFO,
     CONFIG_LOADED,
+    RLS_REFUSED,
 ];
 
 /// Tells the installed recorder every metric's type and help text.

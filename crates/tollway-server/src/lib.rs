@@ -57,6 +57,10 @@
 //!   (`concurrency`) cannot be a descriptor's: the file is refused.
 //! - `key = "ip"` counts the one entry's address as the layer counts a peer. Values are
 //!   escaped in keys: no value passes for another entry.
+//! - A request past the [`bounds`] (64 descriptors, 16 entries each, keys of 256 bytes,
+//!   values of 64 KiB, 4 MiB in all: far past what Envoy sends) is refused
+//!   `INVALID_ARGUMENT` before the store is asked, and counted
+//!   (`tollway_rls_requests_refused_total{reason}`).
 //! - When the store fails: `OK` by `[layer] on_store_error = "allow"` (the default),
 //!   `UNAVAILABLE` by `"reject"` (Envoy's `failure_mode_deny` then decides). The Redis
 //!   store's breaker and local fallback, from `[store]`, come first.
@@ -103,4 +107,4 @@ mod serve;
 mod service;
 
 pub use serve::{Options, Running, STOP_WITHIN, start};
-pub use service::{RateLimitService, Rules};
+pub use service::{RateLimitService, Rules, bounds};

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|text]
+//! tollway-server --help
 //! ```
 //!
 //! Defaults suit a container: `--config /etc/tollway/limits.toml` (or `TOLLWAY_CONFIG`),
@@ -18,6 +19,21 @@ use tokio::net::TcpListener;
 
 const USAGE: &str =
     "usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|text]";
+
+const HELP: &str = "tollway-server: an Envoy rate limit service (RLS v3) over a tollway limits file
+
+usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|text]
+
+  --config FILE   the limits file (default: $TOLLWAY_CONFIG, else /etc/tollway/limits.toml);
+                  watched and reloaded when it changes, and on SIGHUP
+  --grpc ADDR     where Envoy asks ShouldRateLimit, with gRPC health (default 0.0.0.0:8081);
+                  keep it off the clients' network: a caller of it can spend any budget
+  --http ADDR     /metrics, /ready and /live (default 0.0.0.0:9090; 127.0.0.1:9090 keeps
+                  them on this host)
+  --log FORMAT    json (default) or text; the level from RUST_LOG (default info)
+  -h, --help      this text
+
+`tollway check FILE` validates a limits file and prints what it limits.";
 
 struct Args {
     config: PathBuf,
@@ -36,19 +52,22 @@ fn args() -> Result<Args, String> {
     };
     let mut given = std::env::args().skip(1);
     while let Some(flag) = given.next() {
-        let value = given
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        let address = |v: &str| {
+        let mut value = || {
+            given
+                .next()
+                .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))
+        };
+        let address = |v: String| {
             v.parse::<SocketAddr>()
-                .map_err(|_| format!("{flag} {v:?} is not an address like 0.0.0.0:8081"))
+                .map_err(|_| format!("{flag} {v:?} is not an address like 0.0.0.0:8081\n{USAGE}"))
         };
         match flag.as_str() {
-            "--config" => args.config = PathBuf::from(value),
-            "--grpc" => args.grpc = address(&value)?,
-            "--http" => args.http = address(&value)?,
+            "-h" | "--help" => return Err(String::new()),
+            "--config" => args.config = PathBuf::from(value()?),
+            "--grpc" => args.grpc = address(value()?)?,
+            "--http" => args.http = address(value()?)?,
             "--log" => {
-                args.json = match value.as_str() {
+                args.json = match value()?.as_str() {
                     "json" => true,
                     "text" => false,
                     _ => return Err(format!("--log is json or text\n{USAGE}")),
@@ -64,6 +83,11 @@ fn args() -> Result<Args, String> {
 async fn main() -> ExitCode {
     let args = match args() {
         Ok(args) => args,
+        // Asked for help: the help, on standard output, and success.
+        Err(message) if message.is_empty() => {
+            println!("{HELP}");
+            return ExitCode::SUCCESS;
+        }
         Err(message) => {
             eprintln!("{message}");
             return ExitCode::from(2);

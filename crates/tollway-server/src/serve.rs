@@ -116,7 +116,8 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
 
     // gRPC.
     tasks.push(tokio::spawn({
-        let service = RateLimitServiceServer::new(service.clone());
+        let service = RateLimitServiceServer::new(service.clone())
+            .max_decoding_message_size(crate::service::bounds::MESSAGE_BYTES);
         let mut stopped = stopped.clone();
         let incoming = TcpIncoming::from(options.grpc);
         async move {

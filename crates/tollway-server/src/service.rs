@@ -27,6 +27,68 @@ use tollway_tower::{
 use crate::descriptors::Descriptors;
 use tonic::{Request, Response, Status};
 
+/// The most a request may carry, far past what Envoy sends: a descriptor for each rate
+/// limit of the route and its virtual host (a handful), an entry for each action of one
+/// (a few), keys from Envoy's configuration, and values of request headers, which Envoy
+/// caps at 60 KiB for all of a request's headers unless told otherwise
+/// (`max_request_headers_kb`). A request past one is refused `INVALID_ARGUMENT` before
+/// the store is asked, and counted (`tollway_rls_requests_refused_total`).
+pub mod bounds {
+    /// Descriptors a request.
+    pub const DESCRIPTORS: usize = 64;
+    /// Entries a descriptor.
+    pub const ENTRIES: usize = 16;
+    /// Bytes of the domain, and of an entry's key.
+    pub const KEY_BYTES: usize = 256;
+    /// Bytes of an entry's value.
+    pub const VALUE_BYTES: usize = 65_536;
+    /// Bytes of a whole request, as gRPC decodes it: past it, gRPC refuses the message
+    /// (`OUT_OF_RANGE`) before the service reads it.
+    pub const MESSAGE_BYTES: usize = 4 << 20;
+}
+
+/// Why a request is past [`bounds`]: its reason (a metric label) and what it says.
+fn out_of_bounds(request: &RateLimitRequest) -> Option<(&'static str, String)> {
+    use bounds::{DESCRIPTORS, ENTRIES, KEY_BYTES, VALUE_BYTES};
+    if request.descriptors.len() > DESCRIPTORS {
+        let n = request.descriptors.len();
+        return Some((
+            "descriptors",
+            format!("{n} descriptors: at most {DESCRIPTORS}"),
+        ));
+    }
+    if request.domain.len() > KEY_BYTES {
+        return Some((
+            "key_bytes",
+            format!("a domain of at most {KEY_BYTES} bytes"),
+        ));
+    }
+    for descriptor in &request.descriptors {
+        if descriptor.entries.len() > ENTRIES {
+            let n = descriptor.entries.len();
+            return Some((
+                "entries",
+                format!("a descriptor of {n} entries: at most {ENTRIES}"),
+            ));
+        }
+        for entry in &descriptor.entries {
+            if entry.key.len() > KEY_BYTES {
+                return Some((
+                    "key_bytes",
+                    format!("an entry's key of at most {KEY_BYTES} bytes"),
+                ));
+            }
+            if entry.value.len() > VALUE_BYTES {
+                return Some((
+                    "value_bytes",
+                    format!("an entry's value of at most {VALUE_BYTES} bytes"),
+                ));
+            }
+        }
+    }
+    None
+}
+
 /// What a file says the service does: its descriptors, headers and what to answer when
 /// the store fails. Swapped whole on a reload.
 #[derive(Debug)]
@@ -194,8 +256,8 @@ impl RateLimitService {
     ///
     /// # Errors
     ///
-    /// `INVALID_ARGUMENT` for a request without a domain or descriptors;
-    /// `UNAVAILABLE` when the store fails and the file says `on_store_error = "reject"`
+    /// `INVALID_ARGUMENT` for a request without a domain or descriptors, or past one of
+    /// the [`bounds`]; `UNAVAILABLE` when the store fails and the file says `on_store_error = "reject"`
     /// (Envoy's `failure_mode_deny` then decides).
     pub async fn decide(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
         if request.domain.is_empty() {
@@ -207,6 +269,13 @@ impl RateLimitService {
             return Err(Status::invalid_argument(
                 "a rate limit request carries at least one descriptor",
             ));
+        }
+        if let Some((reason, bound)) = out_of_bounds(request) {
+            metrics::counter!(tollway_core::metric::RLS_REFUSED.name, "reason" => reason)
+                .increment(1);
+            return Err(Status::invalid_argument(format!(
+                "a rate limit request past tollway-server's bounds: {bound}"
+            )));
         }
         let rules = self.rules.load();
         let plans: Vec<Plan<'_>> = request
