@@ -98,6 +98,7 @@ async fn tollway(file: &File, grpc: SocketAddr) -> (tollway_server::Running, Soc
         http,
         metrics: metrics(),
         watch: false,
+        tls: None,
     })
     .await
     .unwrap();
@@ -328,4 +329,90 @@ async fn a_grpc_call_over_the_limit_is_resource_exhausted_through_envoy() {
         "{refused:?}"
     );
     assert_eq!(catalog.lookups(), 2);
+}
+
+/// The tollway cluster of `config` over TLS to the server, trusting `ca_file`, and
+/// presenting `identity` (certificate and key files) when given.
+fn over_tls(
+    config: &str,
+    ca_file: &std::path::Path,
+    identity: Option<(&std::path::Path, &std::path::Path)>,
+) -> String {
+    let certificates = identity.map_or(String::new(), |(cert, key)| {
+        format!(
+            "          tls_certificates:\n          - certificate_chain: {{ filename: {} }}\n            private_key: {{ filename: {} }}\n",
+            cert.display(),
+            key.display()
+        )
+    });
+    let socket = format!(
+        "  - name: tollway\n    type: STATIC\n    transport_socket:\n      name: envoy.transport_sockets.tls\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n        sni: localhost\n        common_tls_context:\n          alpn_protocols: [h2]\n{certificates}          validation_context:\n            trusted_ca: {{ filename: {} }}\n",
+        ca_file.display()
+    );
+    assert_eq!(
+        config
+            .matches("  - name: tollway\n    type: STATIC\n")
+            .count(),
+        1
+    );
+    config.replacen("  - name: tollway\n    type: STATIC\n", &socket, 1)
+}
+
+/// tollway-server with mutual TLS behind Envoy: an Envoy whose cluster presents a
+/// certificate the server's client CA signed is decided; one that speaks TLS without a
+/// certificate is refused in the handshake, so it fails open (no decision, no headers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_with_a_client_certificate_is_served_over_mutual_tls() {
+    use support::tls::TestCa;
+
+    let ca = TestCa::new("tollway clients");
+    let (server, client) = (ca.server_files(), ca.server_files());
+    let dir = File::new("");
+    let folder = dir.0.parent().unwrap().to_path_buf();
+    let write = |name: &str, text: &str| {
+        let path = folder.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let ca_file = write("ca.pem", ca.pem());
+    let (cert_file, key_file) = (
+        write("client.pem", &client.cert),
+        write("client.key", &client.key),
+    );
+
+    let app = app().await;
+    let file = File::new(&limits(3, 100));
+    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = grpc.local_addr().unwrap();
+    let _running = tollway_server::start(tollway_server::Options {
+        config: &file.0,
+        grpc,
+        http,
+        metrics: metrics(),
+        watch: false,
+        tls: Some(tollway_server::Tls {
+            cert: server.cert.into_bytes(),
+            key: server.key.into_bytes(),
+            client_ca: Some(ca.pem().as_bytes().to_vec()),
+        }),
+    })
+    .await
+    .unwrap();
+    let documented = envoy::documented(app.addr(), addr);
+    let trusted = Envoy::start(&over_tls(
+        &documented,
+        &ca_file,
+        Some((&cert_file, &key_file)),
+    ))
+    .await;
+    let reply = trusted.client().get("/").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(limit_headers(&reply), (Some("3"), Some("2")));
+
+    let anonymous = Envoy::start(&over_tls(&documented, &ca_file, None)).await;
+    let reply = anonymous.client().get("/").await;
+    assert_eq!(reply.status, StatusCode::OK, "fails open");
+    assert_eq!(limit_headers(&reply), (None, None), "no decision");
+    assert_eq!(anonymous.stat("cluster.app.ratelimit.error").await, Some(1));
 }

@@ -74,6 +74,7 @@ async fn serve(config: &Path) -> Served {
         http,
         metrics: metrics(),
         watch: false,
+        tls: None,
     })
     .await
     .unwrap();
@@ -550,4 +551,91 @@ async fn requests_past_the_bounds_are_refused_before_any_store_call() {
     assert_eq!(within.statuses.len(), bounds::DESCRIPTORS);
     assert!(support::redis::script_calls(&mut node).await > before);
     served.running.stop().await;
+}
+
+/// A client of the server at `port` over TLS, verifying it against `ca` (PEM), and
+/// presenting `identity` when given; `Err` when the handshake or the call fails.
+async fn ask_over_tls(
+    port: u16,
+    ca: &str,
+    identity: Option<&support::TlsFiles>,
+) -> Result<RateLimitResponse, String> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .domain_name("localhost");
+    if let Some(files) = identity {
+        tls = tls.identity(Identity::from_pem(&files.cert, &files.key));
+    }
+    let channel = Channel::from_shared(format!("https://localhost:{port}"))
+        .unwrap()
+        .tls_config(tls)
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e:?}"))?;
+    let mut client = RateLimitServiceClient::new(channel);
+    let me = vec![descriptor(&[("remote_address", "203.0.113.4")])];
+    client
+        .should_rate_limit(request(me))
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|e| format!("call: {e:?}"))
+}
+
+// Mutual TLS on the gRPC port: a client with a certificate the server's client CA
+// signed is served; one without a certificate, one with another CA's, and one in plain
+// text are refused before any call. A key that is not a key fails the start, and says
+// so without the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_serves_only_clients_with_a_trusted_certificate() {
+    use support::tls::TestCa;
+
+    let (ca, rogue) = (TestCa::new("tollway clients"), TestCa::new("someone else"));
+    let server = ca.server_files();
+    let file = File::new("mtls", LIMITS);
+    let start = |key: String| {
+        let (cert, client_ca, path) = (server.cert.clone(), ca.pem().to_owned(), file.0.clone());
+        async move {
+            let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = grpc.local_addr().unwrap().port();
+            let running = tollway_server::start(tollway_server::Options {
+                config: &path,
+                grpc,
+                http,
+                metrics: metrics(),
+                watch: false,
+                tls: Some(tollway_server::Tls {
+                    cert: cert.into_bytes(),
+                    key: key.into_bytes(),
+                    client_ca: Some(client_ca.into_bytes()),
+                }),
+            })
+            .await;
+            running.map(|running| (running, port))
+        }
+    };
+    let (running, port) = start(server.key.clone()).await.unwrap();
+    let served = ask_over_tls(port, ca.pem(), Some(&ca.server_files())).await;
+    assert_eq!(served.unwrap().overall_code, Code::Ok as i32);
+    let refused = [
+        ask_over_tls(port, ca.pem(), None).await,
+        ask_over_tls(port, ca.pem(), Some(&rogue.server_files())).await,
+    ];
+    for refused in refused {
+        assert!(refused.is_err(), "{refused:?}");
+    }
+    let mut plain = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .unwrap();
+    let me = vec![descriptor(&[("remote_address", "203.0.113.4")])];
+    assert!(plain.should_rate_limit(request(me)).await.is_err());
+    running.stop().await;
+
+    let not_a_key =
+        "-----BEGIN PRIVATE KEY-----\nc2VjcmV0LWJ1dC1ub3QtYS1rZXk=\n-----END PRIVATE KEY-----\n";
+    let error = start(not_a_key.to_owned()).await.unwrap_err().to_string();
+    assert!(error.contains("TLS on the gRPC port"), "{error}");
+    assert!(!error.contains("c2VjcmV0"), "the key is repeated: {error}");
 }

@@ -7,61 +7,14 @@
 
 use std::time::Duration;
 
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
 use tollway_core::{
     Algorithm, ManualClock, Policy, Quota, RedisStore, RedisStoreBuilder, StoreError,
 };
 
 use support::cluster::RedisCluster;
 use support::stores::EPOCH_US;
-use support::{CheckOne, RedisServer, TlsFiles};
-
-/// A certificate authority made for one test.
-struct TestCa {
-    pem: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-impl TestCa {
-    fn new(name: &str) -> Self {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let pem = params.self_signed(&key).unwrap().pem();
-        TestCa {
-            pem,
-            issuer: Issuer::new(params, key),
-        }
-    }
-
-    /// A server certificate for 127.0.0.1 and localhost, signed by this CA.
-    fn server_files(&self) -> TlsFiles {
-        let key = KeyPair::generate().unwrap();
-        let mut params =
-            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "tollway test redis");
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        // Client use too: cluster nodes present it to each other on the bus, where
-        // Redis always asks for a certificate.
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        TlsFiles {
-            ca_cert: self.pem.clone(),
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        }
-    }
-}
+use support::tls::TestCa;
+use support::{CheckOne, RedisServer};
 
 /// Exact decisions: the caller's manual clock, no local deny cache, room for a slow CI
 /// machine's handshakes.
@@ -154,7 +107,7 @@ async fn rediss_verifies_the_server_against_the_given_ca() {
     assert!(server.url().starts_with("rediss://127.0.0.1:"));
     let clock = ManualClock::at_micros(EPOCH_US);
     let store = builder(&clock)
-        .tls_root_certificate(ca.pem.as_bytes())
+        .tls_root_certificate(ca.pem().as_bytes())
         .connect(&server.url())
         .await
         .unwrap();
@@ -188,7 +141,7 @@ async fn rediss_refuses_a_server_signed_by_another_ca() {
     let server = RedisServer::start_tls(&ca.server_files(), &[]);
     let clock = ManualClock::at_micros(EPOCH_US);
     let error = connect_error(
-        builder(&clock).tls_root_certificate(other.pem.as_bytes()),
+        builder(&clock).tls_root_certificate(other.pem().as_bytes()),
         &server.url(),
     )
     .await;
@@ -206,14 +159,14 @@ async fn rediss_with_a_password() {
     let clock = ManualClock::at_micros(EPOCH_US);
     let url = format!("rediss://:s3cret@127.0.0.1:{}", server.port());
     let store = builder(&clock)
-        .tls_root_certificate(ca.pem.clone())
+        .tls_root_certificate(ca.pem())
         .connect(&url)
         .await
         .unwrap();
     decides_exactly(&store, &clock).await;
 
     let error = connect_error(
-        builder(&clock).tls_root_certificate(ca.pem.clone()),
+        builder(&clock).tls_root_certificate(ca.pem()),
         &format!("rediss://:wrong@127.0.0.1:{}", server.port()),
     )
     .await;
@@ -228,7 +181,7 @@ async fn a_root_certificate_needs_a_rediss_url() {
     let ca = TestCa::new("tollway test CA");
     let clock = ManualClock::at_micros(EPOCH_US);
     let error = connect_error(
-        builder(&clock).tls_root_certificate(ca.pem),
+        builder(&clock).tls_root_certificate(ca.pem()),
         "redis://127.0.0.1:1",
     )
     .await;
@@ -248,7 +201,7 @@ async fn a_tls_cluster_is_verified_against_the_given_ca_on_every_node() {
     let clock = ManualClock::at_micros(EPOCH_US);
     // Through one node: the others are learned from its slot map.
     let store = builder(&clock)
-        .tls_root_certificate(ca.pem.as_bytes())
+        .tls_root_certificate(ca.pem().as_bytes())
         .connect_cluster(&urls[..1])
         .await
         .unwrap();
@@ -280,7 +233,7 @@ async fn a_tls_cluster_is_verified_against_the_given_ca_on_every_node() {
     let other = TestCa::new("some other CA");
     let error = builder(&clock)
         .timeout(Duration::from_secs(5))
-        .tls_root_certificate(other.pem.as_bytes())
+        .tls_root_certificate(other.pem().as_bytes())
         .connect_cluster(&urls)
         .await
         .expect_err("no node should be trusted");
@@ -297,7 +250,7 @@ async fn a_root_certificate_needs_rediss_urls_for_every_cluster_node() {
     let ca = TestCa::new("tollway test CA");
     let clock = ManualClock::at_micros(EPOCH_US);
     let error = builder(&clock)
-        .tls_root_certificate(ca.pem)
+        .tls_root_certificate(ca.pem())
         .connect_cluster(&["rediss://127.0.0.1:1", "redis://127.0.0.1:2"])
         .await
         .expect_err("a plain node URL with a root certificate");

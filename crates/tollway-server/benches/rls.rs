@@ -112,6 +112,7 @@ async fn start(variant: &str, dir: &std::path::Path) -> (SocketAddr, Box<dyn FnO
         http,
         metrics,
         watch: false,
+        tls: None,
     })
     .await
     .unwrap();

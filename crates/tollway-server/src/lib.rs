@@ -94,6 +94,22 @@
 //! - `failure_mode_deny: false` lets requests through while the service cannot answer;
 //!   `true` answers them 500.
 //!
+//! # Who can call it
+//!
+//! Whoever reaches the gRPC port speaks for Envoy. Such a caller can read any budget
+//! (`hits_addend = 0` looks without charging), spend it (a large `hits_addend` empties
+//! a caller's budget in one call), and ask for any limit (a descriptor's `limit`). So:
+//!
+//! - Keep the gRPC port where only the proxies reach it, and serve it over mutual TLS
+//!   ([`Tls`], `--tls-cert`, `--tls-key`, `--tls-client-ca`): a client without a
+//!   certificate the client CA signed is refused in the handshake. Envoy's cluster
+//!   presents one with an `UpstreamTlsContext` (the `envoy` test suite runs it).
+//! - Bind the HTTP port (`/metrics`, `/ready`, `/live`) where the scraper and the probes
+//!   are: `--http 127.0.0.1:9090` keeps it on the host. `/metrics` names every policy.
+//! - Requests past the [`bounds`] are refused before the store is asked.
+//!
+//! Not built yet: a cap on a descriptor's `hits_addend`.
+//!
 //! Of envoyproxy/ratelimit's configuration it has domains, nested descriptors (a path of
 //! entries), exact values, a key without a value (each value counted apart), `*`
 //! patterns, `unlimited`, shadow mode, request and descriptor `hits_addend`, and any
@@ -106,5 +122,5 @@ mod descriptors;
 mod serve;
 mod service;
 
-pub use serve::{Options, Running, STOP_WITHIN, start};
+pub use serve::{Options, Running, STOP_WITHIN, Tls, start};
 pub use service::{RateLimitService, Rules, bounds};

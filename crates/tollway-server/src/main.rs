@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|text]
+//!                [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
 //! tollway-server --help
 //! ```
 //!
@@ -17,12 +18,13 @@ use std::process::ExitCode;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use tokio::net::TcpListener;
 
-const USAGE: &str =
-    "usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|text]";
+const USAGE: &str = "usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] \
+     [--log json|text] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]";
 
 const HELP: &str = "tollway-server: an Envoy rate limit service (RLS v3) over a tollway limits file
 
 usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|text]
+                      [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
 
   --config FILE   the limits file (default: $TOLLWAY_CONFIG, else /etc/tollway/limits.toml);
                   watched and reloaded when it changes, and on SIGHUP
@@ -31,6 +33,11 @@ usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|te
   --http ADDR     /metrics, /ready and /live (default 0.0.0.0:9090; 127.0.0.1:9090 keeps
                   them on this host)
   --log FORMAT    json (default) or text; the level from RUST_LOG (default info)
+  --tls-cert FILE, --tls-key FILE
+                  TLS on the gRPC port: the certificate chain and its key, PEM
+  --tls-client-ca FILE
+                  mutual TLS: only clients with a certificate this CA signed (PEM) are
+                  served (Envoy's cluster then presents one)
   -h, --help      this text
 
 `tollway check FILE` validates a limits file and prints what it limits.";
@@ -40,6 +47,9 @@ struct Args {
     grpc: SocketAddr,
     http: SocketAddr,
     json: bool,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_client_ca: Option<PathBuf>,
 }
 
 fn args() -> Result<Args, String> {
@@ -49,6 +59,9 @@ fn args() -> Result<Args, String> {
         grpc: SocketAddr::from(([0, 0, 0, 0], 8081)),
         http: SocketAddr::from(([0, 0, 0, 0], 9090)),
         json: true,
+        tls_cert: None,
+        tls_key: None,
+        tls_client_ca: None,
     };
     let mut given = std::env::args().skip(1);
     while let Some(flag) = given.next() {
@@ -64,6 +77,9 @@ fn args() -> Result<Args, String> {
         match flag.as_str() {
             "-h" | "--help" => return Err(String::new()),
             "--config" => args.config = PathBuf::from(value()?),
+            "--tls-cert" => args.tls_cert = Some(PathBuf::from(value()?)),
+            "--tls-key" => args.tls_key = Some(PathBuf::from(value()?)),
+            "--tls-client-ca" => args.tls_client_ca = Some(PathBuf::from(value()?)),
             "--grpc" => args.grpc = address(value()?)?,
             "--http" => args.http = address(value()?)?,
             "--log" => {
@@ -75,6 +91,15 @@ fn args() -> Result<Args, String> {
             }
             _ => return Err(format!("unknown argument {flag:?}\n{USAGE}")),
         }
+    }
+    let tls = (&args.tls_cert, &args.tls_key, &args.tls_client_ca);
+    if matches!(
+        tls,
+        (Some(_), None, _) | (None, Some(_), _) | (None, None, Some(_))
+    ) {
+        return Err(format!(
+            "TLS needs both --tls-cert and --tls-key (and --tls-client-ca for mutual TLS)\n{USAGE}"
+        ));
     }
     Ok(args)
 }
@@ -117,18 +142,32 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     tracing::info!(grpc = %grpc.local_addr()?, http = %http.local_addr()?, config = %args.config.display(), "serving");
     // The signals are ours before the store is connected: a SIGHUP meanwhile is no kill.
     let signals = Signals::new()?;
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(tollway_server::Tls {
+            cert: read(cert)?,
+            key: read(key)?,
+            client_ca: args.tls_client_ca.as_deref().map(read).transpose()?,
+        }),
+        _ => None,
+    };
     let running = tollway_server::start(tollway_server::Options {
         config: &args.config,
         grpc,
         http,
         metrics,
         watch: true,
+        tls,
     })
     .await?;
     signals.stopped(&running).await;
     tracing::info!("stopping: calls in progress finish");
     running.stop().await;
     Ok(())
+}
+
+/// The bytes of the PEM file at `path`; an error names the file, never its contents.
+fn read(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// The signals the server answers.

@@ -56,6 +56,47 @@ pub struct Options<'a> {
     /// Whether to reload when the file changes (a reload can also be asked with
     /// [`Running::reload`], or `SIGHUP` to the binary).
     pub watch: bool,
+    /// TLS on the gRPC port, and mutual TLS when it names a client CA; `None`: plain
+    /// gRPC, for a port only Envoy can reach.
+    pub tls: Option<Tls>,
+}
+
+/// TLS on the gRPC port: the server's certificate chain and private key, PEM; with
+/// `client_ca`, mutual TLS (a client without a certificate that CA signed is refused in
+/// the handshake, before any call).
+///
+/// TLS uses the process's rustls crypto provider. When none is installed, [`start`]
+/// installs ring's (a process with both of rustls's providers compiled in has no
+/// default of its own). Its `Debug` never shows the key.
+#[derive(Clone)]
+pub struct Tls {
+    /// The certificate chain, PEM.
+    pub cert: Vec<u8>,
+    /// The private key, PEM.
+    pub key: Vec<u8>,
+    /// The CA whose certificates clients must present, PEM.
+    pub client_ca: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls")
+            .field("cert", &format_args!("{} bytes", self.cert.len()))
+            .field("key", &"<hidden>")
+            .field("mutual", &self.client_ca.is_some())
+            .finish()
+    }
+}
+
+impl Tls {
+    fn config(&self) -> tonic::transport::ServerTlsConfig {
+        use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+        let config = ServerTlsConfig::new().identity(Identity::from_pem(&self.cert, &self.key));
+        match &self.client_ca {
+            Some(ca) => config.client_ca_root(Certificate::from_pem(ca)),
+            None => config,
+        }
+    }
 }
 
 /// Reads the limits file, connects its store, and serves until [`Running::stop`].
@@ -65,6 +106,19 @@ pub struct Options<'a> {
 /// When the file is not valid, or its store cannot be reached, or the file watcher
 /// cannot be set up.
 pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
+    // A bad certificate or key fails here, before anything is served.
+    let grpc_server = match &options.tls {
+        None => tonic::transport::Server::builder(),
+        Some(tls) => {
+            if rustls::crypto::CryptoProvider::get_default().is_none() {
+                // Lost only to another thread installing one first, which then serves.
+                let _ = rustls::crypto::ring::default_provider().install_default();
+            }
+            tonic::transport::Server::builder()
+                .tls_config(tls.config())
+                .map_err(|e| ConfigError::new(format!("TLS on the gRPC port: {e}")))?
+        }
+    };
     let file = LimitsFile::read(options.config)?;
     let store = file.store().await?;
     let rules = Rules::from_file(&file)?;
@@ -120,8 +174,9 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
             .max_decoding_message_size(crate::service::bounds::MESSAGE_BYTES);
         let mut stopped = stopped.clone();
         let incoming = TcpIncoming::from(options.grpc);
+        let mut grpc_server = grpc_server;
         async move {
-            let served = tonic::transport::Server::builder()
+            let served = grpc_server
                 .add_service(health_service)
                 .add_service(service)
                 .serve_with_incoming_shutdown(incoming, async move {

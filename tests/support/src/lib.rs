@@ -27,6 +27,7 @@ pub mod redis;
 pub mod regions;
 pub mod stores;
 pub mod suites;
+pub mod tls;
 
 pub use redis::{
     RedisServer, TlsFiles, command_calls, free_port, script_calls, shared_server, unique_prefix,
