@@ -416,3 +416,103 @@ async fn envoy_with_a_client_certificate_is_served_over_mutual_tls() {
     assert_eq!(limit_headers(&reply), (None, None), "no decision");
     assert_eq!(anonymous.stat("cluster.app.ratelimit.error").await, Some(1));
 }
+
+/// A token budget through Envoy: each request reserves its `x-max-tokens` from the
+/// key's 1,000 an hour, and when its response ends Envoy gives back the
+/// `x-tokens-unused` the application reports (`apply_on_stream_done`,
+/// `is_negative_hits`), which tollway-server refunds to the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_budget_is_reserved_and_settled_through_envoy() {
+    // The application reports the tokens it did not use, as its request asks.
+    let app = Server::start(
+        Router::new().fallback(|request: axum::extract::Request| async move {
+            let unused = request.headers().get("x-reply-unused").cloned();
+            let mut response = axum::response::Response::new(axum::body::Body::from("ok"));
+            if let Some(unused) = unused {
+                response.headers_mut().insert("x-tokens-unused", unused);
+            }
+            response
+        }),
+    )
+    .await;
+    let file = File::new(&limits(1_000_000, 1_000));
+    let (_running, grpc) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
+    let mut rls = RlsClient::connect(format!("http://{grpc}")).await.unwrap();
+    // In the filter's own `rate_limits` (Envoy 1.40 takes `hits_addend` there, not on a
+    // route's), in place of the route's.
+    let budget = "              rate_limits:
+              - actions: [{ request_headers: { header_name: x-api-key, descriptor_key: api_key } }]
+                hits_addend: { format: \"%REQ(x-max-tokens)%\" }
+              - actions: [{ request_headers: { header_name: x-api-key, descriptor_key: api_key } }]
+                apply_on_stream_done: true
+                hits_addend: { format: \"%RESP(x-tokens-unused)%\", is_negative_hits: true }
+";
+    let documented = envoy::documented(app.addr(), grpc);
+    let start = documented.find("                  rate_limits:\n").unwrap();
+    let end = documented.find("          http_filters:").unwrap();
+    let without = format!("{}{}", &documented[..start], &documented[end..]);
+    let filter = "              domain: edge\n";
+    assert_eq!(without.matches(filter).count(), 1);
+    let config = without.replacen(filter, &format!("{filter}{budget}"), 1);
+    let envoy = Envoy::start(&config).await;
+    let client = envoy.client();
+
+    let ask = |max: &'static str, unused: &'static str| {
+        let client = client.clone();
+        async move {
+            let headers = [
+                ("x-api-key", "k-1"),
+                ("x-max-tokens", max),
+                ("x-reply-unused", unused),
+            ];
+            client.get_with("/", &headers).await
+        }
+    };
+    // 600 reserved, 500 of them unused: 900 left once settled.
+    let reply = ask("600", "500").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.header("x-ratelimit-remaining"), Some("400"));
+    settled(&mut rls, 900).await;
+    // 600 more, all used: 300 left, and a third 600 does not fit.
+    assert_eq!(ask("600", "0").await.status, StatusCode::OK);
+    settled(&mut rls, 300).await;
+    let refused = ask("600", "600").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(left(&mut rls).await, 300, "a refused request takes nothing");
+}
+
+type RlsClient = envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<tonic::transport::Channel>;
+
+/// What key `k-1` has left of `per_api_key`, looked at (hits 0) without charging.
+async fn left(rls: &mut RlsClient) -> u32 {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    use envoy_types::pb::google::protobuf::UInt64Value;
+
+    let descriptor = RateLimitDescriptor {
+        entries: vec![Entry {
+            key: "api_key".to_owned(),
+            value: "k-1".to_owned(),
+        }],
+        hits_addend: Some(UInt64Value { value: 0 }),
+        ..Default::default()
+    };
+    let request = RateLimitRequest {
+        domain: "edge".to_owned(),
+        descriptors: vec![descriptor],
+        hits_addend: 0,
+    };
+    let response = rls.should_rate_limit(request).await.unwrap().into_inner();
+    response.statuses[0].limit_remaining
+}
+
+/// Waits until `k-1` has `want` left: Envoy sends a give-back after the response ends.
+async fn settled(rls: &mut RlsClient, want: u32) {
+    support::within("Envoy's give-back", 30, async {
+        while left(rls).await != want {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+}

@@ -639,3 +639,88 @@ async fn mutual_tls_serves_only_clients_with_a_trusted_certificate() {
     assert!(error.contains("TLS on the gRPC port"), "{error}");
     assert!(!error.contains("c2VjcmV0"), "the key is repeated: {error}");
 }
+
+// `trial` is the layer's policy: tollway_decisions_total counts the layer's policies.
+const CAPPED: &str = r#"
+[layer]
+default = "trial"
+
+[policies.per_key]
+algorithm = "token_bucket"
+limit = 100
+period = "1h"
+
+[policies.trial]
+algorithm = "fixed_window"
+limit = 1
+period = "1h"
+
+[[descriptors]]
+domain = "edge"
+entries = [{ key = "api_key" }]
+policy = "per_key"
+max_hits = 10
+
+[[descriptors]]
+domain = "edge"
+entries = [{ key = "trial" }]
+policy = "trial"
+shadow_mode = true
+"#;
+
+// A rule's `max_hits` caps what one descriptor charges and what it gives back
+// (`is_negative_hits`), so a caller of the port drains or refills at most that much a
+// call. A rule in `shadow_mode` is decided and counted, and never refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rules_hit_cap_and_shadow_mode_hold() {
+    let file = File::new("capped", CAPPED);
+    let mut served = serve(&file.0).await;
+    let hits = |n: u64, back: bool| {
+        let mut d = descriptor(&[("api_key", "k-1")]);
+        d.hits_addend = Some(UInt64Value { value: n });
+        d.is_negative_hits = back;
+        vec![d]
+    };
+    let first = ask(&mut served.client, hits(1_000_000, false)).await;
+    assert_eq!(first.overall_code, Code::Ok as i32);
+    assert_eq!(
+        first.statuses[0].limit_remaining, 90,
+        "charged 10, not a million"
+    );
+    for left in [80, 70] {
+        let r = ask(&mut served.client, hits(10, false)).await;
+        assert_eq!(r.statuses[0].limit_remaining, left);
+    }
+    let back = ask(&mut served.client, hits(1_000_000, true)).await;
+    assert_eq!(back.overall_code, Code::Ok as i32);
+    assert_eq!(
+        back.statuses[0].limit_remaining, 80,
+        "given back 10, not a million"
+    );
+    assert!(
+        back.response_headers_to_add.is_empty(),
+        "a give-back is no decision"
+    );
+    assert_eq!(
+        ask(&mut served.client, hits(0, false)).await.statuses[0].limit_remaining,
+        80
+    );
+
+    let trial = || vec![descriptor(&[("trial", "t-1")])];
+    for _ in 0..3 {
+        let r = ask(&mut served.client, trial()).await;
+        assert_eq!(
+            r.overall_code,
+            Code::Ok as i32,
+            "a rule in shadow never refuses"
+        );
+        assert_eq!(r.statuses[0].code, Code::Ok as i32);
+    }
+    let counted = metrics().render();
+    assert!(
+        counted.contains("outcome=\"shadow_limited\",policy=\"trial\"")
+            || counted.contains("policy=\"trial\",outcome=\"shadow_limited\""),
+        "{counted}"
+    );
+    served.running.stop().await;
+}

@@ -29,6 +29,10 @@ pub(crate) struct Matched<'r> {
     pub(crate) policy: Option<&'r Policy>,
     /// The key its counts are kept under.
     pub(crate) key: Key,
+    /// The most hits it charges or gives back.
+    pub(crate) max_hits: Option<u64>,
+    /// Decided and counted, never refused.
+    pub(crate) shadow: bool,
 }
 
 impl Descriptors {
@@ -67,6 +71,8 @@ impl Descriptors {
         Some(Matched {
             policy: ranked.rule.policy.as_ref(),
             key: key(&ranked.rule, domain, entries),
+            max_hits: ranked.rule.max_hits,
+            shadow: ranked.rule.shadow,
         })
     }
 

@@ -31,7 +31,16 @@
 //!   came between) has the others' charges given back. The overall code is `OVER_LIMIT`
 //!   when one enforcing limit refuses.
 //! - A descriptor's own `hits_addend` is its cost (0 looks without charging); else the
-//!   request's, at least 1.
+//!   request's, at least 1; at most its rule's `max_hits`. With Envoy's
+//!   `is_negative_hits`, the hits are given back to the policy (its refund, up to full).
+//!   The rate limit filter's own `rate_limits` (Envoy 1.40 sends `hits_addend` from
+//!   those, not from a route's) reserve with `hits_addend: { format:
+//!   "%REQ(x-max-tokens)%" }` when the request comes, and give back what the response
+//!   did not use with `apply_on_stream_done: true` and `hits_addend: { format:
+//!   "%RESP(x-tokens-unused)%", is_negative_hits: true }` (the `envoy` tests run it).
+//!   A give-back is never refused, is no decision (not counted, no headers), and is
+//!   not undone when another descriptor refuses. A header a client sends is the
+//!   client's number: cap it with the rule's `max_hits`.
 //! - A descriptor's own `limit` (`requests_per_unit` a unit; a month is 30 days, a year
 //!   365) decides in place of its rule's policy: the same name and algorithm at that
 //!   limit, burst the limit. It is how a customer gets a limit of its own. Under the same
@@ -107,15 +116,16 @@
 //! - Bind the HTTP port (`/metrics`, `/ready`, `/live`) where the scraper and the probes
 //!   are: `--http 127.0.0.1:9090` keeps it on the host. `/metrics` names every policy.
 //! - Requests past the [`bounds`] are refused before the store is asked.
-//!
-//! Not built yet: a cap on a descriptor's `hits_addend`.
+//! - A rule's `max_hits` caps what one descriptor charges or gives back: a caller of
+//!   the port drains or refills at most that much a call.
 //!
 //! Of envoyproxy/ratelimit's configuration it has domains, nested descriptors (a path of
 //! entries), exact values, a key without a value (each value counted apart), `*`
-//! patterns, `unlimited`, shadow mode, request and descriptor `hits_addend`, and any
-//! period and algorithm of tollway's but the shaper and calls in flight. It does not
-//! have `replaces`, `detailed_metric`, `value_to_metric`, `share_threshold`,
-//! `quota_mode`, or `is_negative_hits`. The bench
+//! patterns, `unlimited`, shadow mode (a policy's, the file's, or a rule's
+//! `shadow_mode`), request and descriptor `hits_addend`, `is_negative_hits` (the hits
+//! given back: a reservation settled, see below), and any period and algorithm of
+//! tollway's but the shaper and calls in flight. It does not have `replaces`,
+//! `detailed_metric`, `value_to_metric`, `share_threshold` or `quota_mode`. The bench
 //! is in the repository's `BENCHMARKS.md`.
 
 mod descriptors;

@@ -147,6 +147,10 @@ enum Plan<'r> {
         policy: Cow<'r, Policy>,
         key: tollway_tower::Key,
         cost: u64,
+        /// Envoy's `is_negative_hits`: `cost` is given back (a settlement), not taken.
+        back: bool,
+        /// The rule's `shadow_mode`: decided and counted, never refused.
+        shadow: bool,
     },
 }
 
@@ -172,9 +176,15 @@ fn refuses(limits: &Limits, plans: &[Plan<'_>], saids: &[Option<Said>]) -> bool 
         .iter()
         .zip(saids)
         .any(|(plan, said)| match (plan, said) {
-            (Plan::Limited { policy, .. }, Some(Said::Decided(d))) => {
-                !d.is_allowed() && !in_shadow(limits, policy)
-            }
+            (
+                Plan::Limited {
+                    policy,
+                    back: false,
+                    shadow,
+                    ..
+                },
+                Some(Said::Decided(d)),
+            ) => !d.is_allowed() && !*shadow && !in_shadow(limits, policy),
             _ => false,
         })
 }
@@ -337,17 +347,27 @@ impl RateLimitService {
     /// Asks the store about every limited descriptor at once: to look, or to decide.
     async fn ask(&self, plans: &[Plan<'_>], ask: Ask) -> Vec<Result<Option<Said>, StoreError>> {
         let asks = plans.iter().map(|plan| async move {
-            let Plan::Limited { policy, key, cost } = plan else {
+            let Plan::Limited {
+                policy,
+                key,
+                cost,
+                back,
+                ..
+            } = plan
+            else {
                 return Ok(None);
             };
             let key = key.as_bytes();
-            let decisions = match ask {
-                Ask::Check => self.store.check(key, &[policy], *cost).await?,
-                Ask::Look => {
-                    self.store
-                        .operate(key, &[policy], Operation::Peek(*cost))
-                        .await?
-                }
+            // A give-back refuses nothing: it looks at nothing, and is given once.
+            let operation = match (ask, back) {
+                (Ask::Check, false) => None,
+                (Ask::Check, true) => Some(Operation::Refund(*cost)),
+                (Ask::Look, false) => Some(Operation::Peek(*cost)),
+                (Ask::Look, true) => Some(Operation::Peek(0)),
+            };
+            let decisions = match operation {
+                None => self.store.check(key, &[policy], *cost).await?,
+                Some(operation) => self.store.operate(key, &[policy], operation).await?,
             };
             Ok(decisions.first().copied().map(Said::Decided))
         });
@@ -360,9 +380,16 @@ impl RateLimitService {
             .iter()
             .zip(saids)
             .filter_map(|(plan, said)| match (plan, said) {
-                (Plan::Limited { policy, key, cost }, Some(Said::Decided(d)))
-                    if d.is_allowed() && *cost > 0 =>
-                {
+                (
+                    Plan::Limited {
+                        policy,
+                        key,
+                        cost,
+                        back: false,
+                        ..
+                    },
+                    Some(Said::Decided(d)),
+                ) if d.is_allowed() && *cost > 0 => {
                     let operation = Operation::Refund(*cost);
                     Some(
                         self.store
@@ -437,15 +464,19 @@ fn plan<'r>(
         Some(own) => Cow::Owned(own),
         None => Cow::Borrowed(policy),
     };
-    // The descriptor's own hits win (0 is a look); else the request's, at least 1.
+    // The descriptor's own hits win (0 is a look); else the request's, at least 1; at
+    // most the rule's cap.
     let cost = match &descriptor.hits_addend {
         Some(hits) => hits.value,
         None => u64::from(request_hits.max(1)),
     };
+    let cost = matched.max_hits.map_or(cost, |max| cost.min(max));
     Plan::Limited {
         policy,
         key: matched.key,
         cost,
+        back: descriptor.is_negative_hits,
+        shadow: matched.shadow,
     }
 }
 
@@ -464,11 +495,29 @@ impl RateLimitService {
             .iter()
             .zip(saids)
             .map(|(plan, said)| match (plan, said) {
+                // A give-back is no decision: not told, no headers, never over.
                 (
-                    Plan::Limited { policy, key, .. },
+                    Plan::Limited {
+                        policy, back: true, ..
+                    },
+                    Some(Said::Decided(decision) | Said::Refunded(decision)),
+                ) => DescriptorStatus {
+                    code: Code::Ok as i32,
+                    current_limit: Some(current_limit(policy)),
+                    limit_remaining: u32::try_from(decision.remaining()).unwrap_or(u32::MAX),
+                    duration_until_reset: Some(proto_duration(decision.reset_after())),
+                    ..Default::default()
+                },
+                (
+                    Plan::Limited {
+                        policy,
+                        key,
+                        shadow,
+                        ..
+                    },
                     Some(Said::Decided(decision) | Said::Refunded(decision)),
                 ) => {
-                    let shadow = in_shadow(&self.limits, policy);
+                    let shadow = *shadow || in_shadow(&self.limits, policy);
                     let over = !decision.is_allowed() && !shadow;
                     let verdict = Verdict {
                         policy,

@@ -193,7 +193,7 @@
 //!     // a floor and a ceiling), then settle to what was used.
 //!     .policy_cost("tokens", |_, _, headers, _| {
 //!         let asked = headers.get("x-max-tokens").and_then(|v| v.to_str().ok()?.parse().ok());
-//!         asked.map_or(500, |n: u32| n.clamp(1, 4_096))
+//!         asked.map_or(500, |n: u64| n.clamp(1, 4_096))
 //!     })
 //!     .settle("tokens", |status, headers, _| {
 //!         if !status.is_success() {

@@ -21,6 +21,13 @@
 //! domain = "edge"
 //! entries = [{ key = "api_key", value = "internal-*" }]
 //! unlimited = true
+//!
+//! [[descriptors]]
+//! domain = "llm"
+//! entries = [{ key = "api_key" }]
+//! policy = "tokens"
+//! max_hits = 4_096         # a descriptor's hits (or give-back) past it count as 4,096
+//! shadow_mode = true       # decided and counted, never refused
 //! ```
 
 use std::collections::BTreeSet;
@@ -44,6 +51,11 @@ pub struct DescriptorRule {
     pub policy: Option<Policy>,
     /// Where its keys are counted.
     pub key: DescriptorKey,
+    /// The most hits one descriptor charges or gives back (`max_hits`): more count as
+    /// this many. `None`: as many as Envoy sends.
+    pub max_hits: Option<u64>,
+    /// Decided and counted, never refused (`shadow_mode`).
+    pub shadow: bool,
 }
 
 /// What a descriptor entry's value must be.
@@ -194,11 +206,27 @@ impl LimitsFile {
                 DescriptorKey::Named(ns.get_ref().clone())
             }
         };
+        let max_hits = match &d.max_hits {
+            None => None,
+            Some(max) => Some(
+                u64::try_from(*max.get_ref())
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| {
+                        self.at(
+                            Some(max.span()),
+                            "max_hits is the most hits one descriptor charges: write 1 or more",
+                        )
+                    })?,
+            ),
+        };
         Ok(DescriptorRule {
             domain: domain.clone(),
             entries,
             policy,
             key,
+            max_hits,
+            shadow: d.shadow_mode,
         })
     }
 
@@ -223,10 +251,15 @@ impl LimitsFile {
                 .policy
                 .as_ref()
                 .map_or("unlimited", |p| p.get_ref().as_str());
+            let max_hits = d
+                .max_hits
+                .as_ref()
+                .map_or(String::new(), |m| format!(", at most {} hits", m.get_ref()));
+            let shadow = if d.shadow_mode { ", in shadow" } else { "" };
             // Writing to a String cannot fail.
             let _ = writeln!(
                 out,
-                "  descriptor: {} ({}) -> {what}",
+                "  descriptor: {} ({}) -> {what}{max_hits}{shadow}",
                 d.domain.get_ref(),
                 entries.join(", ")
             );
@@ -304,6 +337,23 @@ unlimited = true
         assert!(e.contains("not both"), "{e}");
         let e = err(&FILE.replace("key = \"ip\"", "key = \"i p\""));
         assert!(e.starts_with("limits.toml:19:7: "), "{e}");
+        let e = err(&FILE.replace("key = \"ip\"", "key = \"ip\"\nmax_hits = 0"));
+        assert!(e.starts_with("limits.toml:20:12: "), "{e}");
+        assert!(e.contains("write 1 or more"), "{e}");
+        let capped = FILE.replace(
+            "key = \"ip\"",
+            "key = \"ip\"\nmax_hits = 7\nshadow_mode = true",
+        );
+        let capped = LimitsFile::parse("limits.toml", &capped).unwrap();
+        let rule = &capped.descriptors().unwrap()[0];
+        assert_eq!((rule.max_hits, rule.shadow), (Some(7), true));
+        assert!(
+            capped
+                .summary()
+                .contains("-> api, at most 7 hits, in shadow\n"),
+            "{}",
+            capped.summary()
+        );
         let shaper = FILE.replace(
             "algorithm = \"gcra\"\nlimit = 2",
             "algorithm = \"leaky_bucket_shaper\"\nlimit = 2",

@@ -49,6 +49,11 @@ pub(super) struct DescriptorSection {
     pub(super) unlimited: bool,
     /// The namespace of the key the entries' values make (`ip`: the layer's peer keys).
     pub(super) key: Option<Spanned<String>>,
+    /// The most hits one descriptor charges or gives back; more count as this many.
+    pub(super) max_hits: Option<Spanned<i64>>,
+    /// Decided and counted, never refused (envoyproxy/ratelimit's name).
+    #[serde(default)]
+    pub(super) shadow_mode: bool,
 }
 
 /// One entry of a descriptor rule: a key, and a value, a pattern, or any value.

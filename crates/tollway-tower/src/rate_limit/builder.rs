@@ -323,7 +323,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     ///     // whatever the client sent: within 1 and 4,096, 1,000 when it said none.
     ///     .policy_cost("tokens", |_method, _uri, headers, _extensions| {
     ///         let asked = headers.get("x-max-tokens").and_then(|v| v.to_str().ok()?.parse().ok());
-    ///         asked.map_or(1_000, |n: u32| n.clamp(1, 4_096))
+    ///         asked.map_or(1_000, |n: u64| n.clamp(1, 4_096))
     ///     })
     ///     .build()?;
     /// # let _ = layer;
@@ -500,7 +500,7 @@ impl<St: Store, K> RateLimitLayerBuilder<St, K> {
     ///     // Reserve the most a call may use (the gateway wrote it, within 1 and 4,096)...
     ///     .policy_cost("tokens", |_, _, headers, _| {
     ///         let asked = headers.get("x-max-tokens").and_then(|v| v.to_str().ok()?.parse().ok());
-    ///         asked.map_or(1_000, |n: u32| n.clamp(1, 4_096))
+    ///         asked.map_or(1_000, |n: u64| n.clamp(1, 4_096))
     ///     })
     ///     // ...then settle to what it used, or give it all back if the call failed.
     ///     .settle("tokens", |_status, headers, _extensions| {

@@ -1,0 +1,171 @@
+//! Envoy with tollway-server's rate limit filter on, against the same Envoy with it off:
+//! requests a second and latency of an application behind it, in interleaved rounds.
+//!
+//! ```sh
+//! bash tests/setup   # Envoy 1.40 into target/envoy
+//! cargo bench -p tests --bench envoy
+//! ```
+//!
+//! The application answers `ok` (axum, 127.0.0.1). Three Envoys run the documented
+//! configuration (`crates/tollway-server/envoy.yaml`): one without the rate limit
+//! filter, one asking a tollway-server on the memory store, one asking a tollway-server
+//! on a `redis-server` of its own. The limit (10^9 an hour by address) never refuses:
+//! the bench measures the asking. Each round sends from 16 connections for 5 s, a
+//! variant at a time, three rounds each in turn; the figures are the rounds' medians.
+//! Everything shares this machine's cores: the load, the Envoys, the servers.
+
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusBuilder;
+use support::RedisServer;
+use support::envoy::{self, Envoy};
+use support::http::{Client, Server};
+use tokio::net::TcpListener;
+
+const CONNECTIONS: usize = 16;
+const ROUND: Duration = Duration::from_secs(5);
+const ROUNDS: usize = 3;
+
+const LIMITS: &str = r#"
+[layer]
+default = "per_address"
+headers = "legacy"
+
+[policies.per_address]
+algorithm = "gcra"
+limit = 1_000_000_000
+period = "1h"
+
+[[descriptors]]
+domain = "edge"
+entries = [{ key = "remote_address" }]
+policy = "per_address"
+key = "ip"
+"#;
+
+/// A limits file in a directory of its own.
+fn file(name: &str, text: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("tollway-bench-envoy-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("limits.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// One round against `target`: requests a second, and the 50th and 99th percentile
+/// latencies in microseconds.
+async fn round(target: SocketAddr) -> (f64, u64, u64) {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..CONNECTIONS {
+        tasks.push(tokio::spawn(async move {
+            let client = Client::new(target);
+            let mut latencies = Vec::new();
+            while started.elapsed() < ROUND {
+                let sent = Instant::now();
+                let reply = client.get("/").await;
+                assert!(reply.status.is_success(), "{reply:?}");
+                latencies.push(u64::try_from(sent.elapsed().as_micros()).unwrap());
+            }
+            latencies
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.unwrap());
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    all.sort_unstable();
+    let at = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len() - 1)];
+    (all.len() as f64 / seconds, at(0.50), at(0.99))
+}
+
+fn median<T: PartialOrd + Copy>(mut values: Vec<T>) -> T {
+    values.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    values[values.len() / 2]
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let metrics = PrometheusBuilder::new().install_recorder().unwrap();
+        let app = Server::start(Router::new().fallback(|| async { "ok" })).await;
+        let redis = RedisServer::start();
+        let on_memory = file("memory", LIMITS);
+        let store = format!("[store]\nkind = \"redis\"\nurl = \"{}\"\n", redis.url());
+        let on_redis = file("redis", &format!("{store}{LIMITS}"));
+        let mut servers = Vec::new();
+        let mut envoys = Vec::new();
+        for config in [&on_memory, &on_redis] {
+            let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = grpc.local_addr().unwrap();
+            let running = tollway_server::start(tollway_server::Options {
+                config,
+                grpc,
+                http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+                metrics: metrics.clone(),
+                watch: false,
+                tls: None,
+            })
+            .await
+            .unwrap();
+            servers.push(running);
+            envoys.push(Envoy::start(&envoy::documented(app.addr(), addr)).await);
+        }
+        // The same configuration without the rate limit filter.
+        let documented = envoy::documented(app.addr(), "127.0.0.1:1".parse().unwrap());
+        let (from, to) = (
+            documented
+                .find("          - name: envoy.filters.http.ratelimit")
+                .unwrap(),
+            documented
+                .find("          - name: envoy.filters.http.router")
+                .unwrap(),
+        );
+        let off = format!("{}{}", &documented[..from], &documented[to..]);
+        envoys.insert(0, Envoy::start(&off).await);
+        let names = [
+            "filter off",
+            "filter on, memory store",
+            "filter on, Redis store",
+        ];
+        // Warm every path up: connections, scripts, pools.
+        for envoy in &envoys {
+            let client = envoy.client();
+            for _ in 0..200 {
+                assert!(client.get("/").await.status.is_success());
+            }
+        }
+        let mut results = vec![Vec::new(); envoys.len()];
+        for _ in 0..ROUNDS {
+            for (i, envoy) in envoys.iter().enumerate() {
+                results[i].push(round(envoy.listener()).await);
+            }
+        }
+        println!("| Envoy | requests/s | p50 µs | p99 µs | rounds (requests/s) |");
+        println!("|---|---:|---:|---:|---|");
+        for (name, rounds) in names.iter().zip(&results) {
+            let rates: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.0)).collect();
+            println!(
+                "| {name} | {:.0} | {} | {} | {} |",
+                median(rounds.iter().map(|r| r.0).collect()),
+                median(rounds.iter().map(|r| r.1).collect()),
+                median(rounds.iter().map(|r| r.2).collect()),
+                rates.join(", ")
+            );
+        }
+        for running in servers {
+            running.stop().await;
+        }
+        drop(redis);
+    });
+}
