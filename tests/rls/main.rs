@@ -717,10 +717,14 @@ async fn a_rules_hit_cap_and_shadow_mode_hold() {
         assert_eq!(r.statuses[0].code, Code::Ok as i32);
     }
     let counted = metrics().render();
-    assert!(
-        counted.contains("outcome=\"shadow_limited\",policy=\"trial\"")
-            || counted.contains("policy=\"trial\",outcome=\"shadow_limited\""),
-        "{counted}"
-    );
+    for line in [
+        "tollway_decisions_total{policy=\"trial\",outcome=\"shadow_limited\"}",
+        // Every descriptor's policy, the layer's or not, by the service's own counters.
+        "tollway_rls_decisions_total{policy=\"per_key\",outcome=\"allowed\"} 4",
+        "tollway_rls_decisions_total{policy=\"trial\",outcome=\"shadow_limited\"} 2",
+        "tollway_rls_near_limit_total{policy=\"trial\"} 1",
+    ] {
+        assert!(counted.contains(line), "{line}: {counted}");
+    }
     served.running.stop().await;
 }

@@ -186,6 +186,22 @@ pub const RLS_REFUSED: Metric = Metric {
     help: "Rate limit requests refused before any store call: descriptors, entries, key_bytes or value_bytes past their bound",
 };
 
+/// Descriptors tollway-server decided, by policy (server).
+pub const RLS_DECISIONS: Metric = Metric {
+    name: "tollway_rls_decisions_total",
+    kind: Kind::Counter,
+    labels: &["policy", "outcome"],
+    help: "Descriptors the Envoy rate limit service decided, by the file's policy and outcome: allowed, limited, shadow_limited",
+};
+
+/// Descriptors allowed with under a fifth of their policy's capacity left (server).
+pub const RLS_NEAR_LIMIT: Metric = Metric {
+    name: "tollway_rls_near_limit_total",
+    kind: Kind::Counter,
+    labels: &["policy"],
+    help: "Descriptors the Envoy rate limit service allowed with under a fifth of the policy's capacity left",
+};
+
 /// Every metric, in the order above.
 pub const ALL: &[Metric] = &[
     DECISIONS,
@@ -206,6 +222,8 @@ pub const ALL: &[Metric] = &[
     CONFIG_INFO,
     CONFIG_LOADED,
     RLS_REFUSED,
+    RLS_DECISIONS,
+    RLS_NEAR_LIMIT,
 ];
 
 /// Tells the installed recorder every metric's type and help text.

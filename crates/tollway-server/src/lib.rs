@@ -80,6 +80,13 @@
 //! both, or neither: the limits first (a changed `[store]` or `[key]` is refused there),
 //! then the descriptors.
 //!
+//! Its own counters, on `/metrics`, label by the file's policy names (a bounded set,
+//! never a descriptor's values): `tollway_rls_decisions_total{policy,outcome}` (allowed,
+//! limited, shadow_limited) for every descriptor's policy, the layer's or not;
+//! `tollway_rls_near_limit_total{policy}`, allowed with under a fifth of the capacity
+//! left; `tollway_rls_requests_refused_total{reason}`, past the [`bounds`].
+//! `tollway_decisions_total` counts the layer's own policies only.
+//!
 //! [`start`] serves it; the `tollway-server` binary runs [`start`] from its arguments:
 //! `tollway-server --config limits.toml --grpc 0.0.0.0:8081 --http 0.0.0.0:9090`.
 //!

@@ -407,6 +407,23 @@ impl RateLimitService {
     }
 }
 
+/// Counts a descriptor's decision by its policy (the file's names: a bounded set), and
+/// an allowed one that leaves under a fifth of the capacity as near its limit.
+fn count(policy: &Policy, decision: &Decision, outcome: DecisionOutcome) {
+    use tollway_core::metric::{RLS_DECISIONS, RLS_NEAR_LIMIT};
+    let name = policy.name().to_owned();
+    let label = match outcome {
+        DecisionOutcome::Allowed => "allowed",
+        DecisionOutcome::Limited => "limited",
+        _ => "shadow_limited",
+    };
+    metrics::counter!(RLS_DECISIONS.name, "policy" => name.clone(), "outcome" => label)
+        .increment(1);
+    if decision.is_allowed() && decision.remaining() * 5 < decision.limit() {
+        metrics::counter!(RLS_NEAR_LIMIT.name, "policy" => name).increment(1);
+    }
+}
+
 /// Envoy's units of time, in seconds, shortest first: a month is 30 days, a year 365.
 const UNITS: [(u64, Unit); 7] = [
     (1, Unit::Second),
@@ -528,6 +545,7 @@ impl RateLimitService {
                         (false, true) => DecisionOutcome::Limited,
                         (false, false) => DecisionOutcome::ShadowLimited,
                     };
+                    count(policy, decision, outcome);
                     self.limits.tell(key, verdict, outcome);
                     // A limit in shadow mode says nothing to the client, as in the layer.
                     if !shadow {
