@@ -8,7 +8,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -51,33 +50,7 @@ policy = "per_api_key"
     )
 }
 
-/// A limits file in a directory of its own, removed when dropped.
-struct File(PathBuf);
-
-impl File {
-    fn new(text: &str) -> Self {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir =
-            std::env::temp_dir().join(format!("tollway-envoy-limits-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = File(dir.join("limits.toml"));
-        file.write(text);
-        file
-    }
-
-    fn write(&self, text: &str) {
-        std::fs::write(&self.0, text).unwrap();
-    }
-}
-
-impl Drop for File {
-    fn drop(&mut self) {
-        if let Some(dir) = self.0.parent() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-}
+use support::TempFile as File;
 
 /// The binary's one recorder: every server of this binary renders it.
 fn metrics() -> PrometheusHandle {
@@ -120,7 +93,7 @@ struct Edge {
 
 async fn edge(per_address: u64, per_key: u64) -> Edge {
     let app = app().await;
-    let file = File::new(&limits(per_address, per_key));
+    let file = File::new("envoy-limits", &limits(per_address, per_key));
     let (running, grpc) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
     let envoy = Envoy::start(&envoy::documented(app.addr(), grpc)).await;
     Edge {
@@ -206,7 +179,7 @@ async fn an_api_key_and_an_address_are_decided_all_or_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_modes_hold_while_the_server_is_gone_and_it_decides_again_when_back() {
     let app = app().await;
-    let file = File::new(&limits(1_000, 100));
+    let file = File::new("envoy-limits", &limits(1_000, 100));
     let (running, grpc) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
     let open = Envoy::start(&envoy::documented(app.addr(), grpc)).await;
     let closed_config = envoy::documented(app.addr(), grpc)
@@ -304,7 +277,7 @@ async fn a_grpc_call_over_the_limit_is_resource_exhausted_through_envoy() {
     let catalog = Catalog::new();
     let router = tonic::transport::Server::builder().add_service(catalog.server());
     let service = GrpcServer::start(|incoming| router.serve_with_incoming(incoming)).await;
-    let file = File::new(&limits(2, 100));
+    let file = File::new("envoy-limits", &limits(2, 100));
     let (_running, grpc) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
     // The application cluster speaks HTTP/2, as a gRPC upstream must.
     let config = envoy::documented(service.addr(), grpc).replacen(
@@ -367,7 +340,7 @@ async fn envoy_with_a_client_certificate_is_served_over_mutual_tls() {
 
     let ca = TestCa::new("tollway clients");
     let (server, client) = (ca.server_files(), ca.server_files());
-    let dir = File::new("");
+    let dir = File::new("envoy-certificates", "");
     let folder = dir.0.parent().unwrap().to_path_buf();
     let write = |name: &str, text: &str| {
         let path = folder.join(name);
@@ -381,7 +354,7 @@ async fn envoy_with_a_client_certificate_is_served_over_mutual_tls() {
     );
 
     let app = app().await;
-    let file = File::new(&limits(3, 100));
+    let file = File::new("envoy-limits", &limits(3, 100));
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = grpc.local_addr().unwrap();
@@ -435,7 +408,7 @@ async fn a_token_budget_is_reserved_and_settled_through_envoy() {
         }),
     )
     .await;
-    let file = File::new(&limits(1_000_000, 1_000));
+    let file = File::new("envoy-limits", &limits(1_000_000, 1_000));
     let (_running, grpc) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
     let mut rls = RlsClient::connect(format!("http://{grpc}")).await.unwrap();
     // In the filter's own `rate_limits` (Envoy 1.40 takes `hits_addend` there, not on a

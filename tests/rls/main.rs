@@ -5,7 +5,7 @@
 
 mod shared;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::OnceLock;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -23,30 +23,7 @@ use tonic::transport::Channel;
 /// The rate limit service's name, as gRPC health knows it.
 const RLS: &str = "envoy.service.ratelimit.v3.RateLimitService";
 
-/// A limits file in a directory of its own, removed when dropped.
-struct File(PathBuf);
-
-impl File {
-    fn new(name: &str, text: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("tollway-rls-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("limits.toml");
-        std::fs::write(&path, text).unwrap();
-        File(path)
-    }
-
-    fn write(&self, text: &str) {
-        std::fs::write(&self.0, text).unwrap();
-    }
-}
-
-impl Drop for File {
-    fn drop(&mut self) {
-        if let Some(dir) = self.0.parent() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-}
+use support::TempFile as File;
 
 /// The binary's one recorder: every server of this binary renders it.
 fn metrics() -> PrometheusHandle {
@@ -726,5 +703,71 @@ async fn a_rules_hit_cap_and_shadow_mode_hold() {
     ] {
         assert!(counted.contains(line), "{line}: {counted}");
     }
+    served.running.stop().await;
+}
+
+const REPLACING: &str = r#"
+[layer]
+default = "per_address"
+
+[policies.per_address]
+algorithm = "gcra"
+limit = 2
+period = "1h"
+
+[policies.partner]
+algorithm = "gcra"
+limit = 100
+period = "1h"
+
+[[descriptors]]
+name = "by_address"
+domain = "edge"
+entries = [{ key = "remote_address" }]
+policy = "per_address"
+key = "ip"
+
+[[descriptors]]
+domain = "edge"
+entries = [{ key = "api_key", value = "partner-*" }]
+policy = "partner"
+replaces = ["by_address"]
+"#;
+
+// `replaces`: a request that matches a partner's key skips the address limit it
+// replaces (its status carries no limit), and counts on the partner's own; without
+// the key, the address limit holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_that_replaces_another_skips_its_limit() {
+    let file = File::new("replacing", REPLACING);
+    let mut served = serve(&file.0).await;
+    let both = || {
+        vec![
+            descriptor(&[("remote_address", "203.0.113.7")]),
+            descriptor(&[("api_key", "partner-acme")]),
+        ]
+    };
+    for left in (95..100).rev() {
+        let r = ask(&mut served.client, both()).await;
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert!(
+            r.statuses[0].current_limit.is_none(),
+            "the address limit is skipped"
+        );
+        assert_eq!(r.statuses[1].limit_remaining, left);
+    }
+    let alone = || vec![descriptor(&[("remote_address", "203.0.113.7")])];
+    for _ in 0..2 {
+        assert_eq!(
+            ask(&mut served.client, alone()).await.overall_code,
+            Code::Ok as i32
+        );
+    }
+    let refused = ask(&mut served.client, alone()).await;
+    assert_eq!(
+        refused.overall_code,
+        Code::OverLimit as i32,
+        "the address counted only its own"
+    );
     served.running.stop().await;
 }

@@ -33,6 +33,10 @@ pub(crate) struct Matched<'r> {
     pub(crate) max_hits: Option<u64>,
     /// Decided and counted, never refused.
     pub(crate) shadow: bool,
+    /// Its rule's name, which another matched rule may replace.
+    pub(crate) name: Option<&'r str>,
+    /// The names of the rules whose limits this request skips.
+    pub(crate) replaces: &'r [String],
 }
 
 impl Descriptors {
@@ -73,6 +77,8 @@ impl Descriptors {
             key: key(&ranked.rule, domain, entries),
             max_hits: ranked.rule.max_hits,
             shadow: ranked.rule.shadow,
+            name: ranked.rule.name.as_deref(),
+            replaces: &ranked.rule.replaces,
         })
     }
 

@@ -131,8 +131,9 @@
 //! patterns, `unlimited`, shadow mode (a policy's, the file's, or a rule's
 //! `shadow_mode`), request and descriptor `hits_addend`, `is_negative_hits` (the hits
 //! given back: a reservation settled, see below), and any period and algorithm of
-//! tollway's but the shaper and calls in flight. It does not have `replaces`,
-//! `detailed_metric`, `value_to_metric`, `share_threshold` or `quota_mode`. The bench
+//! tollway's but the shaper and calls in flight, `replaces` (a rule's `name`, and
+//! another's `replaces = ["<name>"]`). It does not have `detailed_metric`,
+//! `value_to_metric`, `share_threshold` or `quota_mode`. The bench
 //! is in the repository's `BENCHMARKS.md`.
 
 mod descriptors;

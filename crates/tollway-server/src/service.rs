@@ -24,7 +24,7 @@ use tollway_tower::{
     DecisionOutcome, HeaderStyle, OnStoreError, RateLimitLayer, Verdict, rate_limit_headers,
 };
 
-use crate::descriptors::Descriptors;
+use crate::descriptors::{Descriptors, Matched};
 use tonic::{Request, Response, Status};
 
 /// The most a request may carry, far past what Envoy sends: a descriptor for each rate
@@ -288,10 +288,33 @@ impl RateLimitService {
             )));
         }
         let rules = self.rules.load();
+        let matched: Vec<Option<Matched<'_>>> = request
+            .descriptors
+            .iter()
+            .map(|d| {
+                let entries: Vec<(&str, &str)> = d
+                    .entries
+                    .iter()
+                    .map(|e| (e.key.as_str(), e.value.as_str()))
+                    .collect();
+                rules.descriptors.find(&request.domain, &entries)
+            })
+            .collect();
+        // A matched rule's `replaces` skips the named rules' limits for this request.
+        let replaced: Vec<&str> = matched
+            .iter()
+            .flatten()
+            .flat_map(|m| m.replaces.iter().map(String::as_str))
+            .collect();
         let plans: Vec<Plan<'_>> = request
             .descriptors
             .iter()
-            .map(|d| plan(&rules.descriptors, &request.domain, d, request.hits_addend))
+            .zip(matched)
+            .map(|(d, matched)| match matched {
+                Some(m) if m.name.is_some_and(|name| replaced.contains(&name)) => Plan::Unknown,
+                Some(m) => plan(m, d, request.hits_addend),
+                None => Plan::Unknown,
+            })
             .collect();
         let limited = plans
             .iter()
@@ -459,21 +482,8 @@ fn overridden(policy: &Policy, limit: Option<&RateLimitOverride>) -> Option<Poli
     }
 }
 
-/// How `descriptor` of a request in `domain` is limited.
-fn plan<'r>(
-    descriptors: &'r Descriptors,
-    domain: &str,
-    descriptor: &RateLimitDescriptor,
-    request_hits: u32,
-) -> Plan<'r> {
-    let entries: Vec<(&str, &str)> = descriptor
-        .entries
-        .iter()
-        .map(|e| (e.key.as_str(), e.value.as_str()))
-        .collect();
-    let Some(matched) = descriptors.find(domain, &entries) else {
-        return Plan::Unknown;
-    };
+/// How `descriptor`, which matched a rule as `matched` says, is limited.
+fn plan<'r>(matched: Matched<'r>, descriptor: &RateLimitDescriptor, request_hits: u32) -> Plan<'r> {
     let Some(policy) = matched.policy else {
         return Plan::Unlimited;
     };

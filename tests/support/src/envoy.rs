@@ -102,7 +102,8 @@ impl Envoy {
     pub async fn start(config: &str) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("tollway-envoy-{}-{n}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("tollway-envoy-run-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("a directory for Envoy");
         let (file, admin_path, log) = (
             dir.join("envoy.yaml"),

@@ -88,3 +88,42 @@ impl Drop for TimeKeeper {
         self.0.abort();
     }
 }
+
+/// A file in a directory of its own (a limits file, a certificate), removed with its
+/// directory when dropped.
+#[derive(Debug)]
+pub struct TempFile(pub std::path::PathBuf);
+
+impl TempFile {
+    /// `limits.toml` holding `text`, in a new directory named after `name`.
+    ///
+    /// # Panics
+    ///
+    /// When the directory or the file cannot be written.
+    pub fn new(name: &str, text: &str) -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("tollway-{name}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory of its own");
+        let file = TempFile(dir.join("limits.toml"));
+        file.write(text);
+        file
+    }
+
+    /// Replaces its text.
+    ///
+    /// # Panics
+    ///
+    /// When the file cannot be written.
+    pub fn write(&self, text: &str) {
+        std::fs::write(&self.0, text).expect("write the file");
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}

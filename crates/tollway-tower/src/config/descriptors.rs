@@ -28,7 +28,16 @@
 //! policy = "tokens"
 //! max_hits = 4_096         # a descriptor's hits (or give-back) past it count as 4,096
 //! shadow_mode = true       # decided and counted, never refused
+//!
+//! [[descriptors]]          # a partner's key: its own limit, in place of the address's
+//! domain = "edge"
+//! entries = [{ key = "api_key", value = "partner-*" }]
+//! policy = "partner"
+//! replaces = ["by_address"]   # the rule named so is not applied to such a request
 //! ```
+//!
+//! A rule's `name` lets `replaces` name it: a request that matches a rule with
+//! `replaces` skips the limits of the rules it names, as envoyproxy/ratelimit does.
 
 use std::collections::BTreeSet;
 
@@ -56,6 +65,10 @@ pub struct DescriptorRule {
     pub max_hits: Option<u64>,
     /// Decided and counted, never refused (`shadow_mode`).
     pub shadow: bool,
+    /// Its name, for other rules' `replaces`.
+    pub name: Option<String>,
+    /// The names of the rules whose limits a request matching this one skips.
+    pub replaces: Vec<String>,
 }
 
 /// What a descriptor entry's value must be.
@@ -103,6 +116,33 @@ impl LimitsFile {
                 ));
             }
             rules.push(rule);
+        }
+        // Names are unique, and `replaces` names one of them.
+        let mut named = BTreeSet::new();
+        for section in &self.file.descriptors {
+            if let Some(name) = &section.get_ref().name
+                && !named.insert(name.get_ref().as_str())
+            {
+                return Err(self.at(
+                    Some(name.span()),
+                    "another [[descriptors]] rule has this name: give each its own",
+                ));
+            }
+        }
+        for section in &self.file.descriptors {
+            for replaced in &section.get_ref().replaces {
+                if !named.contains(replaced.get_ref().as_str()) {
+                    return Err(self.at(
+                        Some(replaced.span()),
+                        &format!(
+                            "no [[descriptors]] rule is named {:?}: give the rule it replaces \
+                             name = {:?}",
+                            replaced.get_ref(),
+                            replaced.get_ref()
+                        ),
+                    ));
+                }
+            }
         }
         Ok(rules)
     }
@@ -227,6 +267,8 @@ impl LimitsFile {
             key,
             max_hits,
             shadow: d.shadow_mode,
+            name: d.name.as_ref().map(|n| n.get_ref().clone()),
+            replaces: d.replaces.iter().map(|r| r.get_ref().clone()).collect(),
         })
     }
 
@@ -256,10 +298,20 @@ impl LimitsFile {
                 .as_ref()
                 .map_or(String::new(), |m| format!(", at most {} hits", m.get_ref()));
             let shadow = if d.shadow_mode { ", in shadow" } else { "" };
+            let name = d
+                .name
+                .as_ref()
+                .map_or(String::new(), |n| format!(" {:?}", n.get_ref()));
+            let replaces: Vec<&str> = d.replaces.iter().map(|r| r.get_ref().as_str()).collect();
+            let replaces = if replaces.is_empty() {
+                String::new()
+            } else {
+                format!(", replaces {replaces:?}")
+            };
             // Writing to a String cannot fail.
             let _ = writeln!(
                 out,
-                "  descriptor: {} ({}) -> {what}{max_hits}{shadow}",
+                "  descriptor{name}: {} ({}) -> {what}{max_hits}{shadow}{replaces}",
                 d.domain.get_ref(),
                 entries.join(", ")
             );
@@ -345,6 +397,29 @@ unlimited = true
             "key = \"ip\"\nmax_hits = 7\nshadow_mode = true",
         );
         let capped = LimitsFile::parse("limits.toml", &capped).unwrap();
+        // `replaces` names a rule's `name`; names are unique.
+        let named = FILE.replace("key = \"ip\"", "key = \"ip\"\nname = \"by_address\"");
+        let replacing = named.replace(
+            "unlimited = true",
+            "unlimited = true\nreplaces = [\"by_address\"]",
+        );
+        let rules = LimitsFile::parse("limits.toml", &replacing)
+            .unwrap()
+            .descriptors()
+            .unwrap();
+        assert_eq!(rules[0].name.as_deref(), Some("by_address"));
+        assert_eq!(rules[2].replaces, ["by_address"]);
+        let e = err(&named.replace(
+            "unlimited = true",
+            "unlimited = true\nreplaces = [\"nobody\"]",
+        ));
+        assert!(e.starts_with("limits.toml:31:13: "), "{e}");
+        assert!(e.contains("name = \"nobody\""), "{e}");
+        let twice = named.replace(
+            "policy = \"checkout\"",
+            "policy = \"checkout\"\nname = \"by_address\"",
+        );
+        assert!(err(&twice).contains("has this name"), "{}", err(&twice));
         let rule = &capped.descriptors().unwrap()[0];
         assert_eq!((rule.max_hits, rule.shadow), (Some(7), true));
         assert!(

@@ -54,6 +54,11 @@ pub(super) struct DescriptorSection {
     /// Decided and counted, never refused (envoyproxy/ratelimit's name).
     #[serde(default)]
     pub(super) shadow_mode: bool,
+    /// A name other rules' `replaces` can give.
+    pub(super) name: Option<Spanned<String>>,
+    /// The named rules whose limits a request matching this one does not apply.
+    #[serde(default)]
+    pub(super) replaces: Vec<Spanned<String>>,
 }
 
 /// One entry of a descriptor rule: a key, and a value, a pattern, or any value.
