@@ -62,6 +62,15 @@ fn metrics() -> PrometheusHandle {
 
 /// tollway-server on `grpc` (a free port when 0), its HTTP port free.
 async fn tollway(file: &File, grpc: SocketAddr) -> (tollway_server::Running, SocketAddr) {
+    tollway_with(file, grpc, None).await
+}
+
+/// [`tollway`], its gRPC port served with `tls`.
+async fn tollway_with(
+    file: &File,
+    grpc: SocketAddr,
+    tls: Option<tollway_server::Tls>,
+) -> (tollway_server::Running, SocketAddr) {
     let grpc = TcpListener::bind(grpc).await.unwrap();
     let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = grpc.local_addr().unwrap();
@@ -71,7 +80,7 @@ async fn tollway(file: &File, grpc: SocketAddr) -> (tollway_server::Running, Soc
         http,
         metrics: metrics(),
         watch: false,
-        tls: None,
+        tls,
     })
     .await
     .unwrap();
@@ -355,23 +364,12 @@ async fn envoy_with_a_client_certificate_is_served_over_mutual_tls() {
 
     let app = app().await;
     let file = File::new("envoy-limits", &limits(3, 100));
-    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = grpc.local_addr().unwrap();
-    let _running = tollway_server::start(tollway_server::Options {
-        config: &file.0,
-        grpc,
-        http,
-        metrics: metrics(),
-        watch: false,
-        tls: Some(tollway_server::Tls {
-            cert: server.cert.into_bytes(),
-            key: server.key.into_bytes(),
-            client_ca: Some(ca.pem().as_bytes().to_vec()),
-        }),
-    })
-    .await
-    .unwrap();
+    let tls = tollway_server::Tls {
+        cert: server.cert.into_bytes(),
+        key: server.key.into_bytes(),
+        client_ca: Some(ca.pem().as_bytes().to_vec()),
+    };
+    let (_running, addr) = tollway_with(&file, "127.0.0.1:0".parse().unwrap(), Some(tls)).await;
     let documented = envoy::documented(app.addr(), addr);
     let trusted = Envoy::start(&over_tls(
         &documented,

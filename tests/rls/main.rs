@@ -5,6 +5,7 @@
 
 mod shared;
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -37,11 +38,16 @@ fn metrics() -> PrometheusHandle {
 struct Served {
     running: tollway_server::Running,
     client: RateLimitServiceClient<Channel>,
-    grpc: std::net::SocketAddr,
-    http: std::net::SocketAddr,
+    grpc: SocketAddr,
+    http: SocketAddr,
 }
 
-async fn serve(config: &Path) -> Served {
+/// A server of `config` on free loopback ports, its gRPC port served with `tls`, and
+/// those ports.
+async fn start(
+    config: &Path,
+    tls: Option<tollway_server::Tls>,
+) -> Result<(tollway_server::Running, SocketAddr, SocketAddr), tollway_core::ConfigError> {
     let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
@@ -51,10 +57,14 @@ async fn serve(config: &Path) -> Served {
         http,
         metrics: metrics(),
         watch: false,
-        tls: None,
+        tls,
     })
-    .await
-    .unwrap();
+    .await?;
+    Ok((running, grpc_addr, http_addr))
+}
+
+async fn serve(config: &Path) -> Served {
+    let (running, grpc_addr, http_addr) = start(config, None).await.unwrap();
     let client = RateLimitServiceClient::connect(format!("http://{grpc_addr}"))
         .await
         .unwrap();
@@ -571,29 +581,16 @@ async fn mutual_tls_serves_only_clients_with_a_trusted_certificate() {
     let (ca, rogue) = (TestCa::new("tollway clients"), TestCa::new("someone else"));
     let server = ca.server_files();
     let file = File::new("mtls", LIMITS);
-    let start = |key: String| {
-        let (cert, client_ca, path) = (server.cert.clone(), ca.pem().to_owned(), file.0.clone());
-        async move {
-            let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let port = grpc.local_addr().unwrap().port();
-            let running = tollway_server::start(tollway_server::Options {
-                config: &path,
-                grpc,
-                http,
-                metrics: metrics(),
-                watch: false,
-                tls: Some(tollway_server::Tls {
-                    cert: cert.into_bytes(),
-                    key: key.into_bytes(),
-                    client_ca: Some(client_ca.into_bytes()),
-                }),
-            })
-            .await;
-            running.map(|running| (running, port))
-        }
+    let with_key = |key: String| {
+        let tls = tollway_server::Tls {
+            cert: server.cert.clone().into_bytes(),
+            key: key.into_bytes(),
+            client_ca: Some(ca.pem().as_bytes().to_vec()),
+        };
+        start(&file.0, Some(tls))
     };
-    let (running, port) = start(server.key.clone()).await.unwrap();
+    let (running, grpc, _) = with_key(server.key.clone()).await.unwrap();
+    let port = grpc.port();
     let served = ask_over_tls(port, ca.pem(), Some(&ca.server_files())).await;
     assert_eq!(served.unwrap().overall_code, Code::Ok as i32);
     let refused = [
@@ -612,7 +609,10 @@ async fn mutual_tls_serves_only_clients_with_a_trusted_certificate() {
 
     let not_a_key =
         "-----BEGIN PRIVATE KEY-----\nc2VjcmV0LWJ1dC1ub3QtYS1rZXk=\n-----END PRIVATE KEY-----\n";
-    let error = start(not_a_key.to_owned()).await.unwrap_err().to_string();
+    let error = with_key(not_a_key.to_owned())
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(error.contains("TLS on the gRPC port"), "{error}");
     assert!(!error.contains("c2VjcmV0"), "the key is repeated: {error}");
 }
