@@ -485,7 +485,8 @@ async fn a_descriptors_own_limit_decides_and_keeps_what_was_used() {
 // Requests past tollway-server's bounds are refused INVALID_ARGUMENT before the store
 // sees a call, and counted: 50,000 descriptors in one 1.5 MB request (which once cost
 // 50,000 store decisions and 100 MB), 65 descriptors, a descriptor of 17 entries, a
-// value of 64 KiB + 1. Within them, the request is decided.
+// value of 64 KiB + 1, a message past 4 MiB (which gRPC itself would call
+// OUT_OF_RANGE). Within them, the request is decided.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_past_the_bounds_are_refused_before_any_store_call() {
     use tollway_server::bounds;
@@ -514,7 +515,17 @@ async fn requests_past_the_bounds_are_refused_before_any_store_call() {
     let wide = descriptor(&[("remote_address", "203.0.113.4"); bounds::ENTRIES + 1]);
     let long = "v".repeat(bounds::VALUE_BYTES + 1);
     let long = descriptor(&[("remote_address", long.as_str())]);
-    for descriptors in [flood, many(bounds::DESCRIPTORS + 1), vec![wide], vec![long]] {
+    let full = "v".repeat(bounds::VALUE_BYTES);
+    let heavy = vec![descriptor(&[("remote_address", full.as_str())]); 80];
+    let bytes = prost::Message::encoded_len(&request(heavy.clone()));
+    assert!(bytes > bounds::MESSAGE_BYTES, "{bytes} bytes");
+    for descriptors in [
+        flood,
+        many(bounds::DESCRIPTORS + 1),
+        vec![wide],
+        vec![long],
+        heavy,
+    ] {
         let refused = served
             .client
             .should_rate_limit(request(descriptors))
@@ -530,7 +541,7 @@ async fn requests_past_the_bounds_are_refused_before_any_store_call() {
         "{calls} script calls: the readiness probe makes {probes} at most"
     );
     let counted = metrics().render();
-    for reason in ["descriptors", "entries", "value_bytes"] {
+    for reason in ["descriptors", "entries", "value_bytes", "message_bytes"] {
         let line = format!("tollway_rls_requests_refused_total{{reason=\"{reason}\"}}");
         assert!(counted.contains(&line), "{reason}: {counted}");
     }

@@ -183,7 +183,7 @@ pub const RLS_REFUSED: Metric = Metric {
     name: "tollway_rls_requests_refused_total",
     kind: Kind::Counter,
     labels: &["reason"],
-    help: "Rate limit requests refused before any store call: descriptors, entries, key_bytes or value_bytes past their bound",
+    help: "Rate limit requests refused before any store call: descriptors, entries, key_bytes, value_bytes or message_bytes past their bound",
 };
 
 /// Descriptors tollway-server decided, by policy (server).

@@ -20,7 +20,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
-use crate::service::{RateLimitService, Rules};
+use crate::service::{Bounded, RateLimitService, Rules};
 
 /// How often readiness asks the store.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
@@ -170,8 +170,7 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
 
     // gRPC.
     tasks.push(tokio::spawn({
-        let service = RateLimitServiceServer::new(service.clone())
-            .max_decoding_message_size(crate::service::bounds::MESSAGE_BYTES);
+        let service = Bounded::new(service.clone());
         let mut stopped = stopped.clone();
         let incoming = TcpIncoming::from(options.grpc);
         let mut grpc_server = grpc_server;

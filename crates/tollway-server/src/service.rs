@@ -42,9 +42,72 @@ pub mod bounds {
     pub const KEY_BYTES: usize = 256;
     /// Bytes of an entry's value.
     pub const VALUE_BYTES: usize = 65_536;
-    /// Bytes of a whole request, as gRPC decodes it: past it, gRPC refuses the message
-    /// (`OUT_OF_RANGE`) before the service reads it.
+    /// Bytes of a whole request, as gRPC decodes it: past it, the message is refused
+    /// unread.
     pub const MESSAGE_BYTES: usize = 4 << 20;
+}
+
+/// The rate limit service with its messages bounded at [`bounds::MESSAGE_BYTES`].
+///
+/// gRPC refuses a longer message `OUT_OF_RANGE` before the service reads it. This says
+/// `INVALID_ARGUMENT` instead, as for every other bound, and counts it (`message_bytes`).
+/// The service never answers `OUT_OF_RANGE` itself.
+#[derive(Clone, Debug)]
+pub(crate) struct Bounded<S>(S);
+
+impl Bounded<rate_limit_service_server::RateLimitServiceServer<RateLimitService>> {
+    /// `service`, bounded.
+    pub(crate) fn new(service: RateLimitService) -> Self {
+        Bounded(
+            rate_limit_service_server::RateLimitServiceServer::new(service)
+                .max_decoding_message_size(bounds::MESSAGE_BYTES),
+        )
+    }
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for Bounded<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+type GrpcResponse = http::Response<tonic::body::Body>;
+
+impl<S> tonic::codegen::Service<http::Request<tonic::body::Body>> for Bounded<S>
+where
+    S: tonic::codegen::Service<http::Request<tonic::body::Body>, Response = GrpcResponse>,
+{
+    type Response = GrpcResponse;
+    type Error = S::Error;
+    type Future = futures_util::future::MapOk<S::Future, fn(GrpcResponse) -> GrpcResponse>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        use futures_util::TryFutureExt;
+        self.0.call(request).map_ok(past_message_bytes)
+    }
+}
+
+/// `response`, or `INVALID_ARGUMENT` when gRPC refused the message as too long.
+fn past_message_bytes(response: GrpcResponse) -> GrpcResponse {
+    let too_long = response
+        .extensions()
+        .get::<Status>()
+        .is_some_and(|status| status.code() == tonic::Code::OutOfRange);
+    if !too_long {
+        return response;
+    }
+    metrics::counter!(tollway_core::metric::RLS_REFUSED.name, "reason" => "message_bytes")
+        .increment(1);
+    Status::invalid_argument(format!(
+        "a rate limit request past tollway-server's bounds: a message of at most {} bytes",
+        bounds::MESSAGE_BYTES
+    ))
+    .into_http()
 }
 
 /// Why a request is past [`bounds`]: its reason (a metric label) and what it says.
