@@ -46,6 +46,11 @@ async fn the_clusters_loans_are_the_memory_stores() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clusters_shares_are_the_memory_stores() {
+    suites::share_conformance(&cluster(), 1_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_leasing_gateways_on_the_cluster_never_admit_more_than_the_capacity() {
     let keys = suites::leased_atomicity(&cluster()).await;
     shared_cluster().assert_on_every_master(&keys).await;

@@ -91,6 +91,12 @@ async fn on_the_servers_clock_the_scripts_loans_are_the_memory_stores() {
     suites::lend_conformance_server_time(&shared(), 300).await;
 }
 
+/// A shared policy's ledger: the script's shares are the memory store's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scripts_shares_are_the_memory_stores() {
+    suites::share_conformance(&shared(), 3_000).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_leasing_gateways_and_66_tasks_never_admit_more_than_the_capacity() {
     suites::leased_atomicity(&shared()).await;

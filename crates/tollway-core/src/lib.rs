@@ -256,7 +256,7 @@ pub use store::{
 pub use store::{
     BoxStore, BoxStoreFuture, BreakerState, Checked, CheckedFuture, CircuitBreaker,
     CircuitBreakerBuilder, CircuitBreakerFuture, GiveBackFuture, Grant, LendFuture, MemoryStore,
-    MemoryStoreBuilder, Operation, Store, WhenFull,
+    MemoryStoreBuilder, Operation, Share, ShareAsk, ShareFuture, Store, WhenFull, share,
 };
 #[cfg(feature = "leases")]
 pub use store::{Leased, LeasedBuilder};

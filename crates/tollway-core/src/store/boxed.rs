@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use super::{Checked, GiveBackFuture, LendFuture, Operation, Store};
+use super::{Checked, GiveBackFuture, LendFuture, Operation, ShareAsk, ShareFuture, Store};
 use crate::{ConfigError, Decisions, Policy, StoreError};
 
 /// The future of a [`BoxStore`] decision that waits.
@@ -76,6 +76,7 @@ trait ErasedStore: Send + Sync {
         units: u64,
         ends: &[u64],
     ) -> Option<GiveBackFuture>;
+    fn share(&self, key: &[u8], policy: &Policy, ask: &ShareAsk) -> Option<ShareFuture>;
 }
 
 impl<S: Store> ErasedStore for S {
@@ -116,6 +117,10 @@ impl<S: Store> ErasedStore for S {
         ends: &[u64],
     ) -> Option<GiveBackFuture> {
         Store::give_back(self, key, policies, units, ends)
+    }
+
+    fn share(&self, key: &[u8], policy: &Policy, ask: &ShareAsk) -> Option<ShareFuture> {
+        Store::share(self, key, policy, ask)
     }
 }
 
@@ -170,5 +175,9 @@ impl Store for BoxStore {
         ends: &[u64],
     ) -> Option<GiveBackFuture> {
         self.inner.give_back(key, policies, units, ends)
+    }
+
+    fn share(&self, key: &[u8], policy: &Policy, ask: &ShareAsk) -> Option<ShareFuture> {
+        self.inner.share(key, policy, ask)
     }
 }

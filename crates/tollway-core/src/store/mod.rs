@@ -16,6 +16,7 @@ mod memory;
 mod redis;
 #[cfg(feature = "regions")]
 mod regions;
+pub mod share;
 
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
@@ -37,6 +38,7 @@ pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
 pub use self::regions::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreBuilder};
 #[cfg(feature = "regions")]
 pub use self::regions::{Recording, ReplicatedStore, ReplicatedStoreBuilder};
+pub use self::share::{Share, ShareAsk, ShareFuture};
 
 use crate::{ConfigError, Decisions, Policy, StoreError, StoreErrorKind};
 
@@ -248,6 +250,17 @@ pub trait Store: Send + Sync + 'static {
         ends: &[u64],
     ) -> Option<GiveBackFuture> {
         let _ = (key, policies, units, ends);
+        None
+    }
+
+    /// Divides `policy`'s rate for `key` among holders that each enforce a token bucket
+    /// of their own, and decides `ask`'s share: see [`share`](crate::share) for the
+    /// rule and what it bounds.
+    ///
+    /// `None`: the store does not share `policy` (the default shares nothing). The memory
+    /// and Redis stores share what [`shareable`](crate::share::shareable) accepts.
+    fn share(&self, key: &[u8], policy: &Policy, ask: &ShareAsk) -> Option<ShareFuture> {
+        let _ = (key, policy, ask);
         None
     }
 }

@@ -555,6 +555,26 @@ where
         }
         self.inner.primary.give_back(key, policies, units, ends)
     }
+
+    /// Asks the primary while the breaker is closed; a failure counts. There is no
+    /// fallback: a share is the fleet's, or none.
+    fn share(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        ask: &super::ShareAsk,
+    ) -> Option<super::ShareFuture> {
+        if self.state() != BreakerState::Closed {
+            return None;
+        }
+        let call = self.inner.primary.share(key, policy, ask)?;
+        let inner = Arc::clone(&self.inner);
+        Some(Box::pin(async move {
+            let answer = call.await;
+            inner.record(answer.is_ok(), false);
+            answer
+        }))
+    }
 }
 
 /// Ends a probe whose future is dropped before it answers.

@@ -37,6 +37,7 @@ impl<C: Clock> MemoryStore<C> {
                 keys: std::sync::atomic::AtomicUsize::new(0),
                 #[cfg(feature = "regions")]
                 board: Default::default(),
+                ledgers: Default::default(),
             }),
         }
     }

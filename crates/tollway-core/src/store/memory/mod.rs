@@ -174,6 +174,9 @@ struct Shared<C> {
     /// The notes posted on this store as a [`Board`](crate::Board).
     #[cfg(feature = "regions")]
     board: super::regions::MemoryBoard,
+    /// The ledgers of shared policies (see [`share`](super::share)), by key, policy
+    /// name and state: only those with a holder.
+    ledgers: parking_lot::Mutex<Ledgers>,
 }
 
 impl MemoryStore<MonotonicClock> {
@@ -411,6 +414,12 @@ impl<C: Clock> MemoryStore<C> {
     }
 }
 
+/// The ledgers of shared policies by key, policy name and state.
+type Ledgers = std::collections::HashMap<(Vec<u8>, String, u64), super::share::Ledger>;
+
+/// Past this many ledgers, a share forgets those whose shares all ended.
+const SWEEP_LEDGERS: usize = 1_024;
+
 impl<C: Clock> Store for MemoryStore<C> {
     /// Never made: the memory store always answers at once.
     type Future = Ready<Result<Decisions, StoreError>>;
@@ -462,6 +471,29 @@ impl<C: Clock> Store for MemoryStore<C> {
         Some(Box::pin(std::future::ready(Ok(super::Grant::new(
             granted, decisions, at,
         )))))
+    }
+
+    /// Decided at once, under one lock for all keys: holders ask once in seconds.
+    fn share(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        ask: &super::ShareAsk,
+    ) -> Option<super::ShareFuture> {
+        super::share::shareable(policy).ok()?;
+        let now = self.shared.clock.now_micros() / 1_000;
+        let id = (key.to_vec(), policy.name().to_owned(), policy.state_id());
+        let mut ledgers = self.shared.ledgers.lock();
+        let ledger = ledgers.entry(id.clone()).or_default();
+        let share = super::share::decide(ledger, now, super::share::Terms::of(policy), ask);
+        // Ledgers whose shares all ended decide as fresh ones: forget them.
+        if !ledger.is_live(now) {
+            ledgers.remove(&id);
+        }
+        if ledgers.len() > SWEEP_LEDGERS {
+            ledgers.retain(|_, ledger| ledger.is_live(now));
+        }
+        Some(Box::pin(std::future::ready(Ok(share))))
     }
 
     fn give_back(

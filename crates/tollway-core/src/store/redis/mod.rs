@@ -18,7 +18,9 @@ use sha2::{Digest, Sha256};
 
 pub use self::builder::RedisStoreBuilder;
 use self::deny_cache::{DenyCache, DenyEntry};
-use self::scripts::{CALENDAR_WINDOW, Call, Kind, SCRIPT, Time, capacities, code, parse};
+use self::scripts::{
+    CALENDAR_WINDOW, Call, Kind, SCRIPT, ShareCall, Time, capacities, code, parse,
+};
 use super::{
     BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Cost, GiveBackFuture, Grant, LendFuture,
     Operation, Store,
@@ -312,6 +314,19 @@ impl Store for RedisStore {
         }
     }
 
+    /// One ledger script call, through the breaker.
+    fn share(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        ask: &crate::ShareAsk,
+    ) -> Option<super::ShareFuture> {
+        match &self.front {
+            Front::Scripts(scripts) => scripts.share(key, policy, ask),
+            Front::Guarded(guarded) => guarded.share(key, policy, ask),
+        }
+    }
+
     /// One script call, through the breaker; never sent twice.
     fn give_back(
         &self,
@@ -431,6 +446,7 @@ impl Scripts {
 #[derive(Clone, Copy)]
 enum Request<'a> {
     Script(&'a Call),
+    Share(&'a ShareCall),
     #[cfg_attr(not(feature = "regions"), allow(dead_code))]
     Command(&'a redis::Cmd),
     #[cfg_attr(not(feature = "regions"), allow(dead_code))]
@@ -443,6 +459,7 @@ impl Request<'_> {
     fn may_repeat(self) -> bool {
         match self {
             Request::Script(call) => call.kind.may_repeat(),
+            Request::Share(_) => true,
             Request::Command(_) | Request::Pipeline(_) => true,
         }
     }
@@ -450,6 +467,7 @@ impl Request<'_> {
     async fn send(self, con: &mut impl ConnectionLike) -> Result<redis::Value, RedisError> {
         match self {
             Request::Script(call) => call.invoke(con).await,
+            Request::Share(call) => call.invoke(con).await,
             Request::Command(cmd) => cmd.query_async(con).await,
             Request::Pipeline(pipe) => pipe.query_async(con).await,
         }
@@ -514,6 +532,36 @@ impl Store for Scripts {
 
     fn lend(&self, key: &[u8], policies: &[&Policy], cost: u64, ask: u64) -> Option<LendFuture> {
         self.lend_call(key, policies, cost, ask)
+    }
+
+    /// One call of `lua/share.lua`. Sent again after a broken connection: a repeat pays
+    /// for a new bucket twice at most, which only leaves less in the pool.
+    fn share(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        ask: &crate::ShareAsk,
+    ) -> Option<super::ShareFuture> {
+        crate::share::shareable(policy).ok()?;
+        let call = ShareCall {
+            key: format!(
+                "{}:{{{}}}:{}:share:{:016x}",
+                self.inner.prefix,
+                escape_key(key),
+                policy.name(),
+                policy.state_id()
+            ),
+            now_ms: self.inner.clock.as_ref().map(|c| c.now_micros() / 1_000),
+            terms: crate::share::Terms::of(policy),
+            ask: ask.clone(),
+        };
+        let this = self.clone();
+        Some(Box::pin(async move {
+            let reply = this.run(Request::Share(&call)).await?;
+            let reply: Vec<i64> =
+                redis::from_redis_value(reply).map_err(|e| redis_error(e.into()))?;
+            scripts::shared(&reply)
+        }))
     }
 
     /// One `giveback` call, sent once: a call that may have run is not sent again.

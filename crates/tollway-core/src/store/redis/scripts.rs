@@ -52,9 +52,87 @@ const OPERATE_SOURCE: &str = concat!(
     include_str!("../../../lua/operate.lua"),
 );
 
+/// The script that keeps a shared policy's ledger (see `store/share.rs`).
+const SHARE_SOURCE: &str = include_str!("../../../lua/share.lua");
+
 /// The scripts with their SHA-1s, computed once.
 pub(super) static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SOURCE));
 static OPERATE: LazyLock<Script> = LazyLock::new(|| Script::new(OPERATE_SOURCE));
+static SHARE: LazyLock<Script> = LazyLock::new(|| Script::new(SHARE_SOURCE));
+
+/// `EVALSHA` of `script`, and on `NOSCRIPT` `EVAL` of its `source`, which also caches it
+/// on that node. `command` makes either from the script's name and text.
+///
+/// `NOSCRIPT` comes after `SCRIPT FLUSH`, a restart or a failover, or from a cluster
+/// node that never saw the script. The call goes to the node that owns the keys either
+/// way.
+async fn eval_cached(
+    con: &mut impl ConnectionLike,
+    script: &Script,
+    source: &str,
+    command: impl Fn(&str, &str) -> redis::Cmd,
+) -> Result<redis::Value, RedisError> {
+    match command("EVALSHA", script.get_hash()).query_async(con).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            command("EVAL", source).query_async(con).await
+        }
+        other => other,
+    }
+}
+
+/// One call of the ledger script (see `lua/share.lua` for its arguments).
+pub(super) struct ShareCall {
+    pub(super) key: String,
+    /// The caller's time in ms, or `None` for the server's `TIME`.
+    pub(super) now_ms: Option<u64>,
+    pub(super) terms: crate::share::Terms,
+    pub(super) ask: crate::ShareAsk,
+}
+
+impl ShareCall {
+    pub(super) async fn invoke(
+        &self,
+        con: &mut impl ConnectionLike,
+    ) -> Result<redis::Value, RedisError> {
+        use crate::share::{CHANGE_PART, MAX_HOLDERS, RESERVE_PART, SIZE_PART};
+        eval_cached(con, &SHARE, SHARE_SOURCE, |name, script| {
+            let mut cmd = redis::cmd(name);
+            cmd.arg(script).arg(1).arg(&self.key);
+            match self.now_ms {
+                Some(now) => cmd.arg(now),
+                None => cmd.arg(""),
+            };
+            cmd.arg(self.terms.limit)
+                .arg(self.terms.period_ms)
+                .arg(self.terms.burst)
+                .arg(self.ask.holder())
+                .arg(self.ask.demand())
+                .arg(self.ask.hold_ms())
+                .arg(RESERVE_PART)
+                .arg(SIZE_PART)
+                .arg(MAX_HOLDERS)
+                .arg(CHANGE_PART);
+            cmd
+        })
+        .await
+    }
+}
+
+/// The share in a ledger script's reply.
+pub(super) fn shared(reply: &[i64]) -> Result<crate::Share, StoreError> {
+    match *reply {
+        [rate, size, new, until] if rate >= 0 && size >= 0 && until >= 0 => Ok(crate::Share::new(
+            rate as u64,
+            size as u64,
+            new == 1,
+            until as u64,
+        )),
+        _ => Err(StoreError::new(
+            StoreErrorKind::Script,
+            "the share script replied no share: is another version of tollway using the same prefix?",
+        )),
+    }
+}
 
 /// The script's code for an algorithm (`ARGV` of each limit).
 pub(super) fn code(algorithm: Algorithm) -> u64 {
@@ -144,16 +222,10 @@ impl Call {
             Kind::Check | Kind::CheckEach | Kind::Peek => (&*SCRIPT, SOURCE),
             Kind::Operate(_) | Kind::Lend { .. } | Kind::GiveBack => (&*OPERATE, OPERATE_SOURCE),
         };
-        match self
-            .command("EVALSHA", script.get_hash())
-            .query_async(con)
-            .await
-        {
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                self.command("EVAL", source).query_async(con).await
-            }
-            other => other,
-        }
+        eval_cached(con, script, source, |name, script| {
+            self.command(name, script)
+        })
+        .await
     }
 
     fn command(&self, name: &str, script: &str) -> redis::Cmd {

@@ -1,0 +1,183 @@
+use super::*;
+
+const TERMS: Terms = Terms {
+    limit: 100,
+    period_ms: 1_000,
+    burst: 100,
+};
+
+fn ask(holder: &str, demand: u64) -> ShareAsk {
+    ShareAsk::new(holder, demand, Duration::from_secs(10))
+}
+
+/// A holder as it enforces its share: a token bucket (units × the period), installed
+/// full when the share is new, gone when it ends.
+#[derive(Default)]
+struct Bucket {
+    share: Option<Share>,
+    tokens: u64,
+}
+
+impl Bucket {
+    fn take(&mut self, share: Share) {
+        if share.is_new() || self.share.is_none() {
+            self.tokens = share.size() * TERMS.period_ms;
+        }
+        self.share = Some(share).filter(|s| s.rate() > 0);
+    }
+
+    /// One ms: spends all it can, then refills; what it spent.
+    fn spend(&mut self, now: u64) -> u64 {
+        let Some(share) = self.share.filter(|s| s.until_ms() > now) else {
+            self.share = None;
+            return 0;
+        };
+        let spent = self.tokens / TERMS.period_ms;
+        self.tokens -= spent * TERMS.period_ms;
+        self.tokens = (self.tokens + share.rate()).min(share.size() * TERMS.period_ms);
+        spent
+    }
+}
+
+/// A tiny deterministic generator.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+// The claim of the module: whatever the holders ask and when, buckets that spend all
+// they are given never spend more in a window than one bucket of the policy admits.
+#[test]
+fn holders_that_spend_all_their_shares_never_pass_the_policy() {
+    for seed in 1..=20u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut ledger = Ledger::default();
+        let holders = ["a", "b", "c", "d"];
+        let mut buckets: Vec<Bucket> = holders.iter().map(|_| Bucket::default()).collect();
+        let mut next: Vec<u64> = holders.iter().map(|_| rng.below(3_000)).collect();
+        let mut spent = Vec::new();
+        for now in 0..60_000u64 {
+            for (i, holder) in holders.iter().enumerate() {
+                if next[i] == now {
+                    let demand = [0, 5, 50, 500, 10_000][rng.below(5) as usize];
+                    let asked = if rng.below(20) == 0 {
+                        ShareAsk::release(*holder)
+                    } else {
+                        ShareAsk::new(
+                            *holder,
+                            demand,
+                            Duration::from_millis(4_000 + rng.below(8_000)),
+                        )
+                    };
+                    let share = decide(&mut ledger, now, TERMS, &asked);
+                    if asked.hold_ms() == 0 {
+                        buckets[i] = Bucket::default();
+                    } else {
+                        buckets[i].take(share);
+                    }
+                    // Some traces ask often: every change of share is a new bucket.
+                    let gap = if seed % 2 == 0 { 6_000 } else { 300 };
+                    next[i] = now + 1 + rng.below(gap);
+                }
+            }
+            spent.push(buckets.iter_mut().map(|b| b.spend(now)).sum::<u64>());
+        }
+        let mut sums = vec![0u64];
+        for s in &spent {
+            sums.push(sums.last().unwrap() + s);
+        }
+        for window in [1usize, 10, 100, 1_000, 5_000, 20_000] {
+            let bound = TERMS.burst + (TERMS.limit * window as u64).div_ceil(TERMS.period_ms);
+            let most = (window..sums.len())
+                .map(|end| sums[end] - sums[end - window])
+                .max()
+                .unwrap();
+            assert!(
+                most <= bound,
+                "seed {seed}: {most} in {window} ms, at most {bound}"
+            );
+        }
+        let used: u64 = spent.iter().sum();
+        assert!(used > 0, "seed {seed}");
+    }
+}
+
+// Demand 10:1:1 at twice the limit, then reversed, then equal: the small demands are
+// met, the busy holder takes the rest, all but the reserve is held.
+#[test]
+fn shares_follow_demand_and_use_all_but_the_reserve() {
+    let mut ledger = Ledger::default();
+    let mut now = 0;
+    let mut rates = [0u64; 3];
+    for (round, demands) in [[166, 17, 17], [17, 17, 166], [67, 67, 67]]
+        .iter()
+        .enumerate()
+    {
+        for _ in 0..6 {
+            for (i, holder) in ["a", "b", "c"].iter().enumerate() {
+                rates[i] = decide(&mut ledger, now, TERMS, &ask(holder, demands[i])).rate();
+                now += 1_000;
+            }
+            now += 2_000;
+        }
+        let total: u64 = rates.iter().sum();
+        assert!(total <= 98, "round {round}: {rates:?}");
+        assert!(total >= 90, "round {round}: {rates:?}");
+        let busiest = (0..3).max_by_key(|&i| demands[i]).unwrap();
+        if round < 2 {
+            assert!(rates[busiest] >= 60, "round {round}: {rates:?}");
+            assert!(rates.iter().all(|&r| r >= 15), "round {round}: {rates:?}");
+        } else {
+            assert!(rates.iter().all(|&r| r >= 28), "round {round}: {rates:?}");
+        }
+    }
+}
+
+// Holders ask from many places; one past MAX_HOLDERS is given nothing, and a holder
+// that gives its share back frees it at once.
+#[test]
+fn a_ledger_is_bounded_and_a_release_frees_the_share() {
+    let terms = Terms {
+        limit: 100_000,
+        period_ms: 1_000,
+        burst: 100_000,
+    };
+    let mut ledger = Ledger::default();
+    for i in 0..MAX_HOLDERS {
+        decide(&mut ledger, 0, terms, &ask(&format!("h{i}"), 1));
+    }
+    assert_eq!(decide(&mut ledger, 0, terms, &ask("late", 10)).rate(), 0);
+    decide(&mut ledger, 0, terms, &ShareAsk::release("h0"));
+    assert_eq!(decide(&mut ledger, 0, terms, &ask("late", 10)).rate(), 10);
+}
+
+// A share that ends is the ledger's again; once all have ended, it starts afresh.
+#[test]
+fn ended_shares_return_to_the_ledger() {
+    let mut ledger = Ledger::default();
+    let a = decide(&mut ledger, 0, TERMS, &ask("a", 1_000));
+    assert_eq!(a.rate(), 98);
+    assert_eq!(decide(&mut ledger, 1, TERMS, &ask("b", 1_000)).rate(), 0);
+    let b = decide(&mut ledger, a.until_ms(), TERMS, &ask("b", 1_000));
+    assert_eq!((b.rate(), b.is_new()), (98, true));
+    assert!(!ledger.is_live(b.until_ms()));
+}
+
+// Re-asking for the same keeps the holder's bucket (not a new, full one), and a change
+// within an eighth keeps it too: each new bucket costs the pool.
+#[test]
+fn a_bucket_is_kept_while_the_share_barely_moves() {
+    let mut ledger = Ledger::default();
+    let first = decide(&mut ledger, 0, TERMS, &ask("a", 80));
+    assert!(first.is_new());
+    let again = decide(&mut ledger, 5_000, TERMS, &ask("a", 75));
+    assert_eq!((again.rate(), again.is_new()), (80, false));
+    let moved = decide(&mut ledger, 10_000, TERMS, &ask("a", 40));
+    assert_eq!((moved.rate(), moved.is_new()), (40, true));
+}
