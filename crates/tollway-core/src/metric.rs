@@ -183,7 +183,7 @@ pub const RLS_REFUSED: Metric = Metric {
     name: "tollway_rls_requests_refused_total",
     kind: Kind::Counter,
     labels: &["reason"],
-    help: "Rate limit requests refused before any store call: descriptors, entries, key_bytes, value_bytes or message_bytes past their bound",
+    help: "Rate limit requests refused before any store call: descriptors, entries, key_bytes, value_bytes or message_bytes past their bound; buckets, a quota stream's past its bound",
 };
 
 /// Descriptors tollway-server decided, by policy (server).
@@ -200,6 +200,22 @@ pub const RLS_NEAR_LIMIT: Metric = Metric {
     kind: Kind::Counter,
     labels: &["policy"],
     help: "Descriptors the Envoy rate limit service allowed with under a fifth of the policy's capacity left",
+};
+
+/// New token buckets tollway-server assigned to Envoys' quota buckets (server).
+pub const RLQS_BUCKETS: Metric = Metric {
+    name: "tollway_rlqs_buckets_total",
+    kind: Kind::Counter,
+    labels: &["policy"],
+    help: "Token buckets the rate limit quota service assigned anew (each starts full), by the file's policy",
+};
+
+/// Requests Envoys reported deciding from their assignments (server).
+pub const RLQS_REPORTED: Metric = Metric {
+    name: "tollway_rlqs_reported_requests_total",
+    kind: Kind::Counter,
+    labels: &["policy", "outcome"],
+    help: "Requests Envoys reported to the rate limit quota service, by the file's policy and outcome: allowed, denied",
 };
 
 /// Every metric, in the order above.
@@ -224,6 +240,8 @@ pub const ALL: &[Metric] = &[
     RLS_REFUSED,
     RLS_DECISIONS,
     RLS_NEAR_LIMIT,
+    RLQS_BUCKETS,
+    RLQS_REPORTED,
 ];
 
 /// Tells the installed recorder every metric's type and help text.

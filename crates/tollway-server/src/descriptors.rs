@@ -82,6 +82,47 @@ impl Descriptors {
         })
     }
 
+    /// The rule that limits an RLQS bucket whose id is `id` (keys and values, in any
+    /// order) in `domain`, and its key; `None` when no rule does.
+    ///
+    /// A rule fits a bucket of exactly its keys, each value as the rule says; rules
+    /// compete as for descriptors, entry by entry in each rule's order.
+    pub(crate) fn find_bucket(
+        &self,
+        domain: &str,
+        id: &std::collections::HashMap<String, String>,
+    ) -> Option<Matched<'_>> {
+        let in_order = |rule: &DescriptorRule| -> Option<Vec<(&str, &str)>> {
+            if rule.entries.len() != id.len() {
+                return None;
+            }
+            rule.entries
+                .iter()
+                .map(|(key, _)| {
+                    id.get_key_value(key.as_str())
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                })
+                .collect()
+        };
+        let (ranked, entries) = self
+            .rules
+            .iter()
+            .filter(|r| r.rule.domain == domain)
+            .filter_map(|r| {
+                let entries = in_order(&r.rule).filter(|e| fits(&r.rule, e))?;
+                Some((r, entries))
+            })
+            .min_by(|a, b| a.0.rank.cmp(&b.0.rank))?;
+        Some(Matched {
+            policy: ranked.rule.policy.as_ref(),
+            key: key(&ranked.rule, domain, &entries),
+            max_hits: None,
+            shadow: false,
+            name: None,
+            replaces: &[],
+        })
+    }
+
     /// How many rules there are.
     #[cfg(test)]
     fn len(&self) -> usize {

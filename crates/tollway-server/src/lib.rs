@@ -137,8 +137,10 @@
 //! is in the repository's `BENCHMARKS.md`.
 
 mod descriptors;
+pub mod quota;
 mod serve;
 mod service;
 
+pub use quota::{Buckets, QuotaService};
 pub use serve::{Options, Running, STOP_WITHIN, Tls, start};
 pub use service::{RateLimitService, Rules, bounds};

@@ -20,6 +20,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::quota::{Buckets, QuotaService};
 use crate::service::{Bounded, RateLimitService, Rules};
 
 /// How often readiness asks the store.
@@ -122,14 +123,18 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     let file = LimitsFile::read(options.config)?;
     let store = file.store().await?;
     let rules = Rules::from_file(&file)?;
+    let buckets = Buckets::from_file(&file)?;
     // One follower of the file: the layer's limits first (it refuses a file whose
     // [store] or [key] changed), then the descriptors.
     let reloader = Reloader::from_file(options.config, file, store)?;
     let service = RateLimitService::new(reloader.layer(), rules);
+    let quota = QuotaService::new(service.store().clone(), buckets);
     reloader.follower().follow({
-        let service = service.clone();
+        let (service, quota) = (service.clone(), quota.clone());
         move |file| {
-            service.set_rules(Rules::from_file(file)?);
+            let (rules, buckets) = (Rules::from_file(file)?, Buckets::from_file(file)?);
+            service.set_rules(rules);
+            quota.set_rules(buckets);
             Ok(())
         }
     });
@@ -171,6 +176,7 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     // gRPC.
     tasks.push(tokio::spawn({
         let service = Bounded::new(service.clone());
+        let quota = quota.clone().into_server();
         let mut stopped = stopped.clone();
         let incoming = TcpIncoming::from(options.grpc);
         let mut grpc_server = grpc_server;
@@ -178,6 +184,7 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
             let served = grpc_server
                 .add_service(health_service)
                 .add_service(service)
+                .add_service(quota)
                 .serve_with_incoming_shutdown(incoming, async move {
                     let _ = stopped.changed().await;
                 })

@@ -194,10 +194,10 @@ pub fn shareable(policy: &Policy) -> Result<(), ConfigError> {
         )));
     }
     let terms = Terms::of(policy);
-    if terms.limit < 2 || terms.period_ms == 0 {
+    if terms.limit < 2 || terms.period_ms == 0 || !quota.period_micros().is_multiple_of(1_000) {
         return Err(ConfigError::new(format!(
             "policy {name:?} cannot be shared: give it a limit of 2 or more and a period \
-             of 1 ms or more"
+             of whole milliseconds"
         )));
     }
     let exact = |a: u64, b: u64| u128::from(a) * u128::from(b) < 1 << 53;

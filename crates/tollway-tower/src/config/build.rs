@@ -130,6 +130,9 @@ impl LimitsFile {
         // A policy a descriptor names limits an Envoy edge's requests (tollway-server).
         self.descriptors()?;
         used.extend(self.descriptor_policies());
+        // So does a policy a bucket names, shared among Envoys (tollway-server's RLQS).
+        self.buckets()?;
+        used.extend(self.bucket_policies());
         for (name, section) in &file.policies {
             if !used.contains(&name.as_str()) {
                 return Err(self.at(

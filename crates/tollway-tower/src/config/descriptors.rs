@@ -45,10 +45,13 @@ use tollway_core::{Algorithm, ConfigError, Policy};
 use toml::Spanned;
 
 use super::LimitsFile;
-use super::schema::DescriptorSection;
+use super::schema::{DescriptorSection, EntrySection};
 
 /// One `[[descriptors]]` rule, validated: what a rate limit service matches a request's
 /// descriptors against (tollway-server does the matching).
+///
+/// A `[[buckets]]` rule is one too (see [`LimitsFile::buckets`]): its entries match a
+/// bucket id's keys in any order.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct DescriptorRule {
@@ -158,45 +161,9 @@ impl LimitsFile {
     }
 
     fn descriptor_rule(&self, d: &DescriptorSection) -> Result<DescriptorRule, ConfigError> {
-        let domain = d.domain.get_ref();
-        if domain.is_empty() {
-            return Err(self.at(Some(d.domain.span()), "a descriptor's domain is not empty"));
-        }
-        if d.entries.get_ref().is_empty() {
-            return Err(self.at(
-                Some(d.entries.span()),
-                "a descriptor has entries: write entries = [{ key = \"remote_address\" }]",
-            ));
-        }
-        let mut entries = Vec::new();
-        for entry in d.entries.get_ref() {
-            let e = entry.get_ref();
-            if e.key.get_ref().is_empty() {
-                return Err(self.at(Some(e.key.span()), "an entry's key is not empty"));
-            }
-            let value = match &e.value {
-                None => EntryValue::Any,
-                Some(v) if v.get_ref().contains('*') => EntryValue::Pattern(v.get_ref().clone()),
-                Some(v) => EntryValue::Exact(v.get_ref().clone()),
-            };
-            entries.push((e.key.get_ref().clone(), value));
-        }
-        let policy = match (&d.policy, d.unlimited) {
-            (Some(name), false) => Some(self.policy_named(name)?.clone()),
-            (None, true) => None,
-            (Some(name), true) => {
-                return Err(self.at(
-                    Some(name.span()),
-                    "a descriptor is limited by a policy or unlimited, not both",
-                ));
-            }
-            (None, false) => {
-                return Err(self.at(
-                    Some(d.domain.span()),
-                    "a descriptor needs policy = \"<a [policies] name>\", or unlimited = true",
-                ));
-            }
-        };
+        let domain = self.rule_domain(&d.domain, "descriptor")?;
+        let entries = self.rule_entries(&d.entries, "descriptor")?;
+        let policy = self.rule_policy(&d.domain, d.policy.as_ref(), d.unlimited, "descriptor")?;
         if let Some(policy) = &policy {
             // A slot would never be given back, a delay never waited: Envoy only asks.
             if matches!(
@@ -215,37 +182,7 @@ impl LimitsFile {
                 ));
             }
         }
-        let key = match &d.key {
-            None => DescriptorKey::Own,
-            Some(ns) if ns.get_ref() == "ip" => {
-                let single_any = d.entries.get_ref().len() == 1
-                    && d.entries.get_ref()[0].get_ref().value.is_none();
-                if !single_any {
-                    return Err(self.at(
-                        Some(ns.span()),
-                        "key = \"ip\" counts one address: give the rule one entry without \
-                         a value, like entries = [{ key = \"remote_address\" }]",
-                    ));
-                }
-                DescriptorKey::Ip(self.ipv6_prefix())
-            }
-            Some(ns) => {
-                let good = !ns.get_ref().is_empty()
-                    && ns.get_ref().len() <= 32
-                    && ns
-                        .get_ref()
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-                if !good {
-                    return Err(self.at(
-                        Some(ns.span()),
-                        "key is a namespace of letters, digits, '_' and '-' (at most 32): \
-                         write key = \"ip\" to count as the layer counts peer addresses",
-                    ));
-                }
-                DescriptorKey::Named(ns.get_ref().clone())
-            }
-        };
+        let key = self.rule_key(d.key.as_ref(), &entries)?;
         let max_hits = match &d.max_hits {
             None => None,
             Some(max) => Some(
@@ -261,7 +198,7 @@ impl LimitsFile {
             ),
         };
         Ok(DescriptorRule {
-            domain: domain.clone(),
+            domain,
             entries,
             policy,
             key,
@@ -272,23 +209,113 @@ impl LimitsFile {
         })
     }
 
+    /// A rule's domain, which is not empty. `what` names the rule in messages:
+    /// "descriptor" or "bucket".
+    pub(super) fn rule_domain(
+        &self,
+        domain: &Spanned<String>,
+        what: &str,
+    ) -> Result<String, ConfigError> {
+        if domain.get_ref().is_empty() {
+            return Err(self.at(
+                Some(domain.span()),
+                &format!("a {what}'s domain is not empty"),
+            ));
+        }
+        Ok(domain.get_ref().clone())
+    }
+
+    /// A rule's entries, in the file's order: at least one, each with a key.
+    pub(super) fn rule_entries(
+        &self,
+        entries: &Spanned<Vec<Spanned<EntrySection>>>,
+        what: &str,
+    ) -> Result<Vec<(String, EntryValue)>, ConfigError> {
+        if entries.get_ref().is_empty() {
+            return Err(self.at(
+                Some(entries.span()),
+                &format!("a {what} has entries: write entries = [{{ key = \"remote_address\" }}]"),
+            ));
+        }
+        let mut read = Vec::new();
+        for entry in entries.get_ref() {
+            let e = entry.get_ref();
+            if e.key.get_ref().is_empty() {
+                return Err(self.at(Some(e.key.span()), "an entry's key is not empty"));
+            }
+            let value = match &e.value {
+                None => EntryValue::Any,
+                Some(v) if v.get_ref().contains('*') => EntryValue::Pattern(v.get_ref().clone()),
+                Some(v) => EntryValue::Exact(v.get_ref().clone()),
+            };
+            read.push((e.key.get_ref().clone(), value));
+        }
+        Ok(read)
+    }
+
+    /// The policy a rule names, or `None`: unlimited. One of the two is said.
+    pub(super) fn rule_policy(
+        &self,
+        domain: &Spanned<String>,
+        policy: Option<&Spanned<String>>,
+        unlimited: bool,
+        what: &str,
+    ) -> Result<Option<Policy>, ConfigError> {
+        match (policy, unlimited) {
+            (Some(name), false) => Ok(Some(self.policy_named(name)?.clone())),
+            (None, true) => Ok(None),
+            (Some(name), true) => Err(self.at(
+                Some(name.span()),
+                &format!("a {what} is limited by a policy or unlimited, not both"),
+            )),
+            (None, false) => Err(self.at(
+                Some(domain.span()),
+                &format!("a {what} needs policy = \"<a [policies] name>\", or unlimited = true"),
+            )),
+        }
+    }
+
+    /// Where a rule's keys are counted: its own, the layer's peers (`"ip"`, for one
+    /// entry without a value) or a namespace.
+    pub(super) fn rule_key(
+        &self,
+        key: Option<&Spanned<String>>,
+        entries: &[(String, EntryValue)],
+    ) -> Result<DescriptorKey, ConfigError> {
+        let Some(ns) = key else {
+            return Ok(DescriptorKey::Own);
+        };
+        if ns.get_ref() == "ip" {
+            if !matches!(entries, [(_, EntryValue::Any)]) {
+                return Err(self.at(
+                    Some(ns.span()),
+                    "key = \"ip\" counts one address: give the rule one entry without \
+                     a value, like entries = [{ key = \"remote_address\" }]",
+                ));
+            }
+            return Ok(DescriptorKey::Ip(self.ipv6_prefix()));
+        }
+        let good = !ns.get_ref().is_empty()
+            && ns.get_ref().len() <= 32
+            && ns
+                .get_ref()
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !good {
+            return Err(self.at(
+                Some(ns.span()),
+                "key is a namespace of letters, digits, '_' and '-' (at most 32): \
+                 write key = \"ip\" to count as the layer counts peer addresses",
+            ));
+        }
+        Ok(DescriptorKey::Named(ns.get_ref().clone()))
+    }
+
     /// The summary's lines for the descriptors.
     pub(super) fn descriptor_summary(&self, out: &mut String) {
         use std::fmt::Write as _;
         for d in &self.file.descriptors {
             let d = d.get_ref();
-            let entries: Vec<String> = d
-                .entries
-                .get_ref()
-                .iter()
-                .map(|e| {
-                    let e = e.get_ref();
-                    match &e.value {
-                        Some(v) => format!("{}={}", e.key.get_ref(), v.get_ref()),
-                        None => format!("{}=*", e.key.get_ref()),
-                    }
-                })
-                .collect();
             let what = d
                 .policy
                 .as_ref()
@@ -313,10 +340,25 @@ impl LimitsFile {
                 out,
                 "  descriptor{name}: {} ({}) -> {what}{max_hits}{shadow}{replaces}",
                 d.domain.get_ref(),
-                entries.join(", ")
+                entries_text(d.entries.get_ref())
             );
         }
     }
+}
+
+/// A rule's entries as the summary shows them: `key=value, key=*`.
+pub(super) fn entries_text(entries: &[Spanned<EntrySection>]) -> String {
+    let shown: Vec<String> = entries
+        .iter()
+        .map(|e| {
+            let e = e.get_ref();
+            match &e.value {
+                Some(v) => format!("{}={}", e.key.get_ref(), v.get_ref()),
+                None => format!("{}=*", e.key.get_ref()),
+            }
+        })
+        .collect();
+    shown.join(", ")
 }
 
 #[cfg(test)]

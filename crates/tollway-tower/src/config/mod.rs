@@ -155,6 +155,7 @@
 //! assert!(err.contains("limit"), "{err}");
 //! ```
 
+mod buckets;
 mod build;
 mod descriptors;
 mod file;

@@ -27,6 +27,9 @@ pub(super) struct File {
     /// Envoy rate limit descriptors, for tollway-server.
     #[serde(default)]
     pub(super) descriptors: Vec<Spanned<DescriptorSection>>,
+    /// Envoy rate limit quota buckets, for tollway-server.
+    #[serde(default)]
+    pub(super) buckets: Vec<Spanned<BucketSection>>,
 }
 
 /// A key's plan: its tier, at a limit (and burst) of its own.
@@ -61,7 +64,21 @@ pub(super) struct DescriptorSection {
     pub(super) replaces: Vec<Spanned<String>>,
 }
 
-/// One entry of a descriptor rule: a key, and a value, a pattern, or any value.
+/// A bucket rule: a domain and the entries of a bucket id, and the policy that limits
+/// them. None of a descriptor's `max_hits`, `shadow_mode`, `name` or `replaces`.
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BucketSection {
+    pub(super) domain: Spanned<String>,
+    pub(super) entries: Spanned<Vec<Spanned<EntrySection>>>,
+    pub(super) policy: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) unlimited: bool,
+    /// The namespace of the key the entries' values make (`ip`: the layer's peer keys).
+    pub(super) key: Option<Spanned<String>>,
+}
+
+/// One entry of a descriptor or bucket rule: a key, and a value, a pattern, or any value.
 #[derive(Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub(super) struct EntrySection {

@@ -189,6 +189,7 @@ impl LimitsFile {
             }
         }
         self.descriptor_summary(&mut out);
+        self.bucket_summary(&mut out);
         if let Some(shed) = &file.shed {
             let shed = shed.get_ref();
             let floor = shed.floor.as_ref().map_or(shed::FLOOR, |f| *f.get_ref());

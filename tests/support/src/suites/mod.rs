@@ -23,10 +23,10 @@ pub use concurrency::{concurrency_across_gateways, in_flight_across_gateways};
 pub use conformance::{clock_skew, conformance, conformance_multi, conformance_server_time};
 pub use costs::a_refused_token_takes_no_request_unit;
 pub use lease::{Counted, leased_atomicity, lend_conformance, lend_conformance_server_time};
-pub use share::share_conformance;
 pub use script::{
     a_changed_limit_keeps_usage, atomicity, expiry, hostile_keys, one_round_trip, script_flush,
 };
+pub use share::share_conformance;
 
 /// Where the suite's stores connect.
 #[derive(Clone, Debug)]

@@ -1,0 +1,302 @@
+//! tollway-server's rate limit quota service (RLQS) end to end: real gRPC streams over
+//! Envoy's generated types, two replicas on one real `redis-server`, and the memory
+//! store. The Envoys here are clients that report as Envoy 1.40 does: a new bucket's
+//! first request at once (one request, no time elapsed), then every bucket every 5 s.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
+    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use support::TempFile as File;
+use support::redis::RedisServer;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tonic::Streaming;
+
+/// The binary's one recorder.
+fn metrics() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| PrometheusBuilder::new().install_recorder().unwrap())
+        .clone()
+}
+
+async fn start(config: &Path) -> (tollway_server::Running, SocketAddr, SocketAddr) {
+    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
+    let running = tollway_server::start(tollway_server::Options {
+        config,
+        grpc,
+        http,
+        metrics: metrics(),
+        watch: false,
+        tls: None,
+    })
+    .await
+    .unwrap();
+    (running, grpc_addr, http_addr)
+}
+
+/// 100 a second per API key, a burst of 100; internal keys unlimited.
+fn limits(store: &str) -> String {
+    format!(
+        r#"
+{store}
+
+[layer]
+default = "per_key"
+
+[policies.per_key]
+algorithm = "token_bucket"
+limit = 100
+period = "1s"
+
+[[buckets]]
+domain = "edge"
+entries = [{{ key = "api_key" }}]
+policy = "per_key"
+
+[[buckets]]
+domain = "edge"
+entries = [{{ key = "api_key", value = "internal-*" }}]
+unlimited = true
+"#
+    )
+}
+
+fn on_redis(url: &str) -> String {
+    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n")
+}
+
+/// One Envoy's stream to a server.
+struct Envoy {
+    reports: mpsc::Sender<RateLimitQuotaUsageReports>,
+    answers: Streaming<RateLimitQuotaResponse>,
+}
+
+fn bucket(key: &str) -> BucketId {
+    BucketId {
+        bucket: HashMap::from([("api_key".to_owned(), key.to_owned())]),
+    }
+}
+
+/// What a bucket was told, in short.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Told {
+    /// A token bucket: tokens a second, most tokens.
+    Bucket(u32, u32),
+    Allow,
+    Deny,
+    Abandon,
+}
+
+impl Envoy {
+    async fn connect(server: SocketAddr) -> Self {
+        let mut client = RateLimitQuotaServiceClient::connect(format!("http://{server}"))
+            .await
+            .unwrap();
+        let (reports, outbound) = mpsc::channel(16);
+        let answers = client
+            .stream_rate_limit_quotas(tokio_stream::wrappers::ReceiverStream::new(outbound))
+            .await
+            .unwrap()
+            .into_inner();
+        Envoy { reports, answers }
+    }
+
+    /// Reports `usages` (bucket key, allowed, denied, seconds elapsed) and reads the
+    /// answer: what each bucket was told.
+    async fn report(&mut self, usages: &[(&str, u64, u64, i64)]) -> HashMap<String, Told> {
+        let message = RateLimitQuotaUsageReports {
+            domain: "edge".to_owned(),
+            bucket_quota_usages: usages
+                .iter()
+                .map(|&(key, allowed, denied, secs)| BucketQuotaUsage {
+                    bucket_id: Some(bucket(key)),
+                    time_elapsed: Some(ProtoDuration {
+                        seconds: secs,
+                        nanos: 0,
+                    }),
+                    num_requests_allowed: allowed,
+                    num_requests_denied: denied,
+                })
+                .collect(),
+        };
+        self.reports.send(message).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), self.answers.message())
+            .await
+            .expect("an answer within 10 s")
+            .unwrap()
+            .expect("the stream is open");
+        told(&answer)
+    }
+}
+
+fn told(answer: &RateLimitQuotaResponse) -> HashMap<String, Told> {
+    answer
+        .bucket_action
+        .iter()
+        .map(|action| {
+            let key = action.bucket_id.as_ref().unwrap().bucket["api_key"].clone();
+            let told = match action.bucket_action.as_ref().unwrap() {
+                Action::AbandonAction(_) => Told::Abandon,
+                Action::QuotaAssignmentAction(assignment) => {
+                    let ttl = assignment.assignment_time_to_live.unwrap();
+                    assert_eq!(
+                        ttl.seconds,
+                        tollway_server::quota::ASSIGNMENT_TTL.as_secs() as i64
+                    );
+                    match assignment.rate_limit_strategy.unwrap().strategy.unwrap() {
+                        Strategy::TokenBucket(bucket) => {
+                            let fill = bucket.fill_interval.unwrap();
+                            assert_eq!((fill.seconds, fill.nanos), (1, 0));
+                            Told::Bucket(bucket.tokens_per_fill.unwrap().value, bucket.max_tokens)
+                        }
+                        Strategy::BlanketRule(rule) if rule == BlanketRule::AllowAll as i32 => {
+                            Told::Allow
+                        }
+                        Strategy::BlanketRule(_) => Told::Deny,
+                        other => panic!("{other:?}"),
+                    }
+                }
+            };
+            (key, told)
+        })
+        .collect()
+}
+
+fn rate(told: Told) -> u32 {
+    match told {
+        Told::Bucket(rate, _) => rate,
+        _ => 0,
+    }
+}
+
+fn size(told: Told) -> u32 {
+    match told {
+        Told::Bucket(_, size) => size,
+        _ => 0,
+    }
+}
+
+// Three Envoys, two on one replica and one on another, both replicas on one Redis, ask
+// for one API key's 100 a second: their rates never sum past the limit less the
+// reserve (98), their buckets never past the burst, and the shares follow demand 10:1:1
+// at twice the limit, then reversed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_on_two_replicas_share_one_limit_and_never_pass_it() {
+    let redis = RedisServer::start();
+    let file = File::new("rlqs-redis", &limits(&on_redis(&redis.url())));
+    let (first, grpc_a, _) = start(&file.0).await;
+    let (second, grpc_b, _) = start(&file.0).await;
+    let mut envoys = [
+        Envoy::connect(grpc_a).await,
+        Envoy::connect(grpc_a).await,
+        Envoy::connect(grpc_b).await,
+    ];
+    let mut now = [Told::Deny; 3];
+    let check = |now: &[Told; 3]| {
+        let rates: u32 = now.iter().map(|&t| rate(t)).sum();
+        let sizes: u32 = now.iter().map(|&t| size(t)).sum();
+        assert!(rates <= 98, "{now:?}");
+        assert!(sizes <= 100, "{now:?}");
+        rates
+    };
+    // The first request of each: at once, the whole limit asked (nothing known yet).
+    for (i, envoy) in envoys.iter_mut().enumerate() {
+        let answer = envoy.report(&[("k1", 1, 0, 0)]).await;
+        now[i] = answer["k1"];
+        check(&now);
+    }
+    assert_eq!(rate(now[0]), 98, "the first takes what is not reserved");
+    for (phase, demand) in [[166u64, 17, 17], [17, 17, 166]].iter().enumerate() {
+        for _ in 0..4 {
+            for (i, envoy) in envoys.iter_mut().enumerate() {
+                // 5 s of requests at this demand, as Envoy counts them.
+                let allowed = (u64::from(rate(now[i])) * 5).min(demand[i] * 5);
+                let denied = demand[i] * 5 - allowed;
+                now[i] = envoy.report(&[("k1", allowed, denied, 5)]).await["k1"];
+                check(&now);
+            }
+        }
+        let rates = check(&now);
+        assert!(rates >= 90, "phase {phase}: {now:?}");
+        let busy = if phase == 0 { 0 } else { 2 };
+        assert!(rate(now[busy]) >= 60, "phase {phase}: {now:?}");
+        for i in 0..3 {
+            assert!(rate(now[i]) >= 15, "phase {phase}: {now:?}");
+        }
+    }
+    first.stop().await;
+    second.stop().await;
+}
+
+// An idle bucket is abandoned and its share goes to the others; an unlimited key is
+// allowed all; a bucket no rule names is allowed all, as RLS answers a descriptor no rule
+// names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_bucket_is_abandoned_and_its_share_freed() {
+    let file = File::new("rlqs-idle", &limits(""));
+    let (running, grpc, _) = start(&file.0).await;
+    let mut a = Envoy::connect(grpc).await;
+    let mut b = Envoy::connect(grpc).await;
+    assert_eq!(rate(a.report(&[("k", 1, 0, 0)]).await["k"]), 98);
+    assert_eq!(b.report(&[("k", 1, 0, 0)]).await["k"], Told::Deny);
+    let told = a.report(&[("k", 0, 0, 5)]).await;
+    assert_eq!(told["k"], Told::Abandon);
+    assert_eq!(
+        rate(b.report(&[("k", 0, 400, 5)]).await["k"]),
+        80,
+        "its demand"
+    );
+    assert_eq!(rate(b.report(&[("k", 400, 600, 5)]).await["k"]), 98);
+    let told = a
+        .report(&[("internal-7", 1, 0, 0), ("unknown", 1, 0, 0)])
+        .await;
+    assert_eq!(told["internal-7"], Told::Allow);
+    // A bucket with no api_key entry matches no rule.
+    running.stop().await;
+}
+
+// A reload that drops the rule abandons the bucket on the open stream; one that changes
+// the limit assigns anew, without a report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_reassigns_or_abandons_on_open_streams() {
+    let file = File::new("rlqs-reload", &limits(""));
+    let (running, grpc, _) = start(&file.0).await;
+    let mut envoy = Envoy::connect(grpc).await;
+    assert_eq!(rate(envoy.report(&[("k", 1, 0, 0)]).await["k"]), 98);
+    std::fs::write(&file.0, limits("").replace("limit = 100", "limit = 640")).unwrap();
+    running.reload().await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), envoy.answers.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(rate(told(&answer)["k"]), 630);
+    let without = limits("");
+    let without = &without[..without.find("[[buckets]]").unwrap()];
+    std::fs::write(&file.0, without).unwrap();
+    running.reload().await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), envoy.answers.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(told(&answer)["k"], Told::Abandon);
+    running.stop().await;
+}
