@@ -4,6 +4,7 @@
 -- KEYS[1]  the ledger: a hash of `pool`, `at` and `h:<holder>` = rate:size:demand:until
 -- ARGV     now (ms, or '' for TIME), limit, period (ms), burst, holder, demand, hold (ms;
 --          0 gives the share back), then the reserve, size, holders and change parts
+--          and the smallest size
 -- Reply    { rate, size, new (1 or 0), until (ms) }
 
 local key = KEYS[1]
@@ -18,6 +19,7 @@ local limit, period, burst = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV
 local holder, demand, hold = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
 local reserve_part, size_part = tonumber(ARGV[8]), tonumber(ARGV[9])
 local max_holders, change_part = tonumber(ARGV[10]), tonumber(ARGV[11])
+local min_size = tonumber(ARGV[12])
 
 -- floor(a / b) and ceil(a / b) of integers below 2^53, exactly.
 local function floor_div(a, b)
@@ -176,7 +178,7 @@ end
 
 local wanted = 0
 if target > 0 then
-  wanted = math.max(1, ceil_div(target * burst, limit * size_part))
+  wanted = math.max(min_size, ceil_div(target * burst, limit * size_part))
 end
 local cost = wanted * period
 local fits = sized_by_others + wanted <= burst

@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod rlqs;
+
 use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::time::Duration;

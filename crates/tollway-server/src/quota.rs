@@ -67,6 +67,9 @@ impl Buckets {
     }
 }
 
+/// The quota service as gRPC serves it.
+pub type QuotaServer = RateLimitQuotaServiceServer<QuotaService>;
+
 /// The rate limit quota service: Envoy's `RateLimitQuotaService` over the file's
 /// `[[buckets]]` and its store. Clones share everything.
 #[derive(Clone)]
@@ -116,7 +119,7 @@ impl QuotaService {
 
     /// The gRPC service, its messages bounded at [`MESSAGE_BYTES`].
     #[must_use]
-    pub fn into_server(self) -> RateLimitQuotaServiceServer<QuotaService> {
+    pub fn into_server(self) -> QuotaServer {
         RateLimitQuotaServiceServer::new(self).max_decoding_message_size(MESSAGE_BYTES)
     }
 }

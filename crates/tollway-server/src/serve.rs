@@ -276,6 +276,8 @@ impl Readiness {
 async fn set_health(health: &HealthReporter, status: ServingStatus) {
     let name = <RateLimitServiceServer<RateLimitService> as tonic::server::NamedService>::NAME;
     health.set_service_status(name, status).await;
+    let quota = <crate::quota::QuotaServer as tonic::server::NamedService>::NAME;
+    health.set_service_status(quota, status).await;
     health.set_service_status("", status).await;
 }
 

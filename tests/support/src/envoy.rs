@@ -59,8 +59,18 @@ pub fn workspace() -> PathBuf {
 ///
 /// When the file no longer has the ports this replaces, each once.
 pub fn documented(app: SocketAddr, tollway: SocketAddr) -> String {
-    let path = workspace().join("crates/tollway-server/envoy.yaml");
-    let text = std::fs::read_to_string(&path).expect("crates/tollway-server/envoy.yaml");
+    documented_file("envoy.yaml", app, tollway)
+}
+
+/// [`documented`] of another file in `crates/tollway-server` with the same ports:
+/// `envoy-rlqs.yaml`, the quota service's.
+///
+/// # Panics
+///
+/// As [`documented`].
+pub fn documented_file(name: &str, app: SocketAddr, tollway: SocketAddr) -> String {
+    let path = workspace().join("crates/tollway-server").join(name);
+    let text = std::fs::read_to_string(&path).expect("a file in crates/tollway-server");
     let replace = |text: String, from: &str, to: &str| {
         assert_eq!(text.matches(from).count(), 1, "{from:?} once in envoy.yaml");
         text.replace(from, to)

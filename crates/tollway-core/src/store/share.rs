@@ -57,6 +57,10 @@ pub const RESERVE_PART: u64 = 64;
 /// is the pool's, to pay for new buckets.
 pub const SIZE_PART: u64 = 4;
 
+/// The smallest bucket of a share: a bucket of one token refills while full between
+/// requests that come at its rate, and wastes much of it.
+pub const MIN_SIZE: u64 = 2;
+
 /// The most holders a key's ledger keeps; another is given nothing.
 pub const MAX_HOLDERS: usize = 256;
 
@@ -283,7 +287,7 @@ fn size_of(rate: u64, terms: Terms) -> u64 {
     let part = u128::from(terms.limit) * u128::from(SIZE_PART);
     u64::try_from(scaled.div_ceil(part))
         .unwrap_or(u64::MAX)
-        .max(1)
+        .max(MIN_SIZE)
 }
 
 /// Decides `ask` at `now` (ms) on `ledger`: the pure twin of `lua/share.lua`.

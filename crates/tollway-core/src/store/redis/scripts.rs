@@ -94,7 +94,7 @@ impl ShareCall {
         &self,
         con: &mut impl ConnectionLike,
     ) -> Result<redis::Value, RedisError> {
-        use crate::share::{CHANGE_PART, MAX_HOLDERS, RESERVE_PART, SIZE_PART};
+        use crate::share::{CHANGE_PART, MAX_HOLDERS, MIN_SIZE, RESERVE_PART, SIZE_PART};
         eval_cached(con, &SHARE, SHARE_SOURCE, |name, script| {
             let mut cmd = redis::cmd(name);
             cmd.arg(script).arg(1).arg(&self.key);
@@ -111,7 +111,8 @@ impl ShareCall {
                 .arg(RESERVE_PART)
                 .arg(SIZE_PART)
                 .arg(MAX_HOLDERS)
-                .arg(CHANGE_PART);
+                .arg(CHANGE_PART)
+                .arg(MIN_SIZE);
             cmd
         })
         .await
