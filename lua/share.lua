@@ -155,24 +155,26 @@ end
 local capacity = limit - ceil_div(limit, reserve_part)
 local free = math.max(0, capacity - by_others)
 
--- The max-min fair part of the capacity: the smallest demands first, ties by holder.
+-- The max-min fair part of the capacity: the smallest demands first, ties by holder;
+-- what no demand takes is divided evenly.
 others[#others + 1] = { demand, holder }
 table.sort(others, function(a, b)
   if a[1] ~= b[1] then return a[1] < b[1] end
   return before(a[2], b[2])
 end)
-local left, n, target = capacity, #others, 0
+local count = #others
+local left, n, target = capacity, count, 0
 for _, o in ipairs(others) do
   local part = math.min(o[1], floor_div(left, n))
-  if o[2] == holder then
-    target = part
-    break
-  end
+  if o[2] == holder then target = part end
   left = left - part
   n = n - 1
 end
+target = target + floor_div(left, count)
 target = math.min(target, free)
-if rate > 0 and target > 0 and rate <= free and math.abs(rate - target) * change_part <= rate then
+local room = math.max(0, burst - (sized_by_others + size)) * period
+local low = pool * 2 < room
+if low and rate > 0 and target > 0 and rate <= free and math.abs(rate - target) * change_part <= rate then
   target = rate
 end
 

@@ -1,7 +1,8 @@
 //! Shares: a policy's rate divided among holders that each decide alone.
 //!
 //! A holder (an Envoy's quota bucket, for tollway-server) enforces a token bucket of its
-//! own: a rate and a size. The store keeps a ledger a key: every holder's share, and a
+//! own: a rate and a size. Rates are max-min fair by the demands holders last reported,
+//! and what no demand takes is divided evenly. The store keeps a ledger a key: every holder's share, and a
 //! pool that pays for new buckets. Each holder asks again before its share runs out.
 //!
 //! The ledger keeps two sums within the policy's quota:
@@ -26,7 +27,7 @@
 //!
 //! // One busy holder takes what is not reserved.
 //! let a = store.share(b"k", &policy, &ShareAsk::new("a", 1_000, hold)).expect("shares").await?;
-//! assert_eq!((a.rate(), a.size(), a.is_new()), (630, 158, true));
+//! assert_eq!((a.rate(), a.size(), a.is_new()), (630, 79, true));
 //!
 //! // A second is given what is free now (nothing), and its demand is noted: the first
 //! // gives half back when it asks again.
@@ -55,7 +56,7 @@ pub const RESERVE_PART: u64 = 64;
 
 /// A share's size is its part of the burst divided by `SIZE_PART`: the rest of the burst
 /// is the pool's, to pay for new buckets.
-pub const SIZE_PART: u64 = 4;
+pub const SIZE_PART: u64 = 8;
 
 /// The smallest bucket of a share: a bucket of one token refills while full between
 /// requests that come at its rate, and wastes much of it.
@@ -64,7 +65,8 @@ pub const MIN_SIZE: u64 = 2;
 /// The most holders a key's ledger keeps; another is given nothing.
 pub const MAX_HOLDERS: usize = 256;
 
-/// A share changes only by more than its `CHANGE_PART`th: each change costs a new bucket.
+/// While the pool is under half its room, a share changes only by more than its
+/// `CHANGE_PART`th: each change costs a new bucket.
 pub const CHANGE_PART: u64 = 8;
 
 /// The longest a holder may hold a share without asking again.
@@ -260,22 +262,25 @@ impl Ledger {
 }
 
 /// The max-min fair part of `capacity` for a demand of `mine` among `others`: the
-/// smallest demands are met first, ties by holder.
+/// smallest demands are met first, ties by holder; what no demand takes is divided
+/// evenly, so a holder has room to grow until its next ask.
 fn fair(capacity: u64, mine: (&str, u64), others: &[(&str, u64)]) -> u64 {
     let mut all: Vec<(u64, &str)> = others.iter().map(|&(h, d)| (d, h)).collect();
     all.push((mine.1, mine.0));
     all.sort_unstable();
+    let count = all.len() as u64;
     let mut left = capacity;
-    let mut n = all.len() as u64;
+    let mut n = count;
+    let mut part_of_mine = 0;
     for (demand, holder) in all {
         let part = demand.min(left / n);
         if holder == mine.0 {
-            return part;
+            part_of_mine = part;
         }
         left -= part;
         n -= 1;
     }
-    0
+    part_of_mine + left / count
 }
 
 /// The size of a bucket of `rate`.
@@ -353,8 +358,12 @@ pub(crate) fn decide(ledger: &mut Ledger, now: u64, terms: Terms, ask: &ShareAsk
     let capacity = limit - limit.div_ceil(RESERVE_PART);
     let free = capacity.saturating_sub(held_by_others);
     let mut target = fair(capacity, (&ask.holder, ask.demand), &others).min(free);
-    // Near enough: keep the bucket it has.
-    if rate > 0 && target > 0 && rate <= free && rate.abs_diff(target) * CHANGE_PART <= rate {
+    // Near enough, while the pool is low: keep the bucket it has. A pool past half its
+    // room pays for the change.
+    let room = burst.saturating_sub(sized_by_others + size) * period_ms;
+    let low = u128::from(ledger.pool) * 2 < u128::from(room);
+    if low && rate > 0 && target > 0 && rate <= free && rate.abs_diff(target) * CHANGE_PART <= rate
+    {
         target = rate;
     }
     let wanted = size_of(target, terms);
