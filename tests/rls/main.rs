@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod quota;
 mod shared;
 
 use std::net::SocketAddr;

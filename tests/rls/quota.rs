@@ -1,14 +1,10 @@
-//! tollway-server's rate limit quota service (RLQS) end to end: real gRPC streams over
-//! Envoy's generated types, two replicas on one real `redis-server`, and the memory
-//! store. The Envoys here are clients that report as Envoy 1.40 does: a new bucket's
-//! first request at once (one request, no time elapsed), then every bucket every 5 s.
-
-#![allow(clippy::unwrap_used)]
+//! The quota service (RLQS) end to end: real gRPC streams over Envoy's generated types,
+//! two replicas on one real `redis-server`, and the memory store. The Envoys here are
+//! clients that report as Envoy 1.40 does: a new bucket's first request at once (one
+//! request, no time elapsed), then every bucket every 5 s.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::Path;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
@@ -19,36 +15,22 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use support::TempFile as File;
 use support::redis::RedisServer;
-use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tonic::Streaming;
 
-/// The binary's one recorder.
-fn metrics() -> PrometheusHandle {
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE
-        .get_or_init(|| PrometheusBuilder::new().install_recorder().unwrap())
-        .clone()
+use super::{File, shared};
+
+/// The quota service's name, as gRPC health knows it.
+const RLQS: &str = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService";
+
+async fn start(config: &std::path::Path) -> (tollway_server::Running, SocketAddr, SocketAddr) {
+    super::start(config, None).await.unwrap()
 }
 
-async fn start(config: &Path) -> (tollway_server::Running, SocketAddr, SocketAddr) {
-    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
-    let running = tollway_server::start(tollway_server::Options {
-        config,
-        grpc,
-        http,
-        metrics: metrics(),
-        watch: false,
-        tls: None,
-    })
-    .await
-    .unwrap();
-    (running, grpc_addr, http_addr)
+/// A `[store]` on the Redis at `url`.
+fn on_redis(url: &str) -> String {
+    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n")
 }
 
 /// 100 a second per API key, a burst of 100; internal keys unlimited.
@@ -76,10 +58,6 @@ entries = [{{ key = "api_key", value = "internal-*" }}]
 unlimited = true
 "#
     )
-}
-
-fn on_redis(url: &str) -> String {
-    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n")
 }
 
 /// One Envoy's stream to a server.
@@ -245,30 +223,40 @@ async fn envoys_on_two_replicas_share_one_limit_and_never_pass_it() {
     second.stop().await;
 }
 
-// An idle bucket is abandoned and its share goes to the others; an unlimited key is
-// allowed all; a bucket no rule names is allowed all, as RLS answers a descriptor no rule
-// names.
+// A quiet bucket keeps a share of what the others leave, then is abandoned after a
+// minute of reports, its share going to the others; an unlimited key is allowed all,
+// and so is a policy in shadow mode.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_bucket_is_abandoned_and_its_share_freed() {
+async fn a_quiet_bucket_keeps_a_share_for_a_minute_then_is_abandoned() {
+    use tollway_server::quota::IDLE_REPORTS;
     let file = File::new("rlqs-idle", &limits(""));
     let (running, grpc, _) = start(&file.0).await;
     let mut a = Envoy::connect(grpc).await;
     let mut b = Envoy::connect(grpc).await;
     assert_eq!(rate(a.report(&[("k", 1, 0, 0)]).await["k"]), 98);
     assert_eq!(b.report(&[("k", 1, 0, 0)]).await["k"], Told::Deny);
-    let told = a.report(&[("k", 0, 0, 5)]).await;
-    assert_eq!(told["k"], Told::Abandon);
+    // Quiet: a keeps what b's demand leaves, evenly divided, for a minute.
     assert_eq!(
-        rate(b.report(&[("k", 0, 400, 5)]).await["k"]),
-        80,
-        "its demand"
+        b.report(&[("k", 0, 300, 5)]).await["k"],
+        Told::Deny,
+        "a holds it"
     );
-    assert_eq!(rate(b.report(&[("k", 400, 600, 5)]).await["k"]), 98);
-    let told = a
-        .report(&[("internal-7", 1, 0, 0), ("unknown", 1, 0, 0)])
-        .await;
+    assert_eq!(rate(a.report(&[("k", 0, 0, 5)]).await["k"]), 19);
+    assert_eq!(rate(b.report(&[("k", 0, 300, 5)]).await["k"]), 79);
+    for _ in 1..IDLE_REPORTS - 1 {
+        assert_eq!(rate(a.report(&[("k", 0, 0, 5)]).await["k"]), 19);
+    }
+    assert_eq!(a.report(&[("k", 0, 0, 5)]).await["k"], Told::Abandon);
+    assert_eq!(rate(b.report(&[("k", 300, 0, 5)]).await["k"]), 98);
+    let told = a.report(&[("internal-7", 1, 0, 0)]).await;
     assert_eq!(told["internal-7"], Told::Allow);
-    // A bucket with no api_key entry matches no rule.
+    running.stop().await;
+    // A policy in shadow mode refuses nothing.
+    let shadow = limits("").replace("period = \"1s\"", "period = \"1s\"\nshadow = true");
+    let file = File::new("rlqs-shadow", &shadow);
+    let (running, grpc, _) = start(&file.0).await;
+    let mut envoy = Envoy::connect(grpc).await;
+    assert_eq!(envoy.report(&[("k", 1, 0, 0)]).await["k"], Told::Allow);
     running.stop().await;
 }
 
@@ -298,5 +286,28 @@ async fn a_reload_reassigns_or_abandons_on_open_streams() {
         .unwrap()
         .unwrap();
     assert_eq!(told(&answer)["k"], Told::Abandon);
+    running.stop().await;
+}
+
+// gRPC health names the quota service as it names RLS; a stream of more buckets than it
+// keeps is told DENY_ALL for the rest, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_names_the_service_and_a_stream_keeps_its_bound() {
+    use tollway_server::quota::MAX_BUCKETS;
+    let file = File::new("rlqs-bounds", &limits(""));
+    let (running, grpc, _) = start(&file.0).await;
+    assert_eq!(shared::health(grpc, RLQS).await, "Serving");
+    let mut envoy = Envoy::connect(grpc).await;
+    let keys: Vec<String> = (0..=MAX_BUCKETS).map(|i| format!("key-{i}")).collect();
+    let usages: Vec<(&str, u64, u64, i64)> = keys.iter().map(|k| (k.as_str(), 1, 0, 0)).collect();
+    let told = envoy.report(&usages).await;
+    assert_eq!(told.len(), MAX_BUCKETS + 1);
+    assert_eq!(told[&keys[0]], Told::Bucket(98, 13));
+    assert_eq!(told[&keys[MAX_BUCKETS]], Told::Deny);
+    let counted = super::metrics().render();
+    assert!(
+        counted.contains("tollway_rls_requests_refused_total{reason=\"buckets\"}"),
+        "{counted}"
+    );
     running.stop().await;
 }

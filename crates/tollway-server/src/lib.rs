@@ -135,6 +135,71 @@
 //! another's `replaces = ["<name>"]`). It does not have `detailed_metric`,
 //! `value_to_metric`, `share_threshold` or `quota_mode`. The bench
 //! is in the repository's `BENCHMARKS.md`.
+//!
+//! # Envoy deciding locally: the quota service (RLQS)
+//!
+//! The same gRPC port serves Envoy's rate limit quota service
+//! (`envoy.service.rate_limit_quota.v3.RateLimitQuotaService`). Each Envoy puts requests
+//! in buckets, reports what it allowed and denied, and enforces the token bucket the
+//! server assigns: no call a request. `[[buckets]]` rules map a bucket id to a policy:
+//!
+//! ```toml
+//! [policies.quota_per_key]
+//! algorithm = "token_bucket"   # or gcra, leaky_bucket: a steady rate and a burst
+//! limit = 100
+//! period = "1s"                # whole seconds: Envoy reads a fill interval so
+//!
+//! [[buckets]]
+//! domain = "edge"
+//! entries = [{ key = "api_key" }]   # a bucket id's keys, in any order
+//! policy = "quota_per_key"
+//! ```
+//!
+//! Every Envoy's assignment is a share of the policy, held in the store (see
+//! [`tollway_core::share`]). The rates of all Envoys on all replicas sharing a store sum
+//! to the limit less a reserve (a 64th). Their buckets and a pool sum to the burst. A new
+//! bucket starts full in Envoy, so the pool pays for each. So the fleet passes no more
+//! than one bucket of the policy would, in any window, when:
+//!
+//! - Envoy admits nothing without an assignment (`no_assignment_behavior` DENY_ALL) and
+//!   has no `expired_assignment_behavior`: `envoy-rlqs.yaml` below;
+//! - an assignment reaches Envoy within [`quota::TRANSIT`] of the server deciding it.
+//!
+//! How it follows Envoy 1.40:
+//!
+//! - A bucket's first request is reported at once and answered at once: the whole limit
+//!   is asked for, and the others' demands share it out (what none takes is divided
+//!   evenly). That request is refused while Envoy asks (one round trip). A new key's
+//!   first holder may hold all of it until the others' next reports (5 s).
+//! - Envoy reports every bucket every 5 s, whatever `reporting_interval` says. Each
+//!   report asks for the demand it shows (allowed and denied) and renews the share.
+//!   The same assignment again keeps Envoy's bucket (and what is left in it).
+//! - An assignment lives [`quota::ASSIGNMENT_TTL`] (two reports and more); the share
+//!   one second longer. A closed stream's shares end with their time: Envoy enforces its
+//!   assignments until then, and reconnects on its next report.
+//! - A quiet bucket keeps a share of what no demand takes, so its caller is admitted at
+//!   once when it comes back. After [`quota::IDLE_REPORTS`] reports of no requests (a
+//!   minute) it is abandoned and its share given back; Envoy forgets the bucket, and its
+//!   next request asks again.
+//! - A reload decides every open stream's buckets again: a changed policy is assigned
+//!   anew, a rule that went abandons its buckets.
+//! - A bucket no rule names, or an `unlimited` one, is allowed all (`ALLOW_ALL`), and
+//!   so is one whose policy is in shadow mode (Envoy cannot count what it would have
+//!   refused). When the store fails, `[layer] on_store_error` picks `ALLOW_ALL` or
+//!   `DENY_ALL`.
+//! - Counters: `tollway_rlqs_buckets_total{policy}` (new buckets, each starting full),
+//!   `tollway_rlqs_reported_requests_total{policy,outcome}` (what Envoys reported).
+//!
+//! What a caller can do: its header makes its bucket, so each key it invents is a
+//! bucket with a share of its own policy's limit, as each key is a count of its own for
+//! RLS. A stream keeps at most [`quota::MAX_BUCKETS`]; past it a bucket is told
+//! `DENY_ALL` and counted (`tollway_rls_requests_refused_total{reason="buckets"}`).
+//! Whoever reaches the port can hold shares and starve the Envoys: keep it behind mutual
+//! TLS, as for RLS.
+//!
+//! ```yaml
+#![doc = include_str!("../envoy-rlqs.yaml")]
+//! ```
 
 mod descriptors;
 pub mod quota;

@@ -24,8 +24,8 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tokio::sync::{mpsc, watch};
 use tollway_core::{BoxStore, Policy, ShareAsk, Store};
-use tollway_tower::OnStoreError;
-use tollway_tower::config::LimitsFile;
+use tollway_tower::config::{ConfigKey, LimitsFile};
+use tollway_tower::{OnStoreError, RateLimitLayer};
 use tonic::{Request, Response, Status};
 
 use crate::descriptors::Descriptors;
@@ -38,6 +38,11 @@ pub const ASSIGNMENT_TTL: Duration = Duration::from_secs(12);
 /// assignment's way to Envoy. An Envoy that receives it later than this may enforce it
 /// past its share.
 pub const TRANSIT: Duration = Duration::from_secs(1);
+
+/// Reports of no requests in a row after which a bucket is abandoned: a minute of
+/// Envoy's. Till then it keeps a share (what no demand takes, divided evenly), so a
+/// caller that comes back is admitted at once.
+pub const IDLE_REPORTS: u32 = 12;
 
 /// The most buckets one stream keeps. A bucket past it is told `DENY_ALL` and counted.
 pub const MAX_BUCKETS: usize = 4_096;
@@ -78,6 +83,8 @@ pub struct QuotaService {
 }
 
 struct Inner {
+    /// The file's limits: their store and shadow switches.
+    limits: RateLimitLayer<BoxStore, ConfigKey>,
     store: BoxStore,
     rules: ArcSwap<Buckets>,
     /// Bumped on each new version of the rules: streams look at their buckets again.
@@ -96,12 +103,14 @@ impl std::fmt::Debug for QuotaService {
 }
 
 impl QuotaService {
-    /// A service assigning shares of `rules`' policies from `store`.
+    /// A service assigning shares of `rules`' policies from the store of `limits`, and
+    /// allowing all of a policy `limits` has in shadow mode.
     #[must_use]
-    pub fn new(store: BoxStore, rules: Buckets) -> Self {
+    pub fn new(limits: RateLimitLayer<BoxStore, ConfigKey>, rules: Buckets) -> Self {
         QuotaService {
             inner: Arc::new(Inner {
-                store,
+                store: limits.store(),
+                limits,
                 rules: ArcSwap::from_pointee(rules),
                 version: watch::channel(0).0,
                 replica: replica_id(),
@@ -157,6 +166,8 @@ struct Bucket {
     held: Option<(Policy, tollway_tower::Key)>,
     /// Its last demand, units a period of its policy; `None` before one is known.
     demand: Option<u64>,
+    /// Reports of no requests in a row.
+    idle: u32,
     told: Option<Strategy>,
 }
 
@@ -209,6 +220,7 @@ impl Inner {
                         id: id.clone(),
                         held: None,
                         demand: None,
+                        idle: 0,
                         told: None,
                     }))
                 }
@@ -255,7 +267,11 @@ impl Inner {
         let matched = rules.rules.find_bucket(domain, &bucket.id.bucket);
         let known = matched.is_some();
         let limited = matched.and_then(|m| Some((m.policy?.clone(), m.key)));
-        let idle = matches!(report, Some((0, 0, elapsed)) if !elapsed.is_zero());
+        if let Some((allowed, denied, elapsed)) = report {
+            let quiet = allowed == 0 && denied == 0 && !elapsed.is_zero();
+            bucket.idle = if quiet { bucket.idle + 1 } else { 0 };
+        }
+        let idle = bucket.idle >= IDLE_REPORTS;
         // A policy that went, or changed: the old share is given back.
         if let Some((held, _)) = &bucket.held {
             let same = limited.as_ref().is_some_and(|(p, _)| p == held);
@@ -263,10 +279,19 @@ impl Inner {
                 self.release(bucket).await;
             }
         }
+        let shadow = limited.as_ref().is_some_and(|(policy, _)| {
+            self.limits.is_shadow(None) || self.limits.is_shadow(Some(policy.name()))
+        });
         let told = match limited {
-            // Nothing to share out: Envoy forgets the bucket, and asks at once when a
+            // Quiet for a minute: Envoy forgets the bucket, and asks at once when a
             // request comes again.
             Some(_) if idle => Told::Abandon,
+            // In shadow mode: refused nothing. Envoy cannot count what a bucket would
+            // have refused, so no share is held.
+            Some(_) if shadow => {
+                self.release(bucket).await;
+                Told::Assign(Strategy::BlanketRule(BlanketRule::AllowAll as i32))
+            }
             None if known => {
                 // Unlimited by its rule.
                 Told::Assign(Strategy::BlanketRule(BlanketRule::AllowAll as i32))

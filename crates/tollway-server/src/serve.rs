@@ -128,7 +128,7 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     // [store] or [key] changed), then the descriptors.
     let reloader = Reloader::from_file(options.config, file, store)?;
     let service = RateLimitService::new(reloader.layer(), rules);
-    let quota = QuotaService::new(service.store().clone(), buckets);
+    let quota = QuotaService::new(reloader.layer(), buckets);
     reloader.follower().follow({
         let (service, quota) = (service.clone(), quota.clone());
         move |file| {

@@ -214,3 +214,66 @@ impl Drop for Envoy {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// What a closed-loop load measured: requests a second, and the 50th and 99th
+/// percentile latencies in µs.
+#[derive(Clone, Copy, Debug)]
+pub struct Round {
+    /// Requests a second.
+    pub rate: f64,
+    /// Median latency, µs.
+    pub p50: u64,
+    /// 99th percentile latency, µs.
+    pub p99: u64,
+}
+
+/// Sends `GET /` with `headers` from `connections` connections to `target` for `round`,
+/// each waiting for its answer before the next; every answer must be a success.
+///
+/// # Panics
+///
+/// When an answer is not a success.
+pub async fn closed_loop(
+    target: SocketAddr,
+    connections: usize,
+    round: Duration,
+    headers: &'static [(&'static str, &'static str)],
+) -> Round {
+    let started = std::time::Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..connections {
+        tasks.push(tokio::spawn(async move {
+            let client = Client::new(target);
+            let mut latencies = Vec::new();
+            while started.elapsed() < round {
+                let sent = std::time::Instant::now();
+                let reply = client.get_with("/", headers).await;
+                assert!(reply.status.is_success(), "{reply:?}");
+                latencies.push(u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX));
+            }
+            latencies
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.expect("a load task"));
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    all.sort_unstable();
+    let at = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len() - 1)];
+    Round {
+        rate: all.len() as f64 / seconds,
+        p50: at(0.50),
+        p99: at(0.99),
+    }
+}
+
+/// The median of `values`.
+///
+/// # Panics
+///
+/// When `values` is empty or holds a NaN.
+pub fn median<T: PartialOrd + Copy>(mut values: Vec<T>) -> T {
+    values.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+    values[values.len() / 2]
+}
