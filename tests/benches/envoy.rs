@@ -16,15 +16,14 @@
 
 #![allow(clippy::unwrap_used, missing_docs)]
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use support::RedisServer;
 use support::envoy::{self, Envoy};
-use support::http::{Client, Server};
+use support::http::Server;
 use tokio::net::TcpListener;
 
 const CONNECTIONS: usize = 16;
@@ -56,39 +55,6 @@ fn file(name: &str, text: &str) -> PathBuf {
     let path = dir.join("limits.toml");
     std::fs::write(&path, text).unwrap();
     path
-}
-
-/// One round against `target`: requests a second, and the 50th and 99th percentile
-/// latencies in microseconds.
-async fn round(target: SocketAddr) -> (f64, u64, u64) {
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..CONNECTIONS {
-        tasks.push(tokio::spawn(async move {
-            let client = Client::new(target);
-            let mut latencies = Vec::new();
-            while started.elapsed() < ROUND {
-                let sent = Instant::now();
-                let reply = client.get("/").await;
-                assert!(reply.status.is_success(), "{reply:?}");
-                latencies.push(u64::try_from(sent.elapsed().as_micros()).unwrap());
-            }
-            latencies
-        }));
-    }
-    let mut all = Vec::new();
-    for task in tasks {
-        all.extend(task.await.unwrap());
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    all.sort_unstable();
-    let at = |q: f64| all[((all.len() as f64 * q) as usize).min(all.len() - 1)];
-    (all.len() as f64 / seconds, at(0.50), at(0.99))
-}
-
-fn median<T: PartialOrd + Copy>(mut values: Vec<T>) -> T {
-    values.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    values[values.len() / 2]
 }
 
 fn main() {
@@ -148,18 +114,19 @@ fn main() {
         let mut results = vec![Vec::new(); envoys.len()];
         for _ in 0..ROUNDS {
             for (i, envoy) in envoys.iter().enumerate() {
-                results[i].push(round(envoy.listener()).await);
+                results[i]
+                    .push(envoy::closed_loop(envoy.listener(), CONNECTIONS, ROUND, &[]).await);
             }
         }
         println!("| Envoy | requests/s | p50 µs | p99 µs | rounds (requests/s) |");
         println!("|---|---:|---:|---:|---|");
         for (name, rounds) in names.iter().zip(&results) {
-            let rates: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.0)).collect();
+            let rates: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.rate)).collect();
             println!(
                 "| {name} | {:.0} | {} | {} | {} |",
-                median(rounds.iter().map(|r| r.0).collect()),
-                median(rounds.iter().map(|r| r.1).collect()),
-                median(rounds.iter().map(|r| r.2).collect()),
+                envoy::median(rounds.iter().map(|r| r.rate).collect()),
+                envoy::median(rounds.iter().map(|r| r.p50).collect()),
+                envoy::median(rounds.iter().map(|r| r.p99).collect()),
                 rates.join(", ")
             );
         }
