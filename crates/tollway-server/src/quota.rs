@@ -168,6 +168,8 @@ struct Bucket {
     demand: Option<u64>,
     /// Reports of no requests in a row.
     idle: u32,
+    /// When its last report came.
+    reported: Option<tokio::time::Instant>,
     told: Option<Strategy>,
 }
 
@@ -221,6 +223,7 @@ impl Inner {
                         held: None,
                         demand: None,
                         idle: 0,
+                        reported: None,
                         told: None,
                     }))
                 }
@@ -239,6 +242,17 @@ impl Inner {
                     u32::try_from(d.nanos).unwrap_or(0).min(999_999_999),
                 )
             });
+            // Envoy 1.40 truncates its time to whole seconds: a report 5.9 s after the
+            // last says 5 s, and its demand would read a fifth high. The time between
+            // reports as they came is the truer one.
+            let now = tokio::time::Instant::now();
+            let since = bucket.reported.map_or(Duration::ZERO, |then| now - then);
+            bucket.reported = Some(now);
+            let elapsed = if elapsed.is_zero() {
+                elapsed
+            } else {
+                elapsed.max(since)
+            };
             let report = (
                 usage.num_requests_allowed,
                 usage.num_requests_denied,
@@ -362,6 +376,17 @@ impl Inner {
                 "the store does not share this policy now",
             )),
         };
+        if let Ok(share) = &answer {
+            tracing::debug!(
+                holder = %bucket.holder,
+                policy = policy.name(),
+                demand,
+                rate = share.rate(),
+                size = share.size(),
+                new = share.is_new(),
+                "shared"
+            );
+        }
         match answer {
             Ok(share) if share.rate() == 0 => Strategy::BlanketRule(BlanketRule::DenyAll as i32),
             Ok(share) => {
