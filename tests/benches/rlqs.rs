@@ -217,7 +217,7 @@ async fn shares(metrics: &PrometheusHandle) {
     }
     println!();
     println!(
-        "| phase (demand) | passed/s in each second | used, seconds 10–30 | first second at ≥ 95% |"
+        "| phase (demand) | passed/s in each second | used, seconds 10–30 | every second ≥ 95% from |"
     );
     println!("|---|---|---:|---:|");
     for (p, weights) in phases.iter().enumerate() {
@@ -231,10 +231,13 @@ async fn shares(metrics: &PrometheusHandle) {
             .collect();
         let late: usize = per_second[10..].iter().sum();
         let used = late as f64 / (LIMIT as f64 * (PHASE.as_secs() - 10) as f64);
-        let reached = per_second
-            .iter()
-            .position(|&n| n as f64 >= 0.95 * LIMIT as f64)
-            .map_or("never".to_owned(), |s| format!("{s} s"));
+        // From when every second passes 95% of the limit or more, to the phase's end.
+        let low = |n: &usize| (*n as f64) < 0.95 * LIMIT as f64;
+        let reached = match per_second.iter().rposition(low) {
+            None => "0 s".to_owned(),
+            Some(last) if last + 1 < per_second.len() => format!("{} s", last + 1),
+            Some(_) => "never".to_owned(),
+        };
         let shown: Vec<String> = per_second.iter().map(ToString::to_string).collect();
         println!(
             "| {}:{}:{} | {} | {:.1}% | {reached} |",

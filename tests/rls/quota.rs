@@ -219,6 +219,15 @@ async fn envoys_on_two_replicas_share_one_limit_and_never_pass_it() {
             assert!(rate(now[i]) >= 15, "phase {phase}: {now:?}");
         }
     }
+    // What Envoys reported, and the buckets assigned anew, by the file's policy.
+    let counted = super::metrics().render();
+    for line in [
+        "tollway_rlqs_buckets_total{policy=\"per_key\"}",
+        "tollway_rlqs_reported_requests_total{policy=\"per_key\",outcome=\"denied\"}",
+        "tollway_rlqs_reported_requests_total{policy=\"per_key\",outcome=\"allowed\"}",
+    ] {
+        assert!(counted.contains(line), "{line}: {counted}");
+    }
     first.stop().await;
     second.stop().await;
 }
