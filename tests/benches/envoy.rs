@@ -24,7 +24,6 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 use support::RedisServer;
 use support::envoy::{self, Envoy};
 use support::http::Server;
-use tokio::net::TcpListener;
 
 const CONNECTIONS: usize = 16;
 const ROUND: Duration = Duration::from_secs(5);
@@ -72,20 +71,12 @@ fn main() {
         let mut servers = Vec::new();
         let mut envoys = Vec::new();
         for config in [&on_memory, &on_redis] {
-            let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let addr = grpc.local_addr().unwrap();
-            let running = tollway_server::start(tollway_server::Options {
-                config,
-                grpc,
-                http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
-                metrics: metrics.clone(),
-                watch: false,
-                tls: None,
-            })
-            .await
-            .unwrap();
-            servers.push(running);
-            envoys.push(Envoy::start(&envoy::documented(app.addr(), addr)).await);
+            let any = support::server::any_port();
+            let served = support::server::start(config, any, None, metrics.clone())
+                .await
+                .unwrap();
+            servers.push(served.running);
+            envoys.push(Envoy::start(&envoy::documented(app.addr(), served.grpc)).await);
         }
         // The same configuration without the rate limit filter.
         let documented = envoy::documented(app.addr(), "127.0.0.1:1".parse().unwrap());
@@ -111,25 +102,8 @@ fn main() {
                 assert!(client.get("/").await.status.is_success());
             }
         }
-        let mut results = vec![Vec::new(); envoys.len()];
-        for _ in 0..ROUNDS {
-            for (i, envoy) in envoys.iter().enumerate() {
-                results[i]
-                    .push(envoy::closed_loop(envoy.listener(), CONNECTIONS, ROUND, &[]).await);
-            }
-        }
-        println!("| Envoy | requests/s | p50 µs | p99 µs | rounds (requests/s) |");
-        println!("|---|---:|---:|---:|---|");
-        for (name, rounds) in names.iter().zip(&results) {
-            let rates: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.rate)).collect();
-            println!(
-                "| {name} | {:.0} | {} | {} | {} |",
-                envoy::median(rounds.iter().map(|r| r.rate).collect()),
-                envoy::median(rounds.iter().map(|r| r.p50).collect()),
-                envoy::median(rounds.iter().map(|r| r.p99).collect()),
-                rates.join(", ")
-            );
-        }
+        let named: Vec<(&str, &Envoy)> = names.iter().copied().zip(envoys.iter()).collect();
+        envoy::interleaved(&named, ROUNDS, CONNECTIONS, ROUND, &[]).await;
         for running in servers {
             running.stop().await;
         }

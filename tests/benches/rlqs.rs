@@ -23,16 +23,13 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use support::RedisServer;
 use support::envoy::{self, Envoy};
-use support::http::Server;
-use tokio::net::TcpListener;
+use support::http::{Server, Stamps, most_within};
 
 const LIMIT: u64 = 200;
 const PHASE: Duration = Duration::from_secs(30);
@@ -100,22 +97,14 @@ fn file(name: &str, text: &str) -> PathBuf {
 }
 
 async fn server(
-    config: &PathBuf,
+    config: &std::path::Path,
     metrics: &PrometheusHandle,
 ) -> (tollway_server::Running, SocketAddr) {
-    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = grpc.local_addr().unwrap();
-    let running = tollway_server::start(tollway_server::Options {
-        config,
-        grpc,
-        http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
-        metrics: metrics.clone(),
-        watch: false,
-        tls: None,
-    })
-    .await
-    .unwrap();
-    (running, addr)
+    let any = support::server::any_port();
+    let served = support::server::start(config, any, None, metrics.clone())
+        .await
+        .unwrap();
+    (served.running, served.grpc)
 }
 
 async fn script_calls(redis: &RedisServer) -> u64 {
@@ -123,32 +112,8 @@ async fn script_calls(redis: &RedisServer) -> u64 {
     support::script_calls(&mut con).await
 }
 
-/// The most of `times` (sorted) within any window of `window`.
-fn most_within(times: &[Duration], window: Duration) -> usize {
-    let mut most = 0;
-    let mut start = 0;
-    for end in 0..times.len() {
-        while times[end] - times[start] >= window {
-            start += 1;
-        }
-        most = most.max(end + 1 - start);
-    }
-    most
-}
-
 async fn shares(metrics: &PrometheusHandle) {
-    let passed: Arc<Mutex<Vec<Instant>>> = Arc::default();
-    let app = Server::start(Router::new().route(
-        "/",
-        get({
-            let passed = Arc::clone(&passed);
-            move || async move {
-                passed.lock().unwrap().push(Instant::now());
-                "ok"
-            }
-        }),
-    ))
-    .await;
+    let (app, stamps) = Stamps::serve().await;
     let redis = RedisServer::start();
     let config = file("shares", &limits(&redis.url(), LIMIT));
     let (first, grpc_a) = server(&config, metrics).await;
@@ -197,13 +162,7 @@ async fn shares(metrics: &PrometheusHandle) {
     let elapsed = started.elapsed();
     let calls = script_calls(&redis).await - calls_before;
     let probes = 2 * elapsed.as_secs();
-    let mut times: Vec<Duration> = passed
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|t| t.saturating_duration_since(started))
-        .collect();
-    times.sort();
+    let times = stamps.since(started);
     println!(
         "limit {LIMIT}/s (burst {LIMIT}); sent {sent} in {:.0} s, passed {}",
         elapsed.as_secs_f64(),
@@ -292,24 +251,8 @@ async fn cost(metrics: &PrometheusHandle) {
         }
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let mut results = vec![Vec::new(); envoys.len()];
-    for _ in 0..ROUNDS {
-        for (i, envoy) in envoys.iter().enumerate() {
-            results[i].push(envoy::closed_loop(envoy.listener(), CONNECTIONS, ROUND, KEY).await);
-        }
-    }
-    println!("| Envoy | requests/s | p50 µs | p99 µs | rounds (requests/s) |");
-    println!("|---|---:|---:|---:|---|");
-    for (name, rounds) in names.iter().zip(&results) {
-        let rates: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.rate)).collect();
-        println!(
-            "| {name} | {:.0} | {} | {} | {} |",
-            envoy::median(rounds.iter().map(|r| r.rate).collect()),
-            envoy::median(rounds.iter().map(|r| r.p50).collect()),
-            envoy::median(rounds.iter().map(|r| r.p99).collect()),
-            rates.join(", ")
-        );
-    }
+    let named: Vec<(&str, &Envoy)> = names.iter().copied().zip(envoys.iter()).collect();
+    envoy::interleaved(&named, ROUNDS, CONNECTIONS, ROUND, KEY).await;
     running.stop().await;
 }
 

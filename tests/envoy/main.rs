@@ -18,7 +18,6 @@ use http::StatusCode;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use support::envoy::{self, Envoy};
 use support::http::{Reply, Server};
-use tokio::net::TcpListener;
 
 /// Limits for the documented route: 3 an hour by address, 2 an hour by API key.
 fn limits(per_address: u64, per_key: u64) -> String {
@@ -73,20 +72,10 @@ async fn tollway_with(
     grpc: SocketAddr,
     tls: Option<tollway_server::Tls>,
 ) -> (tollway_server::Running, SocketAddr) {
-    let grpc = TcpListener::bind(grpc).await.unwrap();
-    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = grpc.local_addr().unwrap();
-    let running = tollway_server::start(tollway_server::Options {
-        config: &file.0,
-        grpc,
-        http,
-        metrics: metrics(),
-        watch: false,
-        tls,
-    })
-    .await
-    .unwrap();
-    (running, addr)
+    let served = support::server::start(&file.0, grpc, tls, metrics())
+        .await
+        .unwrap();
+    (served.running, served.grpc)
 }
 
 /// The application behind Envoy: `ok` on every path.
@@ -125,18 +114,7 @@ fn limit_headers(reply: &Reply) -> (Option<&str>, Option<&str>) {
 /// The configuration the crate docs point at is one Envoy 1.40 accepts.
 #[test]
 fn the_documented_configuration_validates() {
-    let file = envoy::workspace().join("crates/tollway-server/envoy.yaml");
-    let output = std::process::Command::new(envoy::binary())
-        .args(["--mode", "validate", "-c"])
-        .arg(&file)
-        .output()
-        .unwrap();
-    let printed = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success() && printed.contains("OK"),
-        "{printed}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    envoy::assert_validates("envoy.yaml");
 }
 
 /// By address: 3 an hour. The fourth request gets Envoy's 429 with tollway's headers

@@ -3,13 +3,11 @@
 //! replicas on one Redis. Each Envoy decides locally from its assignment; the
 //! application counts what passed.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::routing::get;
 use support::envoy::{self, Envoy};
-use support::http::Server;
+use support::http::{Stamps, most_within};
 use support::redis::RedisServer;
 
 use super::{File, tollway};
@@ -43,33 +41,9 @@ policy = "per_key"
     )
 }
 
-/// The most of `times` (sorted) within any window of `window`.
-fn most_within(times: &[Duration], window: Duration) -> usize {
-    let mut most = 0;
-    let mut start = 0;
-    for end in 0..times.len() {
-        while times[end] - times[start] >= window {
-            start += 1;
-        }
-        most = most.max(end + 1 - start);
-    }
-    most
-}
-
 #[test]
 fn the_documented_quota_configuration_validates() {
-    let file = envoy::workspace().join("crates/tollway-server/envoy-rlqs.yaml");
-    let output = std::process::Command::new(envoy::binary())
-        .args(["--mode", "validate", "-c"])
-        .arg(&file)
-        .output()
-        .unwrap();
-    let printed = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success() && printed.contains("OK"),
-        "{printed}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    envoy::assert_validates("envoy-rlqs.yaml");
 }
 
 // Three Envoys ask at 32, 4 and 4 a second for one API key (twice its 20 a second);
@@ -80,18 +54,7 @@ fn the_documented_quota_configuration_validates() {
 // is used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_envoys_on_two_replicas_admit_no_more_than_the_limit() {
-    let passed: Arc<Mutex<Vec<Instant>>> = Arc::default();
-    let app = Server::start(Router::new().route(
-        "/",
-        get({
-            let passed = Arc::clone(&passed);
-            move || async move {
-                passed.lock().unwrap().push(Instant::now());
-                "ok"
-            }
-        }),
-    ))
-    .await;
+    let (app, stamps) = Stamps::serve().await;
     let redis = RedisServer::start();
     let file = File::new("rlqs-envoy", &limits(&redis.url()));
     let (first, grpc_a) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
@@ -129,14 +92,7 @@ async fn three_envoys_on_two_replicas_admit_no_more_than_the_limit() {
         task.await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let times: Vec<Duration> = passed
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|t| t.saturating_duration_since(started))
-        .collect();
-    let mut sorted = times.clone();
-    sorted.sort();
+    let sorted = stamps.since(started);
     for window in [1u64, 2, 5, 10, 20] {
         let most = most_within(&sorted, Duration::from_secs(window));
         let bound = 20 + 20 * window as usize + 2;

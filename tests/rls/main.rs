@@ -19,7 +19,6 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::UInt64Value;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use support::redis::RedisServer;
-use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
 /// The rate limit service's name, as gRPC health knows it.
@@ -49,19 +48,9 @@ async fn start(
     config: &Path,
     tls: Option<tollway_server::Tls>,
 ) -> Result<(tollway_server::Running, SocketAddr, SocketAddr), tollway_core::ConfigError> {
-    let grpc = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let http = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
-    let running = tollway_server::start(tollway_server::Options {
-        config,
-        grpc,
-        http,
-        metrics: metrics(),
-        watch: false,
-        tls,
-    })
-    .await?;
-    Ok((running, grpc_addr, http_addr))
+    let served =
+        support::server::start(config, support::server::any_port(), tls, metrics()).await?;
+    Ok((served.running, served.grpc, served.http))
 }
 
 async fn serve(config: &Path) -> Served {

@@ -268,6 +268,35 @@ pub async fn closed_loop(
     }
 }
 
+/// Runs `rounds` rounds of [`closed_loop`] against each of `envoys` in turn, and prints
+/// a Markdown table of each's median requests a second, p50 and p99, and its rounds.
+pub async fn interleaved(
+    envoys: &[(&str, &Envoy)],
+    rounds: usize,
+    connections: usize,
+    round: Duration,
+    headers: &'static [(&'static str, &'static str)],
+) {
+    let mut results = vec![Vec::new(); envoys.len()];
+    for _ in 0..rounds {
+        for (i, (_, envoy)) in envoys.iter().enumerate() {
+            results[i].push(closed_loop(envoy.listener(), connections, round, headers).await);
+        }
+    }
+    println!("| Envoy | requests/s | p50 µs | p99 µs | rounds (requests/s) |");
+    println!("|---|---:|---:|---:|---|");
+    for ((name, _), rounds) in envoys.iter().zip(&results) {
+        let rates: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.rate)).collect();
+        println!(
+            "| {name} | {:.0} | {} | {} | {} |",
+            median(rounds.iter().map(|r| r.rate).collect()),
+            median(rounds.iter().map(|r| r.p50).collect()),
+            median(rounds.iter().map(|r| r.p99).collect()),
+            rates.join(", ")
+        );
+    }
+}
+
 /// The median of `values`.
 ///
 /// # Panics
@@ -276,4 +305,24 @@ pub async fn closed_loop(
 pub fn median<T: PartialOrd + Copy>(mut values: Vec<T>) -> T {
     values.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
     values[values.len() / 2]
+}
+
+/// Asserts that Envoy accepts `crates/tollway-server/<name>` (`envoy --mode validate`).
+///
+/// # Panics
+///
+/// When it does not, with what Envoy printed.
+pub fn assert_validates(name: &str) {
+    let file = workspace().join("crates/tollway-server").join(name);
+    let output = std::process::Command::new(binary())
+        .args(["--mode", "validate", "-c"])
+        .arg(&file)
+        .output()
+        .expect("run envoy --mode validate");
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && printed.contains("OK"),
+        "{printed}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }

@@ -326,3 +326,56 @@ pub async fn completion(
     }
     (status, tokens)
 }
+
+/// An application that stamps each `GET /` it serves with the time it came, and answers
+/// `ok`: what passed a proxy in front of it, and when.
+#[derive(Clone, Debug, Default)]
+pub struct Stamps(Arc<std::sync::Mutex<Vec<std::time::Instant>>>);
+
+impl Stamps {
+    /// The application, started on a free loopback port, and its stamps.
+    pub async fn serve() -> (Server, Stamps) {
+        let stamps = Stamps::default();
+        let app = Router::new().route(
+            "/",
+            get({
+                let stamps = stamps.clone();
+                move || async move {
+                    stamps
+                        .0
+                        .lock()
+                        .expect("stamps")
+                        .push(std::time::Instant::now());
+                    "ok"
+                }
+            }),
+        );
+        (Server::start(app).await, stamps)
+    }
+
+    /// The stamps since `started`, in order.
+    pub fn since(&self, started: std::time::Instant) -> Vec<std::time::Duration> {
+        let mut times: Vec<_> = self
+            .0
+            .lock()
+            .expect("stamps")
+            .iter()
+            .map(|t| t.saturating_duration_since(started))
+            .collect();
+        times.sort();
+        times
+    }
+}
+
+/// The most of `times` (in order) within any window of `window`.
+pub fn most_within(times: &[std::time::Duration], window: std::time::Duration) -> usize {
+    let mut most = 0;
+    let mut start = 0;
+    for end in 0..times.len() {
+        while times[end] - times[start] >= window {
+            start += 1;
+        }
+        most = most.max(end + 1 - start);
+    }
+    most
+}

@@ -25,6 +25,8 @@ pub mod http;
 pub mod proxy;
 pub mod redis;
 pub mod regions;
+#[cfg(feature = "grpc")]
+pub mod server;
 pub mod stores;
 pub mod suites;
 pub mod tls;
