@@ -157,7 +157,8 @@ async fn losing_a_sliding_logs_state_in_redis_starts_it_afresh() {
 /// Finding 12: with Redis paused, every request waited the full timeout, and once the
 /// deny cache expired an over-limit caller passed (20 of 20), since the store had no
 /// breaker and a store error let requests through. A Redis store has both by default
-/// now: the calls that find the breaker closed wait the timeout, five failures open it,
+/// now: the calls that find the breaker closed wait until the stall is detected (no
+/// reply for 20 ms), five failures open it,
 /// and from then on the local fallback decides without calling Redis — this node's
 /// share of the quota (by default all of it), neither open nor closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -197,7 +198,7 @@ async fn a_stalled_redis_neither_stalls_requests_nor_lifts_the_limit() {
     clock.advance(Duration::from_secs(3));
     let mut replies = Vec::new();
     // How many requests were sent while the breaker was closed: each of those waited
-    // the timeout, every later one was answered in memory.
+    // for the stall to be detected, every later one was answered in memory.
     let mut sent_to_redis = 0;
     for _ in 0..100 {
         if store.breaker_state() == BreakerState::Closed {

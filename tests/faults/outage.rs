@@ -149,8 +149,13 @@ async fn a_client_pause_longer_than_the_timeout_is_answered_within_it() {
     // answering during the pause.
     const PAUSE: Duration = Duration::from_secs(5);
     let server = RedisServer::start();
-    // Every call waits for Redis: no breaker to stop calling it, no fallback to answer.
-    let store = unguarded().connect(&server.url()).await.unwrap();
+    // Every call waits for Redis: no breaker to stop calling it, no fallback to answer,
+    // no stall detection to fail it before its timeout.
+    let store = unguarded()
+        .without_stall_detection()
+        .connect(&server.url())
+        .await
+        .unwrap();
     let policy = Policy::new(
         "pause",
         Algorithm::TokenBucket,
@@ -213,6 +218,93 @@ async fn a_client_pause_longer_than_the_timeout_is_answered_within_it() {
          decisions back after {back:?}, remaining {} of 1000",
         decision.remaining()
     );
+}
+
+// Redis stops answering: the calls waiting fail when the stall is detected (no reply
+// for 25 ms), not at their 5 s timeout. Redis runs them when it is back, and their
+// charges stand: the window counts every call sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_fails_the_waiting_calls_when_detected_not_at_their_timeout() {
+    let server = RedisServer::start();
+    let store = unguarded()
+        .timeout(Duration::from_secs(5))
+        .stall_after(Duration::from_millis(25))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let policy = Policy::new(
+        "stall",
+        Algorithm::FixedWindow,
+        Quota::per_hour(1_000).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        store
+            .check_one(b"k", &policy, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    // Scripts wait; the admin connection still works.
+    let mut admin = server.connection().await;
+    support::redis::pause_writes(&mut admin).await;
+    let paused = Instant::now();
+    let calls: Vec<_> = (0..32)
+        .map(|_| {
+            let (store, policy) = (store.clone(), policy.clone());
+            tokio::spawn(async move { store.check_one(b"k", &policy, 1).await })
+        })
+        .collect();
+    for call in calls {
+        let answer = call.await.unwrap();
+        let error = answer.expect_err("no answer while paused");
+        assert!(error.to_string().contains("stalled"), "{error}");
+    }
+    let answered = paused.elapsed();
+    // The timeout is 5 s: well within it, whatever runs beside the test.
+    assert!(
+        answered < Duration::from_secs(2),
+        "answered after {answered:?}"
+    );
+    support::redis::unpause(&mut admin).await;
+    let after = store.check_one(b"k", &policy, 1).await.unwrap();
+    assert_eq!(after.remaining(), 1_000 - 34, "the 32 stalled calls ran");
+}
+
+// A busy store is not a stalled one: 64 callers back to back at the defaults (a stall
+// after 20 ms without a reply), 20,000 calls, every one answered by Redis. False trips
+// at full load through HTTP are measured in BENCHMARKS.md ("Fleet and outages").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_redis_is_not_a_stalled_one() {
+    let server = RedisServer::start();
+    let store = unguarded()
+        .stall_after(Duration::from_millis(20))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let policy = Policy::new(
+        "busy",
+        Algorithm::Gcra,
+        Quota::per_second(1_000_000).unwrap(),
+    )
+    .unwrap();
+    let callers: Vec<_> = (0..64u32)
+        .map(|c| {
+            let (store, policy) = (store.clone(), policy.clone());
+            tokio::spawn(async move {
+                let key = format!("k{c}");
+                for _ in 0..(20_000 / 64) {
+                    store
+                        .check_one(key.as_bytes(), &policy, 1)
+                        .await
+                        .expect("a busy Redis answers");
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

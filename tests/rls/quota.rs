@@ -305,6 +305,7 @@ async fn health_names_the_service_and_a_stream_keeps_its_bound() {
     use tollway_server::quota::MAX_BUCKETS;
     let file = File::new("rlqs-bounds", &limits(""));
     let (running, grpc, _) = start(&file.0).await;
+    assert!(running.probe().await, "the store answers");
     assert_eq!(shared::health(grpc, RLQS).await, "Serving");
     let mut envoy = Envoy::connect(grpc).await;
     let keys: Vec<String> = (0..=MAX_BUCKETS).map(|i| format!("key-{i}")).collect();

@@ -218,6 +218,14 @@ pub const RLQS_REPORTED: Metric = Metric {
     help: "Requests Envoys reported to the rate limit quota service, by the file's policy and outcome: allowed, denied",
 };
 
+/// Stalls the Redis store declared: no reply for a while with calls waiting (core).
+pub const STORE_STALLS: Metric = Metric {
+    name: "tollway_store_stalls_total",
+    kind: Kind::Counter,
+    labels: &[],
+    help: "Stalls the Redis store declared: no reply of any call for stall_after while calls waited; they failed at once",
+};
+
 /// Every metric, in the order above.
 pub const ALL: &[Metric] = &[
     DECISIONS,
@@ -242,6 +250,7 @@ pub const ALL: &[Metric] = &[
     RLS_NEAR_LIMIT,
     RLQS_BUCKETS,
     RLQS_REPORTED,
+    STORE_STALLS,
 ];
 
 /// Tells the installed recorder every metric's type and help text.

@@ -30,6 +30,8 @@
 //! kind = "memory"               # or "redis", with url = "redis://..." or nodes = [...]
 //! max_keys = 1_000_000
 //! # Redis only: leases = true, or { horizon_ms = 200, min_units = 8, max_share = 0.1 }
+//! # timeout_ms = 100, stall_after_ms = 20 (0: each call waits its timeout),
+//! # breaker = { threshold = 5, cool_down_ms = 250 }, local_fallback = 1.0
 //!
 //! [layer]
 //! default = "anonymous"         # the policy of callers without a tier

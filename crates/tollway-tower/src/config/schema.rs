@@ -133,6 +133,8 @@ pub(super) struct StoreSection {
     pub(super) nodes: Option<Vec<String>>,
     pub(super) prefix: Option<String>,
     pub(super) timeout_ms: Option<u64>,
+    /// Time without a reply, with calls waiting, that declares Redis stalled; 0: never.
+    pub(super) stall_after_ms: Option<u64>,
     pub(super) breaker: Option<Spanned<Switch<BreakerSection>>>,
     pub(super) local_fallback: Option<Spanned<Switch<f64>>>,
     pub(super) leases: Option<Spanned<Switch<LeaseSection>>>,

@@ -170,6 +170,11 @@ impl LimitsFile {
         if let Some(ms) = section.timeout_ms {
             builder = builder.timeout(Duration::from_millis(ms));
         }
+        match section.stall_after_ms {
+            Some(0) => builder = builder.without_stall_detection(),
+            Some(ms) => builder = builder.stall_after(Duration::from_millis(ms)),
+            None => {}
+        }
         match section.breaker.as_ref().map(Spanned::get_ref) {
             Some(Switch::Toggle(false)) => builder = builder.without_breaker(),
             Some(Switch::Set(b)) => {

@@ -33,6 +33,8 @@ pub struct RedisStoreBuilder {
     breaker: Option<(u32, Duration)>,
     /// The share of each quota the local fallback gives this node; `None`: no fallback.
     fallback_share: Option<f64>,
+    /// Time without a reply that declares a stall; `None`: no stall detection.
+    stall_after: Option<Duration>,
     #[cfg(feature = "tls")]
     tls_root: Option<Vec<u8>>,
 }
@@ -44,7 +46,8 @@ impl fmt::Debug for RedisStoreBuilder {
             .field("timeout", &self.timeout)
             .field("caller_time", &self.clock.is_some())
             .field("breaker", &self.breaker)
-            .field("local_fallback", &self.fallback_share);
+            .field("local_fallback", &self.fallback_share)
+            .field("stall_after", &self.stall_after);
         #[cfg(feature = "tls")]
         s.field("tls_root_certificate", &self.tls_root.is_some());
         s.finish()
@@ -62,6 +65,7 @@ impl RedisStoreBuilder {
             deny_cache: DEFAULT_DENY_CACHE,
             breaker: Some((DEFAULT_THRESHOLD, DEFAULT_COOL_DOWN)),
             fallback_share: Some(1.0),
+            stall_after: Some(super::stall::DEFAULT_STALL_AFTER),
             #[cfg(feature = "tls")]
             tls_root: None,
         }
@@ -130,6 +134,35 @@ impl RedisStoreBuilder {
     /// decision costs microseconds, not a timeout. It comes from the local fallback.
     pub fn breaker(mut self, threshold: u32, cool_down: Duration) -> Self {
         self.breaker = Some((threshold, cool_down));
+        self
+    }
+
+    /// Declares Redis stalled when no reply of any call came for `after` while a call
+    /// waits (default 20 ms). Every waiting call then fails at once, to the breaker and
+    /// its local fallback, instead of each waiting its timeout.
+    ///
+    /// A loaded Redis answers late but keeps answering, so it does not trip this: the
+    /// repository's `BENCHMARKS.md` ("Fleet and outages") counts false trips at full
+    /// load. A call sent before the stall may run when Redis comes back: its charge
+    /// stands, and the fallback's is counted too. A Redis Cluster is watched as one: a
+    /// node that stalls while others answer waits the timeout.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollway_core::RedisStore;
+    ///
+    /// let builder = RedisStore::builder().stall_after(Duration::from_millis(50));
+    /// assert!(builder.validate().is_ok());
+    /// assert!(RedisStore::builder().stall_after(Duration::ZERO).validate().is_err());
+    /// ```
+    pub fn stall_after(mut self, after: Duration) -> Self {
+        self.stall_after = Some(after);
+        self
+    }
+
+    /// No stall detection: each call waits its own timeout.
+    pub fn without_stall_detection(mut self) -> Self {
+        self.stall_after = None;
         self
     }
 
@@ -232,6 +265,12 @@ impl RedisStoreBuilder {
                 "Redis timeout must be more than zero: every call would fail",
             ));
         }
+        if self.stall_after.is_some_and(|after| after.is_zero()) {
+            return Err(ConfigError::new(
+                "Redis stall_after must be more than zero: every call would be a stall; \
+                 turn detection off with without_stall_detection",
+            ));
+        }
         if let Some((threshold, _)) = self.breaker {
             check_threshold(threshold)?;
         }
@@ -258,6 +297,7 @@ impl RedisStoreBuilder {
                 }),
                 clock: self.clock,
                 gateway: gateway_number(),
+                stall: self.stall_after.map(super::stall::Stall::new),
             }),
         };
         if breaker.is_none() && fallback_share.is_none() {

@@ -7,6 +7,7 @@
 mod builder;
 mod deny_cache;
 mod scripts;
+mod stall;
 
 use std::fmt;
 use std::sync::Arc;
@@ -133,6 +134,9 @@ struct Inner {
     /// This store's number among the gateways sharing Redis: its field in a concurrency
     /// limit's hash, so that its slots are its own to renew and to lose.
     gateway: u64,
+    /// The watch that fails waiting calls when Redis stops answering; `None`: each
+    /// waits its timeout.
+    stall: Option<stall::Stall>,
 }
 
 enum Backend {
@@ -756,7 +760,23 @@ impl Scripts {
         let timeout = self.inner.timeout;
         #[cfg(feature = "metrics")]
         let started = std::time::Instant::now();
-        let reply = tokio::time::timeout(timeout, self.eval(request)).await;
+        let call = self.eval(request);
+        let reply = match &self.inner.stall {
+            None => tokio::time::timeout(timeout, call).await,
+            Some(stall) => tokio::time::timeout(timeout, stall.wait(call))
+                .await
+                .map(|waited| {
+                    waited.unwrap_or_else(|stall::Stalled| {
+                        Err(StoreError::new(
+                            StoreErrorKind::Timeout,
+                            format!(
+                                "Redis stalled: no reply for {:?} with calls waiting",
+                                stall.after()
+                            ),
+                        ))
+                    })
+                }),
+        };
         #[cfg(feature = "metrics")]
         metrics::histogram!(crate::metric::STORE_DURATION.name, "store" => self.kind())
             .record(started.elapsed());
