@@ -1,4 +1,5 @@
 -- A shared policy's ledger: its holders' shares and the pool that pays for new buckets.
+-- A ledger whose shares all ended keeps its pool until the reserve alone refilled it.
 -- The twin of crates/tollway-core/src/store/share.rs (`decide`), which says the rule.
 --
 -- KEYS[1]  the ledger: a hash of `pool`, `at` and `h:<holder>` = rate:size:demand:until
@@ -65,16 +66,6 @@ for i = 1, #flat, 2 do
   end
 end
 
--- Every share ended: the ledger starts afresh.
-local live = false
-for _, name in ipairs(names) do
-  if holdings[name][4] > now then live = true end
-end
-if not live then
-  if #names > 0 then redis.call('DEL', key) end
-  pool, at, holdings, names = nil, nil, {}, {}
-end
-
 -- The pool refills at the rate no holder holds, up to what the sizes leave.
 local rates, sizes = 0, 0
 for _, name in ipairs(names) do
@@ -107,13 +98,16 @@ for _, name in ipairs(names) do
 end
 names = kept
 
+-- Kept until it surely decides as a fresh one: its last share's end, then the time the
+-- reserve alone takes to refill the whole pool. Deleted at once when it already does.
 local function save(longest)
-  if #names == 0 then
+  if #names == 0 and pool == burst * period then
     redis.call('DEL', key)
     return
   end
+  local refill = ceil_div(burst * period, ceil_div(limit, reserve_part))
   redis.call('HSET', key, 'pool', int(pool), 'at', int(at))
-  redis.call('PEXPIRE', key, math.max(1, longest - now))
+  redis.call('PEXPIRE', key, math.max(1, math.max(longest, at) + refill - now))
 end
 
 if hold == 0 then

@@ -80,6 +80,19 @@ enum Told {
     Allow,
     Deny,
     Abandon,
+    /// Not named in the answer: Envoy keeps what it has.
+    Nothing,
+}
+
+/// What each bucket of an answer was told.
+struct Answers(HashMap<String, Told>);
+
+impl std::ops::Index<&str> for Answers {
+    type Output = Told;
+
+    fn index(&self, key: &str) -> &Told {
+        self.0.get(key).unwrap_or(&Told::Nothing)
+    }
 }
 
 impl Envoy {
@@ -98,7 +111,7 @@ impl Envoy {
 
     /// Reports `usages` (bucket key, allowed, denied, seconds elapsed) and reads the
     /// answer: what each bucket was told.
-    async fn report(&mut self, usages: &[(&str, u64, u64, i64)]) -> HashMap<String, Told> {
+    async fn report(&mut self, usages: &[(&str, u64, u64, i64)]) -> Answers {
         let message = RateLimitQuotaUsageReports {
             domain: "edge".to_owned(),
             bucket_quota_usages: usages
@@ -120,7 +133,7 @@ impl Envoy {
             .expect("an answer within 10 s")
             .unwrap()
             .expect("the stream is open");
-        told(&answer)
+        Answers(told(&answer))
     }
 }
 
@@ -243,11 +256,13 @@ async fn a_quiet_bucket_keeps_a_share_for_a_minute_then_is_abandoned() {
     let mut a = Envoy::connect(grpc).await;
     let mut b = Envoy::connect(grpc).await;
     assert_eq!(rate(a.report(&[("k", 1, 0, 0)]).await["k"]), 98);
-    assert_eq!(b.report(&[("k", 1, 0, 0)]).await["k"], Told::Deny);
+    // Nothing for b yet, and nothing said: an Envoy that reconnected would keep what it
+    // has, while its old stream's share may be in force.
+    assert_eq!(b.report(&[("k", 1, 0, 0)]).await["k"], Told::Nothing);
     // Quiet: a keeps what b's demand leaves, evenly divided, for a minute.
     assert_eq!(
         b.report(&[("k", 0, 300, 5)]).await["k"],
-        Told::Deny,
+        Told::Nothing,
         "a holds it"
     );
     assert_eq!(rate(a.report(&[("k", 0, 0, 5)]).await["k"]), 19);
@@ -311,13 +326,28 @@ async fn health_names_the_service_and_a_stream_keeps_its_bound() {
     let keys: Vec<String> = (0..=MAX_BUCKETS).map(|i| format!("key-{i}")).collect();
     let usages: Vec<(&str, u64, u64, i64)> = keys.iter().map(|k| (k.as_str(), 1, 0, 0)).collect();
     let told = envoy.report(&usages).await;
-    assert_eq!(told.len(), MAX_BUCKETS + 1);
-    assert_eq!(told[&keys[0]], Told::Bucket(98, 13));
-    assert_eq!(told[&keys[MAX_BUCKETS]], Told::Deny);
+    assert_eq!(told.0.len(), MAX_BUCKETS + 1);
+    assert_eq!(told[keys[0].as_str()], Told::Bucket(98, 13));
+    assert_eq!(told[keys[MAX_BUCKETS].as_str()], Told::Deny);
+    // A bucket id past a descriptor's bounds ends the stream, unread by the store.
+    let mut hostile = Envoy::connect(grpc).await;
+    let long = "v".repeat(tollway_server::bounds::VALUE_BYTES + 1);
+    let message = RateLimitQuotaUsageReports {
+        domain: "edge".to_owned(),
+        bucket_quota_usages: vec![BucketQuotaUsage {
+            bucket_id: Some(bucket(&long)),
+            time_elapsed: None,
+            num_requests_allowed: 1,
+            num_requests_denied: 0,
+        }],
+    };
+    hostile.reports.send(message).await.unwrap();
+    let refused = hostile.answers.message().await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
     let counted = super::metrics().render();
-    assert!(
-        counted.contains("tollway_rls_requests_refused_total{reason=\"buckets\"}"),
-        "{counted}"
-    );
+    for reason in ["buckets", "value_bytes"] {
+        let line = format!("tollway_rls_requests_refused_total{{reason=\"{reason}\"}}");
+        assert!(counted.contains(&line), "{counted}");
+    }
     running.stop().await;
 }

@@ -170,6 +170,8 @@ struct Bucket {
     idle: u32,
     /// When its last report came.
     reported: Option<tokio::time::Instant>,
+    /// When this stream first named it.
+    named: tokio::time::Instant,
     told: Option<Strategy>,
 }
 
@@ -209,6 +211,13 @@ impl Inner {
             let Some(id) = usage.bucket_id else {
                 return Err(Status::invalid_argument("a usage report names its bucket"));
             };
+            if let Some((reason, bound)) = past_bounds(&id) {
+                metrics::counter!(tollway_core::metric::RLS_REFUSED.name, "reason" => reason)
+                    .increment(1);
+                return Err(Status::invalid_argument(format!(
+                    "a bucket id past tollway-server's bounds: {bound}"
+                )));
+            }
             let key = bucket_key(&id);
             let count = stream.buckets.len();
             let holder = format!("{}/{}/{}", self.replica, stream.number, stream.named);
@@ -224,6 +233,7 @@ impl Inner {
                         demand: None,
                         idle: 0,
                         reported: None,
+                        named: tokio::time::Instant::now(),
                         told: None,
                     }))
                 }
@@ -277,7 +287,7 @@ impl Inner {
         bucket: &mut Bucket,
         report: Option<(u64, u64, Duration)>,
     ) -> Option<BucketAction> {
-        let rules = self.rules.load();
+        let rules = self.rules.load_full();
         let matched = rules.rules.find_bucket(domain, &bucket.id.bucket);
         let known = matched.is_some();
         let limited = matched.and_then(|m| Some((m.policy?.clone(), m.key)));
@@ -349,6 +359,16 @@ impl Inner {
                 // A report is answered every time: the same assignment again keeps
                 // Envoy's bucket and renews its time to live.
                 if report.is_none() && bucket.told == Some(strategy) {
+                    return None;
+                }
+                // Nothing to give a bucket new to this stream, while a share held for an
+                // earlier stream may still be in force: say nothing. An Envoy that
+                // reconnected keeps the assignment it has (that share is counted until
+                // it ends); a new bucket admits nothing without one anyway (DENY_ALL,
+                // the documented configuration).
+                let deny = Strategy::BlanketRule(BlanketRule::DenyAll as i32);
+                let young = bucket.named.elapsed() < ASSIGNMENT_TTL + TRANSIT;
+                if bucket.told.is_none() && strategy == deny && young {
                     return None;
                 }
                 bucket.told = Some(strategy);
@@ -431,9 +451,13 @@ impl Inner {
         };
         let mut version = self.version.subscribe();
         loop {
+            let mut reported = false;
             let actions = tokio::select! {
                 message = inbound.message() => match message {
-                    Ok(Some(reports)) => self.report(&mut stream, reports).await,
+                    Ok(Some(reports)) => {
+                        reported = true;
+                        self.report(&mut stream, reports).await
+                    }
                     // Envoy closed the stream, or it broke: its shares end at their time,
                     // since Envoy enforces its assignments until then.
                     Ok(None) | Err(_) => break,
@@ -453,14 +477,19 @@ impl Inner {
                 }
             };
             let answer = match actions {
-                Ok(actions) if actions.is_empty() => continue,
+                // A report is answered, if only with nothing: Envoy then keeps what it
+                // has. A new version of the rules that changes nothing says nothing.
+                Ok(actions) if actions.is_empty() && !reported => continue,
                 Ok(actions) => Ok(RateLimitQuotaResponse {
                     bucket_action: actions,
                 }),
                 Err(status) => Err(status),
             };
             let failed = answer.is_err();
-            if outbound.send(answer).await.is_err() || failed {
+            // An Envoy that does not read its answers for an assignment's life has
+            // none in force: the stream ends.
+            let sent = tokio::time::timeout(ASSIGNMENT_TTL, outbound.send(answer)).await;
+            if !matches!(sent, Ok(Ok(()))) || failed {
                 break;
             }
         }
@@ -494,6 +523,25 @@ fn token_bucket(policy: &Policy, rate: u64, size: u64) -> TokenBucket {
             nanos: i32::try_from(period.subsec_nanos()).unwrap_or(0),
         }),
     }
+}
+
+/// Why a bucket id is past the bounds a descriptor has (`crate::bounds`): entries, key
+/// and value lengths.
+fn past_bounds(id: &BucketId) -> Option<(&'static str, String)> {
+    use crate::bounds::{ENTRIES, KEY_BYTES, VALUE_BYTES};
+    if id.bucket.len() > ENTRIES {
+        return Some(("entries", format!("at most {ENTRIES} entries")));
+    }
+    if id.bucket.keys().any(|k| k.len() > KEY_BYTES) {
+        return Some(("key_bytes", format!("keys of at most {KEY_BYTES} bytes")));
+    }
+    if id.bucket.values().any(|v| v.len() > VALUE_BYTES) {
+        return Some((
+            "value_bytes",
+            format!("values of at most {VALUE_BYTES} bytes"),
+        ));
+    }
+    None
 }
 
 fn is_abandon(action: &BucketAction) -> bool {

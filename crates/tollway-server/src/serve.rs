@@ -100,6 +100,9 @@ impl Tls {
     }
 }
 
+/// How often the gRPC port pings a quiet peer, and how long it waits for the answer.
+const KEEPALIVE: Duration = Duration::from_secs(30);
+
 /// Reads the limits file, connects its store, and serves until [`Running::stop`].
 ///
 /// # Errors
@@ -108,14 +111,20 @@ impl Tls {
 /// cannot be set up.
 pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     // A bad certificate or key fails here, before anything is served.
+    // Keepalive pings end the calls (quota streams above all) of a peer that went.
+    let builder = || {
+        tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(KEEPALIVE))
+            .http2_keepalive_timeout(Some(KEEPALIVE))
+    };
     let grpc_server = match &options.tls {
-        None => tonic::transport::Server::builder(),
+        None => builder(),
         Some(tls) => {
             if rustls::crypto::CryptoProvider::get_default().is_none() {
                 // Lost only to another thread installing one first, which then serves.
                 let _ = rustls::crypto::ring::default_provider().install_default();
             }
-            tonic::transport::Server::builder()
+            builder()
                 .tls_config(tls.config())
                 .map_err(|e| ConfigError::new(format!("TLS on the gRPC port: {e}")))?
         }

@@ -13,7 +13,9 @@
 //! A new bucket starts full, so a holder's new (or changed) share is paid from the pool,
 //! which refills at the rate no holder holds. So across all holders, in any window of
 //! time `T`, at most `burst + limit × T / period` units are spent: what one bucket of the
-//! policy would admit. This holds while each holder stops at its share's end.
+//! policy would admit. This holds while each holder stops at its share's end. A ledger
+//! whose shares all ended keeps its pool until the reserve alone would have refilled
+//! it: a holder that gives its share back and asks again pays for its new bucket.
 //!
 //! ```
 //! use std::time::Duration;
@@ -200,10 +202,14 @@ pub fn shareable(policy: &Policy) -> Result<(), ConfigError> {
         )));
     }
     let terms = Terms::of(policy);
-    if terms.limit < 2 || terms.period_ms == 0 || !quota.period_micros().is_multiple_of(1_000) {
+    if terms.limit < 2
+        || terms.burst < MIN_SIZE
+        || terms.period_ms == 0
+        || !quota.period_micros().is_multiple_of(1_000)
+    {
         return Err(ConfigError::new(format!(
-            "policy {name:?} cannot be shared: give it a limit of 2 or more and a period \
-             of whole milliseconds"
+            "policy {name:?} cannot be shared: give it a limit and a burst of 2 or more \
+             and a period of whole milliseconds"
         )));
     }
     let exact = |a: u64, b: u64| u128::from(a) * u128::from(b) < 1 << 53;
@@ -254,10 +260,23 @@ pub(crate) struct Ledger {
 }
 
 impl Ledger {
-    /// Whether a share in it runs past `now` (ms). A ledger that is not decides as a
-    /// fresh one.
-    pub(crate) fn is_live(&self, now: u64) -> bool {
-        self.holdings.values().any(|h| h.until > now)
+    /// Whether it decides as a fresh one would: no holder, and a full pool.
+    pub(crate) fn is_fresh(&self, terms: Terms) -> bool {
+        self.holdings.is_empty() && self.pool == terms.burst * terms.period_ms
+    }
+
+    /// When it surely decides as a fresh one, in ms: its last share's end, and then the
+    /// time the reserve alone takes to refill the whole pool. A Redis ledger expires
+    /// then.
+    pub(crate) fn forgotten_at(&self, terms: Terms) -> u64 {
+        let last = self
+            .holdings
+            .values()
+            .map(|h| h.until)
+            .max()
+            .unwrap_or(0)
+            .max(self.at.unwrap_or(0));
+        last.saturating_add(refill_ms(terms))
     }
 }
 
@@ -283,6 +302,12 @@ fn fair(capacity: u64, mine: (&str, u64), others: &[(&str, u64)]) -> u64 {
     part_of_mine + left / count
 }
 
+/// The time the reserve alone takes to refill a whole pool, in ms.
+fn refill_ms(terms: Terms) -> u64 {
+    let reserve = terms.limit.div_ceil(RESERVE_PART);
+    (terms.burst * terms.period_ms).div_ceil(reserve)
+}
+
 /// The size of a bucket of `rate`.
 fn size_of(rate: u64, terms: Terms) -> u64 {
     if rate == 0 {
@@ -302,11 +327,6 @@ pub(crate) fn decide(ledger: &mut Ledger, now: u64, terms: Terms, ask: &ShareAsk
         period_ms,
         burst,
     } = terms;
-    // Every share ended: every bucket is gone, and the ledger starts afresh (as a Redis
-    // key that expired).
-    if !ledger.is_live(now) {
-        *ledger = Ledger::default();
-    }
     // The pool refills at the rate no holder holds, up to what the sizes leave.
     let rates: u64 = ledger.holdings.values().map(|h| h.rate).sum();
     let sizes: u64 = ledger.holdings.values().map(|h| h.size).sum();

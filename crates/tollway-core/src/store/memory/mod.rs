@@ -414,10 +414,19 @@ impl<C: Clock> MemoryStore<C> {
     }
 }
 
-/// The ledgers of shared policies by key, policy name and state.
-type Ledgers = std::collections::HashMap<(Vec<u8>, String, u64), super::share::Ledger>;
+/// The ledgers of shared policies by key, policy name and state, when each is surely
+/// fresh again, and past how many the next share sweeps them.
+#[derive(Default)]
+struct Ledgers {
+    map: std::collections::HashMap<LedgerId, super::share::Ledger>,
+    forgotten: std::collections::HashMap<LedgerId, u64>,
+    sweep_past: usize,
+}
 
-/// Past this many ledgers, a share forgets those whose shares all ended.
+type LedgerId = (Vec<u8>, String, u64);
+
+/// Past this many ledgers (or twice as many as the last sweep kept), a share forgets
+/// those that are surely fresh again.
 const SWEEP_LEDGERS: usize = 1_024;
 
 impl<C: Clock> Store for MemoryStore<C> {
@@ -484,14 +493,22 @@ impl<C: Clock> Store for MemoryStore<C> {
         let now = self.shared.clock.now_micros() / 1_000;
         let id = (key.to_vec(), policy.name().to_owned(), policy.state_id());
         let mut ledgers = self.shared.ledgers.lock();
-        let ledger = ledgers.entry(id.clone()).or_default();
-        let share = super::share::decide(ledger, now, super::share::Terms::of(policy), ask);
-        // Ledgers whose shares all ended decide as fresh ones: forget them.
-        if !ledger.is_live(now) {
-            ledgers.remove(&id);
+        let ledger = ledgers.map.entry(id.clone()).or_default();
+        let terms = super::share::Terms::of(policy);
+        let share = super::share::decide(ledger, now, terms, ask);
+        let forgotten = ledger.forgotten_at(terms);
+        // A ledger that decides as a fresh one is forgotten at once; one whose pool the
+        // reserve alone has refilled since its last share ended, when the sweep comes.
+        if ledger.is_fresh(terms) {
+            ledgers.map.remove(&id);
+        } else {
+            ledgers.forgotten.insert(id, forgotten);
         }
-        if ledgers.len() > SWEEP_LEDGERS {
-            ledgers.retain(|_, ledger| ledger.is_live(now));
+        if ledgers.map.len() > ledgers.sweep_past {
+            let Ledgers { map, forgotten, .. } = &mut *ledgers;
+            map.retain(|id, _| forgotten.get(id).is_some_and(|&at| at > now));
+            forgotten.retain(|id, _| map.contains_key(id));
+            ledgers.sweep_past = (2 * ledgers.map.len()).max(SWEEP_LEDGERS);
         }
         Some(Box::pin(std::future::ready(Ok(share))))
     }

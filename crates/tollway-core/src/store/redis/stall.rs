@@ -6,8 +6,9 @@
 //! no reply came in that time, the stall is declared: that call and every call waiting
 //! fail at once, to the breaker and its fallback, instead of each waiting its timeout.
 //! A process too busy to read its replies is not a stalled Redis: before declaring, the
-//! call lets the tasks ahead of it run, and declares nothing if that took a quarter of
-//! `after` or more.
+//! call lets the tasks ahead of it run, and declares nothing if that, or its own timer,
+//! was late by a quarter of `after` or more. `after` must exceed the round trip to Redis
+//! and its slowest script: one call that takes longer is a stall.
 //! A call sent before the stall may still run when Redis comes back: its charge stands.
 
 use std::future::Future;
@@ -81,8 +82,9 @@ impl Stall {
                     // A busy process may not have read replies that came. Let the tasks
                     // queued before this one run (the connection's among them), twice:
                     // if that took long, the process is what is slow, not Redis.
-                    let mut busy = false;
-                    if self.silent(started, after) {
+                    // A timer that fired late says the same.
+                    let mut busy = Instant::now().duration_since(at) * 4 >= self.after;
+                    if !busy && self.silent(started, after) {
                         let before = Instant::now();
                         for _ in 0..2 {
                             tokio::task::yield_now().await;
@@ -96,7 +98,9 @@ impl Stall {
                         return Err(Stalled);
                     }
                     let since = self.last_reply.load(Ordering::Relaxed).max(started);
-                    check = since.saturating_add(after);
+                    let now = self.micros(Instant::now());
+                    // Busy: look again a quarter of `after` on, not at once.
+                    check = since.saturating_add(after).max(now + after / 4);
                 }
             }
         }

@@ -19,22 +19,22 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn take(&mut self, share: Share) {
+    fn take(&mut self, share: Share, terms: Terms) {
         if share.is_new() || self.share.is_none() {
-            self.tokens = share.size() * TERMS.period_ms;
+            self.tokens = share.size() * terms.period_ms;
         }
         self.share = Some(share).filter(|s| s.rate() > 0);
     }
 
     /// One ms: spends all it can, then refills; what it spent.
-    fn spend(&mut self, now: u64) -> u64 {
+    fn spend(&mut self, now: u64, terms: Terms) -> u64 {
         let Some(share) = self.share.filter(|s| s.until_ms() > now) else {
             self.share = None;
             return 0;
         };
-        let spent = self.tokens / TERMS.period_ms;
-        self.tokens -= spent * TERMS.period_ms;
-        self.tokens = (self.tokens + share.rate()).min(share.size() * TERMS.period_ms);
+        let spent = self.tokens / terms.period_ms;
+        self.tokens -= spent * terms.period_ms;
+        self.tokens = (self.tokens + share.rate()).min(share.size() * terms.period_ms);
         spent
     }
 }
@@ -52,60 +52,73 @@ impl Rng {
 }
 
 // The claim of the module: whatever the holders ask and when, buckets that spend all
-// they are given never spend more in a window than one bucket of the policy admits.
+// they are given never spend more in a window than one bucket of the policy admits. A
+// policy that refills in a second, and one that takes a minute (longer than any share
+// is held: a holder that gives its share back and asks again still pays).
 #[test]
 fn holders_that_spend_all_their_shares_never_pass_the_policy() {
-    for seed in 1..=20u64 {
-        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let mut ledger = Ledger::default();
-        let holders = ["a", "b", "c", "d"];
-        let mut buckets: Vec<Bucket> = holders.iter().map(|_| Bucket::default()).collect();
-        let mut next: Vec<u64> = holders.iter().map(|_| rng.below(3_000)).collect();
-        let mut spent = Vec::new();
-        for now in 0..60_000u64 {
-            for (i, holder) in holders.iter().enumerate() {
-                if next[i] == now {
-                    let demand = [0, 5, 50, 500, 10_000][rng.below(5) as usize];
-                    let asked = if rng.below(20) == 0 {
-                        ShareAsk::release(*holder)
-                    } else {
-                        ShareAsk::new(
-                            *holder,
-                            demand,
-                            Duration::from_millis(4_000 + rng.below(8_000)),
-                        )
-                    };
-                    let share = decide(&mut ledger, now, TERMS, &asked);
-                    if asked.hold_ms() == 0 {
-                        buckets[i] = Bucket::default();
-                    } else {
-                        buckets[i].take(share);
-                    }
-                    // Some traces ask often: every change of share is a new bucket.
-                    let gap = if seed % 2 == 0 { 6_000 } else { 300 };
-                    next[i] = now + 1 + rng.below(gap);
-                }
-            }
-            spent.push(buckets.iter_mut().map(|b| b.spend(now)).sum::<u64>());
+    let slow = Terms {
+        limit: 100,
+        period_ms: 60_000,
+        burst: 100,
+    };
+    for terms in [TERMS, slow] {
+        for seed in 1..=20u64 {
+            spend_all(terms, seed);
         }
-        let mut sums = vec![0u64];
-        for s in &spent {
-            sums.push(sums.last().unwrap() + s);
-        }
-        for window in [1usize, 10, 100, 1_000, 5_000, 20_000] {
-            let bound = TERMS.burst + (TERMS.limit * window as u64).div_ceil(TERMS.period_ms);
-            let most = (window..sums.len())
-                .map(|end| sums[end] - sums[end - window])
-                .max()
-                .unwrap();
-            assert!(
-                most <= bound,
-                "seed {seed}: {most} in {window} ms, at most {bound}"
-            );
-        }
-        let used: u64 = spent.iter().sum();
-        assert!(used > 0, "seed {seed}");
     }
+}
+
+fn spend_all(terms: Terms, seed: u64) {
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut ledger = Ledger::default();
+    let holders = ["a", "b", "c", "d"];
+    let mut buckets: Vec<Bucket> = holders.iter().map(|_| Bucket::default()).collect();
+    let mut next: Vec<u64> = holders.iter().map(|_| rng.below(3_000)).collect();
+    let mut spent = Vec::new();
+    let run = 3 * terms.period_ms.max(20_000);
+    for now in 0..run {
+        for (i, holder) in holders.iter().enumerate() {
+            if next[i] == now {
+                let demand = [0, 5, 50, 500, 10_000][rng.below(5) as usize];
+                let asked = if rng.below(5) == 0 {
+                    ShareAsk::release(*holder)
+                } else {
+                    let hold = Duration::from_millis(4_000 + rng.below(8_000));
+                    ShareAsk::new(*holder, demand, hold)
+                };
+                let share = decide(&mut ledger, now, terms, &asked);
+                if asked.hold_ms() == 0 {
+                    buckets[i] = Bucket::default();
+                } else {
+                    buckets[i].take(share, terms);
+                }
+                // Some traces ask often: every change of share is a new bucket.
+                let gap = if seed.is_multiple_of(2) { 6_000 } else { 300 };
+                next[i] = now + 1 + rng.below(gap);
+            }
+        }
+        spent.push(buckets.iter_mut().map(|b| b.spend(now, terms)).sum::<u64>());
+    }
+    let mut sums = vec![0u64];
+    for s in &spent {
+        sums.push(sums.last().unwrap() + s);
+    }
+    for window in [1usize, 10, 100, 1_000, 5_000, 20_000, 60_000] {
+        if window >= sums.len() {
+            continue;
+        }
+        let bound = terms.burst + (terms.limit * window as u64).div_ceil(terms.period_ms);
+        let most = (window..sums.len())
+            .map(|end| sums[end] - sums[end - window])
+            .max()
+            .unwrap();
+        assert!(
+            most <= bound,
+            "{terms:?} seed {seed}: {most} in {window} ms, at most {bound}"
+        );
+    }
+    assert!(sums.last().copied().unwrap_or(0) > 0, "seed {seed}");
 }
 
 // Demand 10:1:1 at twice the limit, then reversed, then equal: the small demands are
@@ -157,7 +170,8 @@ fn a_ledger_is_bounded_and_a_release_frees_the_share() {
     assert!(decide(&mut ledger, 0, terms, &ask("late", 10)).rate() >= 10);
 }
 
-// A share that ends is the ledger's again; once all have ended, it starts afresh.
+// A share that ends is the ledger's again; a ledger is fresh again once its pool is
+// full and no one holds a share.
 #[test]
 fn ended_shares_return_to_the_ledger() {
     let mut ledger = Ledger::default();
@@ -166,7 +180,33 @@ fn ended_shares_return_to_the_ledger() {
     assert_eq!(decide(&mut ledger, 1, TERMS, &ask("b", 1_000)).rate(), 0);
     let b = decide(&mut ledger, a.until_ms(), TERMS, &ask("b", 1_000));
     assert_eq!((b.rate(), b.is_new()), (98, true));
-    assert!(!ledger.is_live(b.until_ms()));
+    decide(&mut ledger, b.until_ms(), TERMS, &ShareAsk::release("b"));
+    assert!(!ledger.is_fresh(TERMS), "the pool paid for b's bucket");
+    let later = ledger.forgotten_at(TERMS);
+    decide(&mut ledger, later, TERMS, &ShareAsk::release("b"));
+    assert!(ledger.is_fresh(TERMS));
+}
+
+// Giving a share back and asking again does not refill anything: each new bucket is
+// paid, so a holder of a policy that refills in an hour soon gets none.
+#[test]
+fn giving_back_and_asking_again_pays_for_each_bucket() {
+    let hourly = Terms {
+        limit: 100,
+        period_ms: 3_600_000,
+        burst: 100,
+    };
+    let mut ledger = Ledger::default();
+    let mut tokens = 0;
+    for i in 0..20u64 {
+        let share = decide(&mut ledger, i * 14_000, hourly, &ask("a", 100));
+        if share.is_new() {
+            tokens += share.size();
+        }
+        decide(&mut ledger, i * 14_000 + 1, hourly, &ShareAsk::release("a"));
+    }
+    // Within four and a half minutes the hour's policy admits 100 + 7.5.
+    assert!(tokens <= 107, "{tokens} tokens in new buckets");
 }
 
 // Re-asking for the same keeps the holder's bucket (not a new, full one). A change
