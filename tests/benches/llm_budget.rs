@@ -62,6 +62,8 @@ fn main() {
                     .caller_time(clock)
                     // The paused clock moves while a reply is on its way.
                     .timeout(Duration::from_secs(3_600))
+                    // The paused clock moves while a reply is on its way: no stall watch either.
+                    .without_stall_detection()
                     .grace(Duration::from_secs(3_600))
                     .connect(&redis.url())
                     .await

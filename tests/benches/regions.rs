@@ -75,6 +75,8 @@ async fn gateway(name: &'static str, url: String, prefix: String, policy: Policy
         .timeout(Duration::from_secs(5))
         .deny_cache(0)
         .without_local_fallback()
+        // Regions apart: round trips past any stall threshold; the timeout decides.
+        .without_stall_detection()
         .connect(&url)
         .await
         .unwrap();
@@ -161,6 +163,8 @@ async fn leased() {
                     .prefix(prefix.clone())
                     .timeout(Duration::from_millis(400))
                     .without_local_fallback()
+                    // Regions apart: round trips past any stall threshold; the timeout decides.
+                    .without_stall_detection()
                     .connect(&url)
                     .await
                     .unwrap();
@@ -355,6 +359,8 @@ async fn connect(url: String, prefix: String) -> RedisStore {
         .caller_time(SystemClock)
         .deny_cache(0)
         .without_local_fallback()
+        // Regions apart: round trips past any stall threshold; the timeout decides.
+        .without_stall_detection()
         .connect(&url)
         .await
         .unwrap()

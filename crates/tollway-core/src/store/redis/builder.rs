@@ -141,6 +141,10 @@ impl RedisStoreBuilder {
     /// waits (default 20 ms). Every waiting call then fails at once, to the breaker and
     /// its local fallback, instead of each waiting its timeout.
     ///
+    /// `after` must exceed the round trip to Redis and its slowest script: one call that
+    /// takes longer is a stall. For a Redis a region away, raise it past the round trip
+    /// or turn it off ([`without_stall_detection`](Self::without_stall_detection)).
+    ///
     /// A loaded Redis answers late but keeps answering, so it does not trip this: the
     /// repository's `BENCHMARKS.md` ("Fleet and outages") counts false trips at full
     /// load. A call sent before the stall may run when Redis comes back: its charge
