@@ -1,5 +1,6 @@
 //! Faults, with real processes: a Redis server killed and restarted under load,
-//! paused, its scripts flushed mid-load; a cluster master killed; a probe abandoned; and
+//! paused, its scripts flushed mid-load; a cluster master killed; a Sentinel primary
+//! failed over; a probe abandoned; and
 //! what an HTTP and a gRPC server answer while their Redis is dead.
 //!
 //! Strict on outcomes — no over-admission, every request answered, the breaker opens and
@@ -20,6 +21,7 @@ mod in_flight;
 mod leases;
 mod migration;
 mod outage;
+mod sentinel;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

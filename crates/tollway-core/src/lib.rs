@@ -105,7 +105,8 @@
 //! `MAX_LITERAL_KEY` bytes.
 //!
 //! **Redis connections.** One multiplexed connection by default. Also a
-//! `deadpool_redis::Pool` (feature `deadpool`) or a Redis Cluster (`connect_cluster`).
+//! `deadpool_redis::Pool` (feature `deadpool`), a Redis Cluster (`connect_cluster`), or
+//! the primary Redis Sentinel names, followed through failovers (`connect_sentinel`).
 //! `redis://user:password@...` authenticates. `rediss://` needs feature `tls`; it trusts
 //! the system's roots or `tls_root_certificate(pem)`, for one server or every cluster
 //! node.
@@ -204,9 +205,9 @@
 //! None is on by default: without them the crate is the algorithms, the memory store and
 //! the circuit breaker.
 //!
-//! - `redis`: the Redis store (`RedisStore`, `RedisStoreBuilder`, `MAX_LITERAL_KEY`),
-//!   standalone or Cluster, one atomic Lua script a request. Optional dependencies
-//!   `redis`, `sha2`, `tokio`.
+//! - `redis`: the Redis store (`RedisStore`, `RedisStoreBuilder`, `Sentinel`,
+//!   `MAX_LITERAL_KEY`), standalone, Cluster or through Sentinel, one atomic Lua script a
+//!   request. Optional dependencies `redis`, `sha2`, `tokio`, `futures-util`.
 //! - `deadpool`: `RedisStoreBuilder::with_pool`, a `deadpool_redis::Pool` as the Redis
 //!   store's connections. Implies `redis`; optional dependency `deadpool-redis`.
 //! - `tls`: `rediss://` URLs and `RedisStoreBuilder::tls_root_certificate`: TLS to Redis
@@ -261,4 +262,4 @@ pub use store::{
 #[cfg(feature = "leases")]
 pub use store::{Leased, LeasedBuilder};
 #[cfg(feature = "redis")]
-pub use store::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
+pub use store::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder, Sentinel};

@@ -226,6 +226,15 @@ pub const STORE_STALLS: Metric = Metric {
     help: "Stalls the Redis store declared: no reply of any call for stall_after while calls waited; they failed at once",
 };
 
+/// Primaries the Redis store found through Sentinel: its first, and one after each
+/// failover or lost connection (core).
+pub const SENTINEL_RESOLVED: Metric = Metric {
+    name: "tollway_store_sentinel_resolved_total",
+    kind: Kind::Counter,
+    labels: &[],
+    help: "Connections the Redis store made to the primary Sentinel named: the first, then one after each failover or lost connection",
+};
+
 /// Every metric, in the order above.
 pub const ALL: &[Metric] = &[
     DECISIONS,
@@ -251,6 +260,7 @@ pub const ALL: &[Metric] = &[
     RLQS_BUCKETS,
     RLQS_REPORTED,
     STORE_STALLS,
+    SENTINEL_RESOLVED,
 ];
 
 /// Tells the installed recorder every metric's type and help text.

@@ -25,6 +25,7 @@ pub mod http;
 pub mod proxy;
 pub mod redis;
 pub mod regions;
+pub mod sentinel;
 #[cfg(feature = "grpc")]
 pub mod server;
 pub mod stores;

@@ -27,6 +27,8 @@ pub struct RedisServer {
     extra: Vec<String>,
     /// The CA certificate (PEM) when it listens only for TLS on `port`.
     tls_ca: Option<String>,
+    /// A sentinel (`redis-sentinel sentinel.conf`), not a server.
+    sentinel: bool,
 }
 
 /// A running server: the shell that holds it, the pipe that keeps the shell waiting, and
@@ -54,7 +56,7 @@ pub struct TlsFiles {
 /// The shell that holds a server: starts it with the arguments it is given, says its
 /// process id, waits for its standard input to close, then kills it. The server stays
 /// the shell's unreaped child until then, so its id names it and nothing else.
-const HOLDER: &str = r#"redis-server "$@" & pid=$!
+const HOLDER: &str = r#""$@" & pid=$!
 echo "tollway-test-pid $pid"
 read -r _
 kill -9 "$pid" 2>/dev/null
@@ -139,6 +141,7 @@ impl RedisServer {
                 dir,
                 extra: options.clone(),
                 tls_ca: tls.map(|files| files.ca_cert.clone()),
+                sentinel: false,
             };
             match server.spawn() {
                 Ok(()) => return server,
@@ -148,21 +151,61 @@ impl RedisServer {
         panic!("redis-server did not start: {last_error}");
     }
 
+    /// Starts a sentinel (`redis-sentinel`) whose configuration is `conf` (lines such as
+    /// `sentinel monitor ...`; the port and address are added), and waits until it
+    /// monitors its first primary.
+    pub fn start_sentinel(conf: &str) -> Self {
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let dir = std::env::temp_dir()
+                .join(format!("tollway-sentinel-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create a directory for redis-sentinel");
+            // The sentinel rewrites its file as it learns: it must be its own, writable.
+            std::fs::write(
+                dir.join("sentinel.conf"),
+                format!("port {port}\nbind 127.0.0.1\ndir {}\n{conf}\n", dir.display()),
+            )
+            .expect("write sentinel.conf");
+            let mut server = RedisServer {
+                port,
+                running: None,
+                dir,
+                extra: Vec::new(),
+                tls_ca: None,
+                sentinel: true,
+            };
+            match server.spawn() {
+                Ok(()) => return server,
+                Err(e) => last_error = e,
+            }
+        }
+        panic!("redis-sentinel did not start: {last_error}");
+    }
+
     fn spawn(&mut self) -> Result<(), String> {
-        ensure_installed();
         let port = self.port.to_string();
-        // A TLS server listens on `port` for TLS only.
-        let ports: &[&str] = if self.tls_ca.is_some() {
-            &["--port", "0", "--tls-port", &port]
+        // A TLS server listens on `port` for TLS only; a sentinel's port is in its file.
+        let (program, ports): (&[&str], &[&str]) = if self.sentinel {
+            (&["redis-sentinel", "sentinel.conf"], &[])
+        } else if self.tls_ca.is_some() {
+            (&["redis-server"], &["--port", "0", "--tls-port", &port])
         } else {
-            &["--port", &port]
+            (&["redis-server"], &["--port", &port])
+        };
+        ensure_installed(program[0]);
+        let storage: &[&str] = if self.sentinel {
+            &[]
+        } else {
+            &["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         };
         let mut shell = Command::new("sh")
             .arg("-c")
             .arg(HOLDER)
             .arg("sh")
+            .args(program)
             .args(ports)
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(storage)
             .args([
                 "--logfile",
                 "",
@@ -202,7 +245,9 @@ impl RedisServer {
                 Ok(line) => {
                     if let Some(id) = line.strip_prefix("tollway-test-pid ") {
                         running.pid = id.trim().to_owned();
-                    } else if line.contains("Ready to accept connections") {
+                    } else if line.contains("Ready to accept connections")
+                        || (self.sentinel && line.contains("+monitor master"))
+                    {
                         self.running = Some(running);
                         return Ok(());
                     } else {
@@ -298,20 +343,18 @@ fn alive(pid: &str) -> bool {
     })
 }
 
-/// Panics with what to do when `redis-server` is not installed.
-fn ensure_installed() {
-    static INSTALLED: OnceLock<bool> = OnceLock::new();
-    let installed = *INSTALLED.get_or_init(|| {
-        Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_ok()
-    });
+/// Panics with what to do when `program` (`redis-server`, `redis-sentinel`) is not
+/// installed.
+fn ensure_installed(program: &str) {
+    let installed = Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok();
     assert!(
         installed,
-        "redis-server is not installed: the Redis tests start their own servers. \
-         Install it: apt-get install -y redis-server chromium chromium-driver (.ci/run does so \
+        "{program} is not installed: the Redis tests start their own servers. \
+         Install it: apt-get install -y redis-server redis-sentinel (bash tests/setup does so \
          when they are missing)."
     );
 }

@@ -33,7 +33,7 @@ pub use self::lease::{Leased, LeasedBuilder};
 pub use self::lend::{GiveBackFuture, Grant, LendFuture};
 pub use self::memory::{MemoryStore, MemoryStoreBuilder, WhenFull};
 #[cfg(feature = "redis")]
-pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder};
+pub use self::redis::{MAX_LITERAL_KEY, RedisStore, RedisStoreBuilder, Sentinel};
 #[cfg(feature = "regions")]
 pub use self::regions::{Board, BoardFuture, SplitFuture, SplitStore, SplitStoreBuilder};
 #[cfg(feature = "regions")]

@@ -131,6 +131,8 @@ pub(super) struct StoreSection {
     pub(super) max_keys: Option<Spanned<usize>>,
     pub(super) url: Option<String>,
     pub(super) nodes: Option<Vec<String>>,
+    /// The primary Redis Sentinel names.
+    pub(super) sentinel: Option<Spanned<SentinelSection>>,
     pub(super) prefix: Option<String>,
     pub(super) timeout_ms: Option<u64>,
     /// Time without a reply, with calls waiting, that declares Redis stalled; 0: never.
@@ -138,6 +140,32 @@ pub(super) struct StoreSection {
     pub(super) breaker: Option<Spanned<Switch<BreakerSection>>>,
     pub(super) local_fallback: Option<Spanned<Switch<f64>>>,
     pub(super) leases: Option<Spanned<Switch<LeaseSection>>>,
+}
+
+/// `[store.sentinel]`: the sentinels, the name they monitor, the primary's login.
+#[derive(Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SentinelSection {
+    pub(super) master: String,
+    pub(super) nodes: Vec<String>,
+    pub(super) username: Option<String>,
+    pub(super) password: Option<String>,
+    pub(super) db: Option<i64>,
+    pub(super) tls: Option<bool>,
+}
+
+/// Without the password, and the sentinels' URLs (which may hold theirs).
+impl std::fmt::Debug for SentinelSection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelSection")
+            .field("master", &self.master)
+            .field("nodes", &self.nodes.len())
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("db", &self.db)
+            .field("tls", &self.tls)
+            .finish()
+    }
 }
 
 /// A setting that is `false` (off), `true` (on, the defaults) or its settings.

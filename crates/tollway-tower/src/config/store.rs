@@ -24,7 +24,7 @@ pub(super) const NEEDS_REDIS: &str = "kind = \"redis\" needs tollway-tower's `re
 const NEEDS_LEASES: &str = "leases need tollway-tower's `leases` feature, which this build \
      does not have: enable it (features = [\"config\", \"redis\", \"leases\"]), or remove leases";
 
-const REDIS_WHERE: &str = "a Redis store has url = \"redis://host:6379\" or nodes = [...] for a cluster, not both or neither";
+const REDIS_WHERE: &str = "a Redis store has one of url = \"redis://host:6379\", nodes = [...] for a cluster, or sentinel = { master = \"name\", nodes = [...] }";
 
 impl LimitsFile {
     /// Whether the file has a `[store]` section (without one, [`store`](Self::store) is
@@ -51,11 +51,14 @@ impl LimitsFile {
             StoreBuilder::Redis(builder) => {
                 let section = self.file.store.as_ref().map(Spanned::get_ref);
                 let section = section.ok_or_else(|| self.at(span.clone(), REDIS_WHERE))?;
-                let connected = match (&section.url, &section.nodes) {
-                    (Some(url), None) => builder.connect(url).await,
-                    (None, Some(nodes)) => {
+                let connected = match (&section.url, &section.nodes, &section.sentinel) {
+                    (Some(url), None, None) => builder.connect(url).await,
+                    (None, Some(nodes), None) => {
                         let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
                         builder.connect_cluster(&nodes).await
+                    }
+                    (None, None, Some(sentinel)) => {
+                        builder.connect_sentinel(&self.sentinel(sentinel)?).await
                     }
                     _ => return Err(self.at(span.clone(), REDIS_WHERE)),
                 };
@@ -63,6 +66,35 @@ impl LimitsFile {
                 self.leased(store)
             }
         }
+    }
+
+    /// The `[store.sentinel]` section as the store takes it.
+    #[cfg(feature = "redis")]
+    fn sentinel(
+        &self,
+        spanned: &Spanned<super::schema::SentinelSection>,
+    ) -> Result<tollway_core::Sentinel, ConfigError> {
+        let section = spanned.get_ref();
+        if section.master.is_empty() || section.nodes.is_empty() {
+            return Err(self.at(
+                Some(spanned.span()),
+                "sentinel needs master = \"<the name the sentinels monitor>\" and nodes = [\"redis://host:26379\", ...]",
+            ));
+        }
+        let mut sentinel = tollway_core::Sentinel::new(&section.master, section.nodes.clone());
+        if let Some(username) = &section.username {
+            sentinel = sentinel.username(username);
+        }
+        if let Some(password) = &section.password {
+            sentinel = sentinel.password(password);
+        }
+        if let Some(db) = section.db {
+            sentinel = sentinel.db(db);
+        }
+        if section.tls == Some(true) {
+            sentinel = sentinel.tls();
+        }
+        Ok(sentinel)
     }
 
     /// The Redis store as the file's `leases` say: itself, or leased from.
@@ -223,19 +255,29 @@ impl LimitsFile {
     fn check_store_kind(&self, spanned: &Spanned<StoreSection>) -> Result<(), ConfigError> {
         let section = spanned.get_ref();
         let kind = section.kind.as_ref();
-        match (
-            kind.map(|k| k.get_ref().as_str()),
-            &section.url,
-            &section.nodes,
-        ) {
-            (None | Some("memory"), None, None) => Ok(()),
-            (Some("redis"), Some(_), None) | (Some("redis"), None, Some(_)) => Ok(()),
-            (Some("redis"), _, _) => Err(self.at(Some(spanned.span()), REDIS_WHERE)),
-            (None | Some("memory"), _, _) => Err(self.at(
+        let wheres = [
+            section.url.is_some(),
+            section.nodes.is_some(),
+            section.sentinel.is_some(),
+        ]
+        .iter()
+        .filter(|&&given| given)
+        .count();
+        match (kind.map(|k| k.get_ref().as_str()), wheres) {
+            (None | Some("memory"), 0) => Ok(()),
+            (Some("redis"), 1) => {
+                #[cfg(feature = "redis")]
+                if let Some(sentinel) = &section.sentinel {
+                    self.sentinel(sentinel)?;
+                }
+                Ok(())
+            }
+            (Some("redis"), _) => Err(self.at(Some(spanned.span()), REDIS_WHERE)),
+            (None | Some("memory"), _) => Err(self.at(
                 Some(spanned.span()),
-                "a memory store has no url or nodes: write kind = \"redis\" to use Redis",
+                "a memory store has no url, nodes or sentinel: write kind = \"redis\" to use Redis",
             )),
-            (Some(_), _, _) => Err(kind.map_or_else(
+            (Some(_), _) => Err(kind.map_or_else(
                 || ConfigError::new("unreachable"),
                 |k| self.choice(k, "kind", &["memory", "redis"]),
             )),

@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use super::deny_cache::DenyCache;
-use super::{Backend, Front, Inner, RedisStore, Scripts};
+use super::{Backend, Front, Inner, RedisStore, Scripts, Sentinel};
 use crate::clock::{Clock, MonotonicClock};
 use crate::error::ConfigError;
 use crate::store::CircuitBreaker;
@@ -215,38 +215,16 @@ impl RedisStoreBuilder {
     /// (see [`tcp_settings`]).
     fn client(&self, url: &str) -> Result<redis::Client, StoreError> {
         use redis::IntoConnectionInfo;
-        let url = url
+        let info = url
             .into_connection_info()
             .map_err(|e| {
                 StoreError::with_source(StoreErrorKind::Other, format!("bad Redis URL: {e}"), e)
             })?
             .set_tcp_settings(tcp_settings());
         #[cfg(feature = "tls")]
-        if let Some(root) = &self.tls_root {
-            ensure_crypto_provider();
-            let certificates = redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(root.clone()),
-            };
-            return redis::Client::build_with_tls(url, certificates).map_err(|e| {
-                StoreError::with_source(
-                    StoreErrorKind::Other,
-                    format!("bad Redis URL or TLS root certificate: {e}"),
-                    e,
-                )
-            });
-        }
-        let client = redis::Client::open(url).map_err(|e| {
-            StoreError::with_source(StoreErrorKind::Other, format!("bad Redis URL: {e}"), e)
-        })?;
-        #[cfg(feature = "tls")]
-        if matches!(
-            client.get_connection_info().addr(),
-            redis::ConnectionAddr::TcpTls { .. }
-        ) {
-            ensure_crypto_provider();
-        }
-        Ok(client)
+        return client_of(info, self.tls_root.as_deref());
+        #[cfg(not(feature = "tls"))]
+        client_of(info, None)
     }
 
     /// Checks the settings without connecting: what `connect` and the other builds
@@ -457,6 +435,67 @@ impl RedisStoreBuilder {
             .map_err(config_error)
     }
 
+    /// Connects to the primary that Redis Sentinel names, and follows it.
+    ///
+    /// The store asks the sentinels for the primary, in the order given, and checks
+    /// with `ROLE` that the server it names is one. It asks again when the connection
+    /// breaks, when the server answers `READONLY` (a demoted primary), and at once when
+    /// a sentinel announces `+promoted-slave` or `+switch-master` (it listens to one
+    /// sentinel at a time while the store lives). A call that may be repeated is sent once more to the new
+    /// primary, within its timeout.
+    ///
+    /// Until the sentinels agree on a new primary, calls fail: the breaker and its local
+    /// fallback decide, as for a dead Redis. What a failover can cost is in the
+    /// repository's README ("Security model") and `BENCHMARKS.md` ("Fleet and outages").
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tollway_core::{RedisStore, Sentinel};
+    ///
+    /// let sentinel = Sentinel::new("checkout", ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379"])
+    ///     .password(std::env::var("REDIS_PASSWORD")?);
+    /// let store = RedisStore::builder().connect_sentinel(&sentinel).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When the settings are invalid (an empty master name, no sentinel, a bad URL).
+    /// When no sentinel names a primary within the timeout, or the primary refuses the
+    /// login.
+    pub async fn connect_sentinel(self, sentinel: &Sentinel) -> Result<RedisStore, StoreError> {
+        self.validate().map_err(config_error)?;
+        let resolver = sentinel.resolver(
+            &tcp_settings(),
+            #[cfg(feature = "tls")]
+            self.tls_root.as_deref(),
+        )?;
+        let followed = tokio::time::timeout(
+            self.timeout,
+            super::sentinel::Followed::connect(resolver, self.timeout),
+        )
+        .await
+        .map_err(|_| {
+            StoreError::new(
+                StoreErrorKind::Timeout,
+                format!(
+                    "no primary found through Redis Sentinel within {:?}",
+                    self.timeout
+                ),
+            )
+        })?
+        .map_err(|e| {
+            StoreError::with_source(
+                StoreErrorKind::Connection,
+                format!("no primary found through Redis Sentinel: {e}"),
+                e,
+            )
+        })?;
+        self.build(Backend::Sentinel(followed))
+            .map_err(config_error)
+    }
+
     /// Uses an existing redis-rs `ConnectionManager`.
     ///
     /// # Errors
@@ -482,11 +521,47 @@ impl RedisStoreBuilder {
     }
 }
 
+/// The client for `info`; over TLS, trusting `root` (PEM) when given, else the system's
+/// roots.
+pub(super) fn client_of(
+    info: redis::ConnectionInfo,
+    root: Option<&[u8]>,
+) -> Result<redis::Client, StoreError> {
+    #[cfg(feature = "tls")]
+    if let Some(root) = root {
+        ensure_crypto_provider();
+        let certificates = redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(root.to_vec()),
+        };
+        return redis::Client::build_with_tls(info, certificates).map_err(|e| {
+            StoreError::with_source(
+                StoreErrorKind::Other,
+                format!("bad Redis URL or TLS root certificate: {e}"),
+                e,
+            )
+        });
+    }
+    #[cfg(not(feature = "tls"))]
+    let _ = root;
+    let client = redis::Client::open(info).map_err(|e| {
+        StoreError::with_source(StoreErrorKind::Other, format!("bad Redis URL: {e}"), e)
+    })?;
+    #[cfg(feature = "tls")]
+    if matches!(
+        client.get_connection_info().addr(),
+        redis::ConnectionAddr::TcpTls { .. }
+    ) {
+        ensure_crypto_provider();
+    }
+    Ok(client)
+}
+
 /// Makes sure rustls has a process-wide crypto provider before redis-rs builds its TLS
 /// configuration (which panics without one): `ring`'s, unless the application already
 /// installed its own.
 #[cfg(feature = "tls")]
-fn ensure_crypto_provider() {
+pub(super) fn ensure_crypto_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         // Another thread may install one first: either way there is one, which is all
         // that matters here.

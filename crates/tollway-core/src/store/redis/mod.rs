@@ -7,6 +7,7 @@
 mod builder;
 mod deny_cache;
 mod scripts;
+mod sentinel;
 mod stall;
 
 use std::fmt;
@@ -18,6 +19,7 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 use sha2::{Digest, Sha256};
 
 pub use self::builder::RedisStoreBuilder;
+pub use self::sentinel::Sentinel;
 use self::deny_cache::{DenyCache, DenyEntry};
 use self::scripts::{
     CALENDAR_WINDOW, Call, Kind, SCRIPT, ShareCall, Time, capacities, code, parse,
@@ -144,6 +146,7 @@ enum Backend {
     Cluster(redis::cluster_async::ClusterConnection),
     #[cfg(feature = "deadpool")]
     Pool(deadpool_redis::Pool),
+    Sentinel(Arc<sentinel::Followed>),
 }
 
 impl fmt::Debug for RedisStore {
@@ -157,13 +160,14 @@ impl fmt::Debug for RedisStore {
 
 impl Scripts {
     /// What the store is, as the `store` label of its metrics: `redis` (one multiplexed
-    /// connection), `redis_cluster` or `redis_pool`.
+    /// connection), `redis_cluster`, `redis_pool` or `redis_sentinel`.
     fn kind(&self) -> &'static str {
         match self.inner.backend {
             Backend::Manager(_) => "redis",
             Backend::Cluster(_) => "redis_cluster",
             #[cfg(feature = "deadpool")]
             Backend::Pool(_) => "redis_pool",
+            Backend::Sentinel(_) => "redis_sentinel",
         }
     }
 }
@@ -442,6 +446,29 @@ impl Scripts {
                 })?;
                 request.send(&mut con).await.map_err(redis_error)
             }
+            Backend::Sentinel(followed) => {
+                let (generation, mut con) = followed.connection().await.map_err(redis_error)?;
+                match request.send(&mut con).await {
+                    // The primary went away or was demoted: the sentinels are asked again.
+                    // A replica's READONLY ran nothing, so that call is always sent again;
+                    // after a broken connection, only one that may repeat.
+                    Err(e) if sentinel::moved(&e) => {
+                        followed.forget(generation);
+                        if !(request.may_repeat() || sentinel::read_only(&e)) {
+                            return Err(redis_error(e));
+                        }
+                        let (generation, mut con) =
+                            followed.connection().await.map_err(redis_error)?;
+                        request.send(&mut con).await.map_err(|e| {
+                            if sentinel::moved(&e) {
+                                followed.forget(generation);
+                            }
+                            redis_error(e)
+                        })
+                    }
+                    other => other.map_err(redis_error),
+                }
+            }
         }
     }
 }
@@ -481,7 +508,12 @@ impl Request<'_> {
 fn redis_error(e: RedisError) -> StoreError {
     let kind = if e.is_timeout() {
         StoreErrorKind::Timeout
-    } else if e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error() {
+    } else if e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_io_error()
+        || sentinel::read_only(&e)
+    {
+        // A replica answering (a demoted primary) is a connection to the wrong server.
         StoreErrorKind::Connection
     } else {
         StoreErrorKind::Script
