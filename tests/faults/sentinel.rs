@@ -6,9 +6,9 @@
 //! the time until decisions come from the new primary, and the units the new primary
 //! never saw (admitted by the old one, then lost with it). A lost unit can be admitted
 //! again: it is what a failover may admit over a limit, beside the fallback's share.
-//! Asked for, the old primary keeps taking writes until the sentinels announce the
-//! promotion (about a second: their next look at the replica); killed, it loses only
-//! what it had not replicated.
+//! Asked for, the old primary keeps taking writes until it is demoted: the store moves
+//! to the replica the moment it is promoted, so only the writes of that moment are lost.
+//! Killed, the primary loses what it had not replicated.
 
 use support::sentinel::{MASTER, SentinelGroup};
 use tollway_core::Sentinel;
@@ -45,7 +45,11 @@ async fn used(store: &CircuitBreaker<RedisStore>, policy: &Policy, callers: &[St
     for caller in callers {
         let peeked = store
             .primary()
-            .operate(caller.as_bytes(), &[policy], tollway_core::Operation::Peek(0))
+            .operate(
+                caller.as_bytes(),
+                &[policy],
+                tollway_core::Operation::Peek(0),
+            )
             .await
             .unwrap();
         used += WIDE - peeked[0].remaining();
@@ -83,9 +87,12 @@ async fn through_a_failover(kill: bool) {
     let mut on_new = group.connection(new).await.unwrap();
     // Decisions come from the new primary: its scripts run, for every caller.
     let before = script_calls(&mut on_new).await;
-    wait_for("every caller decided by Redis again", RECOVER_WITHIN, &load, || {
-        (0..callers.len()).all(|c| load.redis_answered_since(c, promoted))
-    })
+    wait_for(
+        "every caller decided by Redis again",
+        RECOVER_WITHIN,
+        &load,
+        || (0..callers.len()).all(|c| load.redis_answered_since(c, promoted)),
+    )
     .await;
     let back = load.now();
     let answers = load.finish().await;
@@ -119,7 +126,10 @@ async fn through_a_failover(kill: bool) {
         "an answer took {:?}",
         slowest(&answers)
     );
-    assert!(used <= admitted, "the new primary counts {used} of {admitted} admitted");
+    assert!(
+        used <= admitted,
+        "the new primary counts {used} of {admitted} admitted"
+    );
     // Only what the old primary admitted while the failover ran can be lost: after the
     // promotion and before the sentinels announced it, or not yet replicated.
     let during = answers
@@ -153,10 +163,16 @@ async fn a_wrong_sentinel_login_is_refused_with_a_clear_error() {
     let error = unguarded().connect_sentinel(&wrong).await.unwrap_err();
     let text = format!("{error} {error:?}");
     assert!(!text.contains("not-the-password"), "{text}");
-    assert!(text.contains("no primary found through Redis Sentinel"), "{text}");
+    assert!(
+        text.contains("no primary found through Redis Sentinel"),
+        "{text}"
+    );
     let unknown = Sentinel::new("nobody", group.urls()).password(PASSWORD);
     let error = unguarded().connect_sentinel(&unknown).await.unwrap_err();
-    assert!(error.to_string().contains("no primary of that name"), "{error}");
+    assert!(
+        error.to_string().contains("no primary of that name"),
+        "{error}"
+    );
 }
 
 /// A limits file's `[store]` reaches Redis through Sentinel (as tollway-server does with
@@ -181,20 +197,31 @@ async fn a_limits_file_reaches_the_primary_through_sentinel() {
     let allowed: Vec<bool> = {
         let mut allowed = Vec::new();
         for _ in 0..4 {
-            allowed.push(store.check_one(b"k", &policy, 1).await.unwrap().is_allowed());
+            allowed.push(
+                store
+                    .check_one(b"k", &policy, 1)
+                    .await
+                    .unwrap()
+                    .is_allowed(),
+            );
         }
         allowed
     };
     assert_eq!(allowed, [true, true, true, false]);
     let mut primary = group.connection(group.primary_port().await).await.unwrap();
-    assert!(script_calls(&mut primary).await >= 4, "decided by the primary");
+    assert!(
+        script_calls(&mut primary).await >= 4,
+        "decided by the primary"
+    );
 
     let both = format!(
         "[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n\
          sentinel = {{ master = \"{MASTER}\", nodes = [{}] }}\n\n{policies}",
         nodes.join(", ")
     );
-    let error = LimitsFile::parse("limits.toml", &both).unwrap_err().to_string();
+    let error = LimitsFile::parse("limits.toml", &both)
+        .unwrap_err()
+        .to_string();
     assert!(error.starts_with("limits.toml:1:1: "), "{error}");
     assert!(error.contains("one of url"), "{error}");
 }

@@ -164,7 +164,10 @@ impl RedisServer {
             // The sentinel rewrites its file as it learns: it must be its own, writable.
             std::fs::write(
                 dir.join("sentinel.conf"),
-                format!("port {port}\nbind 127.0.0.1\ndir {}\n{conf}\n", dir.display()),
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {}\n{conf}\n",
+                    dir.display()
+                ),
             )
             .expect("write sentinel.conf");
             let mut server = RedisServer {

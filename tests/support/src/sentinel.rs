@@ -71,7 +71,10 @@ impl SentinelGroup {
 
     /// The sentinels' URLs (with the password, when there is one).
     pub fn urls(&self) -> Vec<String> {
-        self.sentinels.iter().map(|s| self.url_of(s.port())).collect()
+        self.sentinels
+            .iter()
+            .map(|s| self.url_of(s.port()))
+            .collect()
     }
 
     fn url_of(&self, port: u16) -> String {
@@ -82,7 +85,10 @@ impl SentinelGroup {
     }
 
     /// A connection to the server or sentinel on `port`, logged in.
-    pub async fn connection(&self, port: u16) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    pub async fn connection(
+        &self,
+        port: u16,
+    ) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
         redis::Client::open(self.url_of(port))?
             .get_multiplexed_async_connection()
             .await

@@ -19,11 +19,11 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 use sha2::{Digest, Sha256};
 
 pub use self::builder::RedisStoreBuilder;
-pub use self::sentinel::Sentinel;
 use self::deny_cache::{DenyCache, DenyEntry};
 use self::scripts::{
     CALENDAR_WINDOW, Call, Kind, SCRIPT, ShareCall, Time, capacities, code, parse,
 };
+pub use self::sentinel::Sentinel;
 use super::{
     BoxStoreFuture, BreakerState, Checked, CircuitBreaker, Cost, GiveBackFuture, Grant, LendFuture,
     Operation, Store,

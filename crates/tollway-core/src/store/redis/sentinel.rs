@@ -2,9 +2,16 @@
 //!
 //! The store keeps one multiplexed connection to the primary. It asks the sentinels
 //! again when that connection breaks, when the server answers `READONLY` (a primary
-//! demoted to a replica), and when a sentinel announces `+promoted-slave` or
-//! `+switch-master`. The first caller that sees the failure asks; the others wait for
-//! its answer.
+//! demoted to a replica), and when a sentinel announces a failover. The first caller
+//! that sees the failure asks; the others wait for its answer.
+//!
+//! A failover asked for (`SENTINEL FAILOVER`) leaves the old primary taking writes until
+//! it is demoted, and the sentinels name the new one only after their next look at it,
+//! about a second later. Those writes are lost. So when a sentinel announces that it
+//! will send `REPLICAOF NO ONE` to a replica (`+failover-state-send-slaveof-noone`), the
+//! store asks that replica every 2 ms whether it is a primary yet, and moves to it at
+//! the first yes. Until then the old primary serves, and its writes still reach the
+//! replica; after, only the writes of those last milliseconds can be lost.
 
 use std::fmt;
 use std::sync::{Arc, PoisonError, RwLock, Weak};
@@ -19,6 +26,11 @@ use crate::{StoreError, StoreErrorKind};
 
 /// How long the watch waits before subscribing again to a sentinel that went away.
 const RESUBSCRIBE_AFTER: Duration = Duration::from_millis(500);
+/// How long the watch waits for an announced promotion to happen; the sentinels'
+/// `+promoted-slave` or `+switch-master` settles it anyway.
+const PROMOTION_AT_MOST: Duration = Duration::from_secs(10);
+/// How often the watch asks a replica being promoted whether it is a primary yet.
+const PROMOTION_POLL: Duration = Duration::from_millis(2);
 
 /// Where a Redis primary watched by Sentinel is found, and how to log in to it:
 /// what [`RedisStoreBuilder::connect_sentinel`](super::RedisStoreBuilder::connect_sentinel)
@@ -74,7 +86,10 @@ impl fmt::Debug for Sentinel {
 
 impl Sentinel {
     /// The primary the sentinels at `nodes` (`redis://host:port` URLs) know as `master`.
-    pub fn new(master: impl Into<String>, nodes: impl IntoIterator<Item = impl Into<String>>) -> Self {
+    pub fn new(
+        master: impl Into<String>,
+        nodes: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
         Sentinel {
             master: master.into(),
             nodes: nodes.into_iter().map(Into::into).collect(),
@@ -146,7 +161,10 @@ impl Sentinel {
             let info = node.clone().into_connection_info().map_err(|e| {
                 StoreError::with_source(StoreErrorKind::Other, format!("bad Sentinel URL: {e}"), e)
             })?;
-            sentinels.push(super::builder::client_of(info.set_tcp_settings(tcp.clone()), root)?);
+            sentinels.push(super::builder::client_of(
+                info.set_tcp_settings(tcp.clone()),
+                root,
+            )?);
         }
         let mut login = redis::RedisConnectionInfo::default().set_db(self.db);
         if let Some(username) = &self.username {
@@ -218,6 +236,22 @@ impl Resolver {
                 self.master.clone(),
             )));
         };
+        self.connect(host, port, config).await?.ok_or_else(|| {
+            RedisError::from((
+                redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
+                "the server the sentinel names as the primary is a replica",
+            ))
+        })
+    }
+
+    /// A connection to the server at `host:port`; `None` while `ROLE` says it is not a
+    /// primary.
+    async fn connect(
+        &self,
+        host: String,
+        port: u16,
+        config: &AsyncConnectionConfig,
+    ) -> Result<Option<MultiplexedConnection>, RedisError> {
         #[cfg(feature = "tls")]
         let addr = if self.tls {
             redis::ConnectionAddr::TcpTls {
@@ -235,19 +269,21 @@ impl Resolver {
             .into_connection_info()?
             .set_redis_settings(self.login.clone())
             .set_tcp_settings(self.tcp.clone());
-        let client = super::builder::client_of(info, self.root.as_deref())
-            .map_err(|e| RedisError::from((redis::ErrorKind::InvalidClientConfig, "bad primary address", e.to_string())))?;
+        let client = super::builder::client_of(info, self.root.as_deref()).map_err(|e| {
+            RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "bad primary address",
+                e.to_string(),
+            ))
+        })?;
         let mut primary = client
             .get_multiplexed_async_connection_with_config(config)
             .await?;
         let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut primary).await?;
-        if role.first() != Some(&redis::Value::BulkString(b"master".to_vec())) {
-            return Err(RedisError::from((
-                redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
-                "the server the sentinel names is not a primary (yet)",
-            )));
-        }
-        Ok(primary)
+        Ok(
+            (role.first() == Some(&redis::Value::BulkString(b"master".to_vec())))
+                .then_some(primary),
+        )
     }
 }
 
@@ -310,12 +346,17 @@ impl Followed {
             return Ok(current);
         }
         let connection = self.resolver.primary(&self.config).await?;
+        Ok(self.install(connection))
+    }
+
+    /// Makes `connection` the one in hand, a new generation.
+    fn install(&self, connection: MultiplexedConnection) -> (u64, MultiplexedConnection) {
         let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
         current.generation += 1;
         current.connection = Some(connection.clone());
         #[cfg(feature = "metrics")]
         metrics::counter!(crate::metric::SENTINEL_RESOLVED.name).increment(1);
-        Ok((current.generation, connection))
+        (current.generation, connection)
     }
 
     fn in_hand(&self) -> Option<(u64, MultiplexedConnection)> {
@@ -351,8 +392,7 @@ pub(super) fn read_only(e: &RedisError) -> bool {
     e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
 }
 
-/// Listens to one sentinel at a time for `+switch-master` or `+promoted-slave` of the
-/// store's master, until
+/// Listens to one sentinel at a time for the failovers of the store's master, until
 /// the store is dropped. A switch drops the connection in hand and makes the next one.
 async fn watch(followed: Weak<Followed>, mut closed: oneshot::Receiver<()>) {
     let mut first = true;
@@ -380,14 +420,13 @@ async fn watch(followed: Weak<Followed>, mut closed: oneshot::Receiver<()>) {
                 };
                 let Some(message) = message else { break };
                 let payload: String = message.get_payload().unwrap_or_default();
-                if !about(&payload, &master) {
+                let Some(event) = Event::of(message.get_channel_name(), &payload, &master) else {
                     continue;
-                }
+                };
                 let Some(strong) = followed.upgrade() else {
                     return;
                 };
-                strong.forget_current();
-                let _ = tokio::time::timeout(strong.timeout, strong.connection()).await;
+                strong.on(event).await;
             }
         } else {
             drop(strong);
@@ -399,13 +438,12 @@ async fn watch(followed: Weak<Followed>, mut closed: oneshot::Receiver<()>) {
     }
 }
 
-/// A subscription to `+switch-master` and `+promoted-slave` on the first sentinel that
-/// answers.
+/// A subscription to the failover's [`CHANNELS`] on the first sentinel that answers.
 async fn subscribe(followed: &Followed) -> Option<redis::aio::PubSub> {
     for sentinel in &followed.resolver.sentinels {
         let subscribed = async {
             let mut pubsub = sentinel.get_async_pubsub().await.ok()?;
-            pubsub.subscribe(&["+switch-master", "+promoted-slave"]).await.ok()?;
+            pubsub.subscribe(&CHANNELS).await.ok()?;
             Some(pubsub)
         };
         if let Ok(Some(pubsub)) = tokio::time::timeout(followed.timeout, subscribed).await {
@@ -415,9 +453,73 @@ async fn subscribe(followed: &Followed) -> Option<redis::aio::PubSub> {
     None
 }
 
-/// Whether an announcement is about `master`: `+switch-master <name> ...`, or
-/// `+promoted-slave slave <addr> <ip> <port> @ <name> ...`.
-fn about(payload: &str, master: &str) -> bool {
-    let mut words = payload.split(' ');
-    words.next() == Some(master) || words.skip_while(|w| *w != "@").nth(1) == Some(master)
+/// What a sentinel announced about the store's master.
+#[derive(Debug, PartialEq, Eq)]
+enum Event {
+    /// A failover sends `REPLICAOF NO ONE` to this replica: it is the primary to be.
+    Promoting(String, u16),
+    /// The failover promoted a replica, or ended (`+switch-master`), or gave up.
+    Settled,
+}
+
+/// The channels the watch listens to.
+const CHANNELS: [&str; 5] = [
+    "+failover-state-send-slaveof-noone",
+    "+promoted-slave",
+    "+switch-master",
+    "-failover-abort-slave-timeout",
+    "-failover-abort-no-good-slave",
+];
+
+impl Event {
+    /// The event `payload` on `channel` tells, if it is about `master`. A replica's
+    /// events read `slave <ip:port> <ip> <port> @ <master> <ip> <port>`;
+    /// `+switch-master` reads `<master> <old ip> <old port> <new ip> <new port>`.
+    fn of(channel: &str, payload: &str, master: &str) -> Option<Event> {
+        let words: Vec<&str> = payload.split(' ').collect();
+        let of_replica = words.iter().position(|w| *w == "@");
+        let about = match of_replica {
+            Some(at) => words.get(at + 1) == Some(&master),
+            None => words.first() == Some(&master),
+        };
+        if !about {
+            return None;
+        }
+        if channel == "+failover-state-send-slaveof-noone" {
+            let host = (*words.get(2)?).to_owned();
+            let port = words.get(3)?.parse().ok()?;
+            return Some(Event::Promoting(host, port));
+        }
+        Some(Event::Settled)
+    }
+}
+
+impl Followed {
+    /// Follows what a sentinel announced. A replica being promoted is asked every
+    /// [`PROMOTION_POLL`] whether it is a primary yet, and used from the first yes; the
+    /// old primary serves until then (its writes reach the replica until it is
+    /// promoted). A settled failover drops the connection in hand and makes the next.
+    async fn on(&self, event: Event) {
+        match event {
+            Event::Promoting(host, port) => {
+                let deadline = tokio::time::Instant::now() + PROMOTION_AT_MOST;
+                while tokio::time::Instant::now() < deadline {
+                    let made = tokio::time::timeout(
+                        self.timeout,
+                        self.resolver.connect(host.clone(), port, &self.config),
+                    )
+                    .await;
+                    if let Ok(Ok(Some(connection))) = made {
+                        self.install(connection);
+                        return;
+                    }
+                    tokio::time::sleep(PROMOTION_POLL).await;
+                }
+            }
+            Event::Settled => {
+                self.forget_current();
+                let _ = tokio::time::timeout(self.timeout, self.connection()).await;
+            }
+        }
+    }
 }
