@@ -99,3 +99,80 @@ async fn a_leased_hot_key_is_decided_here_while_redis_stalls_and_never_over_the_
         "nothing was admitted after the stall"
     );
 }
+
+/// How Redis loses the state in [`a_lost_state_is_not_lent_again_in_its_window`].
+#[derive(Clone, Copy, Debug)]
+enum Loss {
+    Flush,
+    Restart,
+}
+
+/// Three gateways lease one hot key far over a fixed window of 300 per 2 s (15 requests
+/// a millisecond between them, on a manual clock): the window runs out early. Then
+/// Redis loses its state mid-window. The gateways knew the window had run out until its
+/// end: they refuse locally until then, and do not ask for loans from the empty state.
+/// So the window admits at most its 300, and the next one serves again.
+async fn a_lost_state_is_not_lent_again_in_its_window(loss: Loss) {
+    const WINDOW: u64 = 2_000_000;
+    let mut server = RedisServer::start();
+    let clock = ManualClock::at_micros(EPOCH_US);
+    assert_eq!(EPOCH_US % WINDOW, 0, "the test starts at a window's start");
+    let policy = Policy::new(
+        "lost",
+        Algorithm::FixedWindow,
+        Quota::with_period(300, Duration::from_micros(WINDOW)).unwrap(),
+    )
+    .unwrap();
+    let mut gateways = Vec::new();
+    for _ in 0..3 {
+        let store = builder(&clock)
+            .prefix("lost")
+            .timeout(TIMEOUT)
+            .connect(&server.url())
+            .await
+            .unwrap();
+        gateways.push(Leased::builder(store).clock(clock.clone()).build().unwrap());
+    }
+    let (mut first, mut after_loss, mut next) = (0, 0, 0);
+    for step in 0..2_200u64 {
+        if step == 1_000 {
+            match loss {
+                Loss::Flush => {
+                    let mut node = server.connection().await;
+                    let () = redis::cmd("FLUSHALL").query_async(&mut node).await.unwrap();
+                }
+                Loss::Restart => server.restart(),
+            }
+        }
+        clock.advance(Duration::from_millis(1));
+        for gateway in &gateways {
+            for _ in 0..5 {
+                let allowed = gateway
+                    .check(b"hot", &[&policy], 1)
+                    .await
+                    .is_ok_and(|d| d.is_allowed());
+                let in_first = clock.now_micros() < EPOCH_US + WINDOW;
+                first += u64::from(allowed && in_first);
+                after_loss += u64::from(allowed && in_first && step >= 1_000);
+                next += u64::from(allowed && !in_first);
+            }
+        }
+        // Background loans land between steps, as they would in real time.
+        tokio::task::yield_now().await;
+    }
+    eprintln!(
+        "{loss:?}: the window admitted {first} of 300, {after_loss} after the loss; the next {next}"
+    );
+    assert!(first <= 300, "{loss:?}: the window admitted {first} of 300");
+    assert!(next > 0, "{loss:?}: the next window admitted nothing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flushed_state_is_not_lent_again_in_its_window() {
+    a_lost_state_is_not_lent_again_in_its_window(Loss::Flush).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_lost_in_a_restart_is_not_lent_again_in_its_window() {
+    a_lost_state_is_not_lent_again_in_its_window(Loss::Restart).await;
+}

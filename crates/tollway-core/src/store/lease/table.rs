@@ -325,13 +325,16 @@ impl Table {
             return Local::Spent { decisions, renew };
         }
         if let Some(dry) = &entry.dry {
-            // The store was short at its last answer: refused here at once while a loan
-            // is asked for in the background, until one comes back whole. Nothing waits
-            // on a store that had too little to lend. Past the store's retry time, a key
-            // no longer hot (or with nothing asked) goes the usual way.
+            // The store was short at its last answer: refused here at once, until a loan
+            // comes back whole. Nothing waits on a store that had too little to lend.
+            // The loan is asked for in the background once the store's retry time has
+            // passed, not before: what the store said ran out stays out here until then,
+            // even if the store loses its state (a flush, a restart, a failover to a
+            // replica behind) and would lend it again. Past that time, a key no longer
+            // hot (or with nothing asked) goes the usual way.
             if now < dry.until || (entry.asking.is_some() || hot) {
                 let decisions = dry.refusal(now);
-                let renew = (entry.asking.is_none() && hot).then(|| {
+                let renew = (entry.asking.is_none() && hot && now >= dry.until).then(|| {
                     entry.asking = Some(tokio::sync::watch::Sender::new(()));
                     ask
                 });
