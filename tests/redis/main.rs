@@ -69,6 +69,58 @@ async fn clock_skew_moves_caller_time_decisions_and_server_time_removes_it() {
     );
 }
 
+/// What skew costs in caller-time mode at its worst. A gateway 250 ms behind and one
+/// 250 ms ahead each send a burst 100 ms before a window's end (true time), 300 a second:
+/// - the fixed window: the one behind fills the window that ends; the one ahead is
+///   already in the next window and fills that. 600, two windows at once.
+/// - a bucket or GCRA: the one ahead sees the refill of its lead, the skew times the
+///   rate. 450 (GCRA 449).
+/// - the sliding counter: the one ahead weighs the full previous window less 150 ms of
+///   it. 345.
+/// - the sliding log: entries written 500 ms "early" are still in the one ahead's
+///   window. 300.
+///
+/// With clocks that agree, 300 each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn skewed_caller_clocks_admit_up_to_a_window_more_at_a_windows_end() {
+    const SKEW: u64 = 500_000;
+    let end = EPOCH_US + 10_000_000;
+    let url = shared_server().url();
+    let cases = [
+        (Algorithm::FixedWindow, 600),
+        (Algorithm::Gcra, 449),
+        (Algorithm::TokenBucket, 450),
+        (Algorithm::SlidingWindowCounter, 345),
+        (Algorithm::SlidingWindowLog, 300),
+    ];
+    for (algorithm, skewed) in cases {
+        let mut quota = Quota::per_second(300).unwrap();
+        if algorithm.uses_burst() {
+            quota = quota.with_burst(300).unwrap();
+        }
+        let policy = Policy::new("skew", algorithm, quota).unwrap();
+        for (apart, expected) in [(SKEW, skewed), (0, 300)] {
+            let behind = ManualClock::at_micros(end - 100_000 - apart / 2);
+            let ahead = ManualClock::at_micros(end - 100_000 + apart / 2);
+            let prefix = support::unique_prefix("skew");
+            let mut admitted = 0;
+            for clock in [&behind, &ahead] {
+                let store = builder(clock)
+                    .prefix(prefix.clone())
+                    .connect(&url)
+                    .await
+                    .unwrap();
+                for _ in 0..400 {
+                    let decision = store.check_one(b"burst", &policy, 1).await.unwrap();
+                    admitted += u64::from(decision.is_allowed());
+                }
+            }
+            println!("{algorithm:?}: clocks {apart} µs apart admitted {admitted} of 300");
+            assert_eq!(admitted, expected, "{algorithm:?}, clocks {apart} µs apart");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_with_several_limits_decide_exactly_like_the_memory_store() {
     suites::conformance_multi(&shared(), 5_000).await;
