@@ -27,7 +27,9 @@
 //!
 //! ```toml
 //! [store]                       # optional: memory is the default
-//! kind = "memory"               # or "redis", with url = "redis://..." or nodes = [...]
+//! kind = "memory"               # or "redis", with url = "redis://...", nodes = [...]
+//!                               # or sentinel = { master = "name", nodes = [...] }
+//!                               # (and the primary's username, password, db, tls)
 //! max_keys = 1_000_000
 //! # Redis only: leases = true, or { horizon_ms = 200, min_units = 8, max_share = 0.1 }
 //! # timeout_ms = 100, stall_after_ms = 20 (0: each call waits its timeout),

@@ -364,7 +364,8 @@ impl<S: Store, C: Clock> Leased<S, C> {
 /// Whether the store was short when it answered `grant` to `loan`: it refused a
 /// request of a unit, or lent less than asked. Until a loan comes back whole, a request
 /// with no units here is refused here. It waits until the refusal's retry time, or for a
-/// limit left empty its next unit (a bucket's or GCRA's refill, a window's end).
+/// limit left empty its next unit (a bucket's or GCRA's refill, a fixed window's end).
+/// The loan is asked for again only then.
 ///
 /// A refusal of a larger request says nothing of smaller ones, and a breaker's fallback
 /// (a grant at time 0) nothing of the store: neither makes the key short.
@@ -377,10 +378,13 @@ fn short(policies: &[&Policy], grant: &Grant, loan: Ask) -> Option<Dry> {
         policies
             .iter()
             .zip(decisions.iter())
-            .map(|(p, d)| match (p.algorithm().uses_burst(), d.remaining()) {
-                (true, _) => p.quota().emission_micros(),
-                (false, 0) => d.reset_after_micros(),
-                (false, _) => 0,
+            .map(|(p, d)| match (p.algorithm(), d.remaining()) {
+                (a, _) if a.uses_burst() => p.quota().emission_micros(),
+                // A fixed window's next unit comes with the next window. A sliding
+                // counter's comes as the previous window slides out: when, only a
+                // refusal says, so it is asked for again at once.
+                (crate::Algorithm::FixedWindow, 0) => d.reset_after_micros(),
+                _ => 0,
             })
             .max()
             .unwrap_or(0)

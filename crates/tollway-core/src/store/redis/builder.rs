@@ -458,7 +458,7 @@ impl RedisStoreBuilder {
     ///
     /// Until the sentinels agree on a new primary, calls fail: the breaker and its local
     /// fallback decide, as for a dead Redis. What a failover can cost is in the
-    /// repository's README ("Security model") and `BENCHMARKS.md` ("Fleet and outages").
+    /// repository's `SECURITY.md` and `BENCHMARKS.md` ("Fleet and outages").
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
