@@ -1,7 +1,7 @@
 //! The Redis store over TLS (`rediss://`) and with credentials in the URL, against real
 //! `redis-server` processes: a test CA and a server certificate for 127.0.0.1 are made
 //! at test time, and the client verifies the server against that CA; a Redis Cluster
-//! that speaks only TLS, the same way.
+//! that speaks only TLS, the same way; and a primary found through a TLS sentinel.
 
 #![allow(clippy::unwrap_used)]
 
@@ -258,5 +258,51 @@ async fn a_root_certificate_needs_rediss_urls_for_every_cluster_node() {
     assert!(
         message.contains("rediss://") && message.contains("tls_root_certificate"),
         "{message}"
+    );
+}
+
+/// Through Sentinel, TLS end to end: the sentinel speaks only TLS (`rediss://` in its
+/// URL) and reaches the primary over TLS; the store asks it over TLS, then reaches the
+/// primary over TLS (`Sentinel::tls`), with its password, both verified against the
+/// test CA. Without `tls`, the primary (TLS only) cannot be reached: a clear error.
+#[tokio::test]
+async fn a_primary_found_through_sentinel_over_tls() {
+    use tollway_core::Sentinel;
+
+    let ca = TestCa::new("tollway test CA");
+    let files = ca.server_files();
+    let primary = RedisServer::start_tls(&files, &["--requirepass", "s3cret"]);
+    let sentinel = RedisServer::start_sentinel_tls(
+        &files,
+        &format!(
+            "sentinel resolve-hostnames no\nsentinel announce-ip 127.0.0.1\n\
+             sentinel monitor tw 127.0.0.1 {} 1\nsentinel auth-pass tw s3cret",
+            primary.port()
+        ),
+    );
+    assert!(sentinel.url().starts_with("rediss://127.0.0.1:"));
+    let clock = ManualClock::at_micros(EPOCH_US);
+    let found = Sentinel::new("tw", [sentinel.url()]).password("s3cret");
+    let store = builder(&clock)
+        .tls_root_certificate(ca.pem())
+        .connect_sentinel(&found.clone().tls())
+        .await
+        .unwrap();
+    decides_exactly(&store, &clock).await;
+
+    let error = builder(&clock)
+        .tls_root_certificate(ca.pem())
+        .connect_sentinel(&found)
+        .await
+        .expect_err("a TLS primary reached without TLS");
+    assert!(
+        error
+            .to_string()
+            .contains("no primary found through Redis Sentinel"),
+        "{error}"
+    );
+    assert!(
+        !format!("{error} {error:?}").contains("s3cret"),
+        "{error:?}"
     );
 }

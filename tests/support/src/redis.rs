@@ -155,19 +155,43 @@ impl RedisServer {
     /// `sentinel monitor ...`; the port and address are added), and waits until it
     /// monitors its first primary.
     pub fn start_sentinel(conf: &str) -> Self {
+        Self::start_sentinel_inner(conf, None)
+    }
+
+    /// Starts a sentinel that accepts only TLS with `files`' certificate, and reaches the
+    /// servers it watches over TLS.
+    pub fn start_sentinel_tls(files: &TlsFiles, conf: &str) -> Self {
+        Self::start_sentinel_inner(conf, Some(files))
+    }
+
+    fn start_sentinel_inner(conf: &str, tls: Option<&TlsFiles>) -> Self {
         let mut last_error = String::new();
         for _ in 0..5 {
             let port = free_port();
             let dir = std::env::temp_dir()
                 .join(format!("tollway-sentinel-{}-{port}", std::process::id()));
             std::fs::create_dir_all(&dir).expect("create a directory for redis-sentinel");
+            let listen = match tls {
+                None => format!("port {port}\n"),
+                Some(files) => {
+                    for (name, pem) in [
+                        ("ca.pem", &files.ca_cert),
+                        ("server.pem", &files.cert),
+                        ("server.key", &files.key),
+                    ] {
+                        std::fs::write(dir.join(name), pem).expect("write a TLS file");
+                    }
+                    format!(
+                        "port 0\ntls-port {port}\ntls-cert-file server.pem\n\
+                         tls-key-file server.key\ntls-ca-cert-file ca.pem\n\
+                         tls-auth-clients no\ntls-replication yes\n"
+                    )
+                }
+            };
             // The sentinel rewrites its file as it learns: it must be its own, writable.
             std::fs::write(
                 dir.join("sentinel.conf"),
-                format!(
-                    "port {port}\nbind 127.0.0.1\ndir {}\n{conf}\n",
-                    dir.display()
-                ),
+                format!("{listen}bind 127.0.0.1\ndir {}\n{conf}\n", dir.display()),
             )
             .expect("write sentinel.conf");
             let mut server = RedisServer {
@@ -175,7 +199,7 @@ impl RedisServer {
                 running: None,
                 dir,
                 extra: Vec::new(),
-                tls_ca: None,
+                tls_ca: tls.map(|files| files.ca_cert.clone()),
                 sentinel: true,
             };
             match server.spawn() {
