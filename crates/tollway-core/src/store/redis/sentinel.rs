@@ -36,8 +36,8 @@ const PROMOTION_POLL: Duration = Duration::from_millis(2);
 /// what [`RedisStoreBuilder::connect_sentinel`](super::RedisStoreBuilder::connect_sentinel)
 /// takes.
 ///
-/// The sentinels' URLs carry their own login (`redis://[user:password@]host:port`);
-/// every sentinel must have the same one. The primary's login, database and TLS are set
+/// The sentinels' URLs carry their own login (`redis://[user:password@]host:port`) and
+/// TLS (`rediss://`, feature `tls`). The primary's login, database and TLS are set
 /// here: they apply to whichever server the sentinels name. The password is never
 /// printed, not even by `Debug`.
 ///
@@ -236,22 +236,23 @@ impl Resolver {
                 self.master.clone(),
             )));
         };
-        self.connect(host, port, config).await?.ok_or_else(|| {
-            RedisError::from((
+        let mut primary = self.open(host, port, config).await?;
+        if !is_primary(&mut primary).await? {
+            return Err(RedisError::from((
                 redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
                 "the server the sentinel names as the primary is a replica",
-            ))
-        })
+            )));
+        }
+        Ok(primary)
     }
 
-    /// A connection to the server at `host:port`; `None` while `ROLE` says it is not a
-    /// primary.
-    async fn connect(
+    /// A connection to the server at `host:port`, with the primary's login.
+    async fn open(
         &self,
         host: String,
         port: u16,
         config: &AsyncConnectionConfig,
-    ) -> Result<Option<MultiplexedConnection>, RedisError> {
+    ) -> Result<MultiplexedConnection, RedisError> {
         #[cfg(feature = "tls")]
         let addr = if self.tls {
             redis::ConnectionAddr::TcpTls {
@@ -276,15 +277,16 @@ impl Resolver {
                 e.to_string(),
             ))
         })?;
-        let mut primary = client
+        client
             .get_multiplexed_async_connection_with_config(config)
-            .await?;
-        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut primary).await?;
-        Ok(
-            (role.first() == Some(&redis::Value::BulkString(b"master".to_vec())))
-                .then_some(primary),
-        )
+            .await
     }
+}
+
+/// Whether `ROLE` on `connection` says its server is a primary.
+async fn is_primary(connection: &mut MultiplexedConnection) -> Result<bool, RedisError> {
+    let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(connection).await?;
+    Ok(role.first() == Some(&redis::Value::BulkString(b"master".to_vec())))
 }
 
 /// The primary as the sentinels last named it, and the way to ask them again.
@@ -309,7 +311,7 @@ struct Current {
 
 impl Followed {
     /// Follows the primary `resolver` finds, with connections that give up after
-    /// `timeout`; a task watches the sentinels' `+switch-master` while the store lives.
+    /// `timeout`; a task listens to the sentinels' failovers while the store lives.
     pub(super) async fn connect(
         resolver: Resolver,
         timeout: Duration,
@@ -496,22 +498,33 @@ impl Event {
 
 impl Followed {
     /// Follows what a sentinel announced. A replica being promoted is asked every
-    /// [`PROMOTION_POLL`] whether it is a primary yet, and used from the first yes; the
+    /// [`PROMOTION_POLL`] whether it is a primary yet, on one connection that is used
+    /// from the first yes; the
     /// old primary serves until then (its writes reach the replica until it is
     /// promoted). A settled failover drops the connection in hand and makes the next.
     async fn on(&self, event: Event) {
         match event {
             Event::Promoting(host, port) => {
                 let deadline = tokio::time::Instant::now() + PROMOTION_AT_MOST;
+                let mut replica = None;
                 while tokio::time::Instant::now() < deadline {
-                    let made = tokio::time::timeout(
-                        self.timeout,
-                        self.resolver.connect(host.clone(), port, &self.config),
-                    )
-                    .await;
-                    if let Ok(Ok(Some(connection))) = made {
-                        self.install(connection);
-                        return;
+                    if replica.is_none() {
+                        let opened = self.resolver.open(host.clone(), port, &self.config);
+                        replica = tokio::time::timeout(self.timeout, opened)
+                            .await
+                            .ok()
+                            .and_then(Result::ok);
+                    }
+                    if let Some(connection) = &mut replica {
+                        match tokio::time::timeout(self.timeout, is_primary(connection)).await {
+                            Ok(Ok(true)) => {
+                                self.install(connection.clone());
+                                return;
+                            }
+                            Ok(Ok(false)) => {}
+                            // Opened again on the next round.
+                            _ => replica = None,
+                        }
                     }
                     tokio::time::sleep(PROMOTION_POLL).await;
                 }
