@@ -120,35 +120,7 @@ impl RedisServer {
             .chain(extra)
             .map(|s| (*s).to_owned())
             .collect();
-        let mut last_error = String::new();
-        for _ in 0..5 {
-            let port = free_port();
-            let dir =
-                std::env::temp_dir().join(format!("tollway-redis-{}-{port}", std::process::id()));
-            std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
-            if let Some(files) = tls {
-                for (name, pem) in [
-                    ("ca.pem", &files.ca_cert),
-                    ("server.pem", &files.cert),
-                    ("server.key", &files.key),
-                ] {
-                    std::fs::write(dir.join(name), pem).expect("write a TLS file for redis-server");
-                }
-            }
-            let mut server = RedisServer {
-                port,
-                running: None,
-                dir,
-                extra: options.clone(),
-                tls_ca: tls.map(|files| files.ca_cert.clone()),
-                sentinel: false,
-            };
-            match server.spawn() {
-                Ok(()) => return server,
-                Err(e) => last_error = e,
-            }
-        }
-        panic!("redis-server did not start: {last_error}");
+        Self::start_at("redis", tls, |server| server.extra = options.clone())
     }
 
     /// Starts a sentinel (`redis-sentinel`) whose configuration is `conf` (lines such as
@@ -165,49 +137,63 @@ impl RedisServer {
     }
 
     fn start_sentinel_inner(conf: &str, tls: Option<&TlsFiles>) -> Self {
-        let mut last_error = String::new();
-        for _ in 0..5 {
-            let port = free_port();
-            let dir = std::env::temp_dir()
-                .join(format!("tollway-sentinel-{}-{port}", std::process::id()));
-            std::fs::create_dir_all(&dir).expect("create a directory for redis-sentinel");
+        Self::start_at("sentinel", tls, |server| {
+            let port = server.port;
             let listen = match tls {
                 None => format!("port {port}\n"),
-                Some(files) => {
-                    for (name, pem) in [
-                        ("ca.pem", &files.ca_cert),
-                        ("server.pem", &files.cert),
-                        ("server.key", &files.key),
-                    ] {
-                        std::fs::write(dir.join(name), pem).expect("write a TLS file");
-                    }
-                    format!(
-                        "port 0\ntls-port {port}\ntls-cert-file server.pem\n\
-                         tls-key-file server.key\ntls-ca-cert-file ca.pem\n\
-                         tls-auth-clients no\ntls-replication yes\n"
-                    )
-                }
+                Some(_) => format!(
+                    "port 0\ntls-port {port}\ntls-cert-file server.pem\n\
+                     tls-key-file server.key\ntls-ca-cert-file ca.pem\n\
+                     tls-auth-clients no\ntls-replication yes\n"
+                ),
             };
             // The sentinel rewrites its file as it learns: it must be its own, writable.
             std::fs::write(
-                dir.join("sentinel.conf"),
-                format!("{listen}bind 127.0.0.1\ndir {}\n{conf}\n", dir.display()),
+                server.dir.join("sentinel.conf"),
+                format!(
+                    "{listen}bind 127.0.0.1\ndir {}\n{conf}\n",
+                    server.dir.display()
+                ),
             )
             .expect("write sentinel.conf");
+            server.sentinel = true;
+        })
+    }
+
+    /// Starts a server (`what`: `redis` or `sentinel`) on a free port in a directory of
+    /// its own, holding `tls`' files; `prepare` completes it before it is spawned. Tries
+    /// five ports.
+    fn start_at(what: &str, tls: Option<&TlsFiles>, prepare: impl Fn(&mut RedisServer)) -> Self {
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let dir =
+                std::env::temp_dir().join(format!("tollway-{what}-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
+            if let Some(files) = tls {
+                for (name, pem) in [
+                    ("ca.pem", &files.ca_cert),
+                    ("server.pem", &files.cert),
+                    ("server.key", &files.key),
+                ] {
+                    std::fs::write(dir.join(name), pem).expect("write a TLS file for redis-server");
+                }
+            }
             let mut server = RedisServer {
                 port,
                 running: None,
                 dir,
                 extra: Vec::new(),
                 tls_ca: tls.map(|files| files.ca_cert.clone()),
-                sentinel: true,
+                sentinel: false,
             };
+            prepare(&mut server);
             match server.spawn() {
                 Ok(()) => return server,
                 Err(e) => last_error = e,
             }
         }
-        panic!("redis-sentinel did not start: {last_error}");
+        panic!("{what} did not start: {last_error}");
     }
 
     fn spawn(&mut self) -> Result<(), String> {
