@@ -22,29 +22,27 @@ const WIDE: u64 = 1_000_000;
 /// replicated when the primary died.
 const REPLICATION_LAG: Duration = Duration::from_millis(50);
 
-/// A store that follows the group's primary, behind a breaker with a local fallback of
-/// half of each quota (so the fallback's answers are told apart by their limit).
-async fn follow(group: &SentinelGroup) -> CircuitBreaker<RedisStore> {
+/// A store that follows the group's primary, behind its own breaker with a local
+/// fallback of half of each quota (so the fallback's answers are told apart by their
+/// limit).
+async fn follow(group: &SentinelGroup) -> RedisStore {
     let sentinel = Sentinel::new(MASTER, group.urls()).password(PASSWORD);
-    let redis = unguarded()
+    RedisStore::builder()
+        .timeout(TIMEOUT)
+        .deny_cache(0)
+        .breaker(5, COOL_DOWN)
+        .local_fallback(0.5)
         .prefix(support::unique_prefix("sentinel"))
         .connect_sentinel(&sentinel)
         .await
-        .unwrap();
-    CircuitBreaker::builder(redis)
-        .threshold(5)
-        .cool_down(COOL_DOWN)
-        .local_fallback(0.5)
-        .build()
         .unwrap()
 }
 
 /// Every caller's units the primary in charge now counts.
-async fn used(store: &CircuitBreaker<RedisStore>, policy: &Policy, callers: &[String]) -> u64 {
+async fn used(store: &RedisStore, policy: &Policy, callers: &[String]) -> u64 {
     let mut used = 0;
     for caller in callers {
         let peeked = store
-            .primary()
             .operate(
                 caller.as_bytes(),
                 &[policy],

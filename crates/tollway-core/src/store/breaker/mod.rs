@@ -173,6 +173,24 @@ impl<S: Store, C: Clock + Clone> CircuitBreaker<S, C> {
     }
 }
 
+impl<S: Send + Sync + 'static, C: Clock + Send + Sync + 'static> CircuitBreaker<S, C> {
+    /// A call for the store to make when it knows it can answer again (a Redis store
+    /// that found a new primary): an open breaker then lets the next decision probe at
+    /// once, not after its cool-down. The call holds the breaker weakly.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn probe_hint(&self) -> impl Fn() + Send + Sync + 'static {
+        let inner = Arc::downgrade(&self.inner);
+        move || {
+            if let Some(inner) = inner.upgrade() {
+                let mut b = inner.breaker.lock();
+                if b.state == BreakerState::Open {
+                    b.open_until_us = inner.clock.now_micros();
+                }
+            }
+        }
+    }
+}
+
 impl<S, C: Clock> Inner<S, C> {
     /// Moves the breaker to `state`. The log says when the store fails (one `warn`),
     /// summarises every 10 s while it stays down, and says when it answers again; the

@@ -308,8 +308,12 @@ impl RedisStoreBuilder {
         if let Some(share) = fallback_share {
             guarded = guarded.local_fallback(share);
         }
+        let guarded = guarded.build()?;
+        if let Backend::Sentinel(followed) = &guarded.primary().inner.backend {
+            followed.on_new_primary(guarded.probe_hint());
+        }
         Ok(RedisStore {
-            front: Front::Guarded(guarded.build()?),
+            front: Front::Guarded(guarded),
         })
     }
 

@@ -299,6 +299,8 @@ pub(super) struct Followed {
     config: AsyncConnectionConfig,
     /// The most the watch's own calls take.
     timeout: Duration,
+    /// Told each time a new primary is in hand (the breaker's hint to probe).
+    on_new_primary: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// Dropped with the store: ends its watch.
     _closed: oneshot::Sender<()>,
 }
@@ -329,6 +331,7 @@ impl Followed {
                 .set_connection_timeout(Some(timeout))
                 .set_response_timeout(Some(timeout)),
             timeout,
+            on_new_primary: std::sync::OnceLock::new(),
             _closed: closed,
         });
         followed.connection().await?;
@@ -353,12 +356,24 @@ impl Followed {
 
     /// Makes `connection` the one in hand, a new generation.
     fn install(&self, connection: MultiplexedConnection) -> (u64, MultiplexedConnection) {
-        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
-        current.generation += 1;
-        current.connection = Some(connection.clone());
+        let generation = {
+            let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
+            current.generation += 1;
+            current.connection = Some(connection.clone());
+            current.generation
+        };
         #[cfg(feature = "metrics")]
         metrics::counter!(crate::metric::SENTINEL_RESOLVED.name).increment(1);
-        (current.generation, connection)
+        if let Some(hint) = self.on_new_primary.get() {
+            hint();
+        }
+        (generation, connection)
+    }
+
+    /// Calls `hint` each time a new primary is in hand: a breaker opened by the
+    /// failover probes at once, instead of after its cool-down.
+    pub(super) fn on_new_primary(&self, hint: impl Fn() + Send + Sync + 'static) {
+        let _ = self.on_new_primary.set(Box::new(hint));
     }
 
     fn in_hand(&self) -> Option<(u64, MultiplexedConnection)> {
