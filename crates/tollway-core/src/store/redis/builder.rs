@@ -461,7 +461,8 @@ impl RedisStoreBuilder {
     /// primary, within its timeout.
     ///
     /// Until the sentinels agree on a new primary, calls fail: the breaker and its local
-    /// fallback decide, as for a dead Redis. What a failover can cost is in the
+    /// fallback decide, as for a dead Redis. The store's breaker probes as soon as the
+    /// store has the new primary, not after its cool-down. What a failover can cost is in the
     /// repository's `SECURITY.md` and `BENCHMARKS.md` ("Fleet and outages").
     ///
     /// ```no_run
