@@ -291,7 +291,6 @@ async fn is_primary(connection: &mut MultiplexedConnection) -> Result<bool, Redi
 
 /// The primary as the sentinels last named it, and the way to ask them again.
 pub(super) struct Followed {
-    master: String,
     resolver: Resolver,
     /// Held by the one caller asking the sentinels.
     asking: Mutex<()>,
@@ -320,7 +319,6 @@ impl Followed {
     ) -> Result<Arc<Self>, RedisError> {
         let (closed, on_close) = oneshot::channel();
         let followed = Arc::new(Followed {
-            master: resolver.master.clone(),
             resolver,
             asking: Mutex::new(()),
             current: RwLock::new(Current {
@@ -417,7 +415,7 @@ async fn watch(followed: Weak<Followed>, mut closed: oneshot::Receiver<()>) {
         let Some(strong) = followed.upgrade() else {
             return;
         };
-        let master = strong.master.clone();
+        let master = strong.resolver.master.clone();
         let subscribed = tokio::select! {
             _ = &mut closed => return,
             subscribed = subscribe(&strong) => subscribed,
@@ -475,17 +473,15 @@ async fn subscribe(followed: &Followed) -> Option<redis::aio::PubSub> {
 enum Event {
     /// A failover sends `REPLICAOF NO ONE` to this replica: it is the primary to be.
     Promoting(String, u16),
-    /// The failover promoted a replica, or ended (`+switch-master`), or gave up.
+    /// The failover promoted a replica, or ended (`+switch-master`).
     Settled,
 }
 
 /// The channels the watch listens to.
-const CHANNELS: [&str; 5] = [
+const CHANNELS: [&str; 3] = [
     "+failover-state-send-slaveof-noone",
     "+promoted-slave",
     "+switch-master",
-    "-failover-abort-slave-timeout",
-    "-failover-abort-no-good-slave",
 ];
 
 impl Event {
