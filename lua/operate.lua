@@ -319,6 +319,8 @@ local function charge(i, v, drain)
   elseif left < c then
     c = left
   end
+  -- A sliding log takes at most what one request may (MAX_SLIDING_LOG_COST).
+  if argv[5 * i - 1] == '5' and c > 1000 then c = 1000 end
   local x, a = v, 0
   if c > 0 then
     local denial

@@ -17,7 +17,7 @@ if not only or only == '5' then
       seq, newest = last[1] + 0, last[2] + 0
       reset = newest + period - now
     end
-    if cost <= limit and total + cost <= limit then
+    if cost <= limit and cost <= 1000 and total + cost <= limit then
       -- Admitted now, the newest entry is now's, unless the request is free (or a clock
       -- behind wrote a newer one).
       if cost > 0 and reset < period then reset = period end
@@ -25,7 +25,8 @@ if not only or only == '5' then
     end
     local left = limit - total
     if left < 0 then left = 0 end
-    if cost > limit then return 2, left, reset, 0 end
+    -- MAX_SLIDING_LOG_COST: one call writes at most 1,000 members.
+    if cost > limit or cost > 1000 then return 2, left, reset, 0 end
     -- Wait until enough of the oldest units have slid out: the (total + cost − limit)th.
     local rank = total + cost - limit - 1
     local at = call('ZRANGE', key, rank, rank, 'WITHSCORES')

@@ -247,7 +247,7 @@ pub use calendar::{Calendar, CalendarUnit};
 pub use clock::{Clock, ManualClock, MonotonicClock, SystemClock};
 pub use decision::{Decision, Decisions, Denial};
 pub use error::{ConfigError, StoreError, StoreErrorKind};
-pub use policy::{MAX_POLICY_NAME, MAX_SLIDING_LOG_LIMIT, Policy};
+pub use policy::{MAX_POLICY_NAME, MAX_SLIDING_LOG_COST, MAX_SLIDING_LOG_LIMIT, Policy};
 pub use quota::{MAX_UNITS, Quota};
 #[cfg(feature = "regions")]
 pub use store::{

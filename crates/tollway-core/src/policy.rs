@@ -50,6 +50,14 @@ pub const MAX_POLICY_NAME: usize = 64;
 /// counters.
 pub const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
 
+/// The most units a sliding window log admits in one request, or takes in one charge.
+///
+/// In Redis each unit is a sorted-set member, written in the request's one script. At
+/// this bound one call writes for about 3 ms, well inside the Redis store's stall watch.
+/// A request of more is refused as [`Denial::CostExceedsCapacity`](crate::Denial), as
+/// one over the limit is.
+pub const MAX_SLIDING_LOG_COST: u64 = 1_000;
+
 impl Policy {
     /// A policy named `name` (1 to 64 characters of `A-Z a-z 0-9 _ - .`).
     ///

@@ -70,7 +70,7 @@ pub fn decide(log: &mut Log, now: u64, quota: &Quota, cost: u64) -> Decision {
         .entries
         .back()
         .map_or(0, |&(at, _)| (at + period).saturating_sub(now));
-    if cost > limit {
+    if cost > limit || cost > crate::policy::MAX_SLIDING_LOG_COST {
         return Decision::refused(
             Denial::CostExceedsCapacity,
             limit,

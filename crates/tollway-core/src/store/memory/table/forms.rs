@@ -300,6 +300,8 @@ impl Visit for Operate<'_, '_> {
         let hash = key_hash ^ policy.rate_id();
         let left = table.read_log(hash, now, policy, 0).0.remaining();
         let (cost, _) = take_and_owe(operation, left);
+        // A charge or drain takes at most what one request may (as `lua/operate.lua`).
+        let cost = cost.min(crate::policy::MAX_SLIDING_LOG_COST);
         // A drain with nothing over `keep` takes nothing.
         if cost > 0 || matches!(operation, Operation::Charge(_)) {
             table.decide(
