@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 
 use super::deny_cache::DenyCache;
 use super::{Backend, Front, Inner, RedisStore, Scripts, Sentinel};
@@ -149,19 +149,23 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Declares Redis stalled when no reply of any call came for `after` while a call
-    /// waits (default 20 ms). Every waiting call then fails at once, to the breaker and
-    /// its local fallback, instead of each waiting its timeout.
+    /// Declares Redis stalled when it has owed a reply for `after` and sent nothing
+    /// (default 20 ms). Every call waiting on that connection then fails at once, to the
+    /// breaker and its local fallback, instead of each waiting its timeout.
+    ///
+    /// The watch reads the store's socket, where the replies arrive. A loaded Redis keeps
+    /// replying. A busy gateway leaves a reply unread in the socket. Connection set-up
+    /// (TCP, TLS, `AUTH`) ends before a connection carries calls. None of them is a stall.
     ///
     /// `after` must exceed the round trip to Redis and its slowest script: one call that
     /// takes longer is a stall. For a Redis a region away, raise it past the round trip
     /// or turn it off ([`without_stall_detection`](Self::without_stall_detection)).
     ///
-    /// A loaded Redis answers late but keeps answering, so it does not trip this: the
-    /// repository's `BENCHMARKS.md` ("Fleet and outages") counts false trips at full
-    /// load. A call sent before the stall may run when Redis comes back: its charge
-    /// stands, and the fallback's is counted too. A Redis Cluster is watched as one: a
-    /// node that stalls while others answer waits the timeout.
+    /// It watches the connections the store makes: [`connect`](Self::connect) and
+    /// [`connect_sentinel`](Self::connect_sentinel). A Redis Cluster, a pool and a
+    /// `ConnectionManager` handed over have no watch: each call waits its timeout. A call
+    /// sent before the stall may run when Redis comes back: its charge stands, and the
+    /// fallback's is counted too.
     ///
     /// ```
     /// use std::time::Duration;
@@ -223,22 +227,6 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The client for `url`, with the trusted CA if one was given, sending without delay
-    /// (see [`tcp_settings`]).
-    fn client(&self, url: &str) -> Result<redis::Client, StoreError> {
-        use redis::IntoConnectionInfo;
-        let info = url
-            .into_connection_info()
-            .map_err(|e| {
-                StoreError::with_source(StoreErrorKind::Other, format!("bad Redis URL: {e}"), e)
-            })?
-            .set_tcp_settings(tcp_settings());
-        #[cfg(feature = "tls")]
-        return client_of(info, self.tls_root.as_deref());
-        #[cfg(not(feature = "tls"))]
-        client_of(info, None)
-    }
-
     /// Checks the settings without connecting: what `connect` and the other builds
     /// refuse first (a limits file validates its `[store]` with it).
     ///
@@ -276,9 +264,12 @@ impl RedisStoreBuilder {
 
     fn build(self, backend: Backend) -> Result<RedisStore, ConfigError> {
         let (breaker, fallback_share) = (self.breaker, self.fallback_share);
+        // Only the store's own connections have a socket the watch can read.
+        let stall_after = self
+            .stall_after
+            .filter(|_| matches!(backend, Backend::Link(_)));
         let scripts = Scripts {
             inner: Arc::new(Inner {
-                backend,
                 prefix: self.prefix,
                 timeout: self.timeout,
                 grace_ms: u64::try_from(self.grace.as_millis()).unwrap_or(u64::MAX),
@@ -291,7 +282,8 @@ impl RedisStoreBuilder {
                 }),
                 clock: self.clock,
                 gateway: gateway_number(),
-                stall: self.stall_after.map(super::stall::Stall::new),
+                backend,
+                stall_after,
             }),
         };
         if breaker.is_none() && fallback_share.is_none() {
@@ -309,8 +301,8 @@ impl RedisStoreBuilder {
             guarded = guarded.local_fallback(share);
         }
         let guarded = guarded.build()?;
-        if let Backend::Sentinel(followed) = &guarded.primary().inner.backend {
-            followed.on_new_primary(guarded.probe_hint());
+        if let Backend::Link(link) = &guarded.primary().inner.backend {
+            link.on_new_connection(guarded.probe_hint());
         }
         Ok(RedisStore {
             front: Front::Guarded(guarded),
@@ -332,15 +324,18 @@ impl RedisStoreBuilder {
     /// server cannot be reached within the timeout, or refuses the credentials. With
     /// TLS, when the server presents a certificate that does not verify.
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
+        use redis::IntoConnectionInfo;
         self.validate().map_err(config_error)?;
-        let client = self.client(url)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout))
-            .set_number_of_retries(1);
-        let manager = tokio::time::timeout(
+        let info = url.into_connection_info().map_err(|e| {
+            StoreError::with_source(StoreErrorKind::Other, format!("bad Redis URL: {e}"), e)
+        })?;
+        #[cfg(feature = "tls")]
+        let dial = super::link::Dial::new(&info, self.tls_root.as_deref())?;
+        #[cfg(not(feature = "tls"))]
+        let dial = super::link::Dial::new(&info, None)?;
+        let link = tokio::time::timeout(
             self.timeout,
-            ConnectionManager::new_with_config(client, config),
+            super::link::Link::connect(super::link::Source::Server(dial), self.timeout),
         )
         .await
         .map_err(|_| {
@@ -356,7 +351,7 @@ impl RedisStoreBuilder {
                 e,
             )
         })?;
-        self.build(Backend::Manager(manager)).map_err(config_error)
+        self.build(Backend::Link(link)).map_err(config_error)
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` (`redis://host:port` URLs).
@@ -490,7 +485,7 @@ impl RedisStoreBuilder {
         )?;
         let followed = tokio::time::timeout(
             self.timeout,
-            super::sentinel::Followed::connect(resolver, self.timeout),
+            super::link::Link::connect(super::link::Source::Sentinel(resolver), self.timeout),
         )
         .await
         .map_err(|_| {
@@ -509,8 +504,7 @@ impl RedisStoreBuilder {
                 e,
             )
         })?;
-        self.build(Backend::Sentinel(followed))
-            .map_err(config_error)
+        self.build(Backend::Link(followed)).map_err(config_error)
     }
 
     /// Uses an existing redis-rs `ConnectionManager`.

@@ -6,6 +6,7 @@
 
 mod builder;
 mod deny_cache;
+mod link;
 mod scripts;
 mod sentinel;
 mod stall;
@@ -136,17 +137,19 @@ struct Inner {
     /// This store's number among the gateways sharing Redis: its field in a concurrency
     /// limit's hash, so that its slots are its own to renew and to lose.
     gateway: u64,
-    /// The watch that fails waiting calls when Redis stops answering; `None`: each
-    /// waits its timeout.
-    stall: Option<stall::Stall>,
+    /// Time without a reply that declares a stall, on the store's own connections;
+    /// `None`: each call waits its timeout.
+    stall_after: Option<Duration>,
 }
 
 enum Backend {
+    /// The store's own connection, to a URL's server or the sentinels' primary.
+    Link(Arc<link::Link>),
+    /// A `ConnectionManager` the user made.
     Manager(ConnectionManager),
     Cluster(redis::cluster_async::ClusterConnection),
     #[cfg(feature = "deadpool")]
     Pool(deadpool_redis::Pool),
-    Sentinel(Arc<sentinel::Followed>),
 }
 
 impl fmt::Debug for RedisStore {
@@ -162,12 +165,12 @@ impl Scripts {
     /// What the store is, as the `store` label of its metrics: `redis` (one multiplexed
     /// connection), `redis_cluster`, `redis_pool` or `redis_sentinel`.
     fn kind(&self) -> &'static str {
-        match self.inner.backend {
-            Backend::Manager(_) => "redis",
+        match &self.inner.backend {
+            Backend::Link(link) if link.resolver().is_some() => "redis_sentinel",
+            Backend::Link(_) | Backend::Manager(_) => "redis",
             Backend::Cluster(_) => "redis_cluster",
             #[cfg(feature = "deadpool")]
             Backend::Pool(_) => "redis_pool",
-            Backend::Sentinel(_) => "redis_sentinel",
         }
     }
 }
@@ -446,22 +449,22 @@ impl Scripts {
                 })?;
                 request.send(&mut con).await.map_err(redis_error)
             }
-            Backend::Sentinel(followed) => {
-                let (generation, mut con) = followed.connection().await.map_err(redis_error)?;
-                match request.send(&mut con).await {
-                    // The primary went away or was demoted: the sentinels are asked again.
-                    // A replica's READONLY ran nothing, so that call is always sent again;
-                    // after a broken connection, only one that may repeat.
-                    Err(e) if sentinel::moved(&e) => {
-                        followed.forget(generation);
-                        if !(request.may_repeat() || sentinel::read_only(&e)) {
+            Backend::Link(link) => {
+                let connection = link.connection().await.map_err(redis_error)?;
+                match self.send_on(&connection, request).await? {
+                    // The server went away or was demoted: the next connection is made
+                    // again (a sentinel's primary asked again). A replica's READONLY ran
+                    // nothing, so that call is always sent again; after a broken
+                    // connection, only one that may repeat.
+                    Err(e) if link::moved(&e) => {
+                        link.forget(connection.generation);
+                        if !(request.may_repeat() || link::read_only(&e)) {
                             return Err(redis_error(e));
                         }
-                        let (generation, mut con) =
-                            followed.connection().await.map_err(redis_error)?;
-                        request.send(&mut con).await.map_err(|e| {
-                            if sentinel::moved(&e) {
-                                followed.forget(generation);
+                        let connection = link.connection().await.map_err(redis_error)?;
+                        self.send_on(&connection, request).await?.map_err(|e| {
+                            if link::moved(&e) {
+                                link.forget(connection.generation);
                             }
                             redis_error(e)
                         })
@@ -470,6 +473,27 @@ impl Scripts {
                 }
             }
         }
+    }
+
+    /// Sends `request` on the store's own `connection`, under the stall watch when it
+    /// is on. The outer error is a stall; the inner one is Redis's.
+    async fn send_on(
+        &self,
+        connection: &link::Connection,
+        request: Request<'_>,
+    ) -> Result<Result<redis::Value, RedisError>, StoreError> {
+        let mut redis = connection.redis.clone();
+        let Some(after) = self.inner.stall_after else {
+            return Ok(request.send(&mut redis).await);
+        };
+        stall::wait(after, &connection.pulse, request.send(&mut redis))
+            .await
+            .map_err(|stall::Stalled| {
+                StoreError::new(
+                    StoreErrorKind::Timeout,
+                    format!("Redis stalled: no reply for {after:?} with calls waiting"),
+                )
+            })
     }
 }
 
@@ -511,7 +535,7 @@ fn redis_error(e: RedisError) -> StoreError {
     } else if e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_io_error()
-        || sentinel::read_only(&e)
+        || link::read_only(&e)
     {
         // A replica answering (a demoted primary) is a connection to the wrong server.
         StoreErrorKind::Connection
@@ -792,23 +816,7 @@ impl Scripts {
         let timeout = self.inner.timeout;
         #[cfg(feature = "metrics")]
         let started = std::time::Instant::now();
-        let call = self.eval(request);
-        let reply = match &self.inner.stall {
-            None => tokio::time::timeout(timeout, call).await,
-            Some(stall) => tokio::time::timeout(timeout, stall.wait(call))
-                .await
-                .map(|waited| {
-                    waited.unwrap_or_else(|stall::Stalled| {
-                        Err(StoreError::new(
-                            StoreErrorKind::Timeout,
-                            format!(
-                                "Redis stalled: no reply for {:?} with calls waiting",
-                                stall.after()
-                            ),
-                        ))
-                    })
-                }),
-        };
+        let reply = tokio::time::timeout(timeout, self.eval(request)).await;
         #[cfg(feature = "metrics")]
         metrics::histogram!(crate::metric::STORE_DURATION.name, "store" => self.kind())
             .record(started.elapsed());

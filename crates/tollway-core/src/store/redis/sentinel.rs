@@ -14,14 +14,16 @@
 //! replica; after, only the writes of those last milliseconds can be lost.
 
 use std::fmt;
-use std::sync::{Arc, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, IntoConnectionInfo, RedisError};
-use tokio::sync::{Mutex, oneshot};
+use tokio::sync::oneshot;
 
+use super::link::{Dial, Link};
+use super::stall::Pulse;
 use crate::{StoreError, StoreErrorKind};
 
 /// How long the watch waits before subscribing again to a sentinel that went away.
@@ -173,37 +175,46 @@ impl Sentinel {
         if let Some(password) = &self.password {
             login = login.set_password(password);
         }
+        // The address is a placeholder: each sentinel's answer gives the real one.
+        let (host, port) = (String::from("0.0.0.0"), 0);
+        let addr = if self.tls {
+            redis::ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: false,
+                tls_params: None,
+            }
+        } else {
+            redis::ConnectionAddr::Tcp(host, port)
+        };
+        let info = addr
+            .into_connection_info()
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, "bad Sentinel login", e))?
+            .set_redis_settings(login);
         Ok(Resolver {
             master: self.master.clone(),
             sentinels,
-            login,
-            tls: self.tls,
-            tcp: tcp.clone(),
-            root: root.map(<[u8]>::to_vec),
+            primary: Dial::new(&info, root.filter(|_| self.tls))?,
         })
     }
 }
 
 /// Asks the sentinels for the primary, and connects to it.
 pub(super) struct Resolver {
-    master: String,
-    sentinels: Vec<redis::Client>,
-    /// The primary's login and database.
-    login: redis::RedisConnectionInfo,
-    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
-    tls: bool,
-    tcp: redis::io::tcp::TcpSettings,
-    root: Option<Vec<u8>>,
+    pub(super) master: String,
+    pub(super) sentinels: Vec<redis::Client>,
+    /// The primary's login, database and TLS, at whatever address a sentinel names.
+    primary: Dial,
 }
 
 impl Resolver {
     /// A connection to the primary the first sentinel that answers names
     /// (`SENTINEL GET-MASTER-ADDR-BY-NAME`: the promoted replica as soon as a failover
     /// promoted it), once `ROLE` says it is one.
-    async fn primary(
+    pub(super) async fn primary(
         &self,
         config: &AsyncConnectionConfig,
-    ) -> Result<MultiplexedConnection, RedisError> {
+    ) -> Result<(MultiplexedConnection, Arc<Pulse>), RedisError> {
         let mut last = None;
         for sentinel in &self.sentinels {
             match self.ask(sentinel, config).await {
@@ -220,7 +231,7 @@ impl Resolver {
         &self,
         sentinel: &redis::Client,
         config: &AsyncConnectionConfig,
-    ) -> Result<MultiplexedConnection, RedisError> {
+    ) -> Result<(MultiplexedConnection, Arc<Pulse>), RedisError> {
         let mut asking = sentinel
             .get_multiplexed_async_connection_with_config(config)
             .await?;
@@ -236,14 +247,14 @@ impl Resolver {
                 self.master.clone(),
             )));
         };
-        let mut primary = self.open(host, port, config).await?;
+        let (mut primary, pulse) = self.open(host, port, config).await?;
         if !is_primary(&mut primary).await? {
             return Err(RedisError::from((
                 redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
                 "the server the sentinel names as the primary is a replica",
             )));
         }
-        Ok(primary)
+        Ok((primary, pulse))
     }
 
     /// A connection to the server at `host:port`, with the primary's login.
@@ -252,34 +263,8 @@ impl Resolver {
         host: String,
         port: u16,
         config: &AsyncConnectionConfig,
-    ) -> Result<MultiplexedConnection, RedisError> {
-        #[cfg(feature = "tls")]
-        let addr = if self.tls {
-            redis::ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: false,
-                tls_params: None,
-            }
-        } else {
-            redis::ConnectionAddr::Tcp(host, port)
-        };
-        #[cfg(not(feature = "tls"))]
-        let addr = redis::ConnectionAddr::Tcp(host, port);
-        let info = addr
-            .into_connection_info()?
-            .set_redis_settings(self.login.clone())
-            .set_tcp_settings(self.tcp.clone());
-        let client = super::builder::client_of(info, self.root.as_deref()).map_err(|e| {
-            RedisError::from((
-                redis::ErrorKind::InvalidClientConfig,
-                "bad primary address",
-                e.to_string(),
-            ))
-        })?;
-        client
-            .get_multiplexed_async_connection_with_config(config)
-            .await
+    ) -> Result<(MultiplexedConnection, Arc<Pulse>), RedisError> {
+        self.primary.to(host, port).open(config).await
     }
 }
 
@@ -289,133 +274,18 @@ async fn is_primary(connection: &mut MultiplexedConnection) -> Result<bool, Redi
     Ok(role.first() == Some(&redis::Value::BulkString(b"master".to_vec())))
 }
 
-/// The primary as the sentinels last named it, and the way to ask them again.
-pub(super) struct Followed {
-    resolver: Resolver,
-    /// Held by the one caller asking the sentinels.
-    asking: Mutex<()>,
-    current: RwLock<Current>,
-    config: AsyncConnectionConfig,
-    /// The most the watch's own calls take.
-    timeout: Duration,
-    /// Told each time a new primary is in hand (the breaker's hint to probe).
-    on_new_primary: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
-    /// Dropped with the store: ends its watch.
-    _closed: oneshot::Sender<()>,
-}
-
-/// The connection to the primary, and how many the store has made.
-struct Current {
-    generation: u64,
-    connection: Option<MultiplexedConnection>,
-}
-
-impl Followed {
-    /// Follows the primary `resolver` finds, with connections that give up after
-    /// `timeout`; a task listens to the sentinels' failovers while the store lives.
-    pub(super) async fn connect(
-        resolver: Resolver,
-        timeout: Duration,
-    ) -> Result<Arc<Self>, RedisError> {
-        let (closed, on_close) = oneshot::channel();
-        let followed = Arc::new(Followed {
-            resolver,
-            asking: Mutex::new(()),
-            current: RwLock::new(Current {
-                generation: 0,
-                connection: None,
-            }),
-            config: AsyncConnectionConfig::new()
-                .set_connection_timeout(Some(timeout))
-                .set_response_timeout(Some(timeout)),
-            timeout,
-            on_new_primary: std::sync::OnceLock::new(),
-            _closed: closed,
-        });
-        followed.connection().await?;
-        tokio::spawn(watch(Arc::downgrade(&followed), on_close));
-        Ok(followed)
-    }
-
-    /// The connection to the primary and its generation: the one in hand, or a new one to
-    /// the primary the sentinels name now.
-    pub(super) async fn connection(&self) -> Result<(u64, MultiplexedConnection), RedisError> {
-        if let Some(current) = self.in_hand() {
-            return Ok(current);
-        }
-        let _asking = self.asking.lock().await;
-        // Another caller may have found it while this one waited.
-        if let Some(current) = self.in_hand() {
-            return Ok(current);
-        }
-        let connection = self.resolver.primary(&self.config).await?;
-        Ok(self.install(connection))
-    }
-
-    /// Makes `connection` the one in hand, a new generation.
-    fn install(&self, connection: MultiplexedConnection) -> (u64, MultiplexedConnection) {
-        let generation = {
-            let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
-            current.generation += 1;
-            current.connection = Some(connection.clone());
-            current.generation
-        };
-        #[cfg(feature = "metrics")]
-        metrics::counter!(crate::metric::SENTINEL_RESOLVED.name).increment(1);
-        if let Some(hint) = self.on_new_primary.get() {
-            hint();
-        }
-        (generation, connection)
-    }
-
-    /// Calls `hint` each time a new primary is in hand: a breaker opened by the
-    /// failover probes at once, instead of after its cool-down.
-    pub(super) fn on_new_primary(&self, hint: impl Fn() + Send + Sync + 'static) {
-        let _ = self.on_new_primary.set(Box::new(hint));
-    }
-
-    fn in_hand(&self) -> Option<(u64, MultiplexedConnection)> {
-        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
-        current
-            .connection
-            .clone()
-            .map(|connection| (current.generation, connection))
-    }
-
-    /// Drops generation `generation`'s connection, if it is still the one in hand: the
-    /// next call asks the sentinels.
-    pub(super) fn forget(&self, generation: u64) {
-        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
-        if current.generation == generation {
-            current.connection = None;
-        }
-    }
-
-    fn forget_current(&self) {
-        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
-        current.connection = None;
-    }
-}
-
-/// Whether `e` says the server at hand is no longer the primary, or no longer there.
-pub(super) fn moved(e: &RedisError) -> bool {
-    e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error() || read_only(e)
-}
-
-/// `READONLY`: the server is a replica now, and ran nothing.
-pub(super) fn read_only(e: &RedisError) -> bool {
-    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
-}
-
 /// Listens to one sentinel at a time for the failovers of the store's master, until
 /// the store is dropped. A switch drops the connection in hand and makes the next one.
-async fn watch(followed: Weak<Followed>, mut closed: oneshot::Receiver<()>) {
+pub(super) async fn watch(followed: Weak<Link>, mut closed: oneshot::Receiver<()>) {
     let mut first = true;
     loop {
         let Some(strong) = followed.upgrade() else {
             return;
         };
-        let master = strong.resolver.master.clone();
+        let Some(resolver) = strong.resolver() else {
+            return;
+        };
+        let master = resolver.master.clone();
         let subscribed = tokio::select! {
             _ = &mut closed => return,
             subscribed = subscribe(&strong) => subscribed,
@@ -454,8 +324,9 @@ async fn watch(followed: Weak<Followed>, mut closed: oneshot::Receiver<()>) {
 }
 
 /// A subscription to the failover's [`CHANNELS`] on the first sentinel that answers.
-async fn subscribe(followed: &Followed) -> Option<redis::aio::PubSub> {
-    for sentinel in &followed.resolver.sentinels {
+async fn subscribe(followed: &Link) -> Option<redis::aio::PubSub> {
+    let resolver = followed.resolver()?;
+    for sentinel in &resolver.sentinels {
         let subscribed = async {
             let mut pubsub = sentinel.get_async_pubsub().await.ok()?;
             pubsub.subscribe(&CHANNELS).await.ok()?;
@@ -507,7 +378,7 @@ impl Event {
     }
 }
 
-impl Followed {
+impl Link {
     /// Follows what a sentinel announced. A replica being promoted is asked every
     /// [`PROMOTION_POLL`] whether it is a primary yet, on one connection that is used
     /// from the first yes; the
@@ -520,16 +391,19 @@ impl Followed {
                 let mut replica = None;
                 while tokio::time::Instant::now() < deadline {
                     if replica.is_none() {
-                        let opened = self.resolver.open(host.clone(), port, &self.config);
+                        let Some(resolver) = self.resolver() else {
+                            return;
+                        };
+                        let opened = resolver.open(host.clone(), port, &self.config);
                         replica = tokio::time::timeout(self.timeout, opened)
                             .await
                             .ok()
                             .and_then(Result::ok);
                     }
-                    if let Some(connection) = &mut replica {
+                    if let Some((connection, pulse)) = &mut replica {
                         match tokio::time::timeout(self.timeout, is_primary(connection)).await {
                             Ok(Ok(true)) => {
-                                self.install(connection.clone());
+                                self.install(connection.clone(), Arc::clone(pulse));
                                 return;
                             }
                             Ok(Ok(false)) => {}
