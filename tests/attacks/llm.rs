@@ -17,7 +17,7 @@ use support::http::{Server, completion};
 use support::{keep_time_moving, shared_server, unique_prefix, within};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tollway_core::{MemoryStore, Operation, RedisStore, Store};
+use tollway_core::{MemoryStore, Operation, Store};
 use tollway_tower::TokioClock;
 use tollway_tower::config::LimitsFile;
 
@@ -164,7 +164,7 @@ async fn a_stream_cut_before_its_usage_is_charged_what_it_delivered_in_memory() 
 async fn a_stream_cut_before_its_usage_is_charged_what_it_delivered_on_redis() {
     // A timeout a loaded machine cannot reach: a settlement that timed out would be
     // dropped, and the test would see a budget that was never charged.
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .prefix(unique_prefix("llm-cut"))
         .timeout(Duration::from_secs(30))
         .connect(&shared_server().url())

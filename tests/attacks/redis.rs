@@ -8,7 +8,7 @@ use support::CheckOne;
 use support::http::{Hits, Reply, serve};
 use support::redis::{RedisServer, shared_server, unique_prefix};
 use support::stores::{EPOCH_US, per_minute};
-use tollway_core::{Algorithm, BreakerState, ManualClock, Policy, Quota, RedisStore};
+use tollway_core::{Algorithm, BreakerState, ManualClock, Policy, Quota};
 use tollway_tower::{Key, OnStoreError, RateLimitLayer};
 
 use super::admitted;
@@ -40,7 +40,7 @@ async fn a_full_10_000_entry_sliding_log_cannot_be_pushed_into_failing_open() {
     let clock = ManualClock::at_micros(EPOCH_US);
     // The default timeout (100 ms), and nothing in front of Redis to absorb the attack:
     // every denial is a script call, and a call that times out lets its request through.
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .deny_cache(0)
         .without_breaker()
         .without_local_fallback()
@@ -108,7 +108,7 @@ async fn losing_a_sliding_logs_state_in_redis_starts_it_afresh() {
     let clock = ManualClock::at_micros(EPOCH_US);
     let prefix = unique_prefix("attack-evict");
     // No deny cache: it would go on refusing locally what Redis no longer remembers.
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .without_local_fallback()
         .deny_cache(0)
         .timeout(Duration::from_secs(5))
@@ -168,7 +168,7 @@ async fn a_stalled_redis_neither_stalls_requests_nor_lifts_the_limit() {
     // The defaults (100 ms timeout, 5 failures open the breaker, a local fallback), but
     // a cool-down longer than the test: no probe of Redis comes between the requests,
     // so which of them call Redis follows from the breaker's state alone.
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .breaker(5, Duration::from_secs(3_600))
         .caller_time(clock.clone())
         .connect(&server.url())

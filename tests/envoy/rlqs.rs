@@ -19,6 +19,7 @@ fn limits(redis: &str) -> String {
 [store]
 kind = "redis"
 url = "{redis}"
+stall_after_ms = 1000
 
 [layer]
 default = "per_key"

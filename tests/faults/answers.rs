@@ -8,7 +8,7 @@ use super::*;
 async fn a_dead_redis_gets_the_configured_http_answer() {
     let mut redis = RedisServer::start();
     let clock = ManualClock::at_micros(EPOCH_US);
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .without_local_fallback()
         .timeout(Duration::from_millis(250))
         .caller_time(clock.clone())
@@ -63,7 +63,7 @@ async fn a_dead_redis_gets_the_configured_http_answer() {
 async fn a_dead_redis_gets_the_configured_grpc_answer() {
     let mut redis = RedisServer::start();
     let clock = ManualClock::at_micros(EPOCH_US);
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .without_local_fallback()
         .timeout(Duration::from_millis(250))
         .caller_time(clock.clone())

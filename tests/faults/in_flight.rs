@@ -63,7 +63,7 @@ async fn a_killed_gateway_frees_its_slots_within_a_lease() {
     });
     assert!(within("the child's calls", 60, held).await.unwrap());
 
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .prefix(prefix)
         .timeout(Duration::from_secs(30))
         .connect(&server.url())
@@ -111,7 +111,7 @@ async fn a_killed_gateway_frees_its_slots_within_a_lease() {
 /// The gateway, in the child process: three calls in flight, held by a handler that
 /// never answers, on the Redis at `url` under `prefix`.
 async fn gateway_with_calls_in_flight(url: String, prefix: String) {
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .prefix(prefix)
         .timeout(Duration::from_secs(30))
         .connect(&url)

@@ -63,7 +63,7 @@ const RECOVER_WITHIN: Duration = Duration::from_secs(10);
 /// decision reaches Redis or fails), and no breaker or fallback of its own — the tests
 /// that want them wrap it in a `CircuitBreaker` under test.
 fn unguarded() -> tollway_core::RedisStoreBuilder {
-    RedisStore::builder()
+    support::redis_store()
         .timeout(TIMEOUT)
         .deny_cache(0)
         .without_breaker()

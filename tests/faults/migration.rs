@@ -26,7 +26,7 @@ async fn a_slot_migration_under_load_fails_no_request_and_loses_nothing() {
     let clock = ManualClock::at_micros(EPOCH_US);
     let mut gateways = Vec::new();
     for _ in 0..3 {
-        let store = RedisStore::builder()
+        let store = support::redis_store()
             .deny_cache(0)
             .without_breaker()
             .without_local_fallback()

@@ -19,7 +19,6 @@ use demo::llm;
 use support::http::Server;
 use support::{Rng, keep_time_moving, shared_server, unique_prefix};
 use tokio::time::Instant;
-use tollway_core::RedisStore;
 use tollway_tower::TokioClock;
 use tollway_tower::config::LimitsFile;
 
@@ -102,7 +101,7 @@ async fn the_fleet_spends_its_token_budget_and_streams_no_more_than_allowed() {
     for _ in 0..3 {
         // An hour's timeout and grace: the paused clock moves while a reply is on its way,
         // and Redis expires keys by its own clock.
-        let store = RedisStore::builder()
+        let store = support::redis_store()
             .prefix(prefix.clone())
             .caller_time(clock.clone())
             .timeout(Duration::from_secs(3_600))

@@ -15,7 +15,7 @@ use support::http::{Client, Server};
 use support::stores::{EPOCH_US, memory_store};
 
 use support::CheckOne;
-use tollway_core::{BreakerState, CircuitBreaker, ManualClock, RedisStore};
+use tollway_core::{BreakerState, CircuitBreaker, ManualClock};
 use tollway_tower::BoxStore;
 
 const ADMIN: (&str, &str) = ("authorization", "Bearer test-admin");
@@ -188,7 +188,7 @@ async fn the_example_counts_every_decision_in_its_metrics() {
     // Regression: the breaker's gauge had no label, so two stores wrote one series and
     // the last state change hid the other. Each breaker's carries its store's name.
     let mut dead = support::RedisServer::start();
-    let redis = RedisStore::builder()
+    let redis = support::redis_store()
         .timeout(Duration::from_millis(200))
         .without_breaker()
         .without_local_fallback()

@@ -360,8 +360,9 @@ async fn gateways_on_a_file_naming_redis_share_its_limits() {
     let example = std::fs::read_to_string(demo::axum_app::DEFAULT_CONFIG).unwrap();
     let prefix = support::redis::unique_prefix("store-section");
     let url = support::shared_server().url();
-    let text =
-        format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\nprefix = \"{prefix}\"\n\n{example}");
+    let text = format!(
+        "[store]\nkind = \"redis\"\nurl = \"{url}\"\nprefix = \"{prefix}\"\nstall_after_ms = 1000\n\n{example}"
+    );
     let dir = std::env::temp_dir().join(format!("tollway-{prefix}"));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tollway.toml");

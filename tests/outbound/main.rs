@@ -79,7 +79,7 @@ fn paused_store() -> MemoryStore<TokioClock> {
 /// paused clock moves while a reply is on its way (see [`support::keep_time_moving`]), and Redis
 /// expires keys by its own clock.
 async fn redis_store(prefix: &str) -> tollway_core::RedisStore {
-    tollway_core::RedisStore::builder()
+    support::redis_store()
         .prefix(prefix)
         .without_local_fallback()
         .caller_time(TokioClock::new())

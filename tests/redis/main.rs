@@ -189,7 +189,7 @@ async fn a_connection_manager_of_your_own_is_accepted_and_decides() {
     let client = redis::Client::open(shared_server().url()).unwrap();
     let manager = redis::aio::ConnectionManager::new(client).await.unwrap();
     let clock = ManualClock::at_micros(EPOCH_US);
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .without_local_fallback()
         .timeout(Duration::from_secs(30))
         .caller_time(clock.clone())
@@ -215,7 +215,7 @@ async fn a_deadpool_pool_is_accepted_and_decides_the_same() {
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .unwrap();
     let clock = ManualClock::at_micros(EPOCH_US);
-    let pooled = RedisStore::builder()
+    let pooled = support::redis_store()
         .without_local_fallback()
         .timeout(Duration::from_secs(30))
         .caller_time(clock.clone())
@@ -235,7 +235,7 @@ async fn a_deadpool_pool_is_accepted_and_decides_the_same() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_go_on_after_a_restart_from_an_empty_server() {
     let mut server = RedisServer::start();
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .without_local_fallback()
         .timeout(Duration::from_secs(5))
         .connect(&server.url())
@@ -270,7 +270,7 @@ async fn decisions_go_on_after_a_restart_from_an_empty_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_server_is_an_error_within_the_timeout_not_a_hang() {
     let mut server = RedisServer::start();
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .without_local_fallback()
         .timeout(Duration::from_millis(300))
         .connect(&server.url())
@@ -296,7 +296,7 @@ async fn a_dead_server_is_an_error_within_the_timeout_not_a_hang() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_server_is_a_timeout_and_a_bad_reply_a_script_error() {
     let server = RedisServer::start();
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .without_local_fallback()
         .timeout(Duration::from_millis(200))
         .prefix("kinds")
@@ -388,10 +388,10 @@ async fn the_deny_cache_answers_a_flood_locally_exactly_as_redis_would() {
 #[tokio::test]
 async fn bad_breaker_and_fallback_settings_fail_before_connecting() {
     for (builder, says) in [
-        (RedisStore::builder().local_fallback(0.0), "use 1/N"),
-        (RedisStore::builder().local_fallback(1.5), "use 1/N"),
+        (support::redis_store().local_fallback(0.0), "use 1/N"),
+        (support::redis_store().local_fallback(1.5), "use 1/N"),
         (
-            RedisStore::builder().breaker(0, Duration::from_millis(250)),
+            support::redis_store().breaker(0, Duration::from_millis(250)),
             "at least 1 failure",
         ),
     ] {
@@ -412,7 +412,7 @@ async fn a_limits_files_leases_decide_a_hot_caller_here() {
 
     let server = RedisServer::start();
     let text = format!(
-        "[store]\nkind = \"redis\"\nurl = \"{}\"\nleases = {{ min_units = 4 }}\n\n\
+        "[store]\nkind = \"redis\"\nurl = \"{}\"\nstall_after_ms = 1000\nleases = {{ min_units = 4 }}\n\n\
          [layer]\ndefault = \"api\"\n\n\
          [policies.api]\nalgorithm = \"gcra\"\nlimit = 20_000\nperiod = \"1s\"\n",
         server.url()

@@ -46,7 +46,7 @@ const ONE_WAY: Duration = Duration::from_millis(40);
 const RUN: u64 = 180;
 
 async fn paused_redis(url: &str, prefix: &str, clock: &TokioClock) -> RedisStore {
-    RedisStore::builder()
+    support::redis_store()
         .prefix(prefix)
         .caller_time(clock.clone())
         .deny_cache(0)

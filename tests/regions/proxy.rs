@@ -71,7 +71,7 @@ async fn a_store_across_the_distance_pays_the_round_trip_and_a_cut_times_out() {
     let store = within(
         "connecting across the proxy",
         10,
-        RedisStore::builder()
+        support::redis_store()
             .prefix(support::unique_prefix("regions"))
             .caller_time(TokioClock::new())
             .timeout(Duration::from_millis(300))

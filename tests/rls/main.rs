@@ -309,7 +309,7 @@ async fn a_reload_changes_the_limits_and_a_broken_file_keeps_them() {
 /// The limits on a Redis at `url`, whose failures the file answers by `on_error`.
 fn on_redis(url: &str, on_error: &str) -> String {
     let store = format!(
-        "[store]\nkind = \"redis\"\nurl = \"{url}\"\ntimeout_ms = 100\nlocal_fallback = false\n"
+        "[store]\nkind = \"redis\"\nurl = \"{url}\"\ntimeout_ms = 100\nstall_after_ms = 1000\nlocal_fallback = false\n"
     );
     let limits = LIMITS.replace(
         "default = \"per_address\"",

@@ -8,7 +8,7 @@ use axum::routing::get;
 use support::http::Server;
 use support::redis::{RedisServer, script_calls};
 use tokio::sync::{Semaphore, mpsc};
-use tollway_core::{Algorithm, Policy, Quota, RedisStore};
+use tollway_core::{Algorithm, Policy, Quota};
 use tollway_tower::RateLimitLayer;
 use tollway_tower::config::LimitsFile;
 use tollway_tower::shed::{Match, Priority, Shed};
@@ -43,7 +43,7 @@ fn holding() -> (
 async fn a_full_service_answers_503_and_a_refusal_never_reaches_redis() {
     // A server of its own: its script count is this test's alone.
     let redis = RedisServer::start();
-    let store = RedisStore::builder()
+    let store = support::redis_store()
         .timeout(std::time::Duration::from_secs(30))
         .connect(&redis.url())
         .await

@@ -19,7 +19,7 @@ use support::{CheckOne, RedisServer};
 /// Exact decisions: the caller's manual clock, no local deny cache, room for a slow CI
 /// machine's handshakes.
 fn builder(clock: &ManualClock) -> RedisStoreBuilder {
-    RedisStore::builder()
+    support::redis_store()
         .without_local_fallback()
         .prefix("tls-test")
         .timeout(Duration::from_secs(5))

@@ -42,6 +42,17 @@ use tollway_core::{Decision, Policy, Store, StoreError};
 
 pub use tollway_core::testing::Rng;
 
+/// The stall watch of the tests' Redis stores: far past any reply on a loaded machine
+/// (where Redis may wait tens of milliseconds for a core), so that only a test about
+/// stalls, which sets its own, sees one.
+pub const STALL_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A Redis store builder as the tests use it: the defaults but the stall watch
+/// ([`STALL_AFTER`]).
+pub fn redis_store() -> tollway_core::RedisStoreBuilder {
+    tollway_core::RedisStore::builder().stall_after(STALL_AFTER)
+}
+
 /// One policy's decision, which is what most store tests ask.
 pub trait CheckOne: Store {
     /// [`Store::check`] of one policy: its decision.

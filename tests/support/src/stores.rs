@@ -57,7 +57,7 @@ pub async fn redis_store(clock: &ManualClock) -> RedisStore {
 /// A Redis store on this binary's shared server under `prefix` (stores under one prefix
 /// share their limits: gateways of one fleet), passing `clock`'s time to the scripts.
 pub async fn redis_store_under(prefix: &str, clock: &ManualClock) -> RedisStore {
-    RedisStore::builder()
+    crate::redis_store()
         .without_local_fallback()
         .timeout(Duration::from_secs(5))
         .prefix(prefix)

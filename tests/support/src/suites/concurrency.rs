@@ -120,7 +120,7 @@ pub async fn in_flight_across_gateways(target: &Target) -> ((u64, u64, usize), V
     for _ in 0..3 {
         let store = target
             .connect(
-                RedisStore::builder()
+                crate::redis_store()
                     .prefix(prefix.clone())
                     .deny_cache(0)
                     .timeout(std::time::Duration::from_secs(30)),

@@ -5,9 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use tollway_core::testing::{Conformance, cost};
-use tollway_core::{
-    Algorithm, Clock, Decision, Denial, ManualClock, MemoryStore, Policy, Quota, RedisStore,
-};
+use tollway_core::{Algorithm, Clock, Decision, Denial, ManualClock, MemoryStore, Policy, Quota};
 
 use super::{Target, builder};
 use crate::redis::unique_prefix;
@@ -65,7 +63,7 @@ pub async fn conformance_server_time(target: &Target, events: usize) -> Vec<Stri
     let clock = ManualClock::at_micros(0);
     let scripts = target
         .connect(
-            RedisStore::builder()
+            crate::redis_store()
                 .without_local_fallback()
                 .timeout(Duration::from_secs(5))
                 .prefix(unique_prefix("server-time"))
@@ -195,7 +193,7 @@ pub async fn clock_skew(target: &Target) -> (Vec<(Algorithm, u64, u64)>, Vec<Str
     // at the time Redis read.
     let prefix = unique_prefix("skew-server");
     let server_time = || {
-        RedisStore::builder()
+        crate::redis_store()
             .without_local_fallback()
             .timeout(Duration::from_secs(5))
             .prefix(prefix.clone())

@@ -44,7 +44,7 @@ pub async fn lend_conformance_server_time(target: &Target, events: usize) -> Vec
     let memory = MemoryStore::builder().clock(clock.clone()).build().unwrap();
     let scripts = target
         .connect(
-            tollway_core::RedisStore::builder()
+            crate::redis_store()
                 .without_local_fallback()
                 .timeout(Duration::from_secs(5))
                 .prefix(unique_prefix("lend-time"))

@@ -137,7 +137,7 @@ impl ConnectionLike for Admin {
 /// an hour's grace keeps every key's state as long as the test runs, however slowly.
 /// (State that becomes fresh is deleted at once either way.)
 pub fn builder(clock: &ManualClock) -> RedisStoreBuilder {
-    RedisStore::builder()
+    crate::redis_store()
         .without_local_fallback()
         .timeout(Duration::from_secs(5))
         .caller_time(clock.clone())

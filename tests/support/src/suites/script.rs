@@ -354,7 +354,7 @@ pub async fn expiry(target: &Target) -> Vec<String> {
     // 1 ms log written with a relative PEXPIRE could then go while an entry still counts).
     let store = target
         .connect(
-            RedisStore::builder()
+            crate::redis_store()
                 .without_local_fallback()
                 .prefix(unique_prefix("ttl"))
                 .timeout(Duration::from_secs(5)),
