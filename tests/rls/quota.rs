@@ -30,7 +30,7 @@ async fn start(config: &std::path::Path) -> (tollway_server::Running, SocketAddr
 
 /// A `[store]` on the Redis at `url`.
 fn on_redis(url: &str) -> String {
-    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\n")
+    format!("[store]\nkind = \"redis\"\nurl = \"{url}\"\nstall_after_ms = 1000\n")
 }
 
 /// 100 a second per API key, a burst of 100; internal keys unlimited.
@@ -313,8 +313,10 @@ async fn a_reload_reassigns_or_abandons_on_open_streams() {
     running.stop().await;
 }
 
-// gRPC health names the quota service as it names RLS; a stream of more buckets than it
-// keeps is told DENY_ALL for the rest, and counted.
+// gRPC health names the quota service as it names RLS. A stream of more buckets than it
+// keeps gives the quietest's place to each new one (that bucket is abandoned), and keeps
+// serving the busy ones. A bucket id past a descriptor's bounds is abandoned alone: the
+// stream goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_names_the_service_and_a_stream_keeps_its_bound() {
     use tollway_server::quota::MAX_BUCKETS;
@@ -323,31 +325,39 @@ async fn health_names_the_service_and_a_stream_keeps_its_bound() {
     assert!(running.probe().await, "the store answers");
     assert_eq!(shared::health(grpc, RLQS).await, "Serving");
     let mut envoy = Envoy::connect(grpc).await;
-    let keys: Vec<String> = (0..=MAX_BUCKETS).map(|i| format!("key-{i}")).collect();
+    let busy = envoy.report(&[("busy", 1, 0, 0)]).await["busy"];
+    assert_eq!(busy, Told::Bucket(98, 13));
+    // Busy for a report: the quietest is never this one.
+    assert!(rate(envoy.report(&[("busy", 400, 0, 5)]).await["busy"]) > 0);
+    let keys: Vec<String> = (0..MAX_BUCKETS).map(|i| format!("key-{i}")).collect();
     let usages: Vec<(&str, u64, u64, i64)> = keys.iter().map(|k| (k.as_str(), 1, 0, 0)).collect();
     let told = envoy.report(&usages).await;
-    assert_eq!(told.0.len(), MAX_BUCKETS + 1);
-    assert_eq!(told[keys[0].as_str()], Told::Bucket(98, 13));
-    assert_eq!(told[keys[MAX_BUCKETS].as_str()], Told::Deny);
-    // A bucket id past a descriptor's bounds ends the stream, unread by the store.
-    let mut hostile = Envoy::connect(grpc).await;
+    assert_eq!(told.0.len(), MAX_BUCKETS, "every new bucket answered");
+    let given_up: Vec<&String> = told
+        .0
+        .iter()
+        .filter(|(_, t)| **t == Told::Abandon)
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(given_up.len(), 1, "{given_up:?}");
+    assert_ne!(given_up[0], "busy", "the busy bucket keeps its place");
+    assert_ne!(told[keys[MAX_BUCKETS - 1].as_str()], Told::Abandon);
+    assert!(rate(envoy.report(&[("busy", 400, 0, 5)]).await["busy"]) > 0);
+    // A bucket id past a descriptor's bounds: abandoned, unread by the store; the stream
+    // and its other buckets go on.
     let long = "v".repeat(tollway_server::bounds::VALUE_BYTES + 1);
-    let message = RateLimitQuotaUsageReports {
-        domain: "edge".to_owned(),
-        bucket_quota_usages: vec![BucketQuotaUsage {
-            bucket_id: Some(bucket(&long)),
-            time_elapsed: None,
-            num_requests_allowed: 1,
-            num_requests_denied: 0,
-        }],
-    };
-    hostile.reports.send(message).await.unwrap();
-    let refused = hostile.answers.message().await.unwrap_err();
-    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    let told = envoy
+        .report(&[(long.as_str(), 1, 0, 0), ("busy", 400, 0, 5)])
+        .await;
+    assert_eq!(told[long.as_str()], Told::Abandon);
+    assert!(rate(told["busy"]) > 0);
     let counted = super::metrics().render();
-    for reason in ["buckets", "value_bytes"] {
-        let line = format!("tollway_rls_requests_refused_total{{reason=\"{reason}\"}}");
-        assert!(counted.contains(&line), "{counted}");
+    for line in [
+        "tollway_rls_requests_refused_total{reason=\"value_bytes\"}",
+        "tollway_rlqs_buckets_abandoned_total{reason=\"evicted\"}",
+        "tollway_rlqs_buckets_abandoned_total{reason=\"bounds\"}",
+    ] {
+        assert!(counted.contains(line), "{line} in {counted}");
     }
     running.stop().await;
 }

@@ -218,6 +218,30 @@ pub const RLQS_REPORTED: Metric = Metric {
     help: "Requests Envoys reported to the rate limit quota service, by the file's policy and outcome: allowed, denied",
 };
 
+/// Quota buckets tollway-server told Envoy to abandon, by why (server).
+pub const RLQS_ABANDONED: Metric = Metric {
+    name: "tollway_rlqs_buckets_abandoned_total",
+    kind: Kind::Counter,
+    labels: &["reason"],
+    help: "Quota buckets the rate limit quota service told an Envoy to abandon: idle, unknown (no rule), bounds (an id past them), evicted (the quietest, for a new bucket past a stream's cap)",
+};
+
+/// Quota streams that ended on an error, by why (server).
+pub const RLQS_STREAMS_ENDED: Metric = Metric {
+    name: "tollway_rlqs_streams_ended_total",
+    kind: Kind::Counter,
+    labels: &["reason"],
+    help: "Rate limit quota streams that ended on an error: message_bytes (a report past the bound), streams (past the server's or a connection's), domain, broken (the connection failed), unread (Envoy read no answer)",
+};
+
+/// Connections tollway-server closed or refused to keep its ports up (server).
+pub const CONNECTIONS_DROPPED: Metric = Metric {
+    name: "tollway_server_connections_dropped_total",
+    kind: Kind::Counter,
+    labels: &["port", "reason"],
+    help: "Connections a tollway-server port closed before serving them: handshake (no TLS handshake or HTTP/2 preface in time), evicted (the oldest unfinished handshake, for a new one), full (at the connection cap), accept (the process out of descriptors)",
+};
+
 /// Stalls the Redis store declared: no reply for a while with calls waiting (core).
 pub const STORE_STALLS: Metric = Metric {
     name: "tollway_store_stalls_total",
@@ -259,6 +283,9 @@ pub const ALL: &[Metric] = &[
     RLS_NEAR_LIMIT,
     RLQS_BUCKETS,
     RLQS_REPORTED,
+    RLQS_ABANDONED,
+    RLQS_STREAMS_ENDED,
+    CONNECTIONS_DROPPED,
     STORE_STALLS,
     SENTINEL_RESOLVED,
 ];

@@ -44,11 +44,28 @@ pub const TRANSIT: Duration = Duration::from_secs(1);
 /// caller that comes back is admitted at once.
 pub const IDLE_REPORTS: u32 = 12;
 
-/// The most buckets one stream keeps. A bucket past it is told `DENY_ALL` and counted.
+/// The most buckets one stream keeps. A new bucket past it takes the place of the
+/// quietest (the least demand, the longest unreported), which Envoy is told to abandon.
 pub const MAX_BUCKETS: usize = 4_096;
 
-/// Bytes of a usage report message: as for a rate limit request.
-pub const MESSAGE_BYTES: usize = crate::bounds::MESSAGE_BYTES;
+/// The longest bucket id kept whole, in bytes of keys and values. A longer one is kept
+/// as its hash: it learns of a new version of the rules at its next report, not at once.
+pub const KEPT_ID_BYTES: usize = 512;
+
+/// Bytes of a usage report message. Envoy reports every bucket it holds in one message,
+/// so this is larger than a rate limit request's bound. A longer report ends its stream
+/// `RESOURCE_EXHAUSTED`, logged and counted.
+pub const MESSAGE_BYTES: usize = 8 << 20;
+
+/// The most quota streams the server serves at once. Each Envoy opens one.
+pub const MAX_STREAMS: usize = 1_024;
+
+/// The most quota streams one connection opens at once.
+pub const STREAMS_PER_CONNECTION: usize = 4;
+
+/// The most requests one report may say a bucket allowed, or denied: past it, it says
+/// this many. Far past what an Envoy decides in a report's 5 s.
+pub const MAX_REPORTED: u64 = u32::MAX as u64;
 
 /// What the quota service decides by: the file's `[[buckets]]`, and what to assign when
 /// the store fails.
@@ -91,7 +108,16 @@ struct Inner {
     version: watch::Sender<u64>,
     /// This process, among replicas sharing the store.
     replica: String,
+    /// Streams numbered so far.
     streams: AtomicU64,
+    /// Streams open now: in all, and by connection.
+    open: std::sync::Mutex<Open>,
+}
+
+#[derive(Default)]
+struct Open {
+    all: usize,
+    by_connection: HashMap<std::net::SocketAddr, usize>,
 }
 
 impl std::fmt::Debug for QuotaService {
@@ -115,6 +141,7 @@ impl QuotaService {
                 version: watch::channel(0).0,
                 replica: replica_id(),
                 streams: AtomicU64::new(0),
+                open: std::sync::Mutex::default(),
             }),
         }
     }
@@ -145,25 +172,58 @@ fn replica_id() -> String {
     format!("{:016x}", hasher.finish())
 }
 
-/// A bucket id as a map key: its entries, sorted.
-type BucketKey = Vec<(String, String)>;
+/// A bucket id as a map key: a hash of its entries, sorted. The id itself is kept once,
+/// and only when short (see [`KEPT_ID_BYTES`]).
+type BucketKey = [u8; 16];
 
 fn bucket_key(id: &BucketId) -> BucketKey {
-    let mut key: BucketKey = id
-        .bucket
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    key.sort();
+    use sha2::Digest;
+    let mut entries: Vec<(&String, &String)> = id.bucket.iter().collect();
+    entries.sort();
+    let mut hasher = sha2::Sha256::new();
+    for (k, v) in entries {
+        // Lengths first: no two ids hash the same bytes.
+        hasher.update((k.len() as u64).to_le_bytes());
+        hasher.update(k.as_bytes());
+        hasher.update((v.len() as u64).to_le_bytes());
+        hasher.update(v.as_bytes());
+    }
+    let digest = hasher.finalize();
+    let mut key = [0; 16];
+    key.copy_from_slice(&digest[..16]);
     key
+}
+
+/// Bytes of an id's keys and values.
+fn id_bytes(id: &BucketId) -> usize {
+    id.bucket.iter().map(|(k, v)| k.len() + v.len()).sum()
+}
+
+/// The key a share is held under: `key` when short, else `#` and a hash of it, so that
+/// a store keeps no more than that for a long bucket id (the Redis store hashes long
+/// keys too; the memory store keeps them as they are).
+fn share_key(key: &tollway_tower::Key) -> Vec<u8> {
+    use sha2::Digest;
+    let bytes = key.as_bytes();
+    if bytes.len() <= tollway_core::MAX_LITERAL_KEY {
+        return bytes.to_vec();
+    }
+    let digest = sha2::Sha256::digest(bytes);
+    let mut out = Vec::with_capacity(33);
+    out.push(b'#');
+    for b in &digest[..16] {
+        out.extend_from_slice(format!("{b:02x}").as_bytes());
+    }
+    out
 }
 
 /// One bucket of a stream: its holder's name in the ledgers, and what it was last told.
 struct Bucket {
-    id: BucketId,
+    /// Its id, when short enough to keep: a new version of the rules reaches it at once.
+    id: Option<BucketId>,
     holder: String,
     /// The policy and key its share is held under, when it is limited.
-    held: Option<(Policy, tollway_tower::Key)>,
+    held: Option<(Policy, Vec<u8>)>,
     /// Its last demand, units a period of its policy; `None` before one is known.
     demand: Option<u64>,
     /// Reports of no requests in a row.
@@ -187,11 +247,19 @@ struct Stream {
 /// What a bucket is told.
 enum Told {
     Assign(Strategy),
-    Abandon,
+    Abandon(&'static str),
+}
+
+/// What one report's bucket came to: an action for Envoy (or none), and whether the
+/// stream keeps the bucket.
+struct Decided {
+    action: Option<BucketAction>,
+    keep: bool,
 }
 
 impl Inner {
-    /// Answers one usage report: an action for each bucket it names.
+    /// Answers one usage report: an action for each bucket it names. A bucket past the
+    /// bounds is abandoned; the others are answered whatever it holds.
     async fn report(
         &self,
         stream: &mut Stream,
@@ -209,41 +277,61 @@ impl Inner {
         let mut actions = Vec::new();
         for usage in reports.bucket_quota_usages {
             let Some(id) = usage.bucket_id else {
-                return Err(Status::invalid_argument("a usage report names its bucket"));
+                // Nothing to answer it by: skipped.
+                refused("bucket_id");
+                continue;
             };
-            if let Some((reason, bound)) = past_bounds(&id) {
-                metrics::counter!(tollway_core::metric::RLS_REFUSED.name, "reason" => reason)
-                    .increment(1);
-                return Err(Status::invalid_argument(format!(
-                    "a bucket id past tollway-server's bounds: {bound}"
-                )));
+            if let Some(reason) = past_bounds(&id) {
+                refused(reason);
+                abandoned("bounds");
+                actions.push(abandon(id));
+                continue;
             }
             let key = bucket_key(&id);
-            let count = stream.buckets.len();
-            let holder = format!("{}/{}/{}", self.replica, stream.number, stream.named);
-            let Some(bucket) = (match stream.buckets.entry(key.clone()) {
-                std::collections::hash_map::Entry::Occupied(e) => Some(e.into_mut()),
-                std::collections::hash_map::Entry::Vacant(_) if count >= MAX_BUCKETS => None,
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    stream.named += 1;
-                    Some(e.insert(Bucket {
+            if !stream.buckets.contains_key(&key) {
+                // Only a limited bucket is kept: one no rule names, or an unlimited one,
+                // is answered and forgotten.
+                let rules = self.rules.load();
+                match rules.rules.find_bucket(&stream.domain, &id.bucket) {
+                    Some(m) if m.policy.is_some() => {}
+                    Some(_) => {
+                        actions.push(assign(id, allow_all()));
+                        continue;
+                    }
+                    // Envoy's first report of a bucket (no time elapsed) is answered, so
+                    // it stops asking; a later one is abandoned, so Envoy forgets it.
+                    None if is_zero(usage.time_elapsed.as_ref()) => {
+                        actions.push(assign(id, allow_all()));
+                        continue;
+                    }
+                    None => {
+                        abandoned("unknown");
+                        actions.push(abandon(id));
+                        continue;
+                    }
+                }
+                if stream.buckets.len() >= MAX_BUCKETS
+                    && let Some(action) = self.evict_quietest(stream).await
+                {
+                    actions.push(action);
+                }
+                let holder = format!("{}/{}/{}", self.replica, stream.number, stream.named);
+                stream.named += 1;
+                stream.buckets.insert(
+                    key,
+                    Bucket {
+                        id: (id_bytes(&id) <= KEPT_ID_BYTES).then(|| id.clone()),
                         holder,
-                        id: id.clone(),
                         held: None,
                         demand: None,
                         idle: 0,
                         reported: None,
                         named: tokio::time::Instant::now(),
                         told: None,
-                    }))
-                }
-            }) else {
-                metrics::counter!(tollway_core::metric::RLS_REFUSED.name, "reason" => "buckets")
-                    .increment(1);
-                actions.push(assign(
-                    id,
-                    Strategy::BlanketRule(BlanketRule::DenyAll as i32),
-                ));
+                    },
+                );
+            }
+            let Some(bucket) = stream.buckets.get_mut(&key) else {
                 continue;
             };
             let elapsed = usage.time_elapsed.map_or(Duration::ZERO, |d| {
@@ -263,34 +351,60 @@ impl Inner {
             } else {
                 elapsed.max(since)
             };
+            // What a client reports is bounded: it cannot wrap a counter.
             let report = (
-                usage.num_requests_allowed,
-                usage.num_requests_denied,
+                usage.num_requests_allowed.min(MAX_REPORTED),
+                usage.num_requests_denied.min(MAX_REPORTED),
                 elapsed,
             );
-            let action = self.decide(&stream.domain, bucket, Some(report)).await;
-            if let Some(action) = action {
-                if is_abandon(&action) {
-                    stream.buckets.remove(&key);
-                }
-                actions.push(action);
+            let decided = self
+                .decide(&stream.domain, Some(&id), bucket, Some(report))
+                .await;
+            if !decided.keep {
+                stream.buckets.remove(&key);
             }
+            actions.extend(decided.action);
         }
         Ok(actions)
     }
 
+    /// Makes room for a new bucket: the quietest is given up (its share released) and,
+    /// when its id is kept, Envoy is told to abandon it.
+    async fn evict_quietest(&self, stream: &mut Stream) -> Option<BucketAction> {
+        let key = *stream
+            .buckets
+            .iter()
+            .min_by_key(|(_, b)| (b.demand.unwrap_or(0), b.reported))
+            .map(|(key, _)| key)?;
+        let mut bucket = stream.buckets.remove(&key)?;
+        self.release(&mut bucket).await;
+        abandoned("evicted");
+        bucket.id.map(abandon)
+    }
+
     /// Decides `bucket` anew: from a report of requests allowed and denied in a time,
-    /// or from its last demand (a new version of the rules). `None`: nothing to tell it.
+    /// or from its last demand (a new version of the rules). `id`: the bucket's, when
+    /// known; without it nothing is told, and a bucket whose rule changed is let go.
     async fn decide(
         &self,
         domain: &str,
+        id: Option<&BucketId>,
         bucket: &mut Bucket,
         report: Option<(u64, u64, Duration)>,
-    ) -> Option<BucketAction> {
+    ) -> Decided {
+        let Some(id) = id else {
+            // A long id after a new version of the rules: let go, and decided afresh at
+            // its next report.
+            self.release(bucket).await;
+            return Decided {
+                action: None,
+                keep: false,
+            };
+        };
         let rules = self.rules.load_full();
-        let matched = rules.rules.find_bucket(domain, &bucket.id.bucket);
+        let matched = rules.rules.find_bucket(domain, &id.bucket);
         let known = matched.is_some();
-        let limited = matched.and_then(|m| Some((m.policy?.clone(), m.key)));
+        let limited = matched.and_then(|m| Some((m.policy?.clone(), share_key(&m.key))));
         if let Some((allowed, denied, elapsed)) = report {
             let quiet = allowed == 0 && denied == 0 && !elapsed.is_zero();
             bucket.idle = if quiet { bucket.idle + 1 } else { 0 };
@@ -306,28 +420,20 @@ impl Inner {
         let shadow = limited.as_ref().is_some_and(|(policy, _)| {
             self.limits.is_shadow(None) || self.limits.is_shadow(Some(policy.name()))
         });
-        let told = match limited {
+        let (told, keep) = match limited {
             // Quiet for a minute: Envoy forgets the bucket, and asks at once when a
             // request comes again.
-            Some(_) if idle => Told::Abandon,
+            Some(_) if idle => (Told::Abandon("idle"), false),
             // In shadow mode: refused nothing. Envoy cannot count what a bucket would
             // have refused, so no share is held.
             Some(_) if shadow => {
                 self.release(bucket).await;
-                Told::Assign(Strategy::BlanketRule(BlanketRule::AllowAll as i32))
+                (Told::Assign(allow_all()), true)
             }
-            None if known => {
-                // Unlimited by its rule.
-                Told::Assign(Strategy::BlanketRule(BlanketRule::AllowAll as i32))
-            }
-            None => {
-                // No rule: a bucket the file does not know is not the server's to limit.
-                if bucket.told.is_some() {
-                    Told::Abandon
-                } else {
-                    Told::Assign(Strategy::BlanketRule(BlanketRule::AllowAll as i32))
-                }
-            }
+            // Unlimited by its rule now: answered, not kept.
+            None if known => (Told::Assign(allow_all()), false),
+            // No rule now: a bucket the file does not know is not the server's to limit.
+            None => (Told::Abandon("unknown"), false),
             Some((policy, key)) => {
                 if let Some((allowed, denied, elapsed)) = report {
                     let name = policy.name().to_owned();
@@ -341,25 +447,24 @@ impl Inner {
                 }
                 let strategy = self.share(&policy, &key, bucket, rules.on_error).await;
                 bucket.held = Some((policy, key));
-                Told::Assign(strategy)
+                (Told::Assign(strategy), true)
             }
         };
-        match told {
-            Told::Abandon => {
+        let action = match told {
+            Told::Abandon(reason) => {
                 self.release(bucket).await;
                 bucket.told = None;
-                Some(BucketAction {
-                    bucket_id: Some(bucket.id.clone()),
-                    bucket_action: Some(bucket_action::BucketAction::AbandonAction(
-                        AbandonAction {},
-                    )),
-                })
+                abandoned(reason);
+                Some(abandon(id.clone()))
             }
-            Told::Assign(strategy) => {
+            Told::Assign(strategy) => 'told: {
+                if !keep {
+                    self.release(bucket).await;
+                }
                 // A report is answered every time: the same assignment again keeps
                 // Envoy's bucket and renews its time to live.
                 if report.is_none() && bucket.told == Some(strategy) {
-                    return None;
+                    break 'told None;
                 }
                 // Nothing to give a bucket new to this stream, while a share held for an
                 // earlier stream may still be in force: say nothing. An Envoy that
@@ -369,19 +474,20 @@ impl Inner {
                 let deny = Strategy::BlanketRule(BlanketRule::DenyAll as i32);
                 let young = bucket.named.elapsed() < ASSIGNMENT_TTL + TRANSIT;
                 if bucket.told.is_none() && strategy == deny && young {
-                    return None;
+                    break 'told None;
                 }
                 bucket.told = Some(strategy);
-                Some(assign(bucket.id.clone(), strategy))
+                Some(assign(id.clone(), strategy))
             }
-        }
+        };
+        Decided { action, keep }
     }
 
     /// The assignment of `bucket`'s share of `policy` for `key`.
     async fn share(
         &self,
         policy: &Policy,
-        key: &tollway_tower::Key,
+        key: &[u8],
         bucket: &Bucket,
         on_error: OnStoreError,
     ) -> Strategy {
@@ -389,7 +495,7 @@ impl Inner {
         // share out fairly.
         let demand = bucket.demand.unwrap_or(policy.quota().limit());
         let ask = ShareAsk::new(bucket.holder.clone(), demand, ASSIGNMENT_TTL + TRANSIT);
-        let answer = match self.store.share(key.as_bytes(), policy, &ask) {
+        let answer = match self.store.share(key, policy, &ask) {
             Some(future) => future.await,
             None => Err(tollway_core::StoreError::new(
                 tollway_core::StoreErrorKind::Connection,
@@ -420,7 +526,7 @@ impl Inner {
                 tracing::warn!(%error, policy = policy.name(), "the store did not share");
                 match on_error {
                     OnStoreError::Reject => Strategy::BlanketRule(BlanketRule::DenyAll as i32),
-                    _ => Strategy::BlanketRule(BlanketRule::AllowAll as i32),
+                    _ => allow_all(),
                 }
             }
         }
@@ -430,18 +536,20 @@ impl Inner {
     async fn release(&self, bucket: &mut Bucket) {
         if let Some((policy, key)) = bucket.held.take() {
             let ask = ShareAsk::release(bucket.holder.clone());
-            if let Some(future) = self.store.share(key.as_bytes(), &policy, &ask) {
+            if let Some(future) = self.store.share(&key, &policy, &ask) {
                 // A share not given back ends at its time anyway.
                 let _ = future.await;
             }
         }
     }
 
-    /// Serves one stream until Envoy closes it.
+    /// Serves one stream until Envoy closes it, or it fails. A stream that ends on an
+    /// error is logged and counted, and Envoy is told why.
     async fn serve(
         self: Arc<Self>,
         mut inbound: tonic::Streaming<RateLimitQuotaUsageReports>,
         outbound: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+        _open: OpenStream,
     ) {
         let mut stream = Stream {
             number: self.streams.fetch_add(1, Ordering::Relaxed),
@@ -458,21 +566,42 @@ impl Inner {
                         reported = true;
                         self.report(&mut stream, reports).await
                     }
-                    // Envoy closed the stream, or it broke: its shares end at their time,
-                    // since Envoy enforces its assignments until then.
-                    Ok(None) | Err(_) => break,
+                    // Envoy closed the stream: its shares end at their time, since Envoy
+                    // enforces its assignments until then.
+                    Ok(None) => break,
+                    Err(status) => {
+                        // A report past the bound (tonic says OUT_OF_RANGE), or a broken
+                        // connection.
+                        let (reason, status) = if status.code() == tonic::Code::OutOfRange {
+                            ("message_bytes", Status::resource_exhausted(format!(
+                                "a usage report past tollway-server's bound of {MESSAGE_BYTES} \
+                                 bytes: {}", status.message()
+                            )))
+                        } else {
+                            ("broken", status)
+                        };
+                        ended(&stream, reason, &status);
+                        let _ = outbound.try_send(Err(status));
+                        break;
+                    }
                 },
                 changed = version.changed() => {
                     if changed.is_err() {
                         break;
                     }
                     let mut actions = Vec::new();
-                    for bucket in stream.buckets.values_mut() {
-                        if let Some(action) = self.decide(&stream.domain, bucket, None).await {
-                            actions.push(action);
+                    let mut gone = Vec::new();
+                    for (key, bucket) in &mut stream.buckets {
+                        let id = bucket.id.clone();
+                        let decided = self.decide(&stream.domain, id.as_ref(), bucket, None).await;
+                        if !decided.keep {
+                            gone.push(*key);
                         }
+                        actions.extend(decided.action);
                     }
-                    stream.buckets.retain(|_, b| b.told.is_some());
+                    for key in gone {
+                        stream.buckets.remove(&key);
+                    }
                     Ok(actions)
                 }
             };
@@ -483,16 +612,123 @@ impl Inner {
                 Ok(actions) => Ok(RateLimitQuotaResponse {
                     bucket_action: actions,
                 }),
-                Err(status) => Err(status),
+                Err(status) => {
+                    ended(&stream, "domain", &status);
+                    Err(status)
+                }
             };
             let failed = answer.is_err();
             // An Envoy that does not read its answers for an assignment's life has
             // none in force: the stream ends.
             let sent = tokio::time::timeout(ASSIGNMENT_TTL, outbound.send(answer)).await;
-            if !matches!(sent, Ok(Ok(()))) || failed {
+            if !matches!(sent, Ok(Ok(()))) {
+                if sent.is_err() {
+                    ended(
+                        &stream,
+                        "unread",
+                        &Status::deadline_exceeded("answers unread"),
+                    );
+                }
+                break;
+            }
+            if failed {
                 break;
             }
         }
+        // The stream's shares end at their time; the ledgers forget them then.
+        for bucket in stream.buckets.values_mut() {
+            bucket.held = None;
+        }
+    }
+
+    /// Opens a stream for the connection at `peer`, within [`MAX_STREAMS`] and
+    /// [`STREAMS_PER_CONNECTION`].
+    fn open(self: &Arc<Self>, peer: Option<std::net::SocketAddr>) -> Result<OpenStream, Status> {
+        let mut open = self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let on_connection = peer.map_or(0, |p| open.by_connection.get(&p).copied().unwrap_or(0));
+        if open.all >= MAX_STREAMS || on_connection >= STREAMS_PER_CONNECTION {
+            metrics::counter!(tollway_core::metric::RLQS_STREAMS_ENDED.name, "reason" => "streams")
+                .increment(1);
+            tracing::warn!(?peer, "a quota stream refused: too many open");
+            return Err(Status::resource_exhausted(format!(
+                "tollway-server serves at most {MAX_STREAMS} quota streams, \
+                 {STREAMS_PER_CONNECTION} a connection"
+            )));
+        }
+        open.all += 1;
+        if let Some(peer) = peer {
+            *open.by_connection.entry(peer).or_default() += 1;
+        }
+        Ok(OpenStream {
+            inner: Arc::clone(self),
+            peer,
+        })
+    }
+}
+
+/// A stream counted open until dropped.
+struct OpenStream {
+    inner: Arc<Inner>,
+    peer: Option<std::net::SocketAddr>,
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        let mut open = self
+            .inner
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        open.all = open.all.saturating_sub(1);
+        if let Some(peer) = self.peer
+            && let std::collections::hash_map::Entry::Occupied(mut entry) =
+                open.by_connection.entry(peer)
+        {
+            *entry.get_mut() -= 1;
+            if *entry.get() == 0 {
+                entry.remove();
+            }
+        }
+    }
+}
+
+/// Logs and counts a stream that ended on an error.
+fn ended(stream: &Stream, reason: &'static str, status: &Status) {
+    metrics::counter!(tollway_core::metric::RLQS_STREAMS_ENDED.name, "reason" => reason)
+        .increment(1);
+    tracing::warn!(
+        stream = stream.number,
+        domain = %stream.domain,
+        buckets = stream.buckets.len(),
+        code = ?status.code(),
+        message = status.message(),
+        "a quota stream ended on an error"
+    );
+}
+
+fn refused(reason: &'static str) {
+    metrics::counter!(tollway_core::metric::RLS_REFUSED.name, "reason" => reason).increment(1);
+}
+
+fn abandoned(reason: &'static str) {
+    metrics::counter!(tollway_core::metric::RLQS_ABANDONED.name, "reason" => reason).increment(1);
+}
+
+fn allow_all() -> Strategy {
+    Strategy::BlanketRule(BlanketRule::AllowAll as i32)
+}
+
+fn is_zero(elapsed: Option<&ProtoDuration>) -> bool {
+    elapsed.is_none_or(|d| d.seconds <= 0 && d.nanos <= 0)
+}
+
+fn abandon(id: BucketId) -> BucketAction {
+    BucketAction {
+        bucket_id: Some(id),
+        bucket_action: Some(bucket_action::BucketAction::AbandonAction(AbandonAction {})),
     }
 }
 
@@ -527,28 +763,18 @@ fn token_bucket(policy: &Policy, rate: u64, size: u64) -> TokenBucket {
 
 /// Why a bucket id is past the bounds a descriptor has (`crate::bounds`): entries, key
 /// and value lengths.
-fn past_bounds(id: &BucketId) -> Option<(&'static str, String)> {
+fn past_bounds(id: &BucketId) -> Option<&'static str> {
     use crate::bounds::{ENTRIES, KEY_BYTES, VALUE_BYTES};
     if id.bucket.len() > ENTRIES {
-        return Some(("entries", format!("at most {ENTRIES} entries")));
+        return Some("entries");
     }
     if id.bucket.keys().any(|k| k.len() > KEY_BYTES) {
-        return Some(("key_bytes", format!("keys of at most {KEY_BYTES} bytes")));
+        return Some("key_bytes");
     }
     if id.bucket.values().any(|v| v.len() > VALUE_BYTES) {
-        return Some((
-            "value_bytes",
-            format!("values of at most {VALUE_BYTES} bytes"),
-        ));
+        return Some("value_bytes");
     }
     None
-}
-
-fn is_abandon(action: &BucketAction) -> bool {
-    matches!(
-        action.bucket_action,
-        Some(bucket_action::BucketAction::AbandonAction(_))
-    )
 }
 
 fn assign(id: BucketId, strategy: Strategy) -> BucketAction {
@@ -578,8 +804,9 @@ impl rate_limit_quota_service_server::RateLimitQuotaService for QuotaService {
         &self,
         request: Request<tonic::Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
+        let open = self.inner.open(request.remote_addr())?;
         let (outbound, answers) = mpsc::channel(16);
-        tokio::spawn(Arc::clone(&self.inner).serve(request.into_inner(), outbound));
+        tokio::spawn(Arc::clone(&self.inner).serve(request.into_inner(), outbound, open));
         Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
             answers,
         )))

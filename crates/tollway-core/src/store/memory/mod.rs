@@ -382,9 +382,11 @@ impl<C: Clock> MemoryStore<C> {
     /// A sliding window counter's state in a cell counts as fresh from the end of the
     /// unit its instant falls in, up to 16.8 s later. The store also sweeps by itself as
     /// it fills. Call this to release memory after a flood without waiting for new keys.
-    /// It releases the two-word states' tables and the logs. Cells are kept for new keys.
+    /// It releases the two-word states' tables and the logs, and the ledgers of shared
+    /// policies surely fresh again (which it does not count). Cells are kept for new keys.
     pub fn sweep(&self) -> usize {
         let now = self.shared.clock.now_micros();
+        self.shared.ledgers.lock().sweep(now / 1_000);
         self.shared
             .shards
             .iter()
@@ -414,16 +416,24 @@ impl<C: Clock> MemoryStore<C> {
     }
 }
 
-/// The ledgers of shared policies by key, policy name and state, when each is surely
-/// fresh again, and past how many the next share sweeps them.
+/// The ledgers of shared policies by key, policy name and state, each with when it is
+/// surely fresh again (ms), and past how many the next share sweeps them.
 #[derive(Default)]
 struct Ledgers {
-    map: std::collections::HashMap<LedgerId, super::share::Ledger>,
-    forgotten: std::collections::HashMap<LedgerId, u64>,
+    map: std::collections::HashMap<LedgerId, (super::share::Ledger, u64)>,
     sweep_past: usize,
 }
 
 type LedgerId = (Vec<u8>, String, u64);
+
+impl Ledgers {
+    /// Forgets the ledgers surely fresh again at `now` (ms).
+    fn sweep(&mut self, now: u64) {
+        self.map.retain(|_, (_, forgotten)| *forgotten > now);
+        self.map.shrink_to_fit();
+        self.sweep_past = (2 * self.map.len()).max(SWEEP_LEDGERS);
+    }
+}
 
 /// Past this many ledgers (or twice as many as the last sweep kept), a share forgets
 /// those that are surely fresh again.
@@ -483,6 +493,11 @@ impl<C: Clock> Store for MemoryStore<C> {
     }
 
     /// Decided at once, under one lock for all keys: holders ask once in seconds.
+    ///
+    /// Ledgers are bounded by the store's key bound, apart from the keys it decides:
+    /// past it, those surely fresh again are forgotten, and a new ledger is then
+    /// refused (a share of nothing) or, with [`WhenFull::AllowUntracked`], decided
+    /// fresh and not kept.
     fn share(
         &self,
         key: &[u8],
@@ -490,25 +505,37 @@ impl<C: Clock> Store for MemoryStore<C> {
         ask: &super::ShareAsk,
     ) -> Option<super::ShareFuture> {
         super::share::shareable(policy).ok()?;
-        let now = self.shared.clock.now_micros() / 1_000;
-        let id = (key.to_vec(), policy.name().to_owned(), policy.state_id());
-        let mut ledgers = self.shared.ledgers.lock();
-        let ledger = ledgers.map.entry(id.clone()).or_default();
+        let shared = &*self.shared;
+        let now = shared.clock.now_micros() / 1_000;
         let terms = super::share::Terms::of(policy);
-        let share = super::share::decide(ledger, now, terms, ask);
-        let forgotten = ledger.forgotten_at(terms);
-        // A ledger that decides as a fresh one is forgotten at once; one whose pool the
-        // reserve alone has refilled since its last share ended, when the sweep comes.
-        if ledger.is_fresh(terms) {
-            ledgers.map.remove(&id);
-        } else {
-            ledgers.forgotten.insert(id, forgotten);
+        let id = (key.to_vec(), policy.name().to_owned(), policy.state_id());
+        let most = shared.max_per_shard.saturating_mul(shared.shards.len());
+        let mut ledgers = shared.ledgers.lock();
+        if !ledgers.map.contains_key(&id) && ledgers.map.len() >= most.min(ledgers.sweep_past) {
+            ledgers.sweep(now);
         }
+        let full = !ledgers.map.contains_key(&id) && ledgers.map.len() >= most;
+        let share = if full {
+            match shared.when_full {
+                WhenFull::Deny => super::Share::new(0, 0, false, now),
+                WhenFull::AllowUntracked => {
+                    super::share::decide(&mut super::share::Ledger::default(), now, terms, ask)
+                }
+            }
+        } else {
+            let (ledger, forgotten) = ledgers.map.entry(id.clone()).or_default();
+            let share = super::share::decide(ledger, now, terms, ask);
+            *forgotten = ledger.forgotten_at(terms);
+            // A ledger that decides as a fresh one is forgotten at once; one whose pool
+            // the reserve alone has refilled since its last share ended, when the sweep
+            // comes.
+            if ledger.is_fresh(terms) {
+                ledgers.map.remove(&id);
+            }
+            share
+        };
         if ledgers.map.len() > ledgers.sweep_past {
-            let Ledgers { map, forgotten, .. } = &mut *ledgers;
-            map.retain(|id, _| forgotten.get(id).is_some_and(|&at| at > now));
-            forgotten.retain(|id, _| map.contains_key(id));
-            ledgers.sweep_past = (2 * ledgers.map.len()).max(SWEEP_LEDGERS);
+            ledgers.sweep(now);
         }
         Some(Box::pin(std::future::ready(Ok(share))))
     }
