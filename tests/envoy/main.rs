@@ -7,6 +7,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod hostile;
 mod rlqs;
 
 use std::net::SocketAddr;

@@ -113,6 +113,7 @@ async fn start(variant: &str, dir: &std::path::Path) -> (SocketAddr, Box<dyn FnO
         metrics,
         watch: false,
         tls: None,
+        connections: tollway_server::Connections::default(),
     })
     .await
     .unwrap();

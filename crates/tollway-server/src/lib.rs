@@ -123,6 +123,16 @@
 //! - Bind the HTTP port (`/metrics`, `/ready`, `/live`) where the scraper and the probes
 //!   are: `--http 127.0.0.1:9090` keeps it on the host. `/metrics` names every policy.
 //! - Requests past the [`bounds`] are refused before the store is asked.
+//! - Each port holds a bounded number of connections ([`Connections`],
+//!   `--max-connections`: 1,024 on the gRPC port, 64 on the HTTP port). A new gRPC
+//!   connection has 10 s (`--handshake-timeout`) to finish its TLS handshake and send the
+//!   HTTP/2 preface, and an HTTP request to send its headers; then it is closed. When
+//!   the gRPC port is full, the oldest connection still in its handshake is closed for a
+//!   new one: silent connections cannot keep a certified Envoy out. When the process is
+//!   out of descriptors, the accept loop waits 50 ms and tries again instead of spinning.
+//!   The binary raises its descriptor limit to the hard one, and lowers the cap when the
+//!   limit leaves no room for it. Dropped connections are counted
+//!   (`tollway_server_connections_dropped_total{port,reason}`).
 //! - A rule's `max_hits` caps what one descriptor charges or gives back: a caller of
 //!   the port drains or refills at most that much a call.
 //!
@@ -201,11 +211,13 @@
 #![doc = include_str!("../envoy-rlqs.yaml")]
 //! ```
 
+mod accept;
 mod descriptors;
 pub mod quota;
 mod serve;
 mod service;
 
+pub use accept::Connections;
 pub use quota::{Buckets, QuotaService};
 pub use serve::{Options, Running, STOP_WITHIN, Tls, start};
 pub use service::{RateLimitService, Rules, bounds};

@@ -19,12 +19,14 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 use tokio::net::TcpListener;
 
 const USAGE: &str = "usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] \
-     [--log json|text] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]";
+     [--log json|text] [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]] \
+     [--max-connections N] [--handshake-timeout SECONDS]";
 
 const HELP: &str = "tollway-server: an Envoy rate limit service (RLS v3) over a tollway limits file
 
 usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|text]
                       [--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]]
+                      [--max-connections N] [--handshake-timeout SECONDS]
 
   --config FILE   the limits file (default: $TOLLWAY_CONFIG, else /etc/tollway/limits.toml);
                   watched and reloaded when it changes, and on SIGHUP
@@ -38,6 +40,12 @@ usage: tollway-server [--config FILE] [--grpc ADDR] [--http ADDR] [--log json|te
   --tls-client-ca FILE
                   mutual TLS: only clients with a certificate this CA signed (PEM) are
                   served (Envoy's cluster then presents one)
+  --max-connections N
+                  the most connections the gRPC port holds, handshakes included (default
+                  1024; fewer when the descriptor limit is lower); the HTTP port holds 64
+  --handshake-timeout SECONDS
+                  how long a gRPC connection has for its TLS handshake and HTTP/2 preface,
+                  and an HTTP request for its headers (default 10)
   -h, --help      this text
 
 `tollway check FILE` validates a limits file and prints what it limits.";
@@ -50,6 +58,7 @@ struct Args {
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_client_ca: Option<PathBuf>,
+    connections: tollway_server::Connections,
 }
 
 fn args() -> Result<Args, String> {
@@ -62,6 +71,7 @@ fn args() -> Result<Args, String> {
         tls_cert: None,
         tls_key: None,
         tls_client_ca: None,
+        connections: tollway_server::Connections::default(),
     };
     let mut given = std::env::args().skip(1);
     while let Some(flag) = given.next() {
@@ -81,6 +91,22 @@ fn args() -> Result<Args, String> {
             "--tls-key" => args.tls_key = Some(PathBuf::from(value()?)),
             "--tls-client-ca" => args.tls_client_ca = Some(PathBuf::from(value()?)),
             "--grpc" => args.grpc = address(value()?)?,
+            "--max-connections" => {
+                args.connections.grpc = match value()?.parse::<usize>() {
+                    Ok(n) if n > 0 => n,
+                    _ => return Err(format!("--max-connections is a number above 0\n{USAGE}")),
+                }
+            }
+            "--handshake-timeout" => {
+                args.connections.handshake = match value()?.parse::<u64>() {
+                    Ok(s) if s > 0 => std::time::Duration::from_secs(s),
+                    _ => {
+                        return Err(format!(
+                            "--handshake-timeout is whole seconds above 0\n{USAGE}"
+                        ));
+                    }
+                }
+            }
             "--http" => args.http = address(value()?)?,
             "--log" => {
                 args.json = match value()?.as_str() {
@@ -135,7 +161,8 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+async fn run(mut args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    args.connections.grpc = within_descriptors(args.connections);
     let metrics = PrometheusBuilder::new().install_recorder()?;
     let grpc = TcpListener::bind(args.grpc).await?;
     let http = TcpListener::bind(args.http).await?;
@@ -157,6 +184,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         metrics,
         watch: true,
         tls,
+        connections: args.connections,
     })
     .await?;
     signals.stopped(&running).await;
@@ -216,4 +244,39 @@ impl Signals {
     async fn stopped(self, _: &tollway_server::Running) {
         let _ = tokio::signal::ctrl_c().await;
     }
+}
+
+/// Descriptors kept for the rest of the process: the store's connections, the limits
+/// file, its watcher, the listeners and logs.
+const RESERVE: u64 = 64;
+
+/// Raises the process's soft descriptor limit to its hard one (as Go's runtime does),
+/// and returns the gRPC port's connection cap, lowered when the limit leaves no room for
+/// it beside the HTTP port and [`RESERVE`].
+fn within_descriptors(connections: tollway_server::Connections) -> usize {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        let raised = rustix::process::Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        };
+        if setrlimit(Resource::Nofile, raised).is_ok() {
+            limit = raised;
+        }
+    }
+    let Some(descriptors) = limit.current else {
+        return connections.grpc;
+    };
+    let room = descriptors.saturating_sub(RESERVE + connections.http as u64);
+    let room = usize::try_from(room).unwrap_or(usize::MAX).max(1);
+    if room < connections.grpc {
+        tracing::warn!(
+            descriptors,
+            max_connections = room,
+            "the descriptor limit leaves room for fewer gRPC connections than asked"
+        );
+        return room;
+    }
+    connections.grpc
 }

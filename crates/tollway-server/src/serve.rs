@@ -14,12 +14,13 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
 use tollway_core::{Algorithm, BoxStore, ConfigError, Operation, Policy, Quota, Store};
 use tollway_tower::config::{LimitsFile, Reloader, Watcher};
-use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::accept::{self, Connections};
 use crate::quota::{Buckets, QuotaService};
 use crate::service::{Bounded, RateLimitService, Rules};
 
@@ -60,6 +61,8 @@ pub struct Options<'a> {
     /// TLS on the gRPC port, and mutual TLS when it names a client CA; `None`: plain
     /// gRPC, for a port only Envoy can reach.
     pub tls: Option<Tls>,
+    /// Bounds on both ports' connections.
+    pub connections: Connections,
 }
 
 /// TLS on the gRPC port: the server's certificate chain and private key, PEM; with
@@ -90,13 +93,46 @@ impl std::fmt::Debug for Tls {
 }
 
 impl Tls {
-    fn config(&self) -> tonic::transport::ServerTlsConfig {
-        use tonic::transport::{Certificate, Identity, ServerTlsConfig};
-        let config = ServerTlsConfig::new().identity(Identity::from_pem(&self.cert, &self.key));
-        match &self.client_ca {
-            Some(ca) => config.client_ca_root(Certificate::from_pem(ca)),
-            None => config,
+    /// The rustls configuration: the certificate and key, the client CA if any, and
+    /// HTTP/2 by ALPN.
+    fn config(&self) -> Result<rustls::ServerConfig, ConfigError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+        let bad = |what: &str, e: &dyn std::fmt::Display| {
+            ConfigError::new(format!("TLS on the gRPC port: {what}: {e}"))
+        };
+        let chain = CertificateDer::pem_slice_iter(&self.cert)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bad("the certificate (PEM)", &e))?;
+        if chain.is_empty() {
+            return Err(ConfigError::new(
+                "TLS on the gRPC port: the certificate file holds no -----BEGIN CERTIFICATE----- block",
+            ));
         }
+        let key = PrivateKeyDer::from_pem_slice(&self.key).map_err(|e| bad("the key (PEM)", &e))?;
+        let builder = rustls::ServerConfig::builder();
+        let builder = match &self.client_ca {
+            Some(ca) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for certificate in CertificateDer::pem_slice_iter(ca) {
+                    let certificate = certificate.map_err(|e| bad("the client CA (PEM)", &e))?;
+                    roots
+                        .add(certificate)
+                        .map_err(|e| bad("the client CA", &e))?;
+                }
+                let verifier = rustls::server::WebPkiClientVerifier::builder(Arc::new(roots))
+                    .build()
+                    .map_err(|e| bad("the client CA", &e))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let mut config = builder
+            .with_single_cert(chain, key)
+            .map_err(|e| bad("the certificate and key", &e))?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(config)
     }
 }
 
@@ -111,24 +147,20 @@ const KEEPALIVE: Duration = Duration::from_secs(30);
 /// cannot be set up.
 pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
     // A bad certificate or key fails here, before anything is served.
-    // Keepalive pings end the calls (quota streams above all) of a peer that went.
-    let builder = || {
-        tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(KEEPALIVE))
-            .http2_keepalive_timeout(Some(KEEPALIVE))
-    };
-    let grpc_server = match &options.tls {
-        None => builder(),
+    let tls = match &options.tls {
+        None => None,
         Some(tls) => {
             if rustls::crypto::CryptoProvider::get_default().is_none() {
                 // Lost only to another thread installing one first, which then serves.
                 let _ = rustls::crypto::ring::default_provider().install_default();
             }
-            builder()
-                .tls_config(tls.config())
-                .map_err(|e| ConfigError::new(format!("TLS on the gRPC port: {e}")))?
+            Some(tokio_rustls::TlsAcceptor::from(Arc::new(tls.config()?)))
         }
     };
+    // Keepalive pings end the calls (quota streams above all) of a peer that went.
+    let grpc_server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(KEEPALIVE))
+        .http2_keepalive_timeout(Some(KEEPALIVE));
     let file = LimitsFile::read(options.config)?;
     let store = file.store().await?;
     let rules = Rules::from_file(&file)?;
@@ -182,22 +214,33 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
         }
     }));
 
-    // gRPC.
+    // gRPC: connections bounded and handshaken apart (`accept`), then served.
     tasks.push(tokio::spawn({
-        let service = Bounded::new(service.clone());
-        let quota = quota.clone().into_server();
-        let mut stopped = stopped.clone();
-        let incoming = TcpIncoming::from(options.grpc);
         let mut grpc_server = grpc_server;
+        let router = grpc_server
+            .add_service(health_service)
+            .add_service(Bounded::new(service.clone()))
+            .add_service(quota.clone().into_server());
+        let (listener, connections) = (options.grpc, options.connections);
+        let (stopped, mut stop_signal) = (stopped.clone(), stopped.clone());
+        let signal = async move {
+            let _ = stop_signal.changed().await;
+        };
         async move {
-            let served = grpc_server
-                .add_service(health_service)
-                .add_service(service)
-                .add_service(quota)
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = stopped.changed().await;
-                })
-                .await;
+            let served = match tls {
+                Some(tls) => {
+                    let incoming = accept::grpc(listener, accept::Tls(tls), connections, stopped);
+                    router
+                        .serve_with_incoming_shutdown(ReceiverStream::new(incoming), signal)
+                        .await
+                }
+                None => {
+                    let incoming = accept::grpc(listener, accept::Plain, connections, stopped);
+                    router
+                        .serve_with_incoming_shutdown(ReceiverStream::new(incoming), signal)
+                        .await
+                }
+            };
             if let Err(error) = served {
                 tracing::error!(%error, "the gRPC server failed");
             }
@@ -225,18 +268,7 @@ pub async fn start(options: Options<'_>) -> Result<Running, ConfigError> {
                 }),
             )
             .route("/live", get(|| std::future::ready("live")));
-        let mut stopped = stopped;
-        let listener = options.http;
-        async move {
-            let served = axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.changed().await;
-                })
-                .await;
-            if let Err(error) = served {
-                tracing::error!(%error, "the HTTP server failed");
-            }
-        }
+        accept::http(options.http, app, options.connections, stopped)
     }));
 
     Ok(Running {

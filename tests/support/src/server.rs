@@ -49,6 +49,7 @@ pub async fn start(
         metrics,
         watch: false,
         tls,
+        connections: tollway_server::Connections::default(),
     })
     .await?;
     Ok(Served {
