@@ -31,7 +31,7 @@ period = "1s"
 
 [[buckets]]
 domain = "edge"
-entries = [{{ key = "api_key" }}]
+entries = [{{ key = "client" }}]
 policy = "per_key"
 
 [[buckets]]
@@ -62,7 +62,7 @@ async fn three_envoys_on_two_replicas_admit_no_more_than_the_limit() {
     let (second, grpc_b) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
     let mut envoys = Vec::new();
     for grpc in [grpc_a, grpc_a, grpc_b] {
-        let config = envoy::documented_file("envoy-rlqs.yaml", app.addr(), grpc);
+        let config = with_credentials(&envoy::documented_file("envoy-rlqs.yaml", app.addr(), grpc));
         envoys.push(Envoy::start(&config).await);
     }
     let started = Instant::now();
@@ -117,4 +117,15 @@ async fn three_envoys_on_two_replicas_admit_no_more_than_the_limit() {
     assert!(late >= 150, "{late} of 200 in the last 10 s");
     first.stop().await;
     second.stop().await;
+}
+
+/// The documented quota configuration with the API key filter's credentials filled in:
+/// key `k` of client `k`, and keys `honest-1` to `honest-3` of clients of those names.
+pub(super) fn with_credentials(config: &str) -> String {
+    let credentials = "credentials:\n              - { key: k, client: k }\n              \
+                       - { key: honest-1, client: honest-1 }\n              \
+                       - { key: honest-2, client: honest-2 }\n              \
+                       - { key: honest-3, client: honest-3 }";
+    assert_eq!(config.matches("credentials: []").count(), 1);
+    config.replace("credentials: []", credentials)
 }

@@ -161,7 +161,7 @@
 //!
 //! [[buckets]]
 //! domain = "edge"
-//! entries = [{ key = "api_key" }]   # a bucket id's keys, in any order
+//! entries = [{ key = "client" }]   # a bucket id's keys, in any order
 //! policy = "quota_per_key"
 //! ```
 //!
@@ -200,12 +200,31 @@
 //! - Counters: `tollway_rlqs_buckets_total{policy}` (new buckets, each starting full),
 //!   `tollway_rlqs_reported_requests_total{policy,outcome}` (what Envoys reported).
 //!
-//! What a caller can do: its header makes its bucket, so each key it invents is a
-//! bucket with a share of its own policy's limit, as each key is a count of its own for
-//! RLS. A stream keeps at most [`quota::MAX_BUCKETS`]; past it a bucket is told
-//! `DENY_ALL` and counted (`tollway_rls_requests_refused_total{reason="buckets"}`).
-//! Whoever reaches the port can hold shares and starve the Envoys: keep it behind mutual
-//! TLS, as for RLS.
+//! What a caller can do, and what bounds it:
+//!
+//! - Only keys Envoy trusts should make buckets. The documented configuration checks
+//!   `x-api-key` with Envoy's API key filter (or put ext_authz or jwt_authn in its
+//!   place), refuses a missing or unknown key 401, and buckets by the client name that
+//!   filter writes. A configuration that buckets a header the client writes lets it make
+//!   a bucket of every value it invents, each with a share of its own.
+//! - A stream keeps at most [`quota::MAX_BUCKETS`]. A new bucket past it takes the place
+//!   of the quietest (the least demand, the most reports of no requests, the oldest),
+//!   which Envoy is told to abandon. A bucket that showed a demand keeps its place
+//!   against any number of new ones. A bucket no rule limits is not kept.
+//! - A bucket id past the [`bounds`] is abandoned; the report's other buckets are
+//!   answered. An id longer than [`quota::KEPT_ID_BYTES`] is kept as its hash, and a
+//!   long key's share is held under its hash.
+//! - A report is read up to [`quota::MESSAGE_BYTES`]; past it the stream ends
+//!   `RESOURCE_EXHAUSTED`. At most [`quota::MAX_STREAMS`] streams are open, and
+//!   [`quota::STREAMS_PER_CONNECTION`] a connection. The counts a report gives are capped
+//!   at [`quota::MAX_REPORTED`] each.
+//! - Counted: `tollway_rlqs_buckets_abandoned_total{reason}` (idle, unknown, bounds,
+//!   evicted), `tollway_rlqs_streams_ended_total{reason}` (every stream that ended on an
+//!   error, also logged), `tollway_rls_requests_refused_total{reason}`.
+//! - `tollway_rlqs_reported_requests_total` is what Envoys say they decided: a caller of
+//!   the port moves it at will, within the cap. Alert on the store's decisions, not on it.
+//! - Whoever reaches the port can hold shares and starve the Envoys: keep it behind
+//!   mutual TLS, as for RLS.
 //!
 //! ```yaml
 #![doc = include_str!("../envoy-rlqs.yaml")]

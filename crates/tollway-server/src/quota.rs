@@ -346,7 +346,9 @@ impl Inner {
             let now = tokio::time::Instant::now();
             let since = bucket.reported.map_or(Duration::ZERO, |then| now - then);
             bucket.reported = Some(now);
-            let elapsed = if elapsed.is_zero() {
+            // A report of no time from a bucket already reported (Envoy rounds down to
+            // whole seconds) measures from the last one: its demand is known sooner.
+            let elapsed = if elapsed.is_zero() && since.is_zero() {
                 elapsed
             } else {
                 elapsed.max(since)
@@ -369,12 +371,14 @@ impl Inner {
     }
 
     /// Makes room for a new bucket: the quietest is given up (its share released) and,
-    /// when its id is kept, Envoy is told to abandon it.
+    /// when its id is kept, Envoy is told to abandon it. The quietest: the least demand,
+    /// then the most reports of no requests, then the oldest. A bucket that showed a
+    /// demand keeps its place against any number of new ones that have not.
     async fn evict_quietest(&self, stream: &mut Stream) -> Option<BucketAction> {
         let key = *stream
             .buckets
             .iter()
-            .min_by_key(|(_, b)| (b.demand.unwrap_or(0), b.reported))
+            .min_by_key(|(_, b)| (b.demand.unwrap_or(0), std::cmp::Reverse(b.idle), b.named))
             .map(|(key, _)| key)?;
         let mut bucket = stream.buckets.remove(&key)?;
         self.release(&mut bucket).await;
