@@ -372,7 +372,10 @@ async fn envoy_with_a_client_certificate_is_served_over_mutual_tls() {
 /// A token budget through Envoy: each request reserves its `x-max-tokens` from the
 /// key's 1,000 an hour, and when its response ends Envoy gives back the
 /// `x-tokens-unused` the application reports (`apply_on_stream_done`,
-/// `is_negative_hits`), which tollway-server refunds to the policy.
+/// `is_negative_hits`), which tollway-server refunds to the policy. The reservation
+/// travels as an entry (`hits_entry`), so a request without it, or with one that is not a
+/// number, reserves the rule's default, and one of 0 reserves 1: with the budget spent,
+/// none of them passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_budget_is_reserved_and_settled_through_envoy() {
     // The application reports the tokens it did not use, as its request asks.
@@ -387,14 +390,23 @@ async fn a_token_budget_is_reserved_and_settled_through_envoy() {
         }),
     )
     .await;
-    let file = File::new("envoy-limits", &limits(1_000_000, 1_000));
+    // The edge's rule reserves; the admin's, on the same key, looks (hits 0).
+    let reserving = limits(1_000_000, 1_000).replace(
+        "policy = \"per_api_key\"",
+        "policy = \"per_api_key\"\nkey = \"tokens\"\nhits_entry = \"tokens\"\n\
+         default_hits = 300\nmax_hits = 4_096\n\n\
+         [[descriptors]]\ndomain = \"admin\"\nentries = [{ key = \"api_key\" }]\n\
+         policy = \"per_api_key\"\nkey = \"tokens\"",
+    );
+    let file = File::new("envoy-limits", &reserving);
     let (_running, grpc) = tollway(&file, "127.0.0.1:0".parse().unwrap()).await;
     let mut rls = RlsClient::connect(format!("http://{grpc}")).await.unwrap();
     // In the filter's own `rate_limits` (Envoy 1.40 takes `hits_addend` there, not on a
     // route's), in place of the route's.
     let budget = "              rate_limits:
-              - actions: [{ request_headers: { header_name: x-api-key, descriptor_key: api_key } }]
-                hits_addend: { format: \"%REQ(x-max-tokens)%\" }
+              - actions:
+                - { request_headers: { header_name: x-api-key, descriptor_key: api_key } }
+                - { request_headers: { header_name: x-max-tokens, descriptor_key: tokens, skip_if_absent: true } }
               - actions: [{ request_headers: { header_name: x-api-key, descriptor_key: api_key } }]
                 apply_on_stream_done: true
                 hits_addend: { format: \"%RESP(x-tokens-unused)%\", is_negative_hits: true }
@@ -409,33 +421,47 @@ async fn a_token_budget_is_reserved_and_settled_through_envoy() {
     let envoy = Envoy::start(&config).await;
     let client = envoy.client();
 
-    let ask = |max: &'static str, unused: &'static str| {
+    let ask = |max: Option<&'static str>, unused: &'static str| {
         let client = client.clone();
         async move {
-            let headers = [
-                ("x-api-key", "k-1"),
-                ("x-max-tokens", max),
-                ("x-reply-unused", unused),
-            ];
+            let mut headers = vec![("x-api-key", "k-1"), ("x-reply-unused", unused)];
+            if let Some(max) = max {
+                headers.push(("x-max-tokens", max));
+            }
             client.get_with("/", &headers).await
         }
     };
     // 600 reserved, 500 of them unused: 900 left once settled.
-    let reply = ask("600", "500").await;
+    let reply = ask(Some("600"), "500").await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.header("x-ratelimit-remaining"), Some("400"));
     settled(&mut rls, 900).await;
     // 600 more, all used: 300 left, and a third 600 does not fit.
-    assert_eq!(ask("600", "0").await.status, StatusCode::OK);
+    assert_eq!(ask(Some("600"), "0").await.status, StatusCode::OK);
     settled(&mut rls, 300).await;
-    let refused = ask("600", "600").await;
+    let refused = ask(Some("600"), "600").await;
     assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(left(&mut rls).await, 300, "a refused request takes nothing");
+    // No reservation: the rule's default, 300, all used.
+    assert_eq!(ask(None, "0").await.status, StatusCode::OK);
+    settled(&mut rls, 0).await;
+    // The budget spent: a reservation of 0 (at least 1), none, or not a number (the
+    // default) passes no more.
+    for max in [Some("0"), None, Some("lots"), Some("-5")] {
+        let reply = ask(max, "0").await;
+        assert_eq!(
+            reply.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "x-max-tokens {max:?}"
+        );
+    }
+    assert_eq!(left(&mut rls).await, 0);
 }
 
 type RlsClient = envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<tonic::transport::Channel>;
 
-/// What key `k-1` has left of `per_api_key`, looked at (hits 0) without charging.
+/// What key `k-1` has left of `per_api_key`, looked at (hits 0) without charging, through
+/// the admin domain's rule (the edge's reserves at least 1).
 async fn left(rls: &mut RlsClient) -> u32 {
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
     use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -451,7 +477,7 @@ async fn left(rls: &mut RlsClient) -> u32 {
         ..Default::default()
     };
     let request = RateLimitRequest {
-        domain: "edge".to_owned(),
+        domain: "admin".to_owned(),
         descriptors: vec![descriptor],
         hits_addend: 0,
     };

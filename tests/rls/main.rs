@@ -618,6 +618,35 @@ async fn mutual_tls_serves_only_clients_with_a_trusted_certificate() {
     assert!(!error.contains("c2VjcmV0"), "the key is repeated: {error}");
 }
 
+// A rule's floor: with `min_hits`, a descriptor of 0 hits (a client's "0" through a
+// `hits_addend` format) charges the floor, and refuses when the budget is spent, where
+// a rule without one would only look.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rules_floor_makes_zero_hits_a_charge() {
+    let floored = CAPPED.replace("max_hits = 10", "max_hits = 50\nmin_hits = 40");
+    let file = File::new("floored", &floored);
+    let mut served = serve(&file.0).await;
+    let zero = || {
+        let mut d = descriptor(&[("api_key", "k-1")]);
+        d.hits_addend = Some(UInt64Value { value: 0 });
+        vec![d]
+    };
+    let lefts: Vec<u32> = {
+        let mut lefts = Vec::new();
+        for _ in 0..3 {
+            lefts.push(ask(&mut served.client, zero()).await.statuses[0].limit_remaining);
+        }
+        lefts
+    };
+    assert_eq!(
+        lefts,
+        [60, 20, 20],
+        "0 hits charge 40; the third does not fit"
+    );
+    let refused = ask(&mut served.client, zero()).await;
+    assert_eq!(refused.overall_code, Code::OverLimit as i32);
+}
+
 // `trial` is the layer's policy: tollway_decisions_total counts the layer's policies.
 const CAPPED: &str = r#"
 [layer]

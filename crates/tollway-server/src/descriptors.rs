@@ -31,6 +31,11 @@ pub(crate) struct Matched<'r> {
     pub(crate) key: Key,
     /// The most hits it charges or gives back.
     pub(crate) max_hits: Option<u64>,
+    /// The fewest hits it charges.
+    pub(crate) min_hits: Option<u64>,
+    /// The hits its rule's `hits_entry` says (the entry's number, or the rule's
+    /// default); `None` for a rule without one.
+    pub(crate) entry_hits: Option<u64>,
     /// Decided and counted, never refused.
     pub(crate) shadow: bool,
     /// Its rule's name, which another matched rule may replace.
@@ -67,15 +72,21 @@ impl Descriptors {
     /// Rules of the same length and keys compete entry by entry: an exact value before a
     /// pattern before any value; among equals, the first in the file.
     pub(crate) fn find(&self, domain: &str, entries: &[(&str, &str)]) -> Option<Matched<'_>> {
-        let ranked = self
+        let (ranked, matched, entry_hits) = self
             .rules
             .iter()
-            .filter(|r| r.rule.domain == domain && fits(&r.rule, entries))
-            .min_by_key(|r| &r.rank)?;
+            .filter(|r| r.rule.domain == domain)
+            .filter_map(|r| {
+                let (matched, hits) = as_matched(&r.rule, entries);
+                fits(&r.rule, &matched).then_some((r, matched, hits))
+            })
+            .min_by(|a, b| a.0.rank.cmp(&b.0.rank))?;
         Some(Matched {
             policy: ranked.rule.policy.as_ref(),
-            key: key(&ranked.rule, domain, entries),
+            key: key(&ranked.rule, domain, &matched),
             max_hits: ranked.rule.max_hits,
+            min_hits: ranked.rule.min_hits,
+            entry_hits,
             shadow: ranked.rule.shadow,
             name: ranked.rule.name.as_deref(),
             replaces: &ranked.rule.replaces,
@@ -117,6 +128,8 @@ impl Descriptors {
             policy: ranked.rule.policy.as_ref(),
             key: key(&ranked.rule, domain, &entries),
             max_hits: None,
+            min_hits: None,
+            entry_hits: None,
             shadow: false,
             name: None,
             replaces: &[],
@@ -132,6 +145,30 @@ impl Descriptors {
 
 /// Whether a descriptor of `entries` is `rule`'s: the same keys in order, each value as
 /// the rule says.
+/// A descriptor's entry: its key and value.
+type Pair<'e> = (&'e str, &'e str);
+
+/// A descriptor's entries, as given or without one.
+type Pairs<'e> = std::borrow::Cow<'e, [Pair<'e>]>;
+
+/// `entries` as `rule` matches them: without the entry its hits come in, if it names
+/// one, and the hits that entry says (the rule's default when it is missing or not a
+/// whole number).
+fn as_matched<'e>(rule: &DescriptorRule, entries: &'e [Pair<'e>]) -> (Pairs<'e>, Option<u64>) {
+    let Some((entry, default)) = &rule.hits_entry else {
+        return (std::borrow::Cow::Borrowed(entries), None);
+    };
+    match entries.iter().position(|(k, _)| k == entry) {
+        None => (std::borrow::Cow::Borrowed(entries), Some(*default)),
+        Some(at) => {
+            let hits = entries[at].1.trim().parse::<u64>().unwrap_or(*default);
+            let mut rest = entries.to_vec();
+            rest.remove(at);
+            (std::borrow::Cow::Owned(rest), Some(hits))
+        }
+    }
+}
+
 fn fits(rule: &DescriptorRule, entries: &[(&str, &str)]) -> bool {
     rule.entries.len() == entries.len()
         && rule

@@ -31,16 +31,25 @@
 //!   came between) has the others' charges given back. The overall code is `OVER_LIMIT`
 //!   when one enforcing limit refuses.
 //! - A descriptor's own `hits_addend` is its cost (0 looks without charging); else the
-//!   request's, at least 1; at most its rule's `max_hits`. With Envoy's
-//!   `is_negative_hits`, the hits are given back to the policy (its refund, up to full).
-//!   The rate limit filter's own `rate_limits` (Envoy 1.40 sends `hits_addend` from
-//!   those, not from a route's) reserve with `hits_addend: { format:
-//!   "%REQ(x-max-tokens)%" }` when the request comes, and give back what the response
+//!   request's, at least 1; at least its rule's `min_hits` (then 0 charges that many, and
+//!   never looks), at most its `max_hits`. With Envoy's `is_negative_hits`, the hits are
+//!   given back to the policy (its refund, up to full).
+//! - A reservation comes in an entry, not in `hits_addend`: Envoy drops a descriptor
+//!   whose `hits_addend` format finds no header, or not a number, so a request without
+//!   one would reserve nothing. A rule with `hits_entry = "tokens"` and
+//!   `default_hits = 1_000` reads a descriptor's hits from its `tokens` entry (neither
+//!   matched nor in the key): a missing entry, or one that is not a whole number,
+//!   reserves the default, and 0 reserves 1. Envoy's rate limit filter sends it with
+//!   `request_headers: { header_name: x-max-tokens, descriptor_key: tokens,
+//!   skip_if_absent: true }` beside the key's action, and gives back what the response
 //!   did not use with `apply_on_stream_done: true` and `hits_addend: { format:
-//!   "%RESP(x-tokens-unused)%", is_negative_hits: true }` (the `envoy` tests run it).
-//!   A give-back is never refused, is no decision (not counted, no headers), and is
-//!   not undone when another descriptor refuses. A header a client sends is the
-//!   client's number: cap it with the rule's `max_hits`.
+//!   "%RESP(x-tokens-unused)%", is_negative_hits: true }` (the `envoy` tests run both).
+//!   A give-back is never refused, is no decision (not counted, no headers), and is not
+//!   undone when another descriptor refuses.
+//! - Whoever writes the reservation sets the price: let the proxy write it (a filter
+//!   that reads the request's body, such as ext_proc or Lua) over anything the client
+//!   sent, never the client. A client that writes its own pays its own number: `max_hits`
+//!   caps it, and `min_hits` keeps it from being 0.
 //! - A descriptor's own `limit` (`requests_per_unit` a unit; a month is 30 days, a year
 //!   365) decides in place of its rule's policy: the same name and algorithm at that
 //!   limit, burst the limit. It is how a customer gets a limit of its own. Under the same
@@ -142,7 +151,10 @@
 //! `shadow_mode`), request and descriptor `hits_addend`, `is_negative_hits` (the hits
 //! given back: a reservation settled, see below), and any period and algorithm of
 //! tollway's but the shaper and calls in flight, `replaces` (a rule's `name`, and
-//! another's `replaces = ["<name>"]`). It does not have `detailed_metric`,
+//! another's `replaces = ["<name>"]`: a request that matches the second skips the first's
+//! limit, so key the second on a value the client cannot claim, such as the client name
+//! an authentication filter writes, never a key the client picks: a made-up
+//! `partner-*` key would otherwise skip the address limit). It does not have `detailed_metric`,
 //! `value_to_metric`, `share_threshold` or `quota_mode`. The bench
 //! is in the repository's `BENCHMARKS.md`.
 //!

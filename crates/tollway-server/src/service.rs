@@ -554,11 +554,19 @@ fn plan<'r>(matched: Matched<'r>, descriptor: &RateLimitDescriptor, request_hits
         Some(own) => Cow::Owned(own),
         None => Cow::Borrowed(policy),
     };
-    // The descriptor's own hits win (0 is a look); else the request's, at least 1; at
-    // most the rule's cap.
-    let cost = match &descriptor.hits_addend {
-        Some(hits) => hits.value,
-        None => u64::from(request_hits.max(1)),
+    // A give-back gives its own hits. A charge: the rule's hits entry if it has one
+    // (never the descriptor's hits, which a format may drop or zero); else the
+    // descriptor's own hits (0 is a look), else the request's, at least 1. At least the
+    // rule's floor, at most its cap.
+    let back = descriptor.is_negative_hits;
+    let own = descriptor.hits_addend.as_ref().map(|h| h.value);
+    let cost = match matched.entry_hits {
+        Some(hits) if !back => hits,
+        _ => own.unwrap_or(u64::from(request_hits.max(1))),
+    };
+    let cost = match matched.min_hits {
+        Some(min) if !back => cost.max(min),
+        _ => cost,
     };
     let cost = matched.max_hits.map_or(cost, |max| cost.min(max));
     Plan::Limited {

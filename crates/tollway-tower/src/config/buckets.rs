@@ -112,6 +112,8 @@ impl LimitsFile {
             policy,
             key,
             max_hits: None,
+            min_hits: None,
+            hits_entry: None,
             shadow: false,
             name: None,
             replaces: Vec::new(),

@@ -19,25 +19,33 @@
 //!
 //! [[descriptors]]
 //! domain = "edge"
-//! entries = [{ key = "api_key", value = "internal-*" }]
+//! entries = [{ key = "client", value = "internal-*" }]
 //! unlimited = true
 //!
 //! [[descriptors]]
 //! domain = "llm"
-//! entries = [{ key = "api_key" }]
+//! entries = [{ key = "client" }]
 //! policy = "tokens"
+//! hits_entry = "tokens"    # the hits come in this entry (the proxy's x-max-tokens)
+//! default_hits = 1_000     # without it, or not a number: 1,000; 0 counts as 1
 //! max_hits = 4_096         # a descriptor's hits (or give-back) past it count as 4,096
 //! shadow_mode = true       # decided and counted, never refused
 //!
-//! [[descriptors]]          # a partner's key: its own limit, in place of the address's
+//! [[descriptors]]          # a partner: its own limit, in place of the address's
 //! domain = "edge"
-//! entries = [{ key = "api_key", value = "partner-*" }]
+//! entries = [{ key = "client", value = "partner-*" }]
 //! policy = "partner"
 //! replaces = ["by_address"]   # the rule named so is not applied to such a request
 //! ```
 //!
 //! A rule's `name` lets `replaces` name it: a request that matches a rule with
-//! `replaces` skips the limits of the rules it names, as envoyproxy/ratelimit does.
+//! `replaces` skips the limits of the rules it names, as envoyproxy/ratelimit does. Key
+//! such a rule on what the client cannot claim: the client name an authentication filter
+//! writes (`client` above), never a key the client picks, or a made-up `partner-1` skips
+//! the address limit.
+//!
+//! `min_hits` is the fewest hits a descriptor charges (0 then charges that many, never a
+//! look). With `hits_entry` it is at least 1.
 
 use std::collections::BTreeSet;
 
@@ -66,6 +74,14 @@ pub struct DescriptorRule {
     /// The most hits one descriptor charges or gives back (`max_hits`): more count as
     /// this many. `None`: as many as Envoy sends.
     pub max_hits: Option<u64>,
+    /// The fewest hits one descriptor charges (`min_hits`): fewer, 0 included, count as
+    /// this many, so a reservation is never a look. `None`: 0 looks without charging.
+    /// With `hits_entry`, at least 1.
+    pub min_hits: Option<u64>,
+    /// The entry a descriptor's hits come in, as text, and the hits when it is missing
+    /// or not a whole number (`hits_entry`, `default_hits`). The entry is neither matched
+    /// nor part of the key.
+    pub hits_entry: Option<(String, u64)>,
     /// Decided and counted, never refused (`shadow_mode`).
     pub shadow: bool,
     /// Its name, for other rules' `replaces`.
@@ -183,19 +199,61 @@ impl LimitsFile {
             }
         }
         let key = self.rule_key(d.key.as_ref(), &entries)?;
-        let max_hits = match &d.max_hits {
-            None => None,
-            Some(max) => Some(
-                u64::try_from(*max.get_ref())
+        let hits = |field: &Option<Spanned<i64>>, name: &str| -> Result<Option<u64>, ConfigError> {
+            match field {
+                None => Ok(None),
+                Some(n) => u64::try_from(*n.get_ref())
                     .ok()
                     .filter(|&n| n >= 1)
+                    .map(Some)
                     .ok_or_else(|| {
                         self.at(
-                            Some(max.span()),
-                            "max_hits is the most hits one descriptor charges: write 1 or more",
+                            Some(n.span()),
+                            &format!("{name} is a number of hits: write 1 or more"),
                         )
-                    })?,
-            ),
+                    }),
+            }
+        };
+        let max_hits = hits(&d.max_hits, "max_hits")?;
+        let mut min_hits = hits(&d.min_hits, "min_hits")?;
+        if let (Some(min), Some(max), Some(span)) =
+            (min_hits, max_hits, d.min_hits.as_ref().map(Spanned::span))
+            && min > max
+        {
+            return Err(self.at(
+                Some(span),
+                &format!("min_hits is {min}, past max_hits {max}: write at most {max}"),
+            ));
+        }
+        let default_hits = hits(&d.default_hits, "default_hits")?;
+        let hits_entry = match (&d.hits_entry, default_hits) {
+            (None, None) => None,
+            (Some(entry), Some(default)) => {
+                if entries.iter().any(|(k, _)| k == entry.get_ref()) {
+                    return Err(self.at(
+                        Some(entry.span()),
+                        "hits_entry names one of the rule's entries: name the entry the hits \
+                         come in, which the rule does not match",
+                    ));
+                }
+                // A reservation is never a look.
+                min_hits = Some(min_hits.unwrap_or(1));
+                Some((entry.get_ref().clone(), default))
+            }
+            (Some(entry), None) => {
+                return Err(self.at(
+                    Some(entry.span()),
+                    "hits_entry needs default_hits: the hits of a descriptor without the \
+                     entry, or with a value that is not a number (write default_hits = 1_000)",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(self.at(
+                    d.default_hits.as_ref().map(Spanned::span),
+                    "default_hits is for a rule with hits_entry: name the entry the hits come \
+                     in (hits_entry = \"tokens\"), or leave default_hits out",
+                ));
+            }
         };
         Ok(DescriptorRule {
             domain,
@@ -203,6 +261,8 @@ impl LimitsFile {
             policy,
             key,
             max_hits,
+            min_hits,
+            hits_entry,
             shadow: d.shadow_mode,
             name: d.name.as_ref().map(|n| n.get_ref().clone()),
             replaces: d.replaces.iter().map(|r| r.get_ref().clone()).collect(),
@@ -324,6 +384,13 @@ impl LimitsFile {
                 .max_hits
                 .as_ref()
                 .map_or(String::new(), |m| format!(", at most {} hits", m.get_ref()));
+            let min_hits = d.min_hits.as_ref().map_or(String::new(), |m| {
+                format!(", at least {} hits", m.get_ref())
+            });
+            let entry = d.hits_entry.as_ref().map_or(String::new(), |e| {
+                let default = d.default_hits.as_ref().map_or(0, |n| *n.get_ref());
+                format!(", hits from {} (else {default})", e.get_ref())
+            });
             let shadow = if d.shadow_mode { ", in shadow" } else { "" };
             let name = d
                 .name
@@ -338,7 +405,7 @@ impl LimitsFile {
             // Writing to a String cannot fail.
             let _ = writeln!(
                 out,
-                "  descriptor{name}: {} ({}) -> {what}{max_hits}{shadow}{replaces}",
+                "  descriptor{name}: {} ({}) -> {what}{entry}{min_hits}{max_hits}{shadow}{replaces}",
                 d.domain.get_ref(),
                 entries_text(d.entries.get_ref())
             );
@@ -482,5 +549,41 @@ unlimited = true
         assert!(err(&twice).contains("keep one"));
         // The checkout policy is used by a descriptor alone: not "limits nothing".
         LimitsFile::parse("limits.toml", FILE).unwrap();
+    }
+
+    // A reserving rule: its hits come in an entry it does not match, with a default, and
+    // never below 1; floors and caps are whole numbers in order, each error where it is.
+    #[test]
+    fn a_reserving_rule_reads_its_hits_entry_and_floor() {
+        let err = |text: &str| {
+            LimitsFile::parse("limits.toml", text)
+                .unwrap_err()
+                .to_string()
+        };
+        let with = |extra: &str| FILE.replace("key = \"ip\"", &format!("key = \"ip\"\n{extra}"));
+        let file = LimitsFile::parse(
+            "limits.toml",
+            &with("hits_entry = \"tokens\"\ndefault_hits = 300\nmax_hits = 4_096"),
+        )
+        .unwrap();
+        let rule = &file.descriptors().unwrap()[0];
+        assert_eq!(rule.hits_entry, Some(("tokens".to_owned(), 300)));
+        assert_eq!((rule.min_hits, rule.max_hits), (Some(1), Some(4_096)));
+        let floored = LimitsFile::parse("limits.toml", &with("min_hits = 5")).unwrap();
+        assert_eq!(floored.descriptors().unwrap()[0].min_hits, Some(5));
+        for (extra, said) in [
+            ("min_hits = 0", "write 1 or more"),
+            ("min_hits = 9\nmax_hits = 3", "past max_hits 3"),
+            ("hits_entry = \"tokens\"", "needs default_hits"),
+            ("default_hits = 10", "for a rule with hits_entry"),
+            (
+                "hits_entry = \"remote_address\"\ndefault_hits = 1",
+                "one of the rule's entries",
+            ),
+        ] {
+            let e = err(&with(extra));
+            assert!(e.starts_with("limits.toml:20:"), "{extra}: {e}");
+            assert!(e.contains(said), "{extra}: {e}");
+        }
     }
 }

@@ -54,6 +54,12 @@ pub(super) struct DescriptorSection {
     pub(super) key: Option<Spanned<String>>,
     /// The most hits one descriptor charges or gives back; more count as this many.
     pub(super) max_hits: Option<Spanned<i64>>,
+    /// The fewest hits one descriptor charges; fewer (0 included) count as this many.
+    pub(super) min_hits: Option<Spanned<i64>>,
+    /// The entry whose value is a descriptor's hits (not matched, not in the key).
+    pub(super) hits_entry: Option<Spanned<String>>,
+    /// The hits of a descriptor without that entry, or with a value not a number.
+    pub(super) default_hits: Option<Spanned<i64>>,
     /// Decided and counted, never refused (envoyproxy/ratelimit's name).
     #[serde(default)]
     pub(super) shadow_mode: bool,
