@@ -168,7 +168,10 @@ async fn a_stalled_redis_neither_stalls_requests_nor_lifts_the_limit() {
     // The defaults (100 ms timeout, 5 failures open the breaker, a local fallback), but
     // a cool-down longer than the test: no probe of Redis comes between the requests,
     // so which of them call Redis follows from the breaker's state alone.
+    // The default stall watch (20 ms): the fallback's refill, on the real clock, stays
+    // under a unit while five calls wait for it.
     let store = support::redis_store()
+        .stall_after(Duration::from_millis(20))
         .breaker(5, Duration::from_secs(3_600))
         .caller_time(clock.clone())
         .connect(&server.url())

@@ -78,8 +78,15 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The most one decision may take, connection retry included (default 100 ms). A
-    /// call that takes longer fails with a [`StoreError`].
+    /// How long a call may take (default 100 ms). A call that takes longer fails with
+    /// a [`StoreError`]. A new connection must be made within it.
+    ///
+    /// With the stall watch on (the default, [`stall_after`](Self::stall_after)), on the
+    /// store's own connections, Redis's silence decides instead: a call fails when Redis
+    /// owes a reply and sends nothing for `stall_after`. While Redis keeps answering (a
+    /// loaded Redis reaching the call in turn, or a busy process reading late), a call
+    /// waits up to ten times `timeout`: it is decided exactly, not handed to the
+    /// fallback.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self

@@ -5,6 +5,7 @@
 //! The first caller that finds no connection makes one; the others wait for it. A
 //! connection is handed out only once it is set up (TCP, TLS, `AUTH`, `SELECT`).
 
+use std::io;
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use redis::{AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, RedisError};
 use tokio::sync::{Mutex, oneshot};
 
 use super::sentinel::Resolver;
-use super::stall::{Pulse, Wire};
+use super::stall::{Pulse, Wire, socket_of};
 use crate::{StoreError, StoreErrorKind};
 
 /// A connection in hand: the redis-rs handle, its socket's pulse, and which one it is.
@@ -100,10 +101,20 @@ impl Link {
         if let Some(current) = self.in_hand() {
             return Ok(current);
         }
-        let (redis, pulse) = match &self.source {
-            Source::Server(dial) => dial.open(&self.config).await?,
-            Source::Sentinel(resolver) => resolver.primary(&self.config).await?,
+        let made = async {
+            match &self.source {
+                Source::Server(dial) => dial.open(&self.config).await,
+                Source::Sentinel(resolver) => resolver.primary(&self.config).await,
+            }
         };
+        let (redis, pulse) = tokio::time::timeout(self.timeout, made)
+            .await
+            .map_err(|_| {
+                RedisError::from(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no connection to Redis within the timeout",
+                ))
+            })??;
         Ok(self.install(redis, pulse))
     }
 
@@ -246,14 +257,15 @@ impl Dial {
                 let tcp = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
                 // Calls are small and pipelined: each goes at once (see `tcp_settings`).
                 tcp.set_nodelay(true)?;
-                let (wire, pulse) = Wire::new(tcp)?;
+                let socket = socket_of(&tcp)?;
+                let (wire, pulse) = Wire::new(tcp, socket);
                 self.set_up(wire, pulse, config).await
             }
             #[cfg(feature = "tls")]
             ConnectionAddr::TcpTls { host, port, .. } => {
                 let tcp = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
                 tcp.set_nodelay(true)?;
-                let (wire, pulse) = Wire::new(tcp)?;
+                let socket = socket_of(&tcp)?;
                 let Some(tls) = &self.tls else {
                     return Err(unsupported("TLS without its configuration"));
                 };
@@ -265,14 +277,17 @@ impl Dial {
                     ))
                 })?;
                 let stream = tokio_rustls::TlsConnector::from(Arc::clone(tls))
-                    .connect(name, wire)
+                    .connect(name, tcp)
                     .await?;
-                self.set_up(stream, pulse, config).await
+                // Counted above TLS, where the requests and replies are readable.
+                let (wire, pulse) = Wire::new(stream, socket);
+                self.set_up(wire, pulse, config).await
             }
             #[cfg(unix)]
             ConnectionAddr::Unix(path) => {
                 let unix = tokio::net::UnixStream::connect(path).await?;
-                let (wire, pulse) = Wire::new(unix)?;
+                let socket = socket_of(&unix)?;
+                let (wire, pulse) = Wire::new(unix, socket);
                 self.set_up(wire, pulse, config).await
             }
             _ => Err(unsupported("this kind of Redis address")),
@@ -288,8 +303,11 @@ impl Dial {
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
+        // The store bounds each call itself (the stall watch, the timeout): redis-rs's own
+        // response timeout would fail a call that a busy process reads late.
+        let config = config.clone().set_response_timeout(None);
         let (redis, driver) =
-            MultiplexedConnection::new_with_config(&self.login, stream, config.clone()).await?;
+            MultiplexedConnection::new_with_config(&self.login, stream, config).await?;
         // It ends when the last handle on the connection is dropped.
         tokio::spawn(driver);
         Ok((redis, pulse))

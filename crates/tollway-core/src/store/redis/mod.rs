@@ -6,6 +6,7 @@
 
 mod builder;
 mod deny_cache;
+mod frames;
 mod link;
 mod scripts;
 mod sentinel;
@@ -71,7 +72,9 @@ pub const MAX_LITERAL_KEY: usize = 96;
 ///
 /// # When Redis is slow or gone
 ///
-/// Each call fails after the store's timeout, 100 ms by default. A breaker is built in
+/// A call fails when Redis owes a reply and sends nothing for 20 ms (a stall), or after
+/// the store's timeout (100 ms; ten times that while Redis keeps answering, see
+/// [`RedisStoreBuilder::timeout`]). A breaker is built in
 /// (see [`RedisStoreBuilder::breaker`]). It stops calling Redis after five failures in a
 /// row. So a dead Redis costs microseconds a request, not a timeout. The breaker probes
 /// Redis again every 250 ms.
@@ -476,7 +479,8 @@ impl Scripts {
     }
 
     /// Sends `request` on the store's own `connection`, under the stall watch when it
-    /// is on. The outer error is a stall; the inner one is Redis's.
+    /// is on (which then also judges the timeout). The outer error is a stall or a
+    /// timeout; the inner one is Redis's.
     async fn send_on(
         &self,
         connection: &link::Connection,
@@ -486,15 +490,25 @@ impl Scripts {
         let Some(after) = self.inner.stall_after else {
             return Ok(request.send(&mut redis).await);
         };
-        stall::wait(after, &connection.pulse, request.send(&mut redis))
+        let timeout = self.inner.timeout;
+        stall::wait(after, timeout, &connection.pulse, request.send(&mut redis))
             .await
-            .map_err(|stall::Stalled| {
-                StoreError::new(
+            .map_err(|ended| match ended {
+                stall::Ended::Stalled => StoreError::new(
                     StoreErrorKind::Timeout,
                     format!("Redis stalled: no reply for {after:?} with calls waiting"),
-                )
+                ),
+                stall::Ended::TimedOut => timed_out(timeout),
             })
     }
+}
+
+/// A call that took its timeout.
+fn timed_out(timeout: Duration) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Timeout,
+        format!("Redis call timed out after {timeout:?}"),
+    )
 }
 
 /// What goes to Redis: a decision's script call, or a plain command (a board's).
@@ -811,21 +825,25 @@ impl Scripts {
         redis::from_redis_value(reply).map_err(|e| redis_error(e.into()))
     }
 
-    /// Redis's reply to `request`, within the timeout.
+    /// Redis's reply to `request`, within the timeout. On the store's own connections
+    /// with the stall watch on, the watch judges the timeout by the socket; this bounds
+    /// the whole call (a connection made included) at what the watch may allow.
     async fn run(&self, request: Request<'_>) -> Result<redis::Value, StoreError> {
         let timeout = self.inner.timeout;
+        let watched =
+            matches!(self.inner.backend, Backend::Link(_)) && self.inner.stall_after.is_some();
+        let bound = if watched {
+            timeout.saturating_mul(stall::BEHIND_AT_MOST)
+        } else {
+            timeout
+        };
         #[cfg(feature = "metrics")]
         let started = std::time::Instant::now();
-        let reply = tokio::time::timeout(timeout, self.eval(request)).await;
+        let reply = tokio::time::timeout(bound, self.eval(request)).await;
         #[cfg(feature = "metrics")]
         metrics::histogram!(crate::metric::STORE_DURATION.name, "store" => self.kind())
             .record(started.elapsed());
-        reply.map_err(|_| {
-            StoreError::new(
-                StoreErrorKind::Timeout,
-                format!("Redis call timed out after {timeout:?}"),
-            )
-        })?
+        reply.map_err(|_| timed_out(timeout))?
     }
 }
 

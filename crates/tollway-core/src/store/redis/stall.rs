@@ -2,15 +2,17 @@
 //!
 //! A stalled Redis (`CLIENT PAUSE`, a fork, a dead link) answers nothing. A loaded one
 //! answers late but keeps answering. A busy gateway is a third case: Redis answered,
-//! and the reply waits in the socket until this process reads it.
+//! and the reply waits in the socket until this process reads it; or the request still
+//! waits in this process, unwritten.
 //!
-//! So the watch looks at the socket, not at the callers. The store's own connections
-//! run over a [`Wire`], which times every read and write where the connection driver
-//! does them. A call that has waited `after` asks its connection's [`Pulse`]:
+//! So the watch looks at the connection, not at the callers. The store's own
+//! connections run over a [`Wire`], which counts the requests written and the replies
+//! read (RESP frames), and times each read, where the connection's driver does them. A
+//! call that has waited `after` asks its connection's [`Pulse`]:
 //!
-//! - Was its request written? If not, Redis was not asked yet: no stall.
-//! - Did Redis send anything since it was asked, or since the call began? Then it is
-//!   alive: no stall yet.
+//! - Does Redis owe a reply (more requests written than replies read)? If not, the
+//!   requests wait in this process: no stall.
+//! - Did Redis send anything in the last `after`? Then it is alive: no stall yet.
 //! - Is a reply waiting unread in the socket? Then the process is slow: no stall.
 //! - Otherwise Redis owes a reply and sent nothing for `after`: a stall.
 //!
@@ -24,7 +26,8 @@ use std::future::Future;
 use std::io;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -32,22 +35,23 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::frames::Frames;
+
 /// The default time without a reply, with a call waiting, that declares a stall.
 pub(super) const DEFAULT_STALL_AFTER: Duration = Duration::from_millis(20);
 
-/// The call failed because a stall was declared while it waited.
-#[derive(Debug)]
-pub(super) struct Stalled;
-
-/// What one connection's socket did, as its driver read and wrote it.
+/// What one connection did, as its driver read and wrote it.
 pub(super) struct Pulse {
     origin: Instant,
     /// µs since `origin`, plus one (0: never): the last read that brought bytes.
     read: AtomicU64,
-    /// The last write.
-    wrote: AtomicU64,
-    /// The first write after the last read: since then Redis owes a reply.
+    /// When Redis last came to owe a reply (a request written while none was owed).
     asked: AtomicU64,
+    /// Requests written whole, and replies read whole.
+    sent: AtomicU64,
+    answered: AtomicU64,
+    /// The stream stopped being RESP: the counts mean nothing, no stall is declared.
+    lost: AtomicBool,
     /// Bumped before and after each read of the socket: odd while one is under way, so
     /// the watch never mistakes bytes being read for none.
     reading: AtomicU64,
@@ -57,16 +61,16 @@ pub(super) struct Pulse {
     declared: watch::Sender<u64>,
 }
 
-/// What a connection's socket says about a call that has waited.
+/// What a connection says about a call that has waited.
 #[derive(Debug, PartialEq, Eq)]
 enum Heard {
-    /// Its request is not on the wire yet: the process has not sent it.
-    NotAsked,
-    /// Redis has been quiet since this time (µs), with something to answer.
+    /// Redis owes nothing: the requests still wait in this process.
+    Owed0,
+    /// Redis has owed a reply since this time (µs), and it is not long yet.
     QuietSince(u64),
     /// Bytes from Redis wait unread: the process is slow, not Redis.
     Unread,
-    /// Redis owes a reply, sent nothing, and nothing waits in the socket.
+    /// Redis owes a reply, sent nothing for `after`, and nothing waits in the socket.
     Silent,
 }
 
@@ -75,8 +79,10 @@ impl Pulse {
         Pulse {
             origin: Instant::now(),
             read: AtomicU64::new(0),
-            wrote: AtomicU64::new(0),
             asked: AtomicU64::new(0),
+            sent: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+            lost: AtomicBool::new(false),
             reading: AtomicU64::new(0),
             socket,
             declared: watch::channel(0).0,
@@ -93,27 +99,37 @@ impl Pulse {
         self.origin + Duration::from_micros(micros.saturating_sub(1))
     }
 
-    /// Bytes came in. Only the driver reads and writes: plain stores suffice.
-    fn on_read(&self) {
+    /// Bytes came in, making `answered` replies whole so far.
+    fn on_read(&self, answered: u64, lost: bool) {
         self.read
             .store(self.micros(Instant::now()), Ordering::SeqCst);
-    }
-
-    fn on_write(&self) {
-        let now = self.micros(Instant::now());
-        self.wrote.store(now, Ordering::SeqCst);
-        if self.asked.load(Ordering::SeqCst) <= self.read.load(Ordering::SeqCst) {
-            self.asked.store(now, Ordering::SeqCst);
+        self.answered.store(answered, Ordering::SeqCst);
+        if lost {
+            self.lost.store(true, Ordering::SeqCst);
         }
     }
 
-    /// What the socket says at `now` of a call that began at `started` and waits `after`.
+    /// Bytes went out, making `sent` requests whole so far.
+    fn on_write(&self, sent: u64, lost: bool) {
+        let was = self.sent.swap(sent, Ordering::SeqCst);
+        if sent > was && was <= self.answered.load(Ordering::SeqCst) {
+            self.asked
+                .store(self.micros(Instant::now()), Ordering::SeqCst);
+        }
+        if lost {
+            self.lost.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// What the connection says at `now` of a call that began at `started` and waits
+    /// `after`.
     fn hears(&self, started: u64, now: u64, after: u64) -> Heard {
-        if self.wrote.load(Ordering::SeqCst) < started {
-            return Heard::NotAsked;
-        }
         let reading = self.reading.load(Ordering::SeqCst);
         let read = self.read.load(Ordering::SeqCst);
+        let answered = self.answered.load(Ordering::SeqCst);
+        if self.lost.load(Ordering::SeqCst) || self.sent.load(Ordering::SeqCst) <= answered {
+            return Heard::Owed0;
+        }
         let since = read.max(self.asked.load(Ordering::SeqCst)).max(started);
         if now.saturating_sub(since) < after {
             return Heard::QuietSince(since);
@@ -127,7 +143,7 @@ impl Pulse {
             _ => return Heard::Unread,
         }
         // The driver may have taken the bytes just before the peek: a read under way,
-        // or one since `read` was loaded, says so.
+        // or one since the counts were loaded, says so.
         if reading % 2 == 1 || self.reading.load(Ordering::SeqCst) != reading {
             return Heard::Unread;
         }
@@ -135,28 +151,43 @@ impl Pulse {
     }
 }
 
-/// A socket whose reads and writes are timed in a [`Pulse`].
+/// A connection's stream (TLS included, when there is TLS) whose requests and replies
+/// are counted and timed in a [`Pulse`].
 pub(super) struct Wire<S> {
     io: S,
-    pulse: std::sync::Arc<Pulse>,
+    written: Frames,
+    replies: Frames,
+    pulse: Arc<Pulse>,
 }
 
-impl<S> Wire<S>
+impl<S> Wire<S> {
+    /// Wraps `io`, whose socket `socket` is (a second handle on it, for the watch).
+    pub(super) fn new(io: S, socket: socket2::Socket) -> (Self, Arc<Pulse>) {
+        let pulse = Arc::new(Pulse::new(socket));
+        (
+            Wire {
+                io,
+                written: Frames::new(),
+                replies: Frames::new(),
+                pulse: Arc::clone(&pulse),
+            },
+            pulse,
+        )
+    }
+
+    fn wrote(&mut self, bytes: &[u8]) {
+        self.written.feed(bytes);
+        self.pulse
+            .on_write(self.written.complete(), self.written.is_lost());
+    }
+}
+
+/// A second handle on `io`'s socket.
+pub(super) fn socket_of<S>(io: &S) -> io::Result<socket2::Socket>
 where
     for<'a> socket2::SockRef<'a>: From<&'a S>,
 {
-    /// Wraps `io`, with a second handle on its socket for the watch.
-    pub(super) fn new(io: S) -> io::Result<(Self, std::sync::Arc<Pulse>)> {
-        let socket = socket2::SockRef::from(&io).try_clone()?;
-        let pulse = std::sync::Arc::new(Pulse::new(socket));
-        Ok((
-            Wire {
-                io,
-                pulse: std::sync::Arc::clone(&pulse),
-            },
-            pulse,
-        ))
-    }
+    socket2::SockRef::from(io).try_clone()
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Wire<S> {
@@ -166,12 +197,15 @@ impl<S: AsyncRead + Unpin> AsyncRead for Wire<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
-        self.pulse.reading.fetch_add(1, Ordering::SeqCst);
-        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
+        let this = &mut *self;
+        this.pulse.reading.fetch_add(1, Ordering::SeqCst);
+        let polled = Pin::new(&mut this.io).poll_read(cx, buf);
         if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.pulse.on_read();
+            this.replies.feed(&buf.filled()[before..]);
+            this.pulse
+                .on_read(this.replies.complete(), this.replies.is_lost());
         }
-        self.pulse.reading.fetch_add(1, Ordering::SeqCst);
+        this.pulse.reading.fetch_add(1, Ordering::SeqCst);
         polled
     }
 }
@@ -183,8 +217,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Wire<S> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let polled = Pin::new(&mut self.io).poll_write(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            self.pulse.on_write();
+        if let Poll::Ready(Ok(n)) = polled
+            && n > 0
+        {
+            self.wrote(&buf[..n]);
         }
         polled
     }
@@ -195,8 +231,16 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Wire<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            self.pulse.on_write();
+        if let Poll::Ready(Ok(n)) = polled {
+            let mut left = n;
+            for slice in bufs {
+                if left == 0 {
+                    break;
+                }
+                let take = left.min(slice.len());
+                self.wrote(&slice[..take]);
+                left -= take;
+            }
         }
         polled
     }
@@ -214,15 +258,37 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Wire<S> {
     }
 }
 
+/// How many times its timeout a call may wait while Redis keeps answering (the calls
+/// ahead of it, or this process reading late).
+pub(super) const BEHIND_AT_MOST: u32 = 10;
+
+/// Why a watched call ended without its reply.
+#[derive(Debug)]
+pub(super) enum Ended {
+    /// Redis owed a reply and sent nothing for `after`.
+    Stalled,
+    /// The call waited [`BEHIND_AT_MOST`] times `timeout`.
+    TimedOut,
+}
+
 /// Waits for `call`, sent on the connection `pulse` watches, unless a stall is declared
-/// first (by this call or another on that connection).
+/// first (by this call or another on that connection), or it waits [`BEHIND_AT_MOST`]
+/// times `timeout`.
+///
+/// While Redis keeps answering, a call is not failed at its timeout: a loaded Redis
+/// reaches it in turn, and a busy process reads its reply late. Either way the store
+/// decides exactly, where a failure would hand the call, and after a few the whole
+/// store, to the fallback.
 pub(super) async fn wait<F: Future>(
     after: Duration,
+    timeout: Duration,
     pulse: &Pulse,
     call: F,
-) -> Result<F::Output, Stalled> {
+) -> Result<F::Output, Ended> {
     let started = pulse.micros(Instant::now());
-    let after = u64::try_from(after.as_micros()).unwrap_or(u64::MAX / 2);
+    let after = u64::try_from(after.as_micros()).unwrap_or(u64::MAX / 4);
+    let timeout = u64::try_from(timeout.as_micros()).unwrap_or(u64::MAX / 4);
+    let last = started.saturating_add(timeout.saturating_mul(u64::from(BEHIND_AT_MOST)));
     let mut declared = pulse.declared.subscribe();
     let mut call = std::pin::pin!(call);
     let mut check = started.saturating_add(after);
@@ -231,20 +297,24 @@ pub(super) async fn wait<F: Future>(
             biased;
             out = &mut call => return Ok(out),
             // Another call declared a stall (the sender lives as long as `pulse`).
-            _ = declared.changed() => return Err(Stalled),
-            () = tokio::time::sleep_until(pulse.instant(check)) => {
+            _ = declared.changed() => return Err(Ended::Stalled),
+            () = tokio::time::sleep_until(pulse.instant(check.min(last))) => {
                 let now = pulse.micros(Instant::now());
-                check = match pulse.hears(started, now, after) {
+                let next = match pulse.hears(started, now, after) {
                     Heard::Silent => {
                         pulse.declared.send_modify(|n| *n += 1);
                         #[cfg(feature = "metrics")]
                         metrics::counter!(crate::metric::STORE_STALLS.name).increment(1);
-                        return Err(Stalled);
+                        return Err(Ended::Stalled);
                     }
                     Heard::QuietSince(since) => since.saturating_add(after),
                     // The process is behind: look again a quarter of `after` on.
-                    Heard::NotAsked | Heard::Unread => now.saturating_add(after / 4),
+                    Heard::Owed0 | Heard::Unread => now.saturating_add(after / 4),
                 };
+                if now >= last {
+                    return Err(Ended::TimedOut);
+                }
+                check = next.max(now.saturating_add(1));
             }
         }
     }
@@ -258,7 +328,7 @@ mod tests {
     /// A connected pair of loopback sockets, the first wrapped.
     async fn pair() -> (
         Wire<tokio::net::TcpStream>,
-        std::sync::Arc<Pulse>,
+        Arc<Pulse>,
         tokio::net::TcpStream,
     ) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -266,23 +336,27 @@ mod tests {
         let (client, server) = tokio::join!(tokio::net::TcpStream::connect(addr), async {
             listener.accept().await.unwrap().0
         });
-        let (wire, pulse) = Wire::new(client.unwrap()).unwrap();
+        let client = client.unwrap();
+        let socket = socket_of(&client).unwrap();
+        let (wire, pulse) = Wire::new(client, socket);
         (wire, pulse, server)
     }
 
-    // The four answers, each from what the socket did: nothing sent, a reply owed and
-    // missing, a reply unread, and a reply read.
+    // The four answers, each from what the connection did: nothing owed (a request half
+    // written), a reply owed and missing, a reply unread, and a reply read.
     #[tokio::test]
-    async fn the_socket_tells_a_silent_server_from_a_slow_reader() {
+    async fn the_connection_tells_a_silent_server_from_a_slow_reader() {
         let (mut wire, pulse, mut server) = pair().await;
         let far = 1 << 40;
-        assert_eq!(pulse.hears(1, far, 20_000), Heard::NotAsked);
-        wire.write_all(b"PING\r\n").await.unwrap();
-        let asked = pulse.asked.load(Ordering::Relaxed);
+        let ping = b"*1\r\n$4\r\nPING\r\n";
+        wire.write_all(&ping[..7]).await.unwrap();
+        assert_eq!(pulse.hears(1, far, 20_000), Heard::Owed0, "half a request");
+        wire.write_all(&ping[7..]).await.unwrap();
+        let asked = pulse.asked.load(Ordering::SeqCst);
         assert!(asked > 0);
         // Just asked: quiet since then, not yet for long.
         assert_eq!(pulse.hears(1, asked, 20_000), Heard::QuietSince(asked));
-        let mut got = [0; 6];
+        let mut got = [0; 14];
         server.read_exact(&mut got).await.unwrap();
         assert_eq!(pulse.hears(1, far, 20_000), Heard::Silent);
         server.write_all(b"+PONG\r\n").await.unwrap();
@@ -295,8 +369,6 @@ mod tests {
         }
         let mut reply = [0; 7];
         wire.read_exact(&mut reply).await.unwrap();
-        let read = pulse.read.load(Ordering::Relaxed);
-        assert!(read >= asked);
-        assert_eq!(pulse.hears(1, read, 20_000), Heard::QuietSince(read));
+        assert_eq!(pulse.hears(1, far, 20_000), Heard::Owed0, "answered");
     }
 }
