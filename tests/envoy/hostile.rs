@@ -9,7 +9,7 @@ use http::StatusCode;
 use support::envoy::{self, Envoy};
 use tokio::net::TcpStream;
 
-use super::{File, app, limits, metrics, over_tls};
+use super::{Certified, File, app, limits, metrics, over_tls};
 
 /// Connections the attacker opens: more than the gRPC port holds by default.
 const ATTACKERS: usize = 1_100;
@@ -21,22 +21,15 @@ const ATTACKERS: usize = 1_100;
 /// within the handshake timeout, and that Envoy's callers are limited, not let through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unfinished_handshakes_keep_no_certified_caller_out() {
-    use support::tls::TestCa;
-
-    let ca = TestCa::new("tollway clients");
-    let (server, client) = (ca.server_files(), ca.server_files());
-    let dir = File::new("flood-certificates", "");
-    let folder = dir.0.parent().unwrap().to_path_buf();
-    let write = |name: &str, text: &str| {
-        let path = folder.join(name);
-        std::fs::write(&path, text).unwrap();
-        path
-    };
-    let ca_file = write("ca.pem", ca.pem());
-    let (cert_file, key_file) = (
-        write("client.pem", &client.cert),
-        write("client.key", &client.key),
-    );
+    let Certified {
+        ca,
+        server,
+        client,
+        ca_file,
+        cert_file,
+        key_file,
+        _dir,
+    } = Certified::new("flood-certificates");
     let app = app().await;
     // 10 an hour by address.
     let file = File::new("flood-limits", &limits(10, 100));

@@ -321,27 +321,55 @@ fn over_tls(
     config.replacen("  - name: tollway\n    type: STATIC\n", &socket, 1)
 }
 
+/// A CA, a server's certificate and a client's it signed, and the files Envoy reads:
+/// the CA, and the client's certificate and key.
+struct Certified {
+    ca: support::tls::TestCa,
+    server: support::TlsFiles,
+    client: support::TlsFiles,
+    ca_file: std::path::PathBuf,
+    cert_file: std::path::PathBuf,
+    key_file: std::path::PathBuf,
+    _dir: File,
+}
+
+impl Certified {
+    fn new(name: &str) -> Self {
+        let ca = support::tls::TestCa::new("tollway clients");
+        let (server, client) = (ca.server_files(), ca.server_files());
+        let dir = File::new(name, "");
+        let folder = dir.0.parent().unwrap().to_path_buf();
+        let write = |file: &str, text: &str| {
+            let path = folder.join(file);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        Certified {
+            ca_file: write("ca.pem", ca.pem()),
+            cert_file: write("client.pem", &client.cert),
+            key_file: write("client.key", &client.key),
+            ca,
+            server,
+            client,
+            _dir: dir,
+        }
+    }
+}
+
 /// tollway-server with mutual TLS behind Envoy: an Envoy whose cluster presents a
 /// certificate the server's client CA signed is decided; one that speaks TLS without a
 /// certificate is refused in the handshake, so it fails open (no decision, no headers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_with_a_client_certificate_is_served_over_mutual_tls() {
-    use support::tls::TestCa;
-
-    let ca = TestCa::new("tollway clients");
-    let (server, client) = (ca.server_files(), ca.server_files());
-    let dir = File::new("envoy-certificates", "");
-    let folder = dir.0.parent().unwrap().to_path_buf();
-    let write = |name: &str, text: &str| {
-        let path = folder.join(name);
-        std::fs::write(&path, text).unwrap();
-        path
-    };
-    let ca_file = write("ca.pem", ca.pem());
-    let (cert_file, key_file) = (
-        write("client.pem", &client.cert),
-        write("client.key", &client.key),
-    );
+    let Certified {
+        ca,
+        server,
+        ca_file,
+        cert_file,
+        key_file,
+        _dir,
+        ..
+    } = Certified::new("envoy-certificates");
 
     let app = app().await;
     let file = File::new("envoy-limits", &limits(3, 100));

@@ -86,6 +86,33 @@ fn about_one_connection(error: &io::Error) -> bool {
     )
 }
 
+/// The next connection on `port`'s `listener`, or `None` once `stopped`. When the
+/// process cannot accept (out of descriptors, out of memory), `short` runs and the loop
+/// waits [`BACK_OFF`] instead of spinning.
+async fn next(
+    listener: &TcpListener,
+    stopped: &mut watch::Receiver<bool>,
+    port: &'static str,
+    short: impl Fn(),
+) -> Option<TcpStream> {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stopped.changed() => return None,
+        };
+        match accepted {
+            Ok((tcp, _)) => return Some(tcp),
+            Err(error) if about_one_connection(&error) => {}
+            Err(error) => {
+                dropped(port, "accept");
+                tracing::warn!(%error, port, "cannot accept a connection: backing off");
+                short();
+                tokio::time::sleep(BACK_OFF).await;
+            }
+        }
+    }
+}
+
 /// The connections still in their handshake, oldest first, each with the switch that
 /// closes it.
 #[derive(Default)]
@@ -210,22 +237,13 @@ pub(crate) fn grpc<H: Handshake>(
         let slots = Arc::new(Semaphore::new(connections.grpc.max(1)));
         let pending = Arc::new(Mutex::new(Handshaking::default()));
         loop {
-            let accepted = tokio::select! {
-                accepted = listener.accept() => accepted,
-                _ = stopped.changed() => break,
-            };
-            let tcp = match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(error) if about_one_connection(&error) => continue,
-                Err(error) => {
-                    // Out of descriptors: the oldest handshake gives one back, and the
-                    // loop waits a moment instead of spinning.
-                    dropped(PORT, "accept");
-                    tracing::warn!(%error, "the gRPC port cannot accept: backing off");
-                    evict_oldest(&pending);
-                    tokio::time::sleep(BACK_OFF).await;
-                    continue;
-                }
+            // Out of descriptors, the oldest handshake gives one back.
+            let Some(tcp) = next(&listener, &mut stopped, PORT, || {
+                evict_oldest(&pending);
+            })
+            .await
+            else {
+                break;
             };
             let permit = match Arc::clone(&slots).try_acquire_owned() {
                 Ok(permit) => permit,
@@ -322,19 +340,8 @@ pub(crate) async fn http(
     let slots = Arc::new(Semaphore::new(connections.http.max(1)));
     let mut tasks = tokio::task::JoinSet::new();
     loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = stopped.changed() => break,
-        };
-        let tcp = match accepted {
-            Ok((tcp, _)) => tcp,
-            Err(error) if about_one_connection(&error) => continue,
-            Err(error) => {
-                dropped(PORT, "accept");
-                tracing::warn!(%error, "the HTTP port cannot accept: backing off");
-                tokio::time::sleep(BACK_OFF).await;
-                continue;
-            }
+        let Some(tcp) = next(&listener, &mut stopped, PORT, || {}).await else {
+            break;
         };
         let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
             dropped(PORT, "full");
