@@ -361,3 +361,37 @@ async fn health_names_the_service_and_a_stream_keeps_its_bound() {
     }
     running.stop().await;
 }
+
+// What a report says is bounded: a count of 2^64 - 1 requests is taken as 2^32 - 1, so
+// the reported-requests counter moves by at most that much a report and never wraps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reported_count_cannot_wrap_the_counter() {
+    use tollway_server::quota::MAX_REPORTED;
+    // A policy of its own: no other test's reports move its counter.
+    let file = File::new("rlqs-counts", &limits("").replace("per_key", "counted"));
+    let (running, grpc, _) = start(&file.0).await;
+    let mut envoy = Envoy::connect(grpc).await;
+    let counted = || {
+        super::metrics()
+            .render()
+            .lines()
+            .find(|l| {
+                l.starts_with("tollway_rlqs_reported_requests_total{")
+                    && l.contains("outcome=\"allowed\"")
+                    && l.contains("policy=\"counted\"")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let _ = envoy.report(&[("huge", 1, 0, 0)]).await;
+    let before = counted();
+    let _ = envoy.report(&[("huge", u64::MAX, 0, 5)]).await;
+    let after = counted();
+    assert!(after > before, "{before} then {after}");
+    assert!(
+        after - before <= MAX_REPORTED as f64,
+        "{before} then {after}: moved past {MAX_REPORTED}"
+    );
+    drop(envoy);
+    running.stop().await;
+}
